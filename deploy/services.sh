@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# Installs (pinned) and starts the local services fanout needs, on 127.0.0.1:
+# PostgreSQL and Redis from Debian packages, nats-server and the nats CLI via
+# `go install`, and OpenSearch from Maven Central (deploy/opensearch).
+#
+#   deploy/services.sh up      install what is missing, start what is down, wait
+#   deploy/services.sh down    stop everything this script started
+#   deploy/services.sh status  say what answers where
+#
+# Idempotent: a service that already answers is left alone. Data lives under
+# .data/ in the repository (override with FANOUT_DEV_DATA_DIR).
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=deploy/versions.env
+source "$repo/deploy/versions.env"
+data=${FANOUT_DEV_DATA_DIR:-$repo/.data}
+bin=$repo/.bin
+pg_bin=/usr/lib/postgresql/$POSTGRES_MAJOR/bin
+
+log() { printf '[services] %s\n' "$*"; }
+die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
+
+# wait_for NAME SECONDS CMD...: run CMD until it succeeds or time runs out.
+wait_for() {
+  local name=$1 secs=$2; shift 2
+  local deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || die "$name did not answer within ${secs}s"
+    sleep 0.2
+  done
+}
+
+apt_install() {
+  # apt_install PKG=VERSION...: install exactly these versions if missing.
+  local missing=()
+  for spec in "$@"; do
+    local pkg=${spec%%=*} want=${spec#*=} have
+    have=$(dpkg-query -W -f='${Status} ${Version}' "$pkg" 2>/dev/null || true)
+    if [[ $have != "install ok installed $want" ]]; then missing+=("$spec"); fi
+  done
+  ((${#missing[@]} == 0)) && return 0
+  log "installing ${missing[*]} (apt)"
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y -q --allow-downgrades "${missing[@]}" >"$data/apt.log" 2>&1; then
+    apt-get update -q >>"$data/apt.log" 2>&1 || true
+    apt-get install -y -q --allow-downgrades "${missing[@]}" >>"$data/apt.log" 2>&1 ||
+      { tail -20 "$data/apt.log" >&2; die "apt-get install ${missing[*]} failed (log: $data/apt.log)"; }
+  fi
+}
+
+go_install() {
+  # go_install BINARY MODULE@VERSION: build a pinned Go binary into .bin/.
+  local name=$1 mod=$2 version=${2##*@}
+  if [[ -x $bin/$name && -f $bin/$name.version && $(cat "$bin/$name.version") == "$version" ]]; then
+    return 0
+  fi
+  log "building $name $version (go install)"
+  GOBIN=$bin go install "$mod"
+  echo "$version" >"$bin/$name.version"
+}
+
+# --- PostgreSQL -------------------------------------------------------------
+
+pg_up() {
+  apt_install "postgresql-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" "postgresql-client-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION"
+  local dir=$data/postgres
+  if "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$POSTGRES_PORT"; then
+    log "postgres already answering on 127.0.0.1:$POSTGRES_PORT"
+  else
+    # PostgreSQL refuses to run as root: the cluster belongs to the postgres
+    # user that the Debian package creates.
+    mkdir -p "$dir"
+    chown postgres:postgres "$dir"
+    chmod 700 "$dir"
+    if [[ ! -f $dir/PG_VERSION ]]; then
+      log "initdb $dir"
+      runuser -u postgres -- "$pg_bin/initdb" -D "$dir" -U postgres --auth=trust \
+        --encoding=UTF8 --locale=C.UTF-8 >"$data/postgres-initdb.log" 2>&1 ||
+        { cat "$data/postgres-initdb.log" >&2; die "initdb failed"; }
+    fi
+    # Everything on the command line, so the cluster's own files need no edits.
+    runuser -u postgres -- "$pg_bin/pg_ctl" -D "$dir" -l "$dir/postgres.log" -w -t 60 start \
+      -o "-c listen_addresses=127.0.0.1 -p $POSTGRES_PORT -c unix_socket_directories=/tmp \
+          -c max_connections=300 -c shared_buffers=256MB" >/dev/null ||
+      { tail -30 "$dir/postgres.log" >&2; die "postgres did not start"; }
+  fi
+  wait_for postgres 60 "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$POSTGRES_PORT"
+  # The application role and database (trust auth on loopback: this is a
+  # development cluster; production credentials come from config).
+  psql -q -h 127.0.0.1 -p "$POSTGRES_PORT" -U postgres -d postgres -v ON_ERROR_STOP=1 <<'SQL' >/dev/null
+SELECT 'CREATE ROLE fanout LOGIN CREATEDB CREATEROLE'
+WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'fanout') \gexec
+SELECT 'CREATE DATABASE fanout OWNER fanout'
+WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = 'fanout') \gexec
+SQL
+  log "postgres $("$pg_bin/postgres" --version | awk '{print $3}') on postgres://fanout@127.0.0.1:$POSTGRES_PORT/fanout (data $dir)"
+}
+
+pg_down() {
+  local dir=$data/postgres
+  [[ -f $dir/postmaster.pid ]] || return 0
+  runuser -u postgres -- "$pg_bin/pg_ctl" -D "$dir" -m fast -w stop >/dev/null 2>&1 || true
+  log "postgres stopped"
+}
+
+# --- Redis ------------------------------------------------------------------
+
+redis_up() {
+  apt_install "redis-server=$REDIS_DEB_VERSION" "redis-tools=$REDIS_DEB_VERSION"
+  local dir=$data/redis
+  mkdir -p "$dir"
+  if redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG; then
+    log "redis already answering on 127.0.0.1:$REDIS_PORT"
+  else
+    redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$dir" --daemonize yes \
+      --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" --save '' --appendonly no
+  fi
+  wait_for redis 30 sh -c "redis-cli -h 127.0.0.1 -p $REDIS_PORT ping | grep -q PONG"
+  log "redis $(redis-server --version | awk '{print $3}' | tr -d v=) on redis://127.0.0.1:$REDIS_PORT (data $dir)"
+}
+
+redis_down() {
+  redis-cli -h 127.0.0.1 -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 && log "redis stopped" || true
+}
+
+# --- NATS -------------------------------------------------------------------
+
+nats_healthy() { curl -fsS "http://127.0.0.1:$NATS_MONITOR_PORT/healthz?js-enabled-only=true" >/dev/null 2>&1; }
+
+nats_up() {
+  go_install nats-server "github.com/nats-io/nats-server/v2@$NATS_SERVER_VERSION"
+  go_install nats "github.com/nats-io/natscli/nats@$NATSCLI_VERSION"
+  local dir=$data/nats
+  mkdir -p "$dir"
+  if nats_healthy; then
+    log "nats-server already answering on 127.0.0.1:$NATS_PORT"
+  else
+    nohup "$bin/nats-server" -c "$repo/deploy/nats/dev.conf" -a 127.0.0.1 -p "$NATS_PORT" \
+      -m "$NATS_MONITOR_PORT" -js -sd "$dir/jetstream" -P "$dir/nats-server.pid" \
+      -l "$dir/nats-server.log" >/dev/null 2>&1 &
+    wait_for nats-server 30 nats_healthy
+  fi
+  log "nats-server $("$bin/nats-server" --version | awk '{print $2}') with JetStream on nats://127.0.0.1:$NATS_PORT (monitor :$NATS_MONITOR_PORT, data $dir; CLI: $bin/nats)"
+}
+
+nats_down() {
+  local pidfile=$data/nats/nats-server.pid
+  [[ -f $pidfile ]] || return 0
+  local pid; pid=$(cat "$pidfile")
+  if kill "$pid" 2>/dev/null; then
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    log "nats-server stopped"
+  fi
+  rm -f "$pidfile"
+}
+
+# --- OpenSearch -------------------------------------------------------------
+
+search_up() {
+  if [[ -x $repo/deploy/opensearch/start.sh ]]; then
+    FANOUT_DEV_OPENSEARCH_PORT=$OPENSEARCH_PORT "$repo/deploy/opensearch/start.sh"
+  fi
+}
+
+search_down() {
+  if [[ -x $repo/deploy/opensearch/stop.sh ]]; then
+    "$repo/deploy/opensearch/stop.sh" || true
+  fi
+}
+
+# ----------------------------------------------------------------------------
+
+cmd=${1:-up}
+mkdir -p "$data" "$bin"
+case $cmd in
+  up)
+    pg_up
+    redis_up
+    nats_up
+    if [[ ${FANOUT_DEV_SKIP_SEARCH:-} != 1 ]]; then search_up; fi
+    log "all services up"
+    ;;
+  down)
+    search_down
+    nats_down
+    redis_down
+    pg_down
+    ;;
+  status)
+    "$pg_bin/pg_isready" -h 127.0.0.1 -p "$POSTGRES_PORT" || true
+    redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>&1 || true
+    nats_healthy && echo "nats-server: healthy on 127.0.0.1:$NATS_PORT" || echo "nats-server: down"
+    curl -fsS "http://127.0.0.1:$OPENSEARCH_PORT/_cluster/health" 2>&1 || echo "opensearch: down"
+    ;;
+  *) die "usage: $0 up|down|status" ;;
+esac
