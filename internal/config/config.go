@@ -1,0 +1,429 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/go-viper/mapstructure/v2"
+	"github.com/knadh/koanf/parsers/yaml"
+	"github.com/knadh/koanf/providers/confmap"
+	"github.com/knadh/koanf/providers/file"
+	"github.com/knadh/koanf/v2"
+)
+
+// Config is the whole configuration of every role. Each field's comment
+// states its default and valid range; the defaults are the constants below.
+type Config struct {
+	Postgres Postgres `koanf:"postgres"`
+	NATS     NATS     `koanf:"nats"`
+	Stream   Stream   `koanf:"stream"`
+	Relay    Relay    `koanf:"relay"`
+	Log      Log      `koanf:"log"`
+	Demo     Demo     `koanf:"demo"`
+}
+
+// Postgres is the connection to the source of truth.
+type Postgres struct {
+	// URL is a libpq-style connection URL. Default DefaultPostgresURL.
+	// Put the password in Password or PasswordFile, not here.
+	URL string `koanf:"url"`
+	// Password overrides any password in URL. Secret. Default empty.
+	Password string `koanf:"password"`
+	// PasswordFile is read for Password when Password is empty. Default empty.
+	PasswordFile string `koanf:"password_file"`
+	// MaxConns bounds the pool. Default 10, 1..1000.
+	MaxConns int32 `koanf:"max_conns"`
+	// ConnectTimeout bounds each connection attempt. Default 5s, > 0.
+	ConnectTimeout time.Duration `koanf:"connect_timeout"`
+	// StatementTimeout bounds every statement on the server. Default 30s, >= 0 (0 = none).
+	StatementTimeout time.Duration `koanf:"statement_timeout"`
+}
+
+// NATS is the connection to the broker.
+type NATS struct {
+	// URL is one or more comma-separated server URLs. Default DefaultNATSURL.
+	URL string `koanf:"url"`
+	// User and Password authenticate with a user/password pair. Secret. Default empty.
+	User         string `koanf:"user"`
+	Password     string `koanf:"password"`
+	PasswordFile string `koanf:"password_file"`
+	// Token authenticates with a token. Secret. Default empty.
+	Token     string `koanf:"token"`
+	TokenFile string `koanf:"token_file"`
+	// CredsFile is a .creds file (JWT + nkey seed). Default empty.
+	CredsFile string `koanf:"creds_file"`
+	// ConnectTimeout bounds each connection attempt. Default 5s, > 0.
+	ConnectTimeout time.Duration `koanf:"connect_timeout"`
+	// RequestTimeout bounds each JetStream API call. Default 10s, > 0.
+	RequestTimeout time.Duration `koanf:"request_timeout"`
+}
+
+// Stream is the JetStream stream that carries the events.
+type Stream struct {
+	// Name of the stream. Default "EVENTS".
+	Name string `koanf:"name"`
+	// SubjectPrefix is the first subject token: events go to
+	// <prefix>.<event_type>. Default "events".
+	SubjectPrefix string `koanf:"subject_prefix"`
+	// Replicas is 1 on one server, 3 in a cluster. Default 1, 1..5.
+	Replicas int `koanf:"replicas"`
+	// MaxAge is how long events stay, so a new subscriber can replay history.
+	// Default 168h (7 days), > 0.
+	MaxAge time.Duration `koanf:"max_age"`
+	// MaxBytes caps the stream's size; -1 is unlimited. Default -1.
+	MaxBytes int64 `koanf:"max_bytes"`
+	// DuplicateWindow is how long JetStream remembers Nats-Msg-Ids. It must
+	// exceed relay.lease + relay.publish_timeout. Default 10m.
+	DuplicateWindow time.Duration `koanf:"duplicate_window"`
+	// Provision is auto (create or update the stream), verify (refuse to start
+	// unless it exists and fits), or off (trust other tooling). Default auto.
+	Provision string `koanf:"provision"`
+}
+
+// Relay moves outbox rows onto the stream.
+type Relay struct {
+	// BatchSize is how many rows one claim takes. Default 1000, 1..10000.
+	BatchSize int `koanf:"batch_size"`
+	// MaxInFlight bounds rows claimed and not yet recorded (so also
+	// unacknowledged async publishes). Default 4000, 1..100000.
+	MaxInFlight int `koanf:"max_in_flight"`
+	// PublishTimeout bounds the wait for one PubAck. Default 10s, > 0.
+	PublishTimeout time.Duration `koanf:"publish_timeout"`
+	// Lease is how long a claim lasts before the reaper may hand the row to
+	// another relay. Default 2m, >= 1s, and more than PublishTimeout.
+	Lease time.Duration `koanf:"lease"`
+	// PollInterval is the longest the relay waits between claims when no
+	// wake-up arrives: a lost wake-up costs at most this much latency.
+	// Default 500ms, 1ms..1m.
+	PollInterval time.Duration `koanf:"poll_interval"`
+	// Listen subscribes to the writers' wake-up notifications. Default true.
+	Listen bool `koanf:"listen"`
+	// ReapInterval is how often expired leases are looked for. Default 10s, > 0.
+	ReapInterval time.Duration `koanf:"reap_interval"`
+	// RetryMin and RetryMax bound the exponential backoff of a failed
+	// publish. Defaults 1s and 5m, 0 < min <= max.
+	RetryMin time.Duration `koanf:"retry_min"`
+	RetryMax time.Duration `koanf:"retry_max"`
+	// SentRetention is how long sent rows are kept (for republish after a
+	// broker loses data); 0 deletes them at the next cleanup. Default 1h.
+	SentRetention time.Duration `koanf:"sent_retention"`
+	// CleanupInterval is how often old sent rows are deleted. Default 1m, > 0.
+	CleanupInterval time.Duration `koanf:"cleanup_interval"`
+	// CleanupBatch is how many rows one delete removes. Default 1000, 1..100000.
+	CleanupBatch int `koanf:"cleanup_batch"`
+	// ShutdownTimeout bounds the graceful finish of the batch in flight at
+	// SIGTERM. Default 30s, > 0.
+	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
+}
+
+// Log is the process log.
+type Log struct {
+	// Level is debug, info, warn or error. Default info.
+	Level string `koanf:"level"`
+	// Format is json, text, or auto (text on a terminal, else json). Default auto.
+	Format string `koanf:"format"`
+}
+
+// Demo drives the demo writer of `fanout up` and `fanout demo`.
+type Demo struct {
+	// Rate is writes per second. Default 50, 1..100000.
+	Rate int `koanf:"rate"`
+	// Products seeded when the catalog is empty. Default 1000, 1..10000000.
+	Products int `koanf:"products"`
+	// ProgressInterval is how often a progress line is printed. Default 5s, > 0.
+	ProgressInterval time.Duration `koanf:"progress_interval"`
+}
+
+// Defaults, named so that code and docs can refer to them.
+const (
+	DefaultPostgresURL = "postgres://fanout@127.0.0.1:55432/fanout?sslmode=disable"
+	DefaultNATSURL     = "nats://127.0.0.1:4222"
+	DefaultStreamName  = "EVENTS"
+	DefaultSubjectRoot = "events"
+	DefaultBatchSize   = 1000
+	DefaultMaxInFlight = 4000
+	DefaultLease       = 2 * time.Minute
+)
+
+// defaults lists every key and its default value. A key not listed here is
+// unknown, and Load rejects it.
+func defaults() map[string]any {
+	return map[string]any{
+		"postgres.url":               DefaultPostgresURL,
+		"postgres.password":          "",
+		"postgres.password_file":     "",
+		"postgres.max_conns":         10,
+		"postgres.connect_timeout":   "5s",
+		"postgres.statement_timeout": "30s",
+
+		"nats.url":             DefaultNATSURL,
+		"nats.user":            "",
+		"nats.password":        "",
+		"nats.password_file":   "",
+		"nats.token":           "",
+		"nats.token_file":      "",
+		"nats.creds_file":      "",
+		"nats.connect_timeout": "5s",
+		"nats.request_timeout": "10s",
+
+		"stream.name":             DefaultStreamName,
+		"stream.subject_prefix":   DefaultSubjectRoot,
+		"stream.replicas":         1,
+		"stream.max_age":          "168h",
+		"stream.max_bytes":        -1,
+		"stream.duplicate_window": "10m",
+		"stream.provision":        "auto",
+
+		"relay.batch_size":       DefaultBatchSize,
+		"relay.max_in_flight":    DefaultMaxInFlight,
+		"relay.publish_timeout":  "10s",
+		"relay.lease":            DefaultLease.String(),
+		"relay.poll_interval":    "500ms",
+		"relay.listen":           true,
+		"relay.reap_interval":    "10s",
+		"relay.retry_min":        "1s",
+		"relay.retry_max":        "5m",
+		"relay.sent_retention":   "1h",
+		"relay.cleanup_interval": "1m",
+		"relay.cleanup_batch":    1000,
+		"relay.shutdown_timeout": "30s",
+
+		"log.level":  "info",
+		"log.format": "auto",
+
+		"demo.rate":              50,
+		"demo.products":          1000,
+		"demo.progress_interval": "5s",
+	}
+}
+
+// Keys returns every configuration key, sorted.
+func Keys() []string {
+	d := defaults()
+	keys := make([]string, 0, len(d))
+	for k := range d {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// EnvPrefix starts every environment variable that sets a key.
+const EnvPrefix = "FANOUT_"
+
+// EnvName returns the environment variable that sets key.
+func EnvName(key string) string {
+	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(key, ".", "_"))
+}
+
+// envNotKeys are FANOUT_ variables that are not configuration keys: the
+// config file path, and the prefixes used by the tests and dev scripts.
+var envNotKeys = []string{"FANOUT_CONFIG", "FANOUT_TEST_", "FANOUT_DEV_"}
+
+// Load builds the configuration from the defaults, the YAML file at path (if
+// path is not empty) and the FANOUT_ variables in environ (as os.Environ
+// returns them), then validates it.
+func Load(path string, environ []string) (*Config, error) {
+	k := koanf.New(".")
+	if err := k.Load(confmap.Provider(defaults(), "."), nil); err != nil {
+		return nil, fmt.Errorf("load defaults: %w", err)
+	}
+	if path != "" {
+		if err := k.Load(file.Provider(path), yaml.Parser()); err != nil {
+			return nil, fmt.Errorf("read config file %s: %w", path, err)
+		}
+	}
+	env, err := envValues(environ)
+	if err != nil {
+		return nil, err
+	}
+	if err := k.Load(confmap.Provider(env, "."), nil); err != nil {
+		return nil, fmt.Errorf("load environment: %w", err)
+	}
+
+	known := defaults()
+	for _, key := range k.Keys() {
+		if _, ok := known[key]; !ok {
+			return nil, fmt.Errorf("unknown config key %q (see `fanout config keys`)", key)
+		}
+	}
+
+	var cfg Config
+	err = k.UnmarshalWithConf("", &cfg, koanf.UnmarshalConf{
+		DecoderConfig: &mapstructure.DecoderConfig{
+			DecodeHook: mapstructure.ComposeDecodeHookFunc(
+				mapstructure.StringToTimeDurationHookFunc(),
+			),
+			WeaklyTypedInput: true,
+			Result:           &cfg,
+			TagName:          "koanf",
+		},
+	})
+	if err != nil {
+		return nil, fmt.Errorf("decode config: %w", err)
+	}
+	if err := cfg.readSecretFiles(); err != nil {
+		return nil, err
+	}
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return &cfg, nil
+}
+
+// envValues maps FANOUT_* variables onto keys. Matching against the known
+// keys, rather than splitting on "_", is what lets keys contain underscores.
+func envValues(environ []string) (map[string]any, error) {
+	byEnv := make(map[string]string)
+	for key := range defaults() {
+		byEnv[EnvName(key)] = key
+	}
+	out := make(map[string]any)
+	for _, kv := range environ {
+		name, value, ok := strings.Cut(kv, "=")
+		if !ok || !strings.HasPrefix(name, EnvPrefix) {
+			continue
+		}
+		if slices.ContainsFunc(envNotKeys, func(p string) bool { return strings.HasPrefix(name, p) }) {
+			continue
+		}
+		key, ok := byEnv[name]
+		if !ok {
+			return nil, fmt.Errorf("environment variable %s names no config key (see `fanout config keys`)", name)
+		}
+		out[key] = value
+	}
+	return out, nil
+}
+
+func (c *Config) readSecretFiles() error {
+	for _, s := range []struct {
+		key   string
+		path  string
+		value *string
+	}{
+		{"postgres.password_file", c.Postgres.PasswordFile, &c.Postgres.Password},
+		{"nats.password_file", c.NATS.PasswordFile, &c.NATS.Password},
+		{"nats.token_file", c.NATS.TokenFile, &c.NATS.Token},
+	} {
+		if s.path == "" || *s.value != "" {
+			continue
+		}
+		b, err := os.ReadFile(s.path)
+		if err != nil {
+			return fmt.Errorf("%s: %w", s.key, err)
+		}
+		*s.value = strings.TrimRight(string(b), "\r\n")
+	}
+	return nil
+}
+
+// Validate checks every key and returns all problems found, each naming its
+// key and what is allowed.
+func (c *Config) Validate() error {
+	var errs []error
+	bad := func(key, format string, args ...any) {
+		errs = append(errs, fmt.Errorf("%s %s", key, fmt.Sprintf(format, args...)))
+	}
+	between := func(key string, v, lo, hi int64) {
+		if v < lo || v > hi {
+			bad(key, "must be between %d and %d (got %d)", lo, hi, v)
+		}
+	}
+	positive := func(key string, d time.Duration) {
+		if d <= 0 {
+			bad(key, "must be a positive duration such as 5s (got %s)", d)
+		}
+	}
+	oneOf := func(key, v string, allowed ...string) {
+		if !slices.Contains(allowed, v) {
+			bad(key, "must be one of %s (got %q)", strings.Join(allowed, ", "), v)
+		}
+	}
+
+	if u, err := url.Parse(c.Postgres.URL); err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		bad("postgres.url", "must be a postgres:// URL (got %q)", redactURL(c.Postgres.URL))
+	}
+	between("postgres.max_conns", int64(c.Postgres.MaxConns), 1, 1000)
+	positive("postgres.connect_timeout", c.Postgres.ConnectTimeout)
+	if c.Postgres.StatementTimeout < 0 {
+		bad("postgres.statement_timeout", "must be 0 (none) or a positive duration (got %s)", c.Postgres.StatementTimeout)
+	}
+
+	for _, raw := range strings.Split(c.NATS.URL, ",") {
+		u, err := url.Parse(strings.TrimSpace(raw))
+		if err != nil || !slices.Contains([]string{"nats", "tls", "ws", "wss"}, u.Scheme) {
+			bad("nats.url", "must be a comma-separated list of nats:// or tls:// URLs (got %q)", redactURL(raw))
+		}
+	}
+	positive("nats.connect_timeout", c.NATS.ConnectTimeout)
+	positive("nats.request_timeout", c.NATS.RequestTimeout)
+
+	if !validStreamName(c.Stream.Name) {
+		bad("stream.name", "must be a non-empty name without spaces, '.', '*', '>' or path separators (got %q)", c.Stream.Name)
+	}
+	if !outbox.ValidSubjectToken(c.Stream.SubjectPrefix) {
+		bad("stream.subject_prefix", "must be one subject token without '.', '*', '>' or spaces (got %q)", c.Stream.SubjectPrefix)
+	}
+	between("stream.replicas", int64(c.Stream.Replicas), 1, 5)
+	positive("stream.max_age", c.Stream.MaxAge)
+	if c.Stream.MaxBytes == 0 || c.Stream.MaxBytes < -1 {
+		bad("stream.max_bytes", "must be -1 (unlimited) or a positive byte count (got %d)", c.Stream.MaxBytes)
+	}
+	positive("stream.duplicate_window", c.Stream.DuplicateWindow)
+	oneOf("stream.provision", c.Stream.Provision, "auto", "verify", "off")
+
+	between("relay.batch_size", int64(c.Relay.BatchSize), 1, 10000)
+	between("relay.max_in_flight", int64(c.Relay.MaxInFlight), 1, 100000)
+	positive("relay.publish_timeout", c.Relay.PublishTimeout)
+	if need := c.Relay.Lease + c.Relay.PublishTimeout; c.Stream.DuplicateWindow <= need {
+		bad("stream.duplicate_window", "must be longer than relay.lease (%s) + relay.publish_timeout (%s), or a row re-published after its lease expired could be stored twice (got %s)", c.Relay.Lease, c.Relay.PublishTimeout, c.Stream.DuplicateWindow)
+	}
+	if c.Relay.Lease < time.Second {
+		bad("relay.lease", "must be at least 1s (got %s)", c.Relay.Lease)
+	} else if c.Relay.Lease <= c.Relay.PublishTimeout {
+		bad("relay.lease", "must be longer than relay.publish_timeout (%s), or every slow publish would be reaped (got %s)", c.Relay.PublishTimeout, c.Relay.Lease)
+	}
+	if c.Relay.PollInterval < time.Millisecond || c.Relay.PollInterval > time.Minute {
+		bad("relay.poll_interval", "must be between 1ms and 1m (got %s)", c.Relay.PollInterval)
+	}
+	positive("relay.reap_interval", c.Relay.ReapInterval)
+	positive("relay.retry_min", c.Relay.RetryMin)
+	if c.Relay.RetryMax < c.Relay.RetryMin {
+		bad("relay.retry_max", "must be at least relay.retry_min (%s) (got %s)", c.Relay.RetryMin, c.Relay.RetryMax)
+	}
+	if c.Relay.SentRetention < 0 {
+		bad("relay.sent_retention", "must be 0 or a positive duration (got %s)", c.Relay.SentRetention)
+	}
+	positive("relay.cleanup_interval", c.Relay.CleanupInterval)
+	between("relay.cleanup_batch", int64(c.Relay.CleanupBatch), 1, 100000)
+	positive("relay.shutdown_timeout", c.Relay.ShutdownTimeout)
+
+	oneOf("log.level", c.Log.Level, "debug", "info", "warn", "error")
+	oneOf("log.format", c.Log.Format, "auto", "json", "text")
+
+	between("demo.rate", int64(c.Demo.Rate), 1, 100000)
+	between("demo.products", int64(c.Demo.Products), 1, 10000000)
+	positive("demo.progress_interval", c.Demo.ProgressInterval)
+
+	return errors.Join(errs...)
+}
+
+func validStreamName(s string) bool {
+	return outbox.ValidSubjectToken(s) && !strings.ContainsAny(s, `/\`)
+}
+
+// redactURL hides any password in a URL for error messages and logs.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "(unparseable URL)"
+	}
+	return u.Redacted()
+}

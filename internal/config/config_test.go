@@ -1,0 +1,103 @@
+package config
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestDefaultsAreValid(t *testing.T) {
+	cfg, err := Load("", nil)
+	if err != nil {
+		t.Fatalf("defaults: %v", err)
+	}
+	if cfg.Relay.BatchSize != DefaultBatchSize || cfg.Relay.Lease != DefaultLease || cfg.Stream.Name != "EVENTS" || cfg.Stream.Provision != "auto" {
+		t.Errorf("defaults: %+v", cfg.Relay)
+	}
+}
+
+func TestPrecedenceDefaultsThenFileThenEnv(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "fanout.yaml")
+	yaml := "relay:\n  batch_size: 200\n  lease: 3m\n  poll_interval: 250ms\nstream:\n  replicas: 3\n"
+	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := Load(path, []string{"FANOUT_RELAY_BATCH_SIZE=300", "FANOUT_RELAY_MAX_IN_FLIGHT=600", "HOME=/root"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Relay.BatchSize != 300 {
+		t.Errorf("batch_size = %d, want the environment's 300 over the file's 200", cfg.Relay.BatchSize)
+	}
+	if cfg.Relay.MaxInFlight != 600 {
+		t.Errorf("max_in_flight = %d, want 600 from FANOUT_RELAY_MAX_IN_FLIGHT (a key with underscores)", cfg.Relay.MaxInFlight)
+	}
+	if cfg.Relay.Lease != 3*time.Minute || cfg.Relay.PollInterval != 250*time.Millisecond || cfg.Stream.Replicas != 3 {
+		t.Errorf("file values: lease %s poll %s replicas %d", cfg.Relay.Lease, cfg.Relay.PollInterval, cfg.Stream.Replicas)
+	}
+	if cfg.Relay.PublishTimeout != 10*time.Second {
+		t.Errorf("publish_timeout = %s, want the default 10s", cfg.Relay.PublishTimeout)
+	}
+}
+
+func TestErrorsNameTheKey(t *testing.T) {
+	for _, tc := range []struct {
+		env  []string
+		yaml string
+		want string
+	}{
+		{env: []string{"FANOUT_RELAY_BATCH_SIZE=0"}, want: "relay.batch_size must be between 1 and 10000 (got 0)"},
+		{env: []string{"FANOUT_STREAM_PROVISION=sometimes"}, want: `stream.provision must be one of auto, verify, off (got "sometimes")`},
+		{env: []string{"FANOUT_RELAY_LEASE=500ms"}, want: "relay.lease must be at least 1s"},
+		{env: []string{"FANOUT_RELAY_LEASE=5s", "FANOUT_RELAY_PUBLISH_TIMEOUT=10s"}, want: "relay.lease must be longer than relay.publish_timeout"},
+		{env: []string{"FANOUT_STREAM_DUPLICATE_WINDOW=1m"}, want: "stream.duplicate_window must be longer than relay.lease (2m0s) + relay.publish_timeout (10s)"},
+		{env: []string{"FANOUT_RELAY_BATCHSIZE=5"}, want: "FANOUT_RELAY_BATCHSIZE names no config key"},
+		{env: []string{"FANOUT_POSTGRES_URL=mysql://x"}, want: "postgres.url must be a postgres:// URL"},
+		{env: []string{"FANOUT_LOG_LEVEL=loud"}, want: "log.level must be one of debug, info, warn, error"},
+		{env: []string{"FANOUT_RELAY_LEASE=soon"}, want: "relay.lease"},
+		{yaml: "relay:\n  batchsize: 5\n", want: `unknown config key "relay.batchsize"`},
+		{yaml: "stream:\n  name: my.events\n", want: "stream.name must be"},
+	} {
+		path := ""
+		if tc.yaml != "" {
+			path = filepath.Join(t.TempDir(), "c.yaml")
+			if err := os.WriteFile(path, []byte(tc.yaml), 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		_, err := Load(path, tc.env)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("Load(%v %q) error = %v, want it to contain %q", tc.env, tc.yaml, err, tc.want)
+		}
+	}
+}
+
+func TestSecretFromFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pw")
+	if err := os.WriteFile(path, []byte("s3cret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := Load("", []string{"FANOUT_POSTGRES_PASSWORD_FILE=" + path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Postgres.Password != "s3cret" {
+		t.Errorf("password from file = %q", cfg.Postgres.Password)
+	}
+	_, err = Load("", []string{"FANOUT_NATS_TOKEN_FILE=/nonexistent/token"})
+	if err == nil || !strings.Contains(err.Error(), "nats.token_file") {
+		t.Errorf("missing secret file: %v, want an error naming nats.token_file", err)
+	}
+}
+
+func TestEnvNamesAreUnambiguous(t *testing.T) {
+	seen := map[string]string{}
+	for _, k := range Keys() {
+		if other, ok := seen[EnvName(k)]; ok {
+			t.Errorf("%s and %s share the environment variable %s", k, other, EnvName(k))
+		}
+		seen[EnvName(k)] = k
+	}
+}

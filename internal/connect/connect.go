@@ -1,0 +1,112 @@
+// Package connect opens fanout's connections to Postgres and NATS from the
+// configuration, with the timeouts, names and credentials every role shares.
+package connect
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+)
+
+// PostgresConfig builds a pool configuration; role names the connections in
+// pg_stat_activity (application_name).
+func PostgresConfig(cfg config.Postgres, role string) (*pgxpool.Config, error) {
+	pc, err := pgxpool.ParseConfig(cfg.URL)
+	if err != nil {
+		// pgx's message may quote the URL; never echo a password.
+		return nil, fmt.Errorf("postgres.url: cannot parse connection URL")
+	}
+	if cfg.Password != "" {
+		pc.ConnConfig.Password = cfg.Password
+	}
+	pc.MaxConns = cfg.MaxConns
+	pc.ConnConfig.ConnectTimeout = cfg.ConnectTimeout
+	pc.ConnConfig.RuntimeParams["application_name"] = "fanout-" + role
+	if cfg.StatementTimeout > 0 {
+		pc.ConnConfig.RuntimeParams["statement_timeout"] = strconv.FormatInt(cfg.StatementTimeout.Milliseconds(), 10)
+	}
+	pc.HealthCheckPeriod = 15 * time.Second
+	return pc, nil
+}
+
+// PostgresOption adjusts a role's pool configuration.
+type PostgresOption func(*pgxpool.Config)
+
+// AsyncCommit turns synchronous_commit off for the pool's sessions. The
+// relay uses it for its own bookkeeping (claims, marks): a commit lost in a
+// crash only makes a row go out again, which JetStream and the subscribers'
+// checkpoints absorb, while waiting for each WAL flush would halve its
+// throughput. Writers' transactions are unaffected.
+func AsyncCommit() PostgresOption {
+	return func(pc *pgxpool.Config) { pc.ConnConfig.RuntimeParams["synchronous_commit"] = "off" }
+}
+
+// Postgres opens a pool and checks that the server answers.
+func Postgres(ctx context.Context, cfg config.Postgres, role string, opts ...PostgresOption) (*pgxpool.Pool, error) {
+	pc, err := PostgresConfig(cfg, role)
+	if err != nil {
+		return nil, err
+	}
+	for _, o := range opts {
+		o(pc)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		return nil, fmt.Errorf("open postgres pool: %w", err)
+	}
+	pingCtx, cancel := context.WithTimeout(ctx, cfg.ConnectTimeout)
+	defer cancel()
+	if err := pool.Ping(pingCtx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("connect to postgres at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, err)
+	}
+	return pool, nil
+}
+
+// NATS connects to the servers in cfg. The connection reconnects forever
+// (a broker restart must not end a role) and never buffers publishes while
+// disconnected: the relay wants an immediate error, not a late surprise.
+func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error) {
+	opts := []nats.Option{
+		nats.Name("fanout-" + role),
+		nats.Timeout(cfg.ConnectTimeout),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(500 * time.Millisecond),
+		nats.ReconnectJitter(200*time.Millisecond, time.Second),
+		nats.ReconnectBufSize(-1),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err != nil {
+				logger.Warn("nats disconnected", "error", err)
+			}
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			logger.Info("nats reconnected", "server", nc.ConnectedUrlRedacted())
+		}),
+		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
+			attrs := []any{"error", err}
+			if sub != nil {
+				attrs = append(attrs, "subject", sub.Subject)
+			}
+			logger.Warn("nats async error", attrs...)
+		}),
+	}
+	switch {
+	case cfg.CredsFile != "":
+		opts = append(opts, nats.UserCredentials(cfg.CredsFile))
+	case cfg.Token != "":
+		opts = append(opts, nats.Token(cfg.Token))
+	case cfg.User != "":
+		opts = append(opts, nats.UserInfo(cfg.User, cfg.Password))
+	}
+	nc, err := nats.Connect(cfg.URL, opts...)
+	if err != nil {
+		return nil, fmt.Errorf("connect to nats at %s: %w", cfg.URL, err)
+	}
+	return nc, nil
+}

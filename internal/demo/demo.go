@@ -1,0 +1,160 @@
+// Package demo drives a writer load through the shop writers at a fixed
+// rate: the demo of `fanout up`, and the load of benchmarks and fault runs.
+package demo
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/fanout/fanout/shop"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Mix is the share of each kind of write, in percent (they should sum to 100).
+type Mix struct {
+	Price, Stock, Order, Create, Delete, RenameBrand int
+}
+
+// DefaultMix resembles a shop: mostly price and stock changes, some orders.
+var DefaultMix = Mix{Price: 40, Stock: 30, Order: 20, Create: 5, Delete: 3, RenameBrand: 2}
+
+// Driver writes at Rate transactions per second until its context ends.
+type Driver struct {
+	Pool   *pgxpool.Pool
+	Rate   int
+	Mix    Mix
+	Rand   *rand.Rand
+	Logger *slog.Logger
+
+	written atomic.Int64
+	failed  atomic.Int64
+}
+
+// Written is the number of committed write transactions so far.
+func (d *Driver) Written() int64 { return d.written.Load() }
+
+// Failed is the number of write transactions that failed.
+func (d *Driver) Failed() int64 { return d.failed.Load() }
+
+// Run writes until ctx ends, then returns nil.
+func (d *Driver) Run(ctx context.Context) error {
+	if d.Rate <= 0 {
+		return fmt.Errorf("demo rate must be positive (got %d)", d.Rate)
+	}
+	interval := time.Second / time.Duration(d.Rate)
+	next := time.Now()
+	for {
+		next = next.Add(interval)
+		if wait := time.Until(next); wait > 0 {
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-time.After(wait):
+			}
+		} else if ctx.Err() != nil {
+			return nil
+		}
+		if err := d.writeOne(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			d.failed.Add(1)
+			d.Logger.Warn("demo write failed", "error", err)
+			continue
+		}
+		d.written.Add(1)
+	}
+}
+
+func (d *Driver) writeOne(ctx context.Context) error {
+	op := d.Rand.IntN(100)
+	m := d.Mix
+	return pgx.BeginFunc(ctx, d.Pool, func(tx pgx.Tx) error {
+		switch {
+		case op < m.Price:
+			id, err := d.randomProduct(ctx, tx)
+			if err != nil {
+				return err
+			}
+			_, err = shop.UpdatePrice(ctx, tx, id, int64(1000+d.Rand.IntN(300000)))
+			return err
+		case op < m.Price+m.Stock:
+			id, err := d.randomProduct(ctx, tx)
+			if err != nil {
+				return err
+			}
+			_, err = shop.ChangeStock(ctx, tx, id, d.Rand.IntN(41)-20)
+			return err
+		case op < m.Price+m.Stock+m.Order:
+			lines := make([]shop.OrderLine, 1+d.Rand.IntN(3))
+			for i := range lines {
+				id, err := d.randomProduct(ctx, tx)
+				if err != nil {
+					return err
+				}
+				lines[i] = shop.OrderLine{ProductID: id, Quantity: 1 + d.Rand.IntN(3)}
+			}
+			_, _, err := shop.CreateOrder(ctx, tx, fmt.Sprintf("customer-%d", d.Rand.IntN(10000)), lines)
+			return err
+		case op < m.Price+m.Stock+m.Order+m.Create:
+			p, err := shop.RandomProduct(ctx, tx, d.Rand)
+			if err != nil {
+				return err
+			}
+			_, err = shop.CreateProduct(ctx, tx, p)
+			return err
+		case op < m.Price+m.Stock+m.Order+m.Create+m.Delete:
+			id, err := d.randomProduct(ctx, tx)
+			if err != nil {
+				return err
+			}
+			_, err = shop.DeleteProduct(ctx, tx, id)
+			return err
+		default:
+			var brandID int64
+			var name string
+			if err := tx.QueryRow(ctx, `SELECT id, name FROM brands ORDER BY random() LIMIT 1`).Scan(&brandID, &name); err != nil {
+				return fmt.Errorf("pick brand: %w", err)
+			}
+			_, err := shop.RenameBrand(ctx, tx, brandID, renamed(name, d.Rand))
+			return err
+		}
+	})
+}
+
+var errNoProducts = errors.New("no products: seed the catalog first")
+
+// randomProduct picks an existing product id cheaply: a random point in the
+// id range, then the next id that exists.
+func (d *Driver) randomProduct(ctx context.Context, tx pgx.Tx) (int64, error) {
+	var lo, hi int64
+	if err := tx.QueryRow(ctx, `SELECT coalesce(min(id), 0), coalesce(max(id), 0) FROM products`).Scan(&lo, &hi); err != nil {
+		return 0, err
+	}
+	if hi == 0 {
+		return 0, errNoProducts
+	}
+	var id int64
+	err := tx.QueryRow(ctx, `SELECT id FROM products WHERE id >= $1 ORDER BY id LIMIT 1`, lo+d.Rand.Int64N(hi-lo+1)).Scan(&id)
+	return id, err
+}
+
+// renamed gives a brand a new name that keeps its root, so the catalog stays
+// readable after many renames: "Acme" → "Acme 41807" → "Acme 903".
+func renamed(name string, rng *rand.Rand) string {
+	root := name
+	if i := strings.LastIndexByte(name, ' '); i > 0 {
+		if _, err := strconv.Atoi(name[i+1:]); err == nil {
+			root = name[:i]
+		}
+	}
+	return fmt.Sprintf("%s %d", root, 2+rng.IntN(1_000_000))
+}

@@ -1,0 +1,181 @@
+// Package natstest runs a real nats-server process (the pinned binary that
+// deploy/services.sh installs into .bin/) for one test: its own port and
+// JetStream store, so tests are isolated and may kill and restart it.
+package natstest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/repo"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Server is one nats-server process.
+type Server struct {
+	URL      string
+	Port     int
+	StoreDir string
+	args     []string
+	bin      string
+	cmd      *exec.Cmd
+	exited   chan struct{}
+	log      *bytes.Buffer
+}
+
+// Option adjusts the server's command line.
+type Option func(*Server)
+
+// WithArgs adds nats-server command-line arguments.
+func WithArgs(args ...string) Option {
+	return func(s *Server) { s.args = append(s.args, args...) }
+}
+
+// Start runs a JetStream-enabled server for t and stops it when t ends.
+func Start(t testing.TB, opts ...Option) *Server {
+	t.Helper()
+	s, err := StartServer(t.TempDir(), opts...)
+	if err != nil {
+		t.Fatalf("natstest: %v", err)
+	}
+	t.Cleanup(s.Stop)
+	return s
+}
+
+// StartServer runs a JetStream-enabled server whose store lives under dir.
+func StartServer(dir string, opts ...Option) (*Server, error) {
+	bin, err := repo.Bin("nats-server")
+	if err != nil {
+		return nil, err
+	}
+	port, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{
+		Port:     port,
+		URL:      fmt.Sprintf("nats://127.0.0.1:%d", port),
+		StoreDir: filepath.Join(dir, "jetstream"),
+		bin:      bin,
+	}
+	for _, o := range opts {
+		o(s)
+	}
+	return s, s.start()
+}
+
+func (s *Server) start() error {
+	args := append([]string{"-a", "127.0.0.1", "-p", strconv.Itoa(s.Port), "-js", "-sd", s.StoreDir}, s.args...)
+	s.cmd = exec.Command(s.bin, args...)
+	s.log = &bytes.Buffer{}
+	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
+	if err := s.cmd.Start(); err != nil {
+		return fmt.Errorf("start nats-server: %w", err)
+	}
+	s.exited = make(chan struct{})
+	go func() {
+		_ = s.cmd.Wait()
+		close(s.exited)
+	}()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		if err := s.ready(); err == nil {
+			return nil
+		} else if time.Now().After(deadline) {
+			s.Kill()
+			return fmt.Errorf("nats-server on port %d not ready: %v\n%s", s.Port, err, s.log.String())
+		}
+		select {
+		case <-s.exited:
+			return fmt.Errorf("nats-server exited at start:\n%s", s.log.String())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func (s *Server) ready() error {
+	nc, err := nats.Connect(s.URL, nats.Timeout(time.Second))
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_, err = js.AccountInfo(ctx)
+	return err
+}
+
+// Stop shuts the server down gracefully (SIGTERM); idempotent.
+func (s *Server) Stop() { s.signal(syscall.SIGTERM) }
+
+// Kill kills the server (SIGKILL), as a power cut would; idempotent.
+func (s *Server) Kill() { s.signal(syscall.SIGKILL) }
+
+func (s *Server) signal(sig syscall.Signal) {
+	if s.cmd == nil || s.cmd.Process == nil {
+		return
+	}
+	select {
+	case <-s.exited:
+		return
+	default:
+	}
+	_ = s.cmd.Process.Signal(sig)
+	select {
+	case <-s.exited:
+	case <-time.After(10 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.exited
+	}
+}
+
+// Restart starts the server again on the same port and store, after Stop
+// or Kill.
+func (s *Server) Restart() error {
+	select {
+	case <-s.exited:
+	default:
+		return errors.New("nats-server still running: Stop or Kill it first")
+	}
+	return s.start()
+}
+
+// Connect returns a client connection closed when t ends.
+func (s *Server) Connect(t testing.TB) *nats.Conn {
+	t.Helper()
+	nc, err := nats.Connect(s.URL, nats.Timeout(5*time.Second))
+	if err != nil {
+		t.Fatalf("natstest: connect: %v", err)
+	}
+	t.Cleanup(nc.Close)
+	return nc
+}
+
+// Log returns what the server printed.
+func (s *Server) Log() string { return s.log.String() }
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+var _ = os.Getpid

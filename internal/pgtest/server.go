@@ -1,0 +1,146 @@
+package pgtest
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// pgBin is where Debian's postgresql package puts the server binaries.
+const pgBin = "/usr/lib/postgresql/15/bin"
+
+// Server is a PostgreSQL server of one test's own, for tests that restart or
+// kill it; other tests share the development server through NewDB.
+type Server struct {
+	AdminURL string
+	dir      string
+	port     int
+	runAs    []string
+}
+
+// StartServer initializes and starts a server for t and stops it when t
+// ends. Initialization takes a couple of seconds.
+func StartServer(t testing.TB) *Server {
+	t.Helper()
+	s, err := startServer()
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	t.Cleanup(s.stop)
+	return s
+}
+
+func startServer() (*Server, error) {
+	dir, err := os.MkdirTemp("", "fanout-pgtest-")
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{dir: dir}
+	// PostgreSQL refuses to run as root; run it as the postgres user that
+	// the Debian package creates.
+	if os.Geteuid() == 0 {
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			return nil, fmt.Errorf("running as root and no postgres user to run the server as: %w", err)
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		if err := os.Chown(dir, uid, gid); err != nil {
+			return nil, err
+		}
+		s.runAs = []string{"runuser", "-u", "postgres", "--"}
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	s.port = l.Addr().(*net.TCPAddr).Port
+	l.Close()
+	s.AdminURL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", s.port)
+
+	if out, err := s.run(filepath.Join(pgBin, "initdb"), "-D", s.data(), "-U", "postgres", "--auth=trust", "--no-sync"); err != nil {
+		return nil, fmt.Errorf("initdb: %v\n%s", err, out)
+	}
+	if err := s.Start(); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+func (s *Server) data() string { return filepath.Join(s.dir, "data") }
+
+func (s *Server) run(name string, args ...string) ([]byte, error) {
+	argv := append(append([]string{}, s.runAs...), name)
+	argv = append(argv, args...)
+	return exec.Command(argv[0], argv[1:]...).CombinedOutput()
+}
+
+func (s *Server) pgctl(args ...string) error {
+	base := []string{"-D", s.data(), "-l", filepath.Join(s.dir, "postgres.log"), "-w", "-t", "60"}
+	out, err := s.run(filepath.Join(pgBin, "pg_ctl"), append(base, args...)...)
+	if err != nil {
+		log, _ := os.ReadFile(filepath.Join(s.dir, "postgres.log"))
+		return fmt.Errorf("pg_ctl %v: %v\n%s\n%s", args, err, out, log)
+	}
+	return nil
+}
+
+func (s *Server) options() string {
+	return fmt.Sprintf("-c listen_addresses=127.0.0.1 -p %d -c unix_socket_directories=%s -c fsync=off", s.port, s.dir)
+}
+
+// Start starts the server (after Stop).
+func (s *Server) Start() error {
+	if err := s.pgctl("start", "-o", s.options()); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for {
+		conn, err := pgx.Connect(ctx, s.AdminURL)
+		if err == nil {
+			conn.Close(ctx)
+			return nil
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("postgres on port %d did not answer: %w", s.port, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// RestartImmediate restarts the server the way a crash does: `pg_ctl
+// restart -m immediate` aborts every connection without a checkpoint.
+func (s *Server) RestartImmediate() error {
+	return s.pgctl("restart", "-m", "immediate", "-o", s.options())
+}
+
+// Stop stops the server (fast mode).
+func (s *Server) Stop() error { return s.pgctl("stop", "-m", "fast") }
+
+func (s *Server) stop() {
+	_ = s.pgctl("stop", "-m", "immediate")
+	_ = os.RemoveAll(s.dir)
+}
+
+// NewDB creates a migrated database on this server for t.
+func (s *Server) NewDB(t testing.TB) *DB {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db, err := Create(ctx, s.AdminURL)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	t.Cleanup(db.Close)
+	return db
+}

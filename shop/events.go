@@ -1,0 +1,51 @@
+package shop
+
+// Event types. Each becomes the subject events.<type>.
+const (
+	ProductCreated      = "product.created"
+	ProductUpdated      = "product.updated"
+	ProductStockChanged = "product.stock_changed"
+	ProductDeleted      = "product.deleted"
+	BrandUpdated        = "brand.updated"
+	OrderCreated        = "order.created"
+)
+
+// Aggregate types.
+const (
+	AggregateProduct = "product"
+	AggregateBrand   = "brand"
+	AggregateOrder   = "order"
+)
+
+// ProductEvent is the payload of every product.* event. It says what
+// happened, not the product's whole state: subscribers that need the state
+// (the search document, the cache) read it from Postgres, with its version.
+type ProductEvent struct {
+	ProductID int64 `json:"product_id"`
+	// Version is set by product.created (1) and product.deleted (the
+	// version the product had when it was deleted).
+	Version int64 `json:"version,omitempty"`
+	// PriceCents is set by product.updated and product.created.
+	PriceCents *int64 `json:"price_cents,omitempty"`
+	// Stock is set by product.created.
+	Stock *int `json:"stock,omitempty"`
+	// StockDelta is set by product.stock_changed (the stock never goes
+	// below zero, so the change applied may be smaller).
+	StockDelta *int `json:"stock_delta,omitempty"`
+}
+
+// BrandEvent is the payload of brand.updated.
+type BrandEvent struct {
+	BrandID int64  `json:"brand_id"`
+	Name    string `json:"name"`
+	// Products is how many products the rename touched (each one's version
+	// was bumped in the same transaction).
+	Products int `json:"products"`
+}
+
+// OrderEvent is the payload of order.created.
+type OrderEvent struct {
+	OrderID  int64  `json:"order_id"`
+	Customer string `json:"customer"`
+	Lines    int    `json:"lines"`
+}
