@@ -1,0 +1,249 @@
+package relay
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/natstest"
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// harness is one test's real Postgres database and real nats-server.
+type harness struct {
+	t    *testing.T
+	db   *pgtest.DB
+	nats *natstest.Server
+	cfg  *config.Config
+}
+
+func newHarness(t *testing.T) *harness {
+	t.Helper()
+	cfg, err := config.Load("", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Relay.PollInterval = 50 * time.Millisecond
+	cfg.Relay.RetryMin = 50 * time.Millisecond
+	cfg.Relay.RetryMax = 500 * time.Millisecond
+	cfg.Relay.PublishTimeout = 2 * time.Second
+	return &harness{t: t, db: pgtest.NewDB(t), nats: natstest.Start(t), cfg: cfg}
+}
+
+func testLogger(t *testing.T) *slog.Logger {
+	if testing.Verbose() {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name())
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// connect returns a relay-style connection to the test server.
+func (h *harness) connect() *nats.Conn {
+	h.t.Helper()
+	nc, err := nats.Connect(h.nats.URL, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.ReconnectBufSize(-1))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.t.Cleanup(nc.Close)
+	return nc
+}
+
+// startRelay starts a relay with the harness config, adjusted by mutate,
+// and stops it when the test ends.
+func (h *harness) startRelay(mutate func(*config.Relay), obs Observer) *Relay {
+	h.t.Helper()
+	r := h.newRelay(mutate, obs)
+	h.start(r)
+	return r
+}
+
+// newRelay returns a relay that is not started yet.
+func (h *harness) newRelay(mutate func(*config.Relay), obs Observer) *Relay {
+	h.t.Helper()
+	rc := h.cfg.Relay
+	if mutate != nil {
+		mutate(&rc)
+	}
+	r, err := New(Options{Relay: rc, Stream: h.cfg.Stream, Pool: h.db.Pool, Conn: h.connect(), Logger: testLogger(h.t), Observer: obs})
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return r
+}
+
+// start starts r and stops it when the test ends.
+func (h *harness) start(r *Relay) {
+	h.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Start(ctx); err != nil {
+		h.t.Fatal(err)
+	}
+	h.t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = r.Stop(ctx)
+	})
+}
+
+// write commits one event per type in its own transaction and returns the ids.
+func write(t *testing.T, pool *pgxpool.Pool, events ...outbox.Event) []int64 {
+	t.Helper()
+	ctx := context.Background()
+	var ids []int64
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for _, e := range events {
+			id, err := outbox.Write(ctx, tx, e)
+			if err != nil {
+				return err
+			}
+			ids = append(ids, id)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
+}
+
+func productEvent(n int) outbox.Event {
+	return outbox.Event{
+		AggregateType: "product",
+		AggregateID:   strconv.Itoa(n),
+		Type:          "product.updated",
+		Payload:       map[string]int{"product_id": n, "price_cents": 100 * n},
+	}
+}
+
+// writeMany commits n product events in transactions of 500.
+func writeMany(t *testing.T, pool *pgxpool.Pool, n int) {
+	t.Helper()
+	for done := 0; done < n; {
+		batch := make([]outbox.Event, 0, 500)
+		for i := 0; i < 500 && done < n; i++ {
+			done++
+			batch = append(batch, productEvent(done))
+		}
+		write(t, pool, batch...)
+	}
+}
+
+// waitFor polls cond until it holds or the deadline passes.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	var last string
+	for {
+		ok, state := cond()
+		if ok {
+			return
+		}
+		last = state
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s; last state: %s", timeout, what, last)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// statusCounts returns how many outbox rows are in each status.
+func statusCounts(t *testing.T, pool *pgxpool.Pool) map[string]int {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `SELECT status, count(*) FROM outbox GROUP BY status`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	counts := map[string]int{}
+	for rows.Next() {
+		var s string
+		var n int
+		if err := rows.Scan(&s, &n); err != nil {
+			t.Fatal(err)
+		}
+		counts[s] = n
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return counts
+}
+
+func (h *harness) waitAllSent(n int, timeout time.Duration) {
+	h.t.Helper()
+	waitFor(h.t, timeout, strconv.Itoa(n)+" rows sent", func() (bool, string) {
+		c := statusCounts(h.t, h.db.Pool)
+		return c["sent"] == n, formatCounts(c)
+	})
+}
+
+func formatCounts(c map[string]int) string {
+	return "pending=" + strconv.Itoa(c["pending"]) + " sending=" + strconv.Itoa(c["sending"]) +
+		" sent=" + strconv.Itoa(c["sent"]) + " failed=" + strconv.Itoa(c["failed"])
+}
+
+// streamMessages reads every message stored in the stream.
+func (h *harness) streamMessages() []*jetstream.RawStreamMsg {
+	h.t.Helper()
+	js, err := jetstream.New(h.connect())
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, h.cfg.Stream.Name)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	var msgs []*jetstream.RawStreamMsg
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if err != nil {
+			h.t.Fatalf("get message %d: %v", seq, err)
+		}
+		msgs = append(msgs, m)
+	}
+	return msgs
+}
+
+// recorder is an Observer that remembers what it saw.
+type recorder struct {
+	mu        sync.Mutex
+	published []Published
+	claimed   int
+	retried   int
+	failed    int
+	reaped    int
+}
+
+func (r *recorder) Claimed(n int, _ time.Duration) { r.mu.Lock(); r.claimed += n; r.mu.Unlock() }
+func (r *recorder) Published(ev []Published) {
+	r.mu.Lock()
+	r.published = append(r.published, ev...)
+	r.mu.Unlock()
+}
+func (r *recorder) Retried(n int) { r.mu.Lock(); r.retried += n; r.mu.Unlock() }
+func (r *recorder) Failed(n int)  { r.mu.Lock(); r.failed += n; r.mu.Unlock() }
+func (r *recorder) Reaped(n int)  { r.mu.Lock(); r.reaped += n; r.mu.Unlock() }
+func (r *recorder) Deleted(int)   {}
+
+func (r *recorder) snapshot() (published []Published, reaped int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]Published(nil), r.published...), r.reaped
+}

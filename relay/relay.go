@@ -1,0 +1,431 @@
+package relay
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/outbox"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"golang.org/x/sync/semaphore"
+)
+
+// Observer is told what the relay does; metrics implement it. Its methods
+// are called from several goroutines and must not block.
+type Observer interface {
+	// Claimed reports a claimed batch of n rows and how long the claim took.
+	Claimed(n int, took time.Duration)
+	// Published reports rows whose PubAck arrived and were marked sent.
+	Published(events []Published)
+	// Retried reports rows returned to pending after a failed publish.
+	Retried(n int)
+	// Failed reports rows marked failed, which will never be published.
+	Failed(n int)
+	// Reaped reports rows whose lease expired, returned to pending.
+	Reaped(n int)
+	// Deleted reports sent rows deleted after their retention.
+	Deleted(n int)
+}
+
+// Published describes one row stored in the stream.
+type Published struct {
+	ID        int64
+	CreatedAt time.Time // when the writer's transaction inserted the row
+	AckedAt   time.Time // when its PubAck arrived
+	Duplicate bool      // JetStream already had it (an earlier publish of this row)
+}
+
+// NopObserver ignores everything.
+type NopObserver struct{}
+
+func (NopObserver) Claimed(int, time.Duration) {}
+func (NopObserver) Published([]Published)      {}
+func (NopObserver) Retried(int)                {}
+func (NopObserver) Failed(int)                 {}
+func (NopObserver) Reaped(int)                 {}
+func (NopObserver) Deleted(int)                {}
+
+// Options are the relay's collaborators.
+type Options struct {
+	Relay    config.Relay
+	Stream   config.Stream
+	Pool     *pgxpool.Pool
+	Conn     *nats.Conn
+	Logger   *slog.Logger
+	Observer Observer // optional
+}
+
+// Relay publishes outbox rows. Start it with Start, stop it with Stop.
+type Relay struct {
+	cfg    config.Relay
+	stream config.Stream
+	pool   *pgxpool.Pool
+	nc     *nats.Conn
+	js     jetstream.JetStream
+	logger *slog.Logger
+	obs    Observer
+
+	wake    chan struct{}
+	slots   *semaphore.Weighted // rows claimed and not yet recorded
+	batches sync.WaitGroup      // deliveries in flight
+	loops   sync.WaitGroup      // claimer, listener, reaper, cleaner
+
+	startOnce  sync.Once
+	stopOnce   sync.Once
+	stopping   chan struct{}      // closed by Stop: claim no more
+	cancelSoft context.CancelFunc // stops the background loops
+	cancelHard context.CancelFunc // aborts deliveries in flight
+	stopErr    error
+
+	// testHookBeforeRecord, when set, runs after the PubAcks of a batch
+	// arrived and before the batch is recorded in Postgres.
+	testHookBeforeRecord func(ctx context.Context, ids []int64)
+}
+
+// New returns a relay; nothing runs until Start.
+func New(opts Options) (*Relay, error) {
+	js, err := jetstream.New(opts.Conn,
+		jetstream.WithPublishAsyncMaxPending(opts.Relay.MaxInFlight),
+		jetstream.WithPublishAsyncTimeout(opts.Relay.PublishTimeout),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("jetstream context: %w", err)
+	}
+	obs := opts.Observer
+	if obs == nil {
+		obs = NopObserver{}
+	}
+	return &Relay{
+		cfg:      opts.Relay,
+		stream:   opts.Stream,
+		pool:     opts.Pool,
+		nc:       opts.Conn,
+		js:       js,
+		logger:   opts.Logger,
+		obs:      obs,
+		wake:     make(chan struct{}, 1),
+		slots:    semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
+		stopping: make(chan struct{}),
+	}, nil
+}
+
+// Start provisions or verifies the stream (per stream.provision), then starts
+// claiming. It returns once the relay runs; ctx bounds the start only.
+func (r *Relay) Start(ctx context.Context) error {
+	err := errors.New("relay already started")
+	r.startOnce.Do(func() {
+		err = r.start(ctx)
+	})
+	return err
+}
+
+func (r *Relay) start(ctx context.Context) error {
+	if err := EnsureStream(ctx, r.js, r.stream, r.cfg.Lease+r.cfg.PublishTimeout, r.logger); err != nil {
+		return err
+	}
+	hardCtx, cancelHard := context.WithCancel(context.WithoutCancel(ctx))
+	softCtx, cancelSoft := context.WithCancel(hardCtx)
+	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
+
+	for range claimers {
+		r.loops.Add(1)
+		go func() {
+			defer r.loops.Done()
+			r.claimLoop(softCtx, hardCtx)
+		}()
+	}
+	if r.cfg.Listen {
+		r.loops.Add(1)
+		go func() {
+			defer r.loops.Done()
+			r.listen(softCtx)
+		}()
+	}
+	r.loops.Add(2)
+	go func() {
+		defer r.loops.Done()
+		r.reapLoop(softCtx)
+	}()
+	go func() {
+		defer r.loops.Done()
+		r.cleanupLoop(softCtx)
+	}()
+	r.logger.Info("relay started",
+		"stream", r.stream.Name, "subjects", r.stream.SubjectPrefix+".>",
+		"batch_size", r.cfg.BatchSize, "max_in_flight", r.cfg.MaxInFlight,
+		"lease", r.cfg.Lease, "poll_interval", r.cfg.PollInterval, "listen", r.cfg.Listen)
+	return nil
+}
+
+// Stop claims no more rows, lets the batches in flight finish (their PubAcks
+// arrive and they are marked), and returns. If ctx ends first, the batches
+// are abandoned: their rows stay `sending` until the reaper returns them, and
+// Stop returns ctx's error. Stop is idempotent.
+func (r *Relay) Stop(ctx context.Context) error {
+	r.stopOnce.Do(func() {
+		close(r.stopping)
+		if r.cancelSoft == nil { // never started
+			return
+		}
+		r.cancelSoft()
+		done := make(chan struct{})
+		go func() {
+			r.loops.Wait()
+			r.batches.Wait()
+			close(done)
+		}()
+		select {
+		case <-done:
+		case <-ctx.Done():
+			r.stopErr = fmt.Errorf("relay stop: batches still in flight: %w", ctx.Err())
+			r.cancelHard()
+			<-done
+		}
+		r.cancelHard()
+		r.logger.Info("relay stopped")
+	})
+	return r.stopErr
+}
+
+// Nudge wakes the claimer, as a writer's notification does.
+func (r *Relay) Nudge() {
+	select {
+	case r.wake <- struct{}{}:
+	default:
+	}
+}
+
+// claimers is how many goroutines claim batches concurrently. A claim is
+// one backend updating a batch of rows, CPU-bound on one core; with two,
+// one claims while the other's batch is being published.
+var claimers = 1
+
+// eagerPollMin is the first wait after a claim that found nothing; it
+// doubles up to the poll interval.
+const eagerPollMin = time.Millisecond
+
+func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
+	idle := eagerPollMin
+	errWait := eagerPollMin
+	batch := int64(r.cfg.BatchSize)
+	for {
+		select {
+		case <-r.stopping:
+			return
+		default:
+		}
+		if !r.nc.IsConnected() {
+			// Claiming now would only burn attempts; rows wait as pending.
+			if !r.sleep(softCtx, r.cfg.PollInterval) {
+				return
+			}
+			continue
+		}
+		if err := r.slots.Acquire(softCtx, batch); err != nil {
+			return
+		}
+		// The claim runs on hardCtx: cancelling it after the server committed
+		// would strand the claimed rows until their lease expires.
+		start := time.Now()
+		rows, token, err := r.claim(hardCtx)
+		if err != nil {
+			r.slots.Release(batch)
+			r.logger.Error("claim outbox batch", "error", err, "retry_in", errWait)
+			if !r.sleep(softCtx, errWait) {
+				return
+			}
+			errWait = min(errWait*2, max(r.cfg.PollInterval, time.Second))
+			continue
+		}
+		errWait = eagerPollMin
+		r.slots.Release(batch - int64(len(rows)))
+		if len(rows) == 0 {
+			if !r.sleep(softCtx, idle) {
+				return
+			}
+			idle = min(idle*2, r.cfg.PollInterval)
+			continue
+		}
+		r.obs.Claimed(len(rows), time.Since(start))
+		idle = eagerPollMin
+		r.batches.Add(1)
+		go func() {
+			defer r.batches.Done()
+			defer r.slots.Release(int64(len(rows)))
+			r.deliver(hardCtx, rows, token)
+		}()
+	}
+}
+
+// sleep waits for d, a wake-up or a stop; it returns false on stop.
+func (r *Relay) sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-r.wake:
+		return true
+	case <-r.stopping:
+		return false
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// row is one claimed outbox row.
+type row struct {
+	id            int64
+	aggregateType string
+	aggregateID   string
+	eventType     string
+	payload       []byte
+	headers       map[string]string
+	createdAt     time.Time
+}
+
+// outcome of one row's publish.
+type outcome struct {
+	acked     bool
+	duplicate bool
+	ackedAt   time.Time
+	permanent bool // never publishable: mark failed
+	err       string
+}
+
+func newLeaseToken() pgtype.UUID {
+	var u pgtype.UUID
+	_, _ = rand.Read(u.Bytes[:]) // crypto/rand.Read never fails
+	u.Valid = true
+	return u
+}
+
+func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
+	results := make([]outcome, len(rows))
+	futures := make([]jetstream.PubAckFuture, len(rows))
+	maxPayload := r.nc.MaxPayload()
+	for i, rw := range rows {
+		msg, reason := r.message(rw, maxPayload)
+		if reason != "" {
+			results[i] = outcome{permanent: true, err: reason}
+			continue
+		}
+		f, err := r.js.PublishMsgAsync(msg,
+			jetstream.WithMsgID(msg.Header[outbox.EventIDHeader][0]),
+			jetstream.WithExpectStream(r.stream.Name))
+		if err != nil {
+			results[i] = classify(err)
+			continue
+		}
+		futures[i] = f
+	}
+
+	// Wait for every PubAck, but never past the publish timeout.
+	deadline := time.NewTimer(r.cfg.PublishTimeout)
+	defer deadline.Stop()
+	timedOut := false
+	for i, f := range futures {
+		if f == nil {
+			continue
+		}
+		if timedOut {
+			results[i] = outcome{err: "no PubAck within relay.publish_timeout"}
+			continue
+		}
+		select {
+		case ack := <-f.Ok():
+			results[i] = outcome{acked: true, duplicate: ack.Duplicate, ackedAt: time.Now()}
+		case err := <-f.Err():
+			results[i] = classify(err)
+		case <-deadline.C:
+			timedOut = true
+			results[i] = outcome{err: "no PubAck within relay.publish_timeout"}
+		case <-ctx.Done():
+			// Hard stop: leave the rows `sending`; the reaper returns them.
+			return
+		}
+	}
+	if r.testHookBeforeRecord != nil {
+		ids := make([]int64, len(rows))
+		for i := range rows {
+			ids[i] = rows[i].id
+		}
+		r.testHookBeforeRecord(ctx, ids)
+	}
+	r.record(ctx, rows, token, results)
+}
+
+// message builds the NATS message for a row, or says why it can never be
+// published.
+func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, string) {
+	if err := outbox.ValidEventType(rw.eventType); err != nil {
+		return nil, err.Error()
+	}
+	msg := &nats.Msg{
+		Subject: outbox.Subject(r.stream.SubjectPrefix, rw.eventType),
+		Data:    rw.payload,
+		Header:  make(nats.Header, len(rw.headers)+7),
+	}
+	for k, v := range rw.headers {
+		msg.Header.Set(k, v)
+	}
+	// The keys are constants already in canonical form: no Set needed.
+	msg.Header[outbox.EventIDHeader] = []string{strconv.FormatInt(rw.id, 10)}
+	msg.Header[outbox.EventTypeHeader] = []string{rw.eventType}
+	msg.Header[outbox.AggregateTypeHeader] = []string{rw.aggregateType}
+	msg.Header[outbox.AggregateIDHeader] = []string{rw.aggregateID}
+	msg.Header[outbox.CreatedAtHeader] = []string{rw.createdAt.UTC().Format(time.RFC3339Nano)}
+	// Header bytes count towards max_payload: estimate them generously.
+	size := int64(len(msg.Data)) + int64(len(msg.Subject)) + 64
+	for k, vs := range msg.Header {
+		for _, v := range vs {
+			size += int64(len(k) + len(v) + 4)
+		}
+	}
+	if maxPayload > 0 && size > maxPayload {
+		return nil, fmt.Sprintf("%v: event is about %d bytes with headers, over the server's max_payload of %d bytes", ErrEventTooLarge, size, maxPayload)
+	}
+	return msg, ""
+}
+
+// ErrEventTooLarge is the reason given for rows over the server's max_payload.
+var ErrEventTooLarge = errors.New("event too large")
+
+// classify turns a publish error into an outcome: permanent errors are about
+// the row itself and will never succeed; the rest are retried with backoff.
+func classify(err error) outcome {
+	var apiErr *jetstream.APIError
+	switch {
+	case errors.Is(err, nats.ErrMaxPayload):
+		return outcome{permanent: true, err: fmt.Sprintf("%v: %v", ErrEventTooLarge, err)}
+	case errors.Is(err, nats.ErrBadSubject):
+		return outcome{permanent: true, err: err.Error()}
+	case errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum:
+		return outcome{permanent: true, err: fmt.Sprintf("%v: %v", ErrEventTooLarge, apiErr)}
+	default:
+		return outcome{err: err.Error()}
+	}
+}
+
+// sortRows orders a claimed batch by id, so one relay publishes in id order.
+func sortRows(rows []row) {
+	slices.SortFunc(rows, func(a, b row) int {
+		switch {
+		case a.id < b.id:
+			return -1
+		case a.id > b.id:
+			return 1
+		}
+		return 0
+	})
+}

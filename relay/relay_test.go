@@ -1,0 +1,193 @@
+package relay
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/outbox"
+	"github.com/jackc/pgx/v5"
+)
+
+func TestRowsBecomeMessages(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	h.startRelay(nil, nil)
+	ctx := context.Background()
+
+	trace := "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+	ids := write(t, h.db.Pool,
+		outbox.Event{AggregateType: "product", AggregateID: "7", Type: "product.updated",
+			Payload: json.RawMessage(`{"product_id": 7, "price_cents": 1999}`), Headers: map[string]string{"traceparent": trace}},
+		outbox.Event{AggregateType: "order", AggregateID: "3", Type: "order.created",
+			Payload: map[string]any{"order_id": 3}},
+	)
+	// A rolled-back transaction publishes nothing.
+	tx, err := h.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := outbox.Write(ctx, tx, productEvent(99)); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	h.waitAllSent(2, 10*time.Second)
+	msgs := h.streamMessages()
+	if len(msgs) != 2 {
+		t.Fatalf("stream holds %d messages, want 2 (the rolled-back event must not be published)", len(msgs))
+	}
+	byID := map[string]int{}
+	for i, m := range msgs {
+		byID[m.Header.Get("Nats-Msg-Id")] = i
+	}
+	first := msgs[byID[strconv.FormatInt(ids[0], 10)]]
+	if first.Subject != "events.product.updated" {
+		t.Errorf("subject = %q, want events.product.updated", first.Subject)
+	}
+	var body map[string]int
+	if err := json.Unmarshal(first.Data, &body); err != nil || body["product_id"] != 7 || body["price_cents"] != 1999 {
+		t.Errorf("body = %s, want the payload as stored", first.Data)
+	}
+	for header, want := range map[string]string{
+		"Nats-Msg-Id":              strconv.FormatInt(ids[0], 10),
+		outbox.EventIDHeader:       strconv.FormatInt(ids[0], 10),
+		outbox.EventTypeHeader:     "product.updated",
+		outbox.AggregateTypeHeader: "product",
+		outbox.AggregateIDHeader:   "7",
+		"traceparent":              trace,
+	} {
+		if got := first.Header.Get(header); got != want {
+			t.Errorf("header %s = %q, want %q", header, got, want)
+		}
+	}
+	created, err := time.Parse(time.RFC3339Nano, first.Header.Get(outbox.CreatedAtHeader))
+	if err != nil || time.Since(created) > time.Minute || time.Since(created) < 0 {
+		t.Errorf("header %s = %q, want the row's creation time", outbox.CreatedAtHeader, first.Header.Get(outbox.CreatedAtHeader))
+	}
+	second := msgs[byID[strconv.FormatInt(ids[1], 10)]]
+	if second.Subject != "events.order.created" || second.Header.Get(outbox.AggregateIDHeader) != "3" {
+		t.Errorf("second message: subject %q aggregate id %q", second.Subject, second.Header.Get(outbox.AggregateIDHeader))
+	}
+
+	var published time.Time
+	if err := h.db.Pool.QueryRow(ctx, `SELECT published_at FROM outbox WHERE id = $1`, ids[0]).Scan(&published); err != nil || published.IsZero() {
+		t.Errorf("published_at not set: %v", err)
+	}
+}
+
+func TestWriteRefusesEventsThatCanNeverBePublished(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	ctx := context.Background()
+	for _, e := range []outbox.Event{
+		{AggregateType: "p", AggregateID: "1", Type: "product updated", Payload: map[string]int{}},
+		{AggregateType: "p", AggregateID: "1", Type: "product.*", Payload: map[string]int{}},
+		{AggregateType: "p", AggregateID: "1", Type: "product..updated", Payload: map[string]int{}},
+		{AggregateType: "p", AggregateID: "1", Type: "product.updated", Payload: []byte(`{not json`)},
+		{AggregateType: "", AggregateID: "1", Type: "product.updated", Payload: map[string]int{}},
+	} {
+		err := pgx.BeginFunc(ctx, h.db.Pool, func(tx pgx.Tx) error {
+			_, err := outbox.Write(ctx, tx, e)
+			return err
+		})
+		if !errors.Is(err, outbox.ErrInvalidEvent) {
+			t.Errorf("Write(%q, payload %v) = %v, want ErrInvalidEvent", e.Type, e.Payload, err)
+		}
+	}
+	if c := statusCounts(t, h.db.Pool); len(c) != 0 {
+		t.Errorf("outbox rows after refused writes: %v", c)
+	}
+}
+
+func TestTwoRelaysStoreEveryRowOnce(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	small := func(c *config.Relay) { c.BatchSize = 50; c.MaxInFlight = 200 }
+	a, b := &recorder{}, &recorder{}
+	h.startRelay(small, a)
+	h.startRelay(small, b)
+
+	const n = 3000
+	writeMany(t, h.db.Pool, n)
+	h.waitAllSent(n, 60*time.Second)
+
+	msgs := h.streamMessages()
+	seen := map[string]bool{}
+	for _, m := range msgs {
+		id := m.Header.Get("Nats-Msg-Id")
+		if seen[id] {
+			t.Fatalf("event %s stored twice", id)
+		}
+		seen[id] = true
+	}
+	if len(msgs) != n {
+		t.Fatalf("stream holds %d messages, want %d", len(msgs), n)
+	}
+	pa, _ := a.snapshot()
+	pb, _ := b.snapshot()
+	t.Logf("relay a published %d rows, relay b %d", len(pa), len(pb))
+	if len(pa)+len(pb) != n {
+		t.Errorf("relays recorded %d+%d published rows, want %d in all", len(pa), len(pb), n)
+	}
+}
+
+// A relay that dies after the PubAcks arrived and before it marked the rows
+// leaves them `sending`. After the lease, another relay publishes them again;
+// JetStream recognizes the Nats-Msg-Id and stores nothing new.
+func TestRelayDiesBetweenPubAckAndMark(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	const n = 20
+	writeMany(t, h.db.Pool, n)
+
+	acked := make(chan struct{})
+	var once sync.Once
+	dying := h.newRelay(func(c *config.Relay) { c.Listen = false }, nil)
+	dying.testHookBeforeRecord = func(ctx context.Context, _ []int64) {
+		once.Do(func() { close(acked) })
+		<-ctx.Done() // never record: the process dies here
+	}
+	h.start(dying)
+	<-acked
+	stopCtx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if err := dying.Stop(stopCtx); err == nil {
+		t.Fatal("Stop of a relay stuck before recording returned no error")
+	}
+
+	if c := statusCounts(t, h.db.Pool); c["sending"] != n {
+		t.Fatalf("after the PubAcks, before marking: %s, want all %d sending", formatCounts(c), n)
+	}
+	if got := len(h.streamMessages()); got != n {
+		t.Fatalf("stream holds %d messages before the restart, want %d", got, n)
+	}
+
+	rec := &recorder{}
+	h.startRelay(func(c *config.Relay) {
+		c.Lease = 3 * time.Second
+		c.PublishTimeout = time.Second
+		c.ReapInterval = 100 * time.Millisecond
+	}, rec)
+	h.waitAllSent(n, 30*time.Second)
+
+	if got := len(h.streamMessages()); got != n {
+		t.Fatalf("stream holds %d messages after the republish, want %d (duplicates must be dropped)", got, n)
+	}
+	published, reaped := rec.snapshot()
+	if reaped != n {
+		t.Errorf("reaped %d rows, want %d", reaped, n)
+	}
+	for _, p := range published {
+		if !p.Duplicate {
+			t.Errorf("event %d: second publish not reported as a duplicate by JetStream", p.ID)
+		}
+	}
+}

@@ -1,0 +1,62 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+func TestStreamProvisioning(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	js, err := jetstream.New(h.connect())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	logger := testLogger(t)
+	minDup := h.cfg.Relay.Lease + h.cfg.Relay.PublishTimeout
+
+	verify := h.cfg.Stream
+	verify.Provision = "verify"
+	if err := EnsureStream(ctx, js, verify, minDup, logger); err == nil {
+		t.Fatal("verify passed with no stream")
+	}
+
+	if err := EnsureStream(ctx, js, h.cfg.Stream, minDup, logger); err != nil {
+		t.Fatalf("auto: %v", err)
+	}
+	s, err := js.Stream(ctx, h.cfg.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := s.CachedInfo().Config
+	if c.Storage != jetstream.FileStorage || c.Retention != jetstream.LimitsPolicy || c.MaxAge != h.cfg.Stream.MaxAge ||
+		c.Duplicates != h.cfg.Stream.DuplicateWindow || c.Subjects[0] != "events.>" || c.Description == "" || c.Metadata["fanout.msg_id"] != "outbox.id" {
+		t.Errorf("provisioned stream config: %+v", c)
+	}
+	if err := EnsureStream(ctx, js, verify, minDup, logger); err != nil {
+		t.Fatalf("verify after auto: %v", err)
+	}
+
+	// A stream owned by other tooling with a window too short for the lease.
+	c.Duplicates = time.Minute
+	if _, err := js.UpdateStream(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	err = EnsureStream(ctx, js, verify, minDup, logger)
+	if !errors.Is(err, ErrStreamUnfit) || !strings.Contains(err.Error(), "1m0s") || !strings.Contains(err.Error(), minDup.String()) {
+		t.Fatalf("verify with a short duplicates window: %v; want ErrStreamUnfit naming both durations", err)
+	}
+
+	off := h.cfg.Stream
+	off.Provision = "off"
+	if err := EnsureStream(ctx, js, off, minDup, logger); err != nil {
+		t.Fatalf("off: %v", err)
+	}
+}
