@@ -1,0 +1,606 @@
+// Command relay is the relay benchmark (`go tool task bench:relay`). In one
+// run, on the local services, it prints:
+//
+//	(a) fanout's relay draining 200k pending rows, rows/s
+//	(b) the naive publisher (poll every 2 s, batch 50, one synchronous publish
+//	    after another, then mark) for a fixed 20 s, rows/s
+//	(c) raw JetStream async publish of 200k messages with msg ids, no Postgres
+//	writer cost: price-update tx/s at 8 connections without and with the
+//	    outbox insert and its wake-up (and with a NOTIFY in every transaction)
+//	latency: commit → PubAck p50/p99 at a steady 1,000 writes/s
+//
+// Each part uses a fresh database and a fresh stream; nothing is shared with
+// the demo's data.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"runtime/pprof"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/shop"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+var (
+	rows        = flag.Int("rows", 200_000, "rows for the drain and raw publish runs")
+	naiveFor    = flag.Duration("naive", 20*time.Second, "how long the naive publisher runs")
+	writerFor   = flag.Duration("writer", 10*time.Second, "how long each writer-cost run lasts")
+	latencyFor  = flag.Duration("latency", 15*time.Second, "how long each latency run lasts")
+	latencyRate = flag.Int("rate", 1000, "writes/s of the latency run")
+	natsURL     = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
+	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
+	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
+	only        = flag.String("only", "", "run only this part: a, b, c, writer, latency")
+	cpuProfile  = flag.String("cpuprofile", "", "write a CPU profile of this process")
+	adminURL    = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
+)
+
+func main() {
+	flag.Parse()
+	ctx := context.Background()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench:", err)
+			os.Exit(1)
+		}
+		_ = pprof.StartCPUProfile(f)
+		defer pprof.StopCPUProfile()
+	}
+	if err := run(ctx); err != nil {
+		pprof.StopCPUProfile()
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context) error {
+	nc, err := nats.Connect(*natsURL, nats.ReconnectBufSize(-1))
+	if err != nil {
+		return fmt.Errorf("connect to nats (start the services: go tool task services): %w", err)
+	}
+	defer nc.Close()
+	fmt.Printf("relay benchmark, %s, GOMAXPROCS=%d\n\n", time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0))
+
+	want := func(part string) bool { return *only == "" || *only == part }
+	var a, b, c result
+	if want("a") {
+		if a, err = benchDrain(ctx, nc); err != nil {
+			return fmt.Errorf("(a): %w", err)
+		}
+		fmt.Printf("(a) fanout relay drained %d rows in %.2fs: %.0f rows/s\n", *rows, a.secs, a.rate)
+	}
+	if want("b") {
+		if b, err = benchNaive(ctx, nc); err != nil {
+			return fmt.Errorf("(b): %w", err)
+		}
+		fmt.Printf("(b) naive publisher (poll 2s, batch 50, sync publish, then mark): %d rows in %s: %.1f rows/s\n", b.n, *naiveFor, b.rate)
+	}
+	if want("c") {
+		if c, err = benchRaw(ctx, nc); err != nil {
+			return fmt.Errorf("(c): %w", err)
+		}
+		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %.2fs: %.0f msgs/s\n", *rows, c.secs, c.rate)
+	}
+	if *only == "" {
+		fmt.Printf("    a/c = %.2f (target >= 0.35)   a/b = %.0f (target >= 1000)\n\n", a.rate/c.rate, a.rate/b.rate)
+	}
+	if want("writer") {
+		if err := benchWriterCost(ctx); err != nil {
+			return fmt.Errorf("writer cost: %w", err)
+		}
+	}
+	if want("latency") {
+		if err := benchLatency(ctx, nc); err != nil {
+			return fmt.Errorf("latency: %w", err)
+		}
+	}
+	return nil
+}
+
+type result struct {
+	n    int
+	secs float64
+	rate float64
+}
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// freshStream returns a stream config with a name and subject prefix of its
+// own, and deletes the stream when done is called.
+func freshStream(nc *nats.Conn) (config.Stream, func(), error) {
+	cfg, err := config.Load("", nil)
+	if err != nil {
+		return config.Stream{}, nil, err
+	}
+	s := cfg.Stream
+	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
+	s.Name = "BENCH_" + suffix
+	s.SubjectPrefix = "bench" + suffix
+	done := func() {
+		js, err := jetstream.New(nc)
+		if err == nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			_ = js.DeleteStream(ctx, s.Name)
+		}
+	}
+	return s, done, nil
+}
+
+func relayConfig() config.Relay {
+	cfg, _ := config.Load("", nil)
+	if *batchSize > 0 {
+		cfg.Relay.BatchSize = *batchSize
+	}
+	if *maxInFlight > 0 {
+		cfg.Relay.MaxInFlight = *maxInFlight
+	}
+	return cfg.Relay
+}
+
+// fillOutbox inserts n pending product.updated rows with payloads like the
+// demo's, in one statement.
+func fillOutbox(ctx context.Context, pool *pgxpool.Pool, n int) error {
+	_, err := pool.Exec(ctx, `
+INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+SELECT 'product', (g % 1000 + 1)::text, 'product.updated',
+       jsonb_build_object('product_id', g % 1000 + 1, 'version', g, 'price_cents', 1000 + g % 90000)
+FROM generate_series(1, $1) AS g`, n)
+	if err == nil {
+		_, err = pool.Exec(ctx, `VACUUM ANALYZE outbox`)
+	}
+	return err
+}
+
+// counter counts published rows and can wait for a total.
+type counter struct {
+	relay.NopObserver
+	n          atomic.Int64
+	claims     atomic.Int64
+	claimNanos atomic.Int64
+}
+
+func (c *counter) Claimed(n int, took time.Duration) { c.claims.Add(1); c.claimNanos.Add(int64(took)) }
+
+func (c *counter) Published(ev []relay.Published) { c.n.Add(int64(len(ev))) }
+
+func benchDrain(ctx context.Context, nc *nats.Conn) (result, error) {
+	db, err := pgtest.Create(ctx, *adminURL)
+	if err != nil {
+		return result{}, err
+	}
+	defer db.Close()
+	stream, done, err := freshStream(nc)
+	if err != nil {
+		return result{}, err
+	}
+	defer done()
+	if err := fillOutbox(ctx, db.Pool, *rows); err != nil {
+		return result{}, err
+	}
+	obs := &counter{}
+	relayPool, err := relayPool(ctx, db.URL)
+	if err != nil {
+		return result{}, err
+	}
+	defer relayPool.Close()
+	r, err := relay.New(relay.Options{Relay: relayConfig(), Stream: stream, Pool: relayPool, Conn: nc, Logger: quiet, Observer: obs})
+	if err != nil {
+		return result{}, err
+	}
+	start := time.Now()
+	if err := r.Start(ctx); err != nil {
+		return result{}, err
+	}
+	for obs.n.Load() < int64(*rows) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	secs := time.Since(start).Seconds()
+	_ = r.Stop(ctx)
+	fmt.Printf("    %d claims, %.1fms each on average\n", obs.claims.Load(), float64(obs.claimNanos.Load())/float64(obs.claims.Load())/1e6)
+	return result{n: *rows, secs: secs, rate: float64(*rows) / secs}, nil
+}
+
+// benchNaive runs the seeds' publisher: every 2 s it reads up to 50 pending
+// rows, publishes them one after another waiting for each PubAck, then marks
+// them sent.
+func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
+	db, err := pgtest.Create(ctx, *adminURL)
+	if err != nil {
+		return result{}, err
+	}
+	defer db.Close()
+	stream, done, err := freshStream(nc)
+	if err != nil {
+		return result{}, err
+	}
+	defer done()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return result{}, err
+	}
+	if err := relay.EnsureStream(ctx, js, stream, 0, quiet); err != nil {
+		return result{}, err
+	}
+	if err := fillOutbox(ctx, db.Pool, 10_000); err != nil {
+		return result{}, err
+	}
+	runCtx, cancel := context.WithTimeout(ctx, *naiveFor)
+	defer cancel()
+	published := 0
+	tick := time.NewTicker(2 * time.Second)
+	defer tick.Stop()
+	for runCtx.Err() == nil {
+		rs, err := db.Pool.Query(runCtx, `SELECT id, event_type, payload FROM outbox WHERE status = 'pending' ORDER BY id LIMIT 50`)
+		if err != nil {
+			break
+		}
+		type naiveRow struct {
+			id      int64
+			typ     string
+			payload []byte
+		}
+		batch, err := pgx.CollectRows(rs, func(r pgx.CollectableRow) (naiveRow, error) {
+			var n naiveRow
+			return n, r.Scan(&n.id, &n.typ, &n.payload)
+		})
+		if err != nil {
+			break
+		}
+		var ids []int64
+		for _, r := range batch {
+			if _, err := js.Publish(runCtx, stream.SubjectPrefix+"."+r.typ, r.payload, jetstream.WithMsgID(strconv.FormatInt(r.id, 10))); err != nil {
+				break
+			}
+			ids = append(ids, r.id)
+		}
+		if _, err := db.Pool.Exec(runCtx, `UPDATE outbox SET status = 'sent', published_at = now() WHERE id = ANY($1)`, ids); err != nil {
+			break
+		}
+		published += len(ids)
+		select {
+		case <-runCtx.Done():
+		case <-tick.C:
+		}
+	}
+	return result{n: published, secs: naiveFor.Seconds(), rate: float64(published) / naiveFor.Seconds()}, nil
+}
+
+func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
+	stream, done, err := freshStream(nc)
+	if err != nil {
+		return result{}, err
+	}
+	defer done()
+	rc := relayConfig()
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(rc.MaxInFlight))
+	if err != nil {
+		return result{}, err
+	}
+	if err := relay.EnsureStream(ctx, js, stream, 0, quiet); err != nil {
+		return result{}, err
+	}
+	payloads := make([][]byte, 1000)
+	for i := range payloads {
+		payloads[i] = fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, i, i+1, 1000+i)
+	}
+	subject := stream.SubjectPrefix + ".product.updated"
+	var failed atomic.Int64
+	start := time.Now()
+	futures := make([]jetstream.PubAckFuture, 0, *rows)
+	for i := range *rows {
+		msg := nats.NewMsg(subject)
+		msg.Data = payloads[i%len(payloads)]
+		msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(i+1))
+		f, err := js.PublishMsgAsync(msg, jetstream.WithMsgID(strconv.Itoa(i+1)))
+		if err != nil {
+			return result{}, err
+		}
+		futures = append(futures, f)
+	}
+	select {
+	case <-js.PublishAsyncComplete():
+	case <-time.After(2 * time.Minute):
+		return result{}, fmt.Errorf("raw publish did not complete")
+	}
+	secs := time.Since(start).Seconds()
+	for _, f := range futures {
+		select {
+		case <-f.Err():
+			failed.Add(1)
+		default:
+		}
+	}
+	if failed.Load() > 0 {
+		return result{}, fmt.Errorf("%d raw publishes failed", failed.Load())
+	}
+	return result{n: *rows, secs: secs, rate: float64(*rows) / secs}, nil
+}
+
+// benchWriterCost measures price-update transactions per second at 8
+// connections, with and without the outbox.
+func benchWriterCost(ctx context.Context) error {
+	db, err := pgtest.Create(ctx, *adminURL)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	pool, err := poolWithConns(ctx, db.URL, 8)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if _, err := shop.Seed(ctx, pool, 1000, rand.New(rand.NewPCG(1, 2))); err != nil {
+		return err
+	}
+	var maxID int64
+	if err := pool.QueryRow(ctx, `SELECT max(id) FROM products`).Scan(&maxID); err != nil {
+		return err
+	}
+	const update = `UPDATE products SET price = $2::numeric / 100, version = version + 1, updated_at = now() WHERE id = $1`
+	plain := func(ctx context.Context, tx pgx.Tx, id, price int64) error {
+		_, err := tx.Exec(ctx, update, id, price)
+		return err
+	}
+	event := func(id, price int64) outbox.Event {
+		return outbox.Event{AggregateType: "product", AggregateID: strconv.FormatInt(id, 10), Type: shop.ProductUpdated,
+			Payload: shop.ProductEvent{ProductID: id, PriceCents: &price}}
+	}
+	ownRoundTrip := func(w *outbox.Writer) func(context.Context, pgx.Tx, int64, int64) error {
+		return func(ctx context.Context, tx pgx.Tx, id, price int64) error {
+			if _, err := tx.Exec(ctx, update, id, price); err != nil {
+				return err
+			}
+			_, err := w.Write(ctx, tx, event(id, price))
+			return err
+		}
+	}
+	pipelined := func(w *outbox.Writer) func(context.Context, pgx.Tx, int64, int64) error {
+		return func(ctx context.Context, tx pgx.Tx, id, price int64) error {
+			b := &pgx.Batch{}
+			b.Queue(update, id, price)
+			if err := w.Queue(b, event(id, price), nil); err != nil {
+				return err
+			}
+			return tx.SendBatch(ctx, b).Close()
+		}
+	}
+	demo := func(ctx context.Context, tx pgx.Tx, id, price int64) error {
+		_, err := shop.UpdatePrice(ctx, tx, id, price)
+		return err
+	}
+	runs := []struct {
+		name string
+		fn   func(context.Context, pgx.Tx, int64, int64) error
+	}{
+		{"price update alone", plain},
+		{"+ outbox.Write in its own round trip, no wake-up", ownRoundTrip(outbox.NewWriter(-1))},
+		{"+ outbox.Queue pipelined with the update, NOTIFY in every tx", pipelined(outbox.NewWriter(0))},
+		{"+ outbox.Queue pipelined, no wake-up", pipelined(outbox.NewWriter(-1))},
+		{"shop.UpdatePrice: outbox.Queue + fanout wake-up (NOTIFY at most every " + outbox.DefaultWakeInterval.String() + ")", demo},
+	}
+	fmt.Printf("writer cost: price-update transactions/s at 8 connections, %s each\n", *writerFor)
+	var base float64
+	for i, r := range runs {
+		tps, err := measureTPS(ctx, pool, maxID, r.fn)
+		if err != nil {
+			return fmt.Errorf("%s: %w", r.name, err)
+		}
+		if i == 0 {
+			base = tps
+			fmt.Printf("    %-80s %7.0f tx/s\n", r.name, tps)
+			continue
+		}
+		fmt.Printf("    %-80s %7.0f tx/s  (%.0f%% of alone, cost %.0f%%)\n", r.name, tps, 100*tps/base, 100*(1-tps/base))
+	}
+	fmt.Println("    target: the outbox and its wake-up cost writers <= 25% of their tx/s")
+	fmt.Println()
+	return nil
+}
+
+// relayPool is a pool like `fanout relay` opens (connect.AsyncCommit).
+func relayPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	pc, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	connect.AsyncCommit()(pc)
+	return pgxpool.NewWithConfig(ctx, pc)
+}
+
+func poolWithConns(ctx context.Context, url string, n int32) (*pgxpool.Pool, error) {
+	pc, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	pc.MaxConns, pc.MinConns = n, n
+	return pgxpool.NewWithConfig(ctx, pc)
+}
+
+func measureTPS(ctx context.Context, pool *pgxpool.Pool, maxID int64, fn func(context.Context, pgx.Tx, int64, int64) error) (float64, error) {
+	runCtx, cancel := context.WithTimeout(ctx, *writerFor)
+	defer cancel()
+	var n atomic.Int64
+	var firstErr error
+	var once sync.Once
+	var wg sync.WaitGroup
+	start := time.Now()
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 7))
+			for runCtx.Err() == nil {
+				id := 1 + rng.Int64N(maxID)
+				err := pgx.BeginFunc(runCtx, pool, func(tx pgx.Tx) error { return fn(runCtx, tx, id, 1000+rng.Int64N(90000)) })
+				if err != nil {
+					if runCtx.Err() == nil {
+						once.Do(func() { firstErr = err })
+					}
+					continue
+				}
+				n.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	return float64(n.Load()) / time.Since(start).Seconds(), firstErr
+}
+
+// latencyObserver records each event's PubAck time.
+type latencyObserver struct {
+	relay.NopObserver
+	mu    sync.Mutex
+	acked map[int64]time.Time
+}
+
+func (o *latencyObserver) Published(ev []relay.Published) {
+	o.mu.Lock()
+	for _, p := range ev {
+		o.acked[p.ID] = p.AckedAt
+	}
+	o.mu.Unlock()
+}
+
+func benchLatency(ctx context.Context, nc *nats.Conn) error {
+	fmt.Printf("latency: commit → PubAck at a steady %d writes/s for %s (price updates, 8 connections)\n", *latencyRate, *latencyFor)
+	for _, v := range []struct {
+		name string
+		mut  func(*config.Relay)
+	}{
+		{"fanout default (wake-up + eager polling, poll_interval 500ms)", func(*config.Relay) {}},
+		{"relay.listen=false (eager polling alone, no wake-up)", func(c *config.Relay) { c.Listen = false }},
+	} {
+		p50, p99, max, n, err := measureLatency(ctx, nc, v.mut)
+		if err != nil {
+			return fmt.Errorf("%s: %w", v.name, err)
+		}
+		fmt.Printf("    %-62s p50 %6.2fms  p99 %7.2fms  max %7.2fms  (%d events)\n", v.name, ms(p50), ms(p99), ms(max), n)
+	}
+	fmt.Println("    target: p99 <= 10ms")
+	return nil
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*config.Relay)) (p50, p99, max time.Duration, n int, err error) {
+	db, err := pgtest.Create(ctx, *adminURL)
+	if err != nil {
+		return
+	}
+	defer db.Close()
+	pool, err := poolWithConns(ctx, db.URL, 8)
+	if err != nil {
+		return
+	}
+	defer pool.Close()
+	if _, err = shop.Seed(ctx, pool, 1000, rand.New(rand.NewPCG(3, 4))); err != nil {
+		return
+	}
+	stream, done, err := freshStream(nc)
+	if err != nil {
+		return
+	}
+	defer done()
+	rc := relayConfig()
+	mutate(&rc)
+	obs := &latencyObserver{acked: map[int64]time.Time{}}
+	rp, err := relayPool(ctx, db.URL)
+	if err != nil {
+		return
+	}
+	defer rp.Close()
+	r, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet, Observer: obs})
+	if err != nil {
+		return
+	}
+	if err = r.Start(ctx); err != nil {
+		return
+	}
+	defer r.Stop(ctx) //nolint:errcheck
+	// Let the seed's product.created events drain first.
+	time.Sleep(2 * time.Second)
+
+	var mu sync.Mutex
+	committed := map[int64]time.Time{}
+	var maxID int64
+	if err = pool.QueryRow(ctx, `SELECT max(id) FROM products`).Scan(&maxID); err != nil {
+		return
+	}
+	runCtx, cancel := context.WithTimeout(ctx, *latencyFor)
+	defer cancel()
+	var wg sync.WaitGroup
+	const workers = 8
+	interval := time.Second * workers / time.Duration(*latencyRate)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 9))
+			next := time.Now().Add(time.Duration(w) * interval / workers)
+			for runCtx.Err() == nil {
+				time.Sleep(time.Until(next))
+				next = next.Add(interval)
+				id := 1 + rng.Int64N(maxID)
+				price := 1000 + rng.Int64N(90000)
+				var eventID int64
+				err := pgx.BeginFunc(runCtx, pool, func(tx pgx.Tx) error {
+					var err error
+					eventID, err = shop.UpdatePrice(runCtx, tx, id, price)
+					return err
+				})
+				if err == nil {
+					now := time.Now()
+					mu.Lock()
+					committed[eventID] = now
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	time.Sleep(time.Second) // the last PubAcks
+	var lat []time.Duration
+	obs.mu.Lock()
+	for id, c := range committed {
+		if a, ok := obs.acked[id]; ok {
+			lat = append(lat, max0(a.Sub(c)))
+		}
+	}
+	obs.mu.Unlock()
+	if len(lat) < len(committed) {
+		return 0, 0, 0, 0, fmt.Errorf("%d of %d committed events not published within a second of the end", len(committed)-len(lat), len(committed))
+	}
+	slices.Sort(lat)
+	return lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1], len(lat), nil
+}
+
+// max0 clamps a negative latency (the PubAck raced ahead of the writer's
+// clock read after Commit returned) to zero.
+func max0(d time.Duration) time.Duration {
+	if d < 0 {
+		return 0
+	}
+	return d
+}

@@ -1,0 +1,42 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/logging"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+)
+
+// app holds what every subcommand loads: the configuration and the logger.
+type app struct {
+	configPath *string
+	cfg        *config.Config
+	logger     *slog.Logger
+}
+
+func (a *app) load() error {
+	if a.cfg != nil {
+		return nil
+	}
+	cfg, err := config.Load(*a.configPath, os.Environ())
+	if err != nil {
+		return fmt.Errorf("configuration: %w", err)
+	}
+	a.cfg = cfg
+	a.logger = logging.New(os.Stderr, cfg.Log.Format, cfg.Log.Level)
+	return nil
+}
+
+func (a *app) postgres(ctx context.Context, role string, opts ...connect.PostgresOption) (*pgxpool.Pool, error) {
+	return connect.Postgres(ctx, a.cfg.Postgres, role, opts...)
+}
+
+func (a *app) nats(role string) (*nats.Conn, error) {
+	return connect.NATS(a.cfg.NATS, role, logging.Component(a.logger, "nats"))
+}

@@ -1,0 +1,38 @@
+package main
+
+import (
+	"fmt"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/spf13/cobra"
+)
+
+func configCommand(a *app) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "config",
+		Short: "Inspect the configuration",
+	}
+	cmd.AddCommand(&cobra.Command{
+		Use:   "keys",
+		Short: "List every configuration key with its environment variable",
+		Args:  cobra.NoArgs,
+		Run: func(cmd *cobra.Command, _ []string) {
+			for _, k := range config.Keys() {
+				fmt.Fprintf(cmd.OutOrStdout(), "%-28s %s\n", k, config.EnvName(k))
+			}
+		},
+	})
+	cmd.AddCommand(&cobra.Command{
+		Use:   "check",
+		Short: "Load and validate the configuration; exit non-zero naming every bad key",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.load(); err != nil {
+				return err
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), "configuration is valid")
+			return nil
+		},
+	})
+	return cmd
+}
