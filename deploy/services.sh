@@ -62,9 +62,20 @@ go_install() {
 
 # --- PostgreSQL -------------------------------------------------------------
 
+# pg_dir: the cluster's directory. It must be reachable by the postgres user;
+# a checkout under a private directory (mktemp -d, a home directory) is not,
+# so the cluster then lives under /var/tmp, named after the checkout.
+pg_dir() {
+  if runuser -u postgres -- test -x "$data" 2>/dev/null; then
+    echo "$data/postgres"
+  else
+    echo "/var/tmp/fanout-$(printf '%s' "$data" | sha256sum | cut -c1-12)/postgres"
+  fi
+}
+
 pg_up() {
   apt_install "postgresql-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" "postgresql-client-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION"
-  local dir=$data/postgres
+  local dir; dir=$(pg_dir)
   if "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$POSTGRES_PORT"; then
     log "postgres already answering on 127.0.0.1:$POSTGRES_PORT"
   else
@@ -98,7 +109,7 @@ SQL
 }
 
 pg_down() {
-  local dir=$data/postgres
+  local dir; dir=$(pg_dir)
   [[ -f $dir/postmaster.pid ]] || return 0
   runuser -u postgres -- "$pg_bin/pg_ctl" -D "$dir" -m fast -w stop >/dev/null 2>&1 || true
   log "postgres stopped"
