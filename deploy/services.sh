@@ -62,11 +62,14 @@ go_install() {
 
 # --- PostgreSQL -------------------------------------------------------------
 
+# as_postgres CMD...: run CMD as the postgres user, from a directory it can read.
+as_postgres() { (cd / && runuser -u postgres -- "$@"); }
+
 # pg_dir: the cluster's directory. It must be reachable by the postgres user;
 # a checkout under a private directory (mktemp -d, a home directory) is not,
 # so the cluster then lives under /var/tmp, named after the checkout.
 pg_dir() {
-  if runuser -u postgres -- test -x "$data" 2>/dev/null; then
+  if as_postgres test -x "$data" 2>/dev/null; then
     echo "$data/postgres"
   else
     echo "/var/tmp/fanout-$(printf '%s' "$data" | sha256sum | cut -c1-12)/postgres"
@@ -86,12 +89,12 @@ pg_up() {
     chmod 700 "$dir"
     if [[ ! -f $dir/PG_VERSION ]]; then
       log "initdb $dir"
-      runuser -u postgres -- "$pg_bin/initdb" -D "$dir" -U postgres --auth=trust \
+      as_postgres "$pg_bin/initdb" -D "$dir" -U postgres --auth=trust \
         --encoding=UTF8 --locale=C.UTF-8 >"$data/postgres-initdb.log" 2>&1 ||
         { cat "$data/postgres-initdb.log" >&2; die "initdb failed"; }
     fi
     # Everything on the command line, so the cluster's own files need no edits.
-    runuser -u postgres -- "$pg_bin/pg_ctl" -D "$dir" -l "$dir/postgres.log" -w -t 60 start \
+    as_postgres "$pg_bin/pg_ctl" -D "$dir" -l "$dir/postgres.log" -w -t 60 start \
       -o "-c listen_addresses=127.0.0.1 -p $POSTGRES_PORT -c unix_socket_directories=/tmp \
           -c max_connections=300 -c shared_buffers=256MB" >/dev/null ||
       { tail -30 "$dir/postgres.log" >&2; die "postgres did not start"; }
@@ -111,7 +114,7 @@ SQL
 pg_down() {
   local dir; dir=$(pg_dir)
   [[ -f $dir/postmaster.pid ]] || return 0
-  runuser -u postgres -- "$pg_bin/pg_ctl" -D "$dir" -m fast -w stop >/dev/null 2>&1 || true
+  as_postgres "$pg_bin/pg_ctl" -D "$dir" -m fast -w stop >/dev/null 2>&1 || true
   log "postgres stopped"
 }
 
