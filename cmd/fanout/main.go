@@ -40,6 +40,7 @@ FANOUT_RELAY_BATCH_SIZE). ` + "`fanout config keys`" + ` lists every key.`,
 	root.AddCommand(
 		migrateCommand(app),
 		relayCommand(app),
+		subscribeCommand(app),
 		demoCommand(app),
 		upCommand(app),
 		configCommand(app),

@@ -20,12 +20,14 @@ import (
 // Config is the whole configuration of every role. Each field's comment
 // states its default and valid range; the defaults are the constants below.
 type Config struct {
-	Postgres Postgres `koanf:"postgres"`
-	NATS     NATS     `koanf:"nats"`
-	Stream   Stream   `koanf:"stream"`
-	Relay    Relay    `koanf:"relay"`
-	Log      Log      `koanf:"log"`
-	Demo     Demo     `koanf:"demo"`
+	Postgres    Postgres    `koanf:"postgres"`
+	NATS        NATS        `koanf:"nats"`
+	Stream      Stream      `koanf:"stream"`
+	Relay       Relay       `koanf:"relay"`
+	Subscribers Subscribers `koanf:"subscribers"`
+	Redis       Redis       `koanf:"redis"`
+	Log         Log         `koanf:"log"`
+	Demo        Demo        `koanf:"demo"`
 }
 
 // Postgres is the connection to the source of truth.
@@ -122,6 +124,56 @@ type Relay struct {
 	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
 }
 
+// Subscribers configures every subscriber's consumer and runtime.
+type Subscribers struct {
+	// Concurrency is how many batches one instance handles at once.
+	// Default 4, 1..256.
+	Concurrency int `koanf:"concurrency"`
+	// BatchSize is how many events one handler transaction takes (for
+	// subscribers whose effect is in Postgres). Default 100, 1..1000.
+	BatchSize int `koanf:"batch_size"`
+	// AckWait is how long JetStream waits for an ack before redelivering;
+	// long work sends in-progress signals. Default 30s, >= 1s.
+	AckWait time.Duration `koanf:"ack_wait"`
+	// MaxDeliver is how many deliveries an event gets before it goes to the
+	// dead letters. Default 10, 2..1000.
+	MaxDeliver int `koanf:"max_deliver"`
+	// MaxAckPending bounds unacknowledged events per consumer, across
+	// instances. Default 1000, 1..100000.
+	MaxAckPending int `koanf:"max_ack_pending"`
+	// RetryMin and RetryMax bound the delay of a nak after a failed attempt,
+	// which doubles with each delivery. Defaults 1s and 1m.
+	RetryMin time.Duration `koanf:"retry_min"`
+	RetryMax time.Duration `koanf:"retry_max"`
+	// Start is where a new subscriber's consumer begins: all (the stream's
+	// whole history), new (only events after its creation), or time (from
+	// StartTime). It matters only when the consumer is created. Default all.
+	Start string `koanf:"start"`
+	// StartTime is an RFC 3339 time, for Start = time.
+	StartTime string `koanf:"start_time"`
+	// DeadLetterStream holds events that failed for good. Default DEADLETTER.
+	DeadLetterStream string `koanf:"dead_letter_stream"`
+	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30 days).
+	DeadLetterMaxAge time.Duration `koanf:"dead_letter_max_age"`
+	// ShutdownTimeout bounds the drain at SIGTERM. Default 30s, > 0.
+	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
+}
+
+// Redis is the cache the cache invalidator keeps honest.
+type Redis struct {
+	// URL is redis://[user@]host:port/db. Default DefaultRedisURL.
+	URL string `koanf:"url"`
+	// Password overrides any password in URL. Secret. Default empty.
+	Password     string `koanf:"password"`
+	PasswordFile string `koanf:"password_file"`
+	// Timeout bounds each command. Default 2s, > 0.
+	Timeout time.Duration `koanf:"timeout"`
+	// TombstoneTTL is how long an invalidated product refuses cache fills:
+	// longer than the slowest fill (a fill gives up after Timeout, twice),
+	// so a fill that read the old row cannot write it back. Default 10s.
+	TombstoneTTL time.Duration `koanf:"tombstone_ttl"`
+}
+
 // Log is the process log.
 type Log struct {
 	// Level is debug, info, warn or error. Default info.
@@ -149,6 +201,7 @@ const (
 	DefaultBatchSize   = 1000
 	DefaultMaxInFlight = 4000
 	DefaultLease       = 2 * time.Minute
+	DefaultRedisURL    = "redis://127.0.0.1:56379/0"
 )
 
 // defaults lists every key and its default value. A key not listed here is
@@ -193,6 +246,25 @@ func defaults() map[string]any {
 		"relay.cleanup_interval": "1m",
 		"relay.cleanup_batch":    1000,
 		"relay.shutdown_timeout": "30s",
+
+		"subscribers.concurrency":         4,
+		"subscribers.batch_size":          100,
+		"subscribers.ack_wait":            "30s",
+		"subscribers.max_deliver":         10,
+		"subscribers.max_ack_pending":     1000,
+		"subscribers.retry_min":           "1s",
+		"subscribers.retry_max":           "1m",
+		"subscribers.start":               "all",
+		"subscribers.start_time":          "",
+		"subscribers.dead_letter_stream":  "DEADLETTER",
+		"subscribers.dead_letter_max_age": "720h",
+		"subscribers.shutdown_timeout":    "30s",
+
+		"redis.url":           DefaultRedisURL,
+		"redis.password":      "",
+		"redis.password_file": "",
+		"redis.timeout":       "2s",
+		"redis.tombstone_ttl": "10s",
 
 		"log.level":  "info",
 		"log.format": "auto",
@@ -311,6 +383,7 @@ func (c *Config) readSecretFiles() error {
 		{"postgres.password_file", c.Postgres.PasswordFile, &c.Postgres.Password},
 		{"nats.password_file", c.NATS.PasswordFile, &c.NATS.Password},
 		{"nats.token_file", c.NATS.TokenFile, &c.NATS.Token},
+		{"redis.password_file", c.Redis.PasswordFile, &c.Redis.Password},
 	} {
 		if s.path == "" || *s.value != "" {
 			continue
@@ -404,6 +477,37 @@ func (c *Config) Validate() error {
 	positive("relay.cleanup_interval", c.Relay.CleanupInterval)
 	between("relay.cleanup_batch", int64(c.Relay.CleanupBatch), 1, 100000)
 	positive("relay.shutdown_timeout", c.Relay.ShutdownTimeout)
+
+	between("subscribers.concurrency", int64(c.Subscribers.Concurrency), 1, 256)
+	between("subscribers.batch_size", int64(c.Subscribers.BatchSize), 1, 1000)
+	if c.Subscribers.AckWait < time.Second {
+		bad("subscribers.ack_wait", "must be at least 1s (got %s)", c.Subscribers.AckWait)
+	}
+	between("subscribers.max_deliver", int64(c.Subscribers.MaxDeliver), 2, 1000)
+	between("subscribers.max_ack_pending", int64(c.Subscribers.MaxAckPending), 1, 100000)
+	positive("subscribers.retry_min", c.Subscribers.RetryMin)
+	if c.Subscribers.RetryMax < c.Subscribers.RetryMin {
+		bad("subscribers.retry_max", "must be at least subscribers.retry_min (%s) (got %s)", c.Subscribers.RetryMin, c.Subscribers.RetryMax)
+	}
+	oneOf("subscribers.start", c.Subscribers.Start, "all", "new", "time")
+	if c.Subscribers.Start == "time" {
+		if _, err := time.Parse(time.RFC3339, c.Subscribers.StartTime); err != nil {
+			bad("subscribers.start_time", "must be an RFC 3339 time such as 2026-01-02T15:04:05Z when subscribers.start is time (got %q)", c.Subscribers.StartTime)
+		}
+	}
+	if !validStreamName(c.Subscribers.DeadLetterStream) || c.Subscribers.DeadLetterStream == c.Stream.Name {
+		bad("subscribers.dead_letter_stream", "must be a stream name other than stream.name (got %q)", c.Subscribers.DeadLetterStream)
+	}
+	positive("subscribers.dead_letter_max_age", c.Subscribers.DeadLetterMaxAge)
+	positive("subscribers.shutdown_timeout", c.Subscribers.ShutdownTimeout)
+
+	if u, err := url.Parse(c.Redis.URL); err != nil || (u.Scheme != "redis" && u.Scheme != "rediss") {
+		bad("redis.url", "must be a redis:// or rediss:// URL (got %q)", redactURL(c.Redis.URL))
+	}
+	positive("redis.timeout", c.Redis.Timeout)
+	if c.Redis.TombstoneTTL <= 2*c.Redis.Timeout {
+		bad("redis.tombstone_ttl", "must be longer than twice redis.timeout (%s), the longest a cache fill can take (got %s)", c.Redis.Timeout, c.Redis.TombstoneTTL)
+	}
 
 	oneOf("log.level", c.Log.Level, "debug", "info", "warn", "error")
 	oneOf("log.format", c.Log.Format, "auto", "json", "text")

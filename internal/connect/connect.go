@@ -12,6 +12,7 @@ import (
 	"github.com/fanout/fanout/internal/config"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
+	"github.com/redis/go-redis/v9"
 )
 
 // PostgresConfig builds a pool configuration; role names the connections in
@@ -109,4 +110,24 @@ func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error)
 		return nil, fmt.Errorf("connect to nats at %s: %w", cfg.URL, err)
 	}
 	return nc, nil
+}
+
+// Redis opens a client and checks that the server answers.
+func Redis(ctx context.Context, cfg config.Redis) (*redis.Client, error) {
+	opts, err := redis.ParseURL(cfg.URL)
+	if err != nil {
+		return nil, fmt.Errorf("redis.url: cannot parse")
+	}
+	if cfg.Password != "" {
+		opts.Password = cfg.Password
+	}
+	opts.DialTimeout, opts.ReadTimeout, opts.WriteTimeout = cfg.Timeout, cfg.Timeout, cfg.Timeout
+	rdb := redis.NewClient(opts)
+	pingCtx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+	defer cancel()
+	if err := rdb.Ping(pingCtx).Err(); err != nil {
+		rdb.Close()
+		return nil, fmt.Errorf("connect to redis at %s: %w", opts.Addr, err)
+	}
+	return rdb, nil
 }

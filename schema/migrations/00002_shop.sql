@@ -58,6 +58,10 @@ CREATE TABLE order_lines (
     PRIMARY KEY (order_id, line_no)
 );
 
+-- Invoice numbers: INV-<year>-<8 digits>. A sequence, so concurrent
+-- invoicing instances never collide (a rolled-back number is skipped).
+CREATE SEQUENCE invoice_number_seq;
+
 CREATE TABLE invoices (
     id        bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     -- One invoice per order, whatever the subscriber does twice.
@@ -81,6 +85,7 @@ CREATE TABLE invoice_lines (
 -- +goose Down
 DROP TABLE invoice_lines;
 DROP TABLE invoices;
+DROP SEQUENCE invoice_number_seq;
 DROP TABLE order_lines;
 DROP TABLE orders;
 DROP TABLE inventory;

@@ -1,0 +1,144 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/cacheinval"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+	"github.com/spf13/cobra"
+)
+
+// deps are the shared connections subscribers are built from; the Redis
+// client is opened only if a subscriber asks for it.
+type deps struct {
+	a    *app
+	ctx  context.Context
+	pool *pgxpool.Pool
+
+	redisOnce sync.Once
+	rdb       *redis.Client
+	redisErr  error
+}
+
+func (d *deps) redis() *redis.Client {
+	d.redisOnce.Do(func() { d.rdb, d.redisErr = connect.Redis(d.ctx, d.a.cfg.Redis) })
+	return d.rdb
+}
+
+func (d *deps) cache() *cacheinval.Cache {
+	return cacheinval.NewCache(d.redis(), d.pool, d.a.cfg.Redis.Timeout, d.a.cfg.Redis.TombstoneTTL)
+}
+
+func (d *deps) close() {
+	if d.rdb != nil {
+		d.rdb.Close()
+	}
+}
+
+func subscriberNames() []string {
+	names := make([]string, 0, len(registry))
+	for n := range registry {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	return names
+}
+
+func subscribeCommand(a *app) *cobra.Command {
+	var start string
+	cmd := &cobra.Command{
+		Use:   "subscribe <subscriber>...",
+		Short: "Run one or more subscribers until SIGTERM (" + strings.Join(subscriberNames(), ", ") + ")",
+		Long: `Run subscribers in this process. Several processes running the same
+subscriber share its durable consumer (and its work). SIGTERM drains: no new
+events are pulled, the ones in hand finish and are acked, then the process exits.`,
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := a.load(); err != nil {
+				return err
+			}
+			if start != "" {
+				a.cfg.Subscribers.Start = start
+				if err := a.cfg.Validate(); err != nil {
+					return err
+				}
+			}
+			for _, name := range args {
+				if _, ok := registry[name]; !ok {
+					return fmt.Errorf("unknown subscriber %q (known: %s)", name, strings.Join(subscriberNames(), ", "))
+				}
+			}
+			ctx := cmd.Context()
+			pool, err := a.postgres(ctx, "subscribe")
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			nc, err := a.nats("subscribe")
+			if err != nil {
+				return err
+			}
+			defer nc.Close()
+			d := &deps{a: a, ctx: ctx, pool: pool}
+			defer d.close()
+
+			var runners []*subscribers.Runner
+			stopAll := func() error {
+				sctx, cancel := context.WithTimeout(context.Background(), a.cfg.Subscribers.ShutdownTimeout)
+				defer cancel()
+				var errs []error
+				var mu sync.Mutex
+				var wg sync.WaitGroup
+				for _, r := range runners {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						if err := r.Stop(sctx); err != nil {
+							mu.Lock()
+							errs = append(errs, err)
+							mu.Unlock()
+						}
+					}()
+				}
+				wg.Wait()
+				return errors.Join(errs...)
+			}
+			for _, name := range args {
+				h, err := registry[name](d)
+				if err == nil && d.redisErr != nil {
+					err = d.redisErr
+				}
+				if err != nil {
+					_ = stopAll()
+					return fmt.Errorf("subscriber %s: %w", name, err)
+				}
+				r, err := subscribers.New(subscribers.Options{
+					Handler: h, Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
+					Pool: pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"),
+				})
+				if err == nil {
+					err = r.Start(ctx)
+				}
+				if err != nil {
+					_ = stopAll()
+					return err
+				}
+				runners = append(runners, r)
+			}
+			<-ctx.Done()
+			a.logger.Info("draining subscribers", "subscribers", args)
+			return stopAll()
+		},
+	}
+	cmd.Flags().StringVar(&start, "start", "", "where a new subscriber's consumer starts: all, new or time (overrides subscribers.start)")
+	return cmd
+}

@@ -1,0 +1,65 @@
+package cacheinval
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Name is the subscriber's durable name.
+const Name = "cacheinval"
+
+// Handler invalidates cached products.
+type Handler struct {
+	cache *Cache
+	pool  *pgxpool.Pool
+}
+
+// New returns the cache invalidator.
+func New(cache *Cache, pool *pgxpool.Pool) *Handler { return &Handler{cache: cache, pool: pool} }
+
+func (h *Handler) Name() string { return Name }
+
+// EventTypes: every product change, and brand renames (the brand name is in
+// each of its products' documents).
+func (h *Handler) EventTypes() []string { return []string{"product.>", shop.BrandUpdated} }
+
+// Handle invalidates the products the event changed.
+func (h *Handler) Handle(ctx context.Context, ev subscribers.Event) error {
+	switch ev.Type {
+	case shop.BrandUpdated:
+		var p shop.BrandEvent
+		if err := json.Unmarshal(ev.Payload, &p); err != nil || p.BrandID <= 0 {
+			return subscribers.Permanent(fmt.Errorf("malformed brand.updated payload %q: %v", ev.Payload, err))
+		}
+		rows, err := h.pool.Query(ctx, `SELECT id FROM products WHERE brand_id = $1`, p.BrandID)
+		if err != nil {
+			return fmt.Errorf("products of brand %d: %w", p.BrandID, err)
+		}
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			return fmt.Errorf("products of brand %d: %w", p.BrandID, err)
+		}
+		return h.cache.Invalidate(ctx, ids...)
+	default:
+		var p shop.ProductEvent
+		if err := json.Unmarshal(ev.Payload, &p); err != nil {
+			return subscribers.Permanent(fmt.Errorf("malformed %s payload %q: %v", ev.Type, ev.Payload, err))
+		}
+		id := p.ProductID
+		if id <= 0 {
+			// Any product event names its product as the aggregate.
+			id, _ = strconv.ParseInt(ev.AggregateID, 10, 64)
+		}
+		if id <= 0 {
+			return subscribers.Permanent(fmt.Errorf("%s event names no product (payload %q, aggregate %q)", ev.Type, ev.Payload, ev.AggregateID))
+		}
+		return h.cache.Invalidate(ctx, id)
+	}
+}

@@ -1,0 +1,54 @@
+package subscribers
+
+import (
+	"context"
+	"math/rand/v2"
+	"time"
+)
+
+// pruneSQL deletes one batch of a subscriber's checkpoint rows older than the
+// stream's max age: past it, the stream no longer holds the event, so it can
+// never be delivered again.
+const pruneSQL = `
+DELETE FROM processed_events
+WHERE subscriber = $1 AND event_id IN (
+    SELECT event_id FROM processed_events
+    WHERE subscriber = $1 AND processed_at < now() - make_interval(secs => $2::float8)
+    LIMIT 5000
+)`
+
+// pruneInterval is how often each instance prunes (with jitter).
+const pruneInterval = 10 * time.Minute
+
+func (r *Runner) pruneLoop(ctx context.Context) {
+	for {
+		wait := pruneInterval/2 + rand.N(pruneInterval)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		if n, err := r.Prune(ctx); err != nil && ctx.Err() == nil {
+			r.logger.Warn("prune checkpoint", "error", err)
+		} else if n > 0 {
+			r.logger.Info("pruned checkpoint", "rows", n)
+		}
+	}
+}
+
+// Prune deletes the subscriber's checkpoint rows older than the stream's
+// max age and returns how many.
+func (r *Runner) Prune(ctx context.Context) (int64, error) {
+	var total int64
+	for ctx.Err() == nil {
+		ct, err := r.opts.Pool.Exec(ctx, pruneSQL, r.name, r.opts.Stream.MaxAge.Seconds())
+		if err != nil {
+			return total, err
+		}
+		total += ct.RowsAffected()
+		if ct.RowsAffected() < 5000 {
+			break
+		}
+	}
+	return total, ctx.Err()
+}

@@ -1,0 +1,100 @@
+package subscribers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// ConsumerConfig is the durable consumer a subscriber gets.
+func ConsumerConfig(h Handler, cfg config.Subscribers, stream config.Stream) jetstream.ConsumerConfig {
+	filters := make([]string, 0, len(h.EventTypes()))
+	for _, t := range h.EventTypes() {
+		filters = append(filters, stream.SubjectPrefix+"."+t)
+	}
+	cc := jetstream.ConsumerConfig{
+		Durable:        h.Name(),
+		Description:    "fanout subscriber " + h.Name() + ": " + strings.Join(filters, ", "),
+		FilterSubjects: filters,
+		AckPolicy:      jetstream.AckExplicitPolicy,
+		AckWait:        cfg.AckWait,
+		// One delivery more than the runtime's limit: the runtime dead-letters
+		// an event that arrives past max_deliver (its last attempt hung).
+		MaxDeliver:    cfg.MaxDeliver + 1,
+		MaxAckPending: cfg.MaxAckPending,
+		Replicas:      stream.Replicas,
+		Metadata:      map[string]string{"fanout.subscriber": h.Name()},
+	}
+	switch cfg.Start {
+	case "new":
+		cc.DeliverPolicy = jetstream.DeliverNewPolicy
+	case "time":
+		t, _ := time.Parse(time.RFC3339, cfg.StartTime) // validated by config
+		cc.DeliverPolicy = jetstream.DeliverByStartTimePolicy
+		cc.OptStartTime = &t
+	default:
+		cc.DeliverPolicy = jetstream.DeliverAllPolicy
+	}
+	return cc
+}
+
+// ensureConsumer creates the consumer or brings it to want (auto), checks it
+// (verify), or only binds it (off). The start position of an existing
+// consumer is kept: JetStream cannot change it, and it only mattered when the
+// subscriber was new.
+func ensureConsumer(ctx context.Context, stream jetstream.Stream, want jetstream.ConsumerConfig, provision string) (jetstream.Consumer, error) {
+	existing, err := stream.Consumer(ctx, want.Durable)
+	if err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		return nil, fmt.Errorf("look up consumer %s: %w", want.Durable, err)
+	}
+	switch provision {
+	case "off":
+		if existing == nil {
+			return nil, fmt.Errorf("consumer %s does not exist (stream.provision=off)", want.Durable)
+		}
+		return existing, nil
+	case "verify":
+		if existing == nil {
+			return nil, fmt.Errorf("consumer %s does not exist (stream.provision=verify)", want.Durable)
+		}
+		have := existing.CachedInfo().Config
+		if have.AckPolicy != jetstream.AckExplicitPolicy {
+			return nil, fmt.Errorf("consumer %s: ack policy %s, want explicit", want.Durable, have.AckPolicy)
+		}
+		if !sameSet(have.FilterSubjects, want.FilterSubjects) && !(have.FilterSubject != "" && sameSet([]string{have.FilterSubject}, want.FilterSubjects)) {
+			return nil, fmt.Errorf("consumer %s filters %v, the subscriber wants %v", want.Durable, have.FilterSubjects, want.FilterSubjects)
+		}
+		return existing, nil
+	}
+	if existing != nil {
+		have := existing.CachedInfo().Config
+		want.DeliverPolicy, want.OptStartTime, want.OptStartSeq = have.DeliverPolicy, have.OptStartTime, have.OptStartSeq
+		c, err := stream.UpdateConsumer(ctx, want)
+		if err != nil {
+			return nil, fmt.Errorf("update consumer %s: %w", want.Durable, err)
+		}
+		return c, nil
+	}
+	c, err := stream.CreateConsumer(ctx, want)
+	if errors.Is(err, jetstream.ErrConsumerExists) {
+		// Another instance created it a moment ago.
+		return ensureConsumer(ctx, stream, want, provision)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("create consumer %s: %w", want.Durable, err)
+	}
+	return c, nil
+}
+
+func sameSet(a, b []string) bool {
+	a, b = slices.Clone(a), slices.Clone(b)
+	slices.Sort(a)
+	slices.Sort(b)
+	return slices.Equal(a, b)
+}

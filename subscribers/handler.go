@@ -1,0 +1,100 @@
+package subscribers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+)
+
+// Event is one delivered event.
+type Event struct {
+	ID            int64  // the outbox id: the same on every delivery and publish
+	Type          string // e.g. "order.created"
+	AggregateType string
+	AggregateID   string
+	CreatedAt     time.Time
+	Payload       []byte
+	Headers       nats.Header
+	Subject       string
+	StreamSeq     uint64
+	Delivery      uint64 // 1 on the first delivery
+}
+
+// Handler names a subscriber and the events it wants. A subscriber also
+// implements EventHandler or TxHandler.
+type Handler interface {
+	// Name is the durable consumer's name and the checkpoint's key. It must
+	// never change: a new name is a new subscriber that starts over.
+	Name() string
+	// EventTypes are the event types wanted, as subject patterns relative to
+	// the stream's prefix: "order.created", "product.>", "*.deleted".
+	EventTypes() []string
+}
+
+// EventHandler handles one event whose effect lives outside Postgres (a
+// cache, a search index). It must be idempotent: after a crash the runtime
+// may deliver an event whose effect already happened.
+type EventHandler interface {
+	Handler
+	Handle(ctx context.Context, ev Event) error
+}
+
+// TxHandler handles one event whose effect lives in Postgres, inside tx,
+// which also holds the event's checkpoint row. It must not commit or roll
+// back tx.
+type TxHandler interface {
+	Handler
+	HandleTx(ctx context.Context, tx pgx.Tx, ev Event) error
+}
+
+// retryAfter asks for a redelivery after a delay.
+type retryAfter struct {
+	delay time.Duration
+	err   error
+}
+
+func (r *retryAfter) Error() string {
+	return fmt.Sprintf("retry after %s: %v", r.delay, r.err)
+}
+
+func (r *retryAfter) Unwrap() error { return r.err }
+
+// RetryAfter returns an error that naks the event with the given delay.
+func RetryAfter(delay time.Duration, err error) error {
+	return &retryAfter{delay: delay, err: err}
+}
+
+// permanent marks an error that no retry can fix.
+type permanent struct{ err error }
+
+func (p *permanent) Error() string { return p.err.Error() }
+func (p *permanent) Unwrap() error { return p.err }
+
+// Permanent returns an error that sends the event to the dead letters with
+// err as the reason, then terminates it: a malformed payload, a reference
+// to something that does not exist.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &permanent{err: err}
+}
+
+// IsPermanent reports whether err (or an error it wraps) is Permanent.
+func IsPermanent(err error) bool {
+	var p *permanent
+	return errors.As(err, &p)
+}
+
+// retryDelay reports the delay RetryAfter asked for.
+func retryDelay(err error) (time.Duration, bool) {
+	var r *retryAfter
+	if errors.As(err, &r) {
+		return r.delay, true
+	}
+	return 0, false
+}

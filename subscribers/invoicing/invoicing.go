@@ -1,0 +1,114 @@
+// Package invoicing is the subscriber that invoices orders: on
+// order.created it creates the order's invoice (number, lines, total from
+// the order's lines) in the same transaction as its checkpoint, so each
+// order gets exactly one invoice however often the event arrives. invoices
+// has a unique order_id as a second line of defence.
+package invoicing
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5"
+)
+
+// Name is the subscriber's durable name.
+const Name = "invoicing"
+
+// Handler invoices orders.
+type Handler struct{}
+
+// New returns the invoicing handler.
+func New() Handler { return Handler{} }
+
+func (Handler) Name() string         { return Name }
+func (Handler) EventTypes() []string { return []string{shop.OrderCreated} }
+
+// ErrMalformed, ErrUnknownOrder and ErrMissingProduct are the reasons an
+// order.created event goes to the dead letters.
+var (
+	ErrMalformed      = errors.New("malformed order.created payload")
+	ErrUnknownOrder   = errors.New("unknown order")
+	ErrMissingProduct = errors.New("order line references a missing product")
+)
+
+const (
+	// checkOrderSQL says whether the order exists, how many lines it has,
+	// and the first line whose product is gone.
+	checkOrderSQL = `
+SELECT o.id IS NOT NULL,
+       count(l.line_no),
+       min(l.line_no) FILTER (WHERE p.id IS NULL),
+       min(l.product_id) FILTER (WHERE p.id IS NULL)
+FROM (SELECT $1::bigint AS id) q
+LEFT JOIN orders o ON o.id = q.id
+LEFT JOIN order_lines l ON l.order_id = o.id
+LEFT JOIN products p ON p.id = l.product_id
+GROUP BY o.id`
+
+	// createInvoiceSQL creates the invoice and its lines in one statement.
+	// ON CONFLICT makes a second invoice for the order impossible even if
+	// the checkpoint were bypassed.
+	createInvoiceSQL = `
+WITH invoice AS (
+    INSERT INTO invoices (order_id, number, total)
+    SELECT $1, 'INV-' || to_char(now(), 'YYYY') || '-' || lpad(nextval('invoice_number_seq')::text, 8, '0'),
+           sum(quantity * unit_price)
+    FROM order_lines WHERE order_id = $1
+    HAVING count(*) > 0
+    ON CONFLICT (order_id) DO NOTHING
+    RETURNING id
+)
+INSERT INTO invoice_lines (invoice_id, line_no, sku, description, quantity, unit_price, amount)
+SELECT invoice.id, l.line_no, p.sku, p.name, l.quantity, l.unit_price, l.quantity * l.unit_price
+FROM invoice
+JOIN order_lines l ON l.order_id = $1
+JOIN products p ON p.id = l.product_id`
+)
+
+// HandleTx creates the order's invoice inside tx. The check and the insert
+// travel in one round trip; if the check fails, the returned error rolls the
+// insert back with the rest of the transaction.
+func (Handler) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
+	var p shop.OrderEvent
+	if err := json.Unmarshal(ev.Payload, &p); err != nil {
+		return subscribers.Permanent(fmt.Errorf("%w: %v", ErrMalformed, err))
+	}
+	if p.OrderID <= 0 {
+		return subscribers.Permanent(fmt.Errorf("%w: no order_id in %s", ErrMalformed, truncate(ev.Payload)))
+	}
+	var (
+		exists                    bool
+		lines                     int
+		missingLine, missingProduct *int64
+	)
+	b := &pgx.Batch{}
+	b.Queue(checkOrderSQL, p.OrderID).QueryRow(func(row pgx.Row) error {
+		return row.Scan(&exists, &lines, &missingLine, &missingProduct)
+	})
+	b.Queue(createInvoiceSQL, p.OrderID)
+	if err := tx.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("invoice order %d: %w", p.OrderID, err)
+	}
+	switch {
+	case !exists:
+		return subscribers.Permanent(fmt.Errorf("%w: order %d does not exist", ErrUnknownOrder, p.OrderID))
+	case lines == 0:
+		return subscribers.Permanent(fmt.Errorf("%w: order %d has no lines", ErrMalformed, p.OrderID))
+	case missingLine != nil:
+		return subscribers.Permanent(fmt.Errorf("%w: order %d line %d names product %d, which does not exist",
+			ErrMissingProduct, p.OrderID, *missingLine, *missingProduct))
+	}
+	return nil
+}
+
+func truncate(b []byte) string {
+	if len(b) > 200 {
+		return string(b[:200]) + "..."
+	}
+	return string(b)
+}

@@ -1,0 +1,277 @@
+// Package subscribertest is the test kit of subscribers: Env, a real
+// Postgres database, nats-server and relay for one test, and Run, the
+// conformance suite every subscriber package runs (idempotent under
+// redelivery, permanent errors reach the dead letters with their reason, a
+// cancelled context stops work, a duplicate event id has no second effect).
+package subscribertest
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/natstest"
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Env is one test's pipeline: a database, a nats-server, and a relay
+// publishing the database's outbox.
+type Env struct {
+	T      *testing.T
+	DB     *pgtest.DB
+	NATS   *natstest.Server
+	Conn   *nats.Conn
+	JS     jetstream.JetStream
+	Config *config.Config
+	Logger *slog.Logger
+}
+
+// NewEnv starts the test's services and a relay. Its subscriber settings
+// are quick: a 1 s ack wait, retries from 100 ms, 5 deliveries.
+func NewEnv(t *testing.T) *Env {
+	t.Helper()
+	cfg, err := config.Load("", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Relay.PollInterval = 50 * time.Millisecond
+	cfg.Subscribers.AckWait = time.Second
+	cfg.Subscribers.RetryMin = 100 * time.Millisecond
+	cfg.Subscribers.RetryMax = time.Second
+	cfg.Subscribers.MaxDeliver = 5
+	cfg.Subscribers.BatchSize = 50
+	cfg.Subscribers.Concurrency = 2
+	e := &Env{T: t, DB: pgtest.NewDB(t), NATS: natstest.Start(t), Config: cfg, Logger: Logger(t)}
+	e.Conn = e.Connect()
+	if e.JS, err = jetstream.New(e.Conn); err != nil {
+		t.Fatal(err)
+	}
+	r, err := relay.New(relay.Options{Relay: cfg.Relay, Stream: cfg.Stream, Pool: e.DB.Pool, Conn: e.Connect(), Logger: e.Logger.With("component", "relay")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = r.Stop(ctx)
+	})
+	return e
+}
+
+// Logger logs to stderr under -v, else nowhere.
+func Logger(t *testing.T) *slog.Logger {
+	if testing.Verbose() {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name())
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// Connect returns a new connection to the test's server, closed at the end.
+func (e *Env) Connect() *nats.Conn {
+	e.T.Helper()
+	nc, err := nats.Connect(e.NATS.URL, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	e.T.Cleanup(nc.Close)
+	return nc
+}
+
+// NewRunner returns a runner for h with the env's settings, adjusted by
+// mutate; it is not started.
+func (e *Env) NewRunner(h subscribers.Handler, mutate func(*subscribers.Options)) *subscribers.Runner {
+	e.T.Helper()
+	opts := subscribers.Options{Handler: h, Config: e.Config.Subscribers, Stream: e.Config.Stream,
+		Pool: e.DB.Pool, Conn: e.Connect(), Logger: e.Logger.With("component", "subscriber")}
+	if mutate != nil {
+		mutate(&opts)
+	}
+	r, err := subscribers.New(opts)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	return r
+}
+
+// StartRunner starts a runner for h and drains it when the test ends.
+func (e *Env) StartRunner(h subscribers.Handler, mutate func(*subscribers.Options)) *subscribers.Runner {
+	e.T.Helper()
+	r := e.NewRunner(h, mutate)
+	e.Start(r)
+	return r
+}
+
+// Start starts r and stops it when the test ends.
+func (e *Env) Start(r *subscribers.Runner) {
+	e.T.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Start(ctx); err != nil {
+		e.T.Fatal(err)
+	}
+	e.T.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = r.Stop(ctx)
+	})
+}
+
+// Write commits the events in one transaction, after fn (if any) wrote the
+// business rows, and returns their ids.
+func (e *Env) Write(fn func(tx pgx.Tx) ([]outbox.Event, error)) []int64 {
+	e.T.Helper()
+	ctx := context.Background()
+	var ids []int64
+	err := pgx.BeginFunc(ctx, e.DB.Pool, func(tx pgx.Tx) error {
+		events, err := fn(tx)
+		if err != nil {
+			return err
+		}
+		for _, ev := range events {
+			id, err := outbox.Write(ctx, tx, ev)
+			if err != nil {
+				return err
+			}
+			ids = append(ids, id)
+		}
+		return nil
+	})
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	return ids
+}
+
+// WaitFor polls cond until it holds or timeout passes.
+func WaitFor(t *testing.T, timeout time.Duration, what string, cond func() (bool, string)) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		ok, state := cond()
+		if ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s; last state: %s", timeout, what, state)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// ConsumerState returns the subscriber's consumer's pending and ack-pending
+// counts.
+func (e *Env) ConsumerState(name string) (pending uint64, ackPending int, err error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := e.JS.Consumer(ctx, e.Config.Stream.Name, name)
+	if err != nil {
+		return 0, 0, err
+	}
+	info, err := c.Info(ctx)
+	if err != nil {
+		return 0, 0, err
+	}
+	return info.NumPending, info.NumAckPending, nil
+}
+
+// WaitIdle waits until the subscriber's consumer has nothing pending and
+// nothing unacknowledged.
+func (e *Env) WaitIdle(name string, timeout time.Duration) {
+	e.T.Helper()
+	WaitFor(e.T, timeout, name+" idle", func() (bool, string) {
+		p, a, err := e.ConsumerState(name)
+		if err != nil {
+			return false, err.Error()
+		}
+		return p == 0 && a == 0, "pending " + strconv.FormatUint(p, 10) + ", ack pending " + strconv.Itoa(a)
+	})
+}
+
+// Checkpointed reports whether the subscriber's checkpoint holds the event.
+func (e *Env) Checkpointed(name string, id int64) bool {
+	e.T.Helper()
+	var ok bool
+	err := e.DB.Pool.QueryRow(context.Background(),
+		`SELECT EXISTS (SELECT FROM processed_events WHERE subscriber = $1 AND event_id = $2)`, name, id).Scan(&ok)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	return ok
+}
+
+// DeadLetters returns the subscriber's dead letters.
+func (e *Env) DeadLetters(name string) []*jetstream.RawStreamMsg {
+	e.T.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := e.JS.Stream(ctx, e.Config.Subscribers.DeadLetterStream)
+	if err != nil {
+		return nil // not created yet: no dead letters
+	}
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(subscribers.DeadLetterSubjectPrefix+"."+name+".>"))
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	var out []*jetstream.RawStreamMsg
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if err != nil {
+			continue // deleted
+		}
+		if m.Header.Get(subscribers.DeadSubscriberHeader) == name {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// Republish publishes the stored message of event id again under a new
+// Nats-Msg-Id, so JetStream stores it a second time: a duplicate event that
+// got past JetStream's window.
+func (e *Env) Republish(id int64) {
+	e.T.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := e.JS.Stream(ctx, e.Config.Stream.Name)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
+		m, err := s.GetMsg(ctx, seq)
+		if err != nil || m.Header.Get(outbox.EventIDHeader) != strconv.FormatInt(id, 10) {
+			continue
+		}
+		msg := nats.NewMsg(m.Subject)
+		msg.Data = m.Data
+		for k, v := range m.Header {
+			if k != "Nats-Msg-Id" {
+				msg.Header[k] = v
+			}
+		}
+		if _, err := e.JS.PublishMsg(ctx, msg, jetstream.WithMsgID("again-"+strconv.FormatInt(id, 10)+"-"+strconv.FormatInt(time.Now().UnixNano(), 10))); err != nil {
+			e.T.Fatal(err)
+		}
+		return
+	}
+	e.T.Fatalf("event %d not in the stream", id)
+}

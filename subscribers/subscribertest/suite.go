@@ -1,0 +1,208 @@
+package subscribertest
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5"
+)
+
+// Case describes a subscriber to the conformance suite.
+type Case struct {
+	// Handler builds the subscriber on env's database.
+	Handler func(env *Env) subscribers.Handler
+	// Valid writes the business rows a valid event needs, inside tx, and
+	// returns the event.
+	Valid func(env *Env, tx pgx.Tx) (outbox.Event, error)
+	// Effects counts the effect a valid event had: 1 when handled, however
+	// often it was delivered.
+	Effects func(env *Env, ev outbox.Event) int
+	// Invalid returns an event the handler must send to the dead letters,
+	// and a substring of the reason it must give.
+	Invalid func(env *Env, tx pgx.Tx) (ev outbox.Event, reason string, err error)
+}
+
+// Run is the conformance suite. Each subtest has its own database,
+// nats-server and relay, and runs in parallel with the others.
+func Run(t *testing.T, c Case) {
+	t.Run("HandledOnceAndCheckpointed", func(t *testing.T) {
+		t.Parallel()
+		env := NewEnv(t)
+		h, calls := counted(c.Handler(env))
+		env.StartRunner(h, nil)
+		ev, id := writeValid(env, c)
+		waitEffect(env, c, ev, 1)
+		env.WaitIdle(h.Name(), 10*time.Second)
+		if !env.Checkpointed(h.Name(), id) {
+			t.Errorf("event %d handled but not in the checkpoint", id)
+		}
+		if n := calls.of(id); n != 1 {
+			t.Errorf("handler called %d times for one event", n)
+		}
+	})
+
+	t.Run("DuplicateEventIDHasNoSecondEffect", func(t *testing.T) {
+		t.Parallel()
+		env := NewEnv(t)
+		h, calls := counted(c.Handler(env))
+		env.StartRunner(h, nil)
+		ev, id := writeValid(env, c)
+		waitEffect(env, c, ev, 1)
+		env.WaitIdle(h.Name(), 10*time.Second)
+		env.Republish(id) // the same event id, stored a second time
+		env.WaitIdle(h.Name(), 10*time.Second)
+		if n := calls.of(id); n != 1 {
+			t.Errorf("handler called %d times for an event delivered twice under one id, want 1", n)
+		}
+		if n := c.Effects(env, ev); n != 1 {
+			t.Errorf("effects = %d after a duplicate, want 1", n)
+		}
+	})
+
+	t.Run("IdempotentUnderRedelivery", func(t *testing.T) {
+		t.Parallel()
+		env := NewEnv(t)
+		base := c.Handler(env)
+
+		// The first instance records the effect and its checkpoint, then
+		// dies before acking.
+		recorded := make(chan struct{})
+		var once sync.Once
+		dying := env.NewRunner(base, func(o *subscribers.Options) {
+			o.BeforeAck = func(ctx context.Context, _ []int64) {
+				once.Do(func() { close(recorded) })
+				<-ctx.Done()
+			}
+		})
+		env.Start(dying)
+		ev, id := writeValid(env, c)
+		select {
+		case <-recorded:
+		case <-time.After(15 * time.Second):
+			t.Fatal("event never handled")
+		}
+		stopCtx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		_ = dying.Stop(stopCtx)
+
+		// JetStream redelivers after the ack wait; the checkpoint absorbs it.
+		h, calls := counted(base)
+		env.StartRunner(h, nil)
+		env.WaitIdle(base.Name(), 15*time.Second)
+		if n := c.Effects(env, ev); n != 1 {
+			t.Errorf("effects = %d after a redelivery, want 1", n)
+		}
+		if n := calls.of(id); n != 0 {
+			t.Errorf("handler ran %d times on a redelivered, checkpointed event, want 0", n)
+		}
+
+		// Even past the checkpoint (say it was pruned), the handler's own
+		// effect is idempotent.
+		if _, err := env.DB.Pool.Exec(context.Background(), `DELETE FROM processed_events WHERE subscriber = $1 AND event_id = $2`, base.Name(), id); err != nil {
+			t.Fatal(err)
+		}
+		env.Republish(id)
+		WaitFor(t, 10*time.Second, "the handler to run again", func() (bool, string) { return calls.of(id) == 1, "" })
+		env.WaitIdle(base.Name(), 10*time.Second)
+		if n := c.Effects(env, ev); n != 1 {
+			t.Errorf("effects = %d after handling the event again, want 1 (the handler must be idempotent)", n)
+		}
+	})
+
+	t.Run("PermanentErrorReachesDeadLettersWithReason", func(t *testing.T) {
+		t.Parallel()
+		env := NewEnv(t)
+		h, _ := counted(c.Handler(env))
+		env.StartRunner(h, nil)
+		var reason string
+		bad := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+			ev, r, err := c.Invalid(env, tx)
+			reason = r
+			return []outbox.Event{ev}, err
+		})[0]
+		// An event behind the bad one flows on.
+		ev, _ := writeValid(env, c)
+		waitEffect(env, c, ev, 1)
+		env.WaitIdle(h.Name(), 15*time.Second)
+		dead := env.DeadLetters(h.Name())
+		if len(dead) != 1 {
+			t.Fatalf("%d dead letters, want 1", len(dead))
+		}
+		d := dead[0]
+		if d.Header.Get(outbox.EventIDHeader) != itoa(bad) || d.Header.Get(subscribers.DeadSubscriberHeader) != h.Name() {
+			t.Errorf("dead letter headers %v, want event %d of %s", d.Header, bad, h.Name())
+		}
+		if got := d.Header.Get(subscribers.DeadReasonHeader); !strings.Contains(got, reason) {
+			t.Errorf("dead letter reason %q, want it to mention %q", got, reason)
+		}
+		if d.Header.Get(subscribers.DeadDeliveriesHeader) == "" || d.Header.Get(subscribers.DeadSubjectHeader) == "" {
+			t.Errorf("dead letter lacks its delivery count or original subject: %v", d.Header)
+		}
+		if env.Checkpointed(h.Name(), bad) {
+			t.Errorf("dead-lettered event %d is in the checkpoint", bad)
+		}
+	})
+
+	t.Run("CancelledContextStopsWork", func(t *testing.T) {
+		t.Parallel()
+		env := NewEnv(t)
+		h := c.Handler(env)
+		var oev outbox.Event
+		env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+			var err error
+			oev, err = c.Valid(env, tx)
+			return nil, err // the business rows only: no runner would see it anyway
+		})
+		payload, err := encodePayload(oev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ev := subscribers.Event{ID: 1 << 40, Type: oev.Type, AggregateType: oev.AggregateType, AggregateID: oev.AggregateID,
+			Payload: payload, CreatedAt: time.Now(), Delivery: 1}
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		switch hh := h.(type) {
+		case subscribers.TxHandler:
+			tx, err := env.DB.Pool.Begin(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = hh.HandleTx(ctx, tx, ev)
+			_ = tx.Rollback(context.Background())
+			if err == nil {
+				t.Error("HandleTx with a cancelled context returned nil")
+			}
+		case subscribers.EventHandler:
+			if err := hh.Handle(ctx, ev); err == nil {
+				t.Error("Handle with a cancelled context returned nil")
+			}
+		}
+		if n := c.Effects(env, oev); n != 0 {
+			t.Errorf("effects = %d after a cancelled call, want 0", n)
+		}
+	})
+}
+
+func writeValid(env *Env, c Case) (outbox.Event, int64) {
+	env.T.Helper()
+	var ev outbox.Event
+	id := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+		var err error
+		ev, err = c.Valid(env, tx)
+		return []outbox.Event{ev}, err
+	})[0]
+	return ev, id
+}
+
+func waitEffect(env *Env, c Case, ev outbox.Event, want int) {
+	env.T.Helper()
+	WaitFor(env.T, 15*time.Second, "the event's effect", func() (bool, string) {
+		n := c.Effects(env, ev)
+		return n == want, "effects " + itoa(int64(n))
+	})
+}
