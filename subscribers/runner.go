@@ -385,6 +385,10 @@ func (r *Runner) txBatch(ctx context.Context, ds []delivery) (fresh int, err err
 	}
 	slices.Sort(ids)
 	ids = slices.Compact(ids)
+	// A hung handler must not hold its events forever (the in-progress
+	// signals would keep them from being redelivered): bound the attempt.
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout)
+	defer cancel()
 	err = pgx.BeginFunc(ctx, r.opts.Pool, func(tx pgx.Tx) error {
 		rows, err := tx.Query(ctx, checkpointSQL, r.name, ids)
 		if err != nil {
@@ -432,6 +436,8 @@ func (r *Runner) callTx(ctx context.Context, tx pgx.Tx, ev Event) (err error) {
 
 func (r *Runner) call(ctx context.Context, ev Event) (err error) {
 	defer recoverHandler(ev, &err)
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
+	defer cancel()
 	return r.eventH.Handle(ctx, ev)
 }
 
@@ -565,6 +571,11 @@ func (r *Runner) ack(ctx context.Context, ds []delivery, double bool) {
 
 // fail decides a failed event's fate: dead letter, or a nak with a delay.
 func (r *Runner) fail(ctx context.Context, d delivery, err error) {
+	if ctx.Err() != nil {
+		// Hard stop: the failure is ours, not the event's. Leave it
+		// unacked; JetStream redelivers it after the ack wait.
+		return
+	}
 	switch {
 	case IsPermanent(err):
 		r.deadLetter(ctx, d, err.Error())

@@ -135,6 +135,10 @@ type Subscribers struct {
 	// AckWait is how long JetStream waits for an ack before redelivering;
 	// long work sends in-progress signals. Default 30s, >= 1s.
 	AckWait time.Duration `koanf:"ack_wait"`
+	// HandlerTimeout bounds one handler call (one batch, for subscribers
+	// whose effect is in Postgres); past it the handler's context is
+	// cancelled and the attempt counts as failed. Default 1m, >= 100ms.
+	HandlerTimeout time.Duration `koanf:"handler_timeout"`
 	// MaxDeliver is how many deliveries an event gets before it goes to the
 	// dead letters. Default 10, 2..1000.
 	MaxDeliver int `koanf:"max_deliver"`
@@ -250,6 +254,7 @@ func defaults() map[string]any {
 		"subscribers.concurrency":         4,
 		"subscribers.batch_size":          100,
 		"subscribers.ack_wait":            "30s",
+		"subscribers.handler_timeout":     "1m",
 		"subscribers.max_deliver":         10,
 		"subscribers.max_ack_pending":     1000,
 		"subscribers.retry_min":           "1s",
@@ -482,6 +487,9 @@ func (c *Config) Validate() error {
 	between("subscribers.batch_size", int64(c.Subscribers.BatchSize), 1, 1000)
 	if c.Subscribers.AckWait < time.Second {
 		bad("subscribers.ack_wait", "must be at least 1s (got %s)", c.Subscribers.AckWait)
+	}
+	if c.Subscribers.HandlerTimeout < 100*time.Millisecond {
+		bad("subscribers.handler_timeout", "must be at least 100ms (got %s)", c.Subscribers.HandlerTimeout)
 	}
 	between("subscribers.max_deliver", int64(c.Subscribers.MaxDeliver), 2, 1000)
 	between("subscribers.max_ack_pending", int64(c.Subscribers.MaxAckPending), 1, 100000)

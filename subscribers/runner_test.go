@@ -1,0 +1,391 @@
+package subscribers_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// scripted is a test subscriber whose events say how to behave.
+type scripted struct {
+	name  string
+	types []string
+	mu    sync.Mutex
+	seen  map[int64][]uint64 // deliveries seen per event
+	at    map[int64][]time.Time
+	done  map[int64]bool
+}
+
+type script struct {
+	Behave string `json:"behave"` // ok, fail, retry, permanent, hang, slow
+	Fails  int    `json:"fails"`  // for fail: fail this many deliveries, then succeed
+}
+
+func newScripted(name string, types ...string) *scripted {
+	if len(types) == 0 {
+		types = []string{"test.>"}
+	}
+	return &scripted{name: name, types: types, seen: map[int64][]uint64{}, at: map[int64][]time.Time{}, done: map[int64]bool{}}
+}
+
+func (s *scripted) Name() string         { return s.name }
+func (s *scripted) EventTypes() []string { return s.types }
+
+func (s *scripted) Handle(ctx context.Context, ev subscribers.Event) error {
+	var sc script
+	_ = json.Unmarshal(ev.Payload, &sc)
+	s.mu.Lock()
+	s.seen[ev.ID] = append(s.seen[ev.ID], ev.Delivery)
+	s.at[ev.ID] = append(s.at[ev.ID], time.Now())
+	s.mu.Unlock()
+	var err error
+	switch sc.Behave {
+	case "fail":
+		if int(ev.Delivery) <= sc.Fails {
+			err = errors.New("transient trouble")
+		}
+	case "retry":
+		if ev.Delivery == 1 {
+			err = subscribers.RetryAfter(700*time.Millisecond, errors.New("not yet"))
+		}
+	case "permanent":
+		err = subscribers.Permanent(errors.New("this event is nonsense"))
+	case "hang":
+		<-ctx.Done() // never returns in time: the ack wait expires
+		err = ctx.Err()
+	case "slow":
+		select {
+		case <-time.After(2500 * time.Millisecond):
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+	}
+	if err == nil {
+		s.mu.Lock()
+		s.done[ev.ID] = true
+		s.mu.Unlock()
+	}
+	return err
+}
+
+func (s *scripted) deliveries(id int64) []uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]uint64(nil), s.seen[id]...)
+}
+
+func (s *scripted) handled() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.done)
+}
+
+func (s *scripted) isDone(id int64) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.done[id]
+}
+
+func testEvent(behave string, fails int) outbox.Event {
+	return outbox.Event{AggregateType: "test", AggregateID: "1", Type: "test.event", Payload: script{Behave: behave, Fails: fails}}
+}
+
+func write(env *subscribertest.Env, events ...outbox.Event) []int64 {
+	return env.Write(func(pgx.Tx) ([]outbox.Event, error) { return events, nil })
+}
+
+func TestOutcomes(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	h := newScripted("outcomes")
+	env.StartRunner(h, nil)
+	ids := write(env,
+		testEvent("fail", 2),      // nak twice, then ack
+		testEvent("retry", 0),     // RetryAfter 700ms, then ack
+		testEvent("fail", 99),     // fails every time: dead letter after max_deliver (5)
+		testEvent("permanent", 0), // dead letter at once
+		testEvent("ok", 0),        // behind the others, and not held up by them
+	)
+	subscribertest.WaitFor(t, 5*time.Second, "the ok event", func() (bool, string) { return h.isDone(ids[4]), "" })
+	subscribertest.WaitFor(t, 20*time.Second, "two dead letters", func() (bool, string) {
+		return len(env.DeadLetters(h.name)) == 2, strconv.Itoa(len(env.DeadLetters(h.name)))
+	})
+	env.WaitIdle(h.name, 10*time.Second)
+
+	if d := h.deliveries(ids[0]); len(d) != 3 || !h.isDone(ids[0]) {
+		t.Errorf("fail-twice event: deliveries %v, done %v; want 3 deliveries and done", d, h.isDone(ids[0]))
+	}
+	h.mu.Lock()
+	at := h.at[ids[0]]
+	retryAt := h.at[ids[1]]
+	h.mu.Unlock()
+	// retry_min is 100ms: the naks wait 100ms, then 200ms.
+	if gap1, gap2 := at[1].Sub(at[0]), at[2].Sub(at[1]); gap1 < 90*time.Millisecond || gap2 < 190*time.Millisecond {
+		t.Errorf("nak delays %s then %s, want about 100ms then 200ms (doubling)", gap1, gap2)
+	}
+	if len(retryAt) != 2 || retryAt[1].Sub(retryAt[0]) < 650*time.Millisecond {
+		t.Errorf("RetryAfter(700ms): deliveries at %v, want 2, 700ms apart", retryAt)
+	}
+	if d := h.deliveries(ids[2]); len(d) != 5 {
+		t.Errorf("always-failing event delivered %d times, want max_deliver = 5", len(d))
+	}
+	if d := h.deliveries(ids[3]); len(d) != 1 {
+		t.Errorf("permanent failure delivered %d times, want 1", len(d))
+	}
+	reasons := map[string]string{}
+	for _, m := range env.DeadLetters(h.name) {
+		reasons[m.Header.Get(outbox.EventIDHeader)] = m.Header.Get(subscribers.DeadReasonHeader) + " / deliveries " + m.Header.Get(subscribers.DeadDeliveriesHeader)
+	}
+	if r := reasons[strconv.FormatInt(ids[2], 10)]; !strings.Contains(r, "gave up after 5 deliveries: transient trouble") || !strings.HasSuffix(r, "deliveries 5") {
+		t.Errorf("exhausted event's dead letter: %q", r)
+	}
+	if r := reasons[strconv.FormatInt(ids[3], 10)]; !strings.Contains(r, "this event is nonsense") {
+		t.Errorf("permanent event's dead letter: %q", r)
+	}
+	for _, id := range []int64{ids[0], ids[1], ids[4]} {
+		if !env.Checkpointed(h.name, id) {
+			t.Errorf("event %d not checkpointed", id)
+		}
+	}
+}
+
+// A handler that never returns is cut off by subscribers.handler_timeout;
+// after max_deliver such attempts the event is in the dead letters.
+func TestHungHandlerIsCutOffAndDeadLettered(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	env.Config.Subscribers.MaxDeliver = 2
+	env.Config.Subscribers.HandlerTimeout = 300 * time.Millisecond
+	h := newScripted("hung")
+	env.StartRunner(h, nil)
+	id := write(env, testEvent("hang", 0))[0]
+	subscribertest.WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) {
+		return len(env.DeadLetters(h.name)) == 1, strconv.Itoa(len(h.deliveries(id))) + " deliveries"
+	})
+	if r := env.DeadLetters(h.name)[0].Header.Get(subscribers.DeadReasonHeader); !strings.Contains(r, "gave up after 2 deliveries: context deadline exceeded") {
+		t.Errorf("reason %q", r)
+	}
+}
+
+// An event whose handling kills its process every time (a crash loop): each
+// delivery ends with no outcome; the delivery past max_deliver goes to the
+// dead letters on arrival, so the event neither loops forever nor vanishes.
+func TestCrashLoopEventEndsInDeadLetters(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	env.Config.Subscribers.MaxDeliver = 2
+	var id int64
+	for i := range 2 {
+		h := newScripted("crashloop")
+		r := env.StartRunner(h, nil)
+		if i == 0 {
+			id = write(env, testEvent("hang", 0))[0]
+		}
+		subscribertest.WaitFor(t, 10*time.Second, "a delivery", func() (bool, string) { return len(h.deliveries(id)) == 1, "" })
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+		_ = r.Stop(ctx) // the process dies mid-handling
+		cancel()
+	}
+	survivor := newScripted("crashloop")
+	env.StartRunner(survivor, nil)
+	subscribertest.WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) { return len(env.DeadLetters("crashloop")) == 1, "" })
+	if r := env.DeadLetters("crashloop")[0].Header.Get(subscribers.DeadReasonHeader); !strings.Contains(r, "no outcome after 2 deliveries") {
+		t.Errorf("reason %q", r)
+	}
+	if len(survivor.deliveries(id)) != 0 {
+		t.Error("the handler ran a third time on an event past max_deliver")
+	}
+}
+
+// Long work sends in-progress signals: a handler taking 2.5 ack waits is
+// not redelivered meanwhile.
+func TestLongWorkIsKeptAlive(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	h := newScripted("slow")
+	env.StartRunner(h, nil)
+	id := write(env, testEvent("slow", 0))[0]
+	subscribertest.WaitFor(t, 10*time.Second, "the slow event", func() (bool, string) { return h.isDone(id), "" })
+	env.WaitIdle(h.name, 5*time.Second)
+	if d := h.deliveries(id); len(d) != 1 {
+		t.Errorf("slow event delivered %d times, want 1 (in-progress must hold it)", len(d))
+	}
+}
+
+// SIGTERM semantics: Stop lets the event in hand finish and be acked.
+func TestStopDrainsEventsInHand(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	h := newScripted("drain")
+	r := env.StartRunner(h, nil)
+	id := write(env, testEvent("slow", 0))[0]
+	subscribertest.WaitFor(t, 5*time.Second, "the slow event to start", func() (bool, string) { return len(h.deliveries(id)) == 1, "" })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !h.isDone(id) || !env.Checkpointed(h.name, id) {
+		t.Fatalf("after Stop: done %v, checkpointed %v; want the event in hand finished", h.isDone(id), env.Checkpointed(h.name, id))
+	}
+	if _, ackPending, err := env.ConsumerState(h.name); err != nil || ackPending != 0 {
+		t.Errorf("ack pending %d after a drain (%v), want 0", ackPending, err)
+	}
+}
+
+// Two instances share one durable consumer: every event is handled once in
+// all, and both do some of the work.
+func TestInstancesShareTheConsumer(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	env.Config.Subscribers.BatchSize = 5
+	a, b := newScripted("shared"), newScripted("shared")
+	env.StartRunner(a, nil)
+	env.StartRunner(b, nil)
+	var ids []int64
+	for range 40 {
+		ids = append(ids, write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))...)
+		time.Sleep(5 * time.Millisecond)
+	}
+	env.WaitIdle("shared", 15*time.Second)
+	for _, id := range ids {
+		if n := len(a.deliveries(id)) + len(b.deliveries(id)); n != 1 {
+			t.Fatalf("event %d handled %d times by the two instances", id, n)
+		}
+	}
+	t.Logf("instance a handled %d, b %d", a.handled(), b.handled())
+	if a.handled() == 0 || b.handled() == 0 {
+		t.Errorf("instance a handled %d events, b %d: both should share the work", a.handled(), b.handled())
+	}
+}
+
+// A subscriber stopped for a while catches up on what it missed.
+func TestStoppedSubscriberCatchesUp(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	first := newScripted("catchup")
+	r := env.StartRunner(first, nil)
+	before := write(env, testEvent("ok", 0))
+	subscribertest.WaitFor(t, 5*time.Second, "the first event", func() (bool, string) { return first.isDone(before[0]), "" })
+	if err := r.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var missed []int64
+	for range 10 {
+		missed = append(missed, write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))...)
+	}
+	later := newScripted("catchup")
+	env.StartRunner(later, nil)
+	env.WaitIdle("catchup", 10*time.Second)
+	for _, id := range missed {
+		if !later.isDone(id) {
+			t.Errorf("event %d written while the subscriber was down never arrived", id)
+		}
+	}
+	if len(later.deliveries(before[0])) != 0 {
+		t.Error("the restarted subscriber got an event it had already acked")
+	}
+}
+
+// Adding a subscriber changes no writer: a new one, on a stream that already
+// holds events, replays the history (start all) or sees only new events
+// (start new), and the existing subscriber is unaffected.
+func TestAddingASubscriber(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	existing := newScripted("existing")
+	env.StartRunner(existing, nil)
+	history := write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))
+	env.WaitIdle("existing", 10*time.Second)
+
+	replaying := newScripted("audit-all")
+	env.StartRunner(replaying, nil) // subscribers.start = all (the default)
+	onlyNew := newScripted("audit-new")
+	env.StartRunner(onlyNew, func(o *subscribers.Options) { o.Config.Start = "new" })
+	env.WaitIdle("audit-all", 10*time.Second)
+
+	fresh := write(env, testEvent("ok", 0))
+	for _, name := range []string{"existing", "audit-all", "audit-new"} {
+		env.WaitIdle(name, 10*time.Second)
+	}
+	for _, id := range append(history, fresh...) {
+		if !replaying.isDone(id) {
+			t.Errorf("start=all subscriber missed event %d", id)
+		}
+		if n := len(existing.deliveries(id)); n != 1 {
+			t.Errorf("existing subscriber handled event %d %d times, want 1", id, n)
+		}
+	}
+	for _, id := range history {
+		if len(onlyNew.deliveries(id)) != 0 {
+			t.Errorf("start=new subscriber got historical event %d", id)
+		}
+	}
+	if !onlyNew.isDone(fresh[0]) {
+		t.Error("start=new subscriber missed the new event")
+	}
+}
+
+func TestConsumerConfiguration(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	h := newScripted("configured", "test.a", "test.b.>")
+	env.StartRunner(newScripted("provisions-the-dead-letter-stream"), nil)
+
+	verify := env.NewRunner(h, func(o *subscribers.Options) { o.Stream.Provision = "verify" })
+	if err := verify.Start(context.Background()); err == nil || !strings.Contains(err.Error(), "does not exist") {
+		t.Fatalf("verify with no consumer: %v", err)
+	}
+	env.StartRunner(h, nil)
+	ctx := context.Background()
+	c, err := env.JS.Consumer(ctx, env.Config.Stream.Name, "configured")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc := c.CachedInfo().Config
+	if cc.AckPolicy != jetstream.AckExplicitPolicy || cc.AckWait != time.Second || cc.MaxDeliver != 6 ||
+		cc.MaxAckPending != env.Config.Subscribers.MaxAckPending || cc.Description == "" ||
+		strings.Join(cc.FilterSubjects, ",") != "events.test.a,events.test.b.>" || cc.Durable != "configured" {
+		t.Errorf("consumer config: %+v", cc)
+	}
+	// Another instance with verify binds to it.
+	env.StartRunner(newScripted("configured", "test.a", "test.b.>"), func(o *subscribers.Options) { o.Stream.Provision = "verify" })
+}
+
+func TestCheckpointPrune(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	env.Config.Stream.MaxAge = time.Hour
+	r := env.NewRunner(newScripted("pruned"), nil)
+	ctx := context.Background()
+	_, err := env.DB.Pool.Exec(ctx, `
+INSERT INTO processed_events (subscriber, event_id, processed_at)
+SELECT 'pruned', g, CASE WHEN g <= 7000 THEN now() - interval '2 hours' ELSE now() END FROM generate_series(1, 7010) g
+UNION ALL SELECT 'other', 1, now() - interval '2 hours'`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := r.Prune(ctx)
+	if err != nil || n != 7000 {
+		t.Fatalf("pruned %d rows (%v), want the 7000 older than the stream's max age", n, err)
+	}
+	var left, other int
+	_ = env.DB.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE subscriber = 'pruned'), count(*) FILTER (WHERE subscriber = 'other') FROM processed_events`).Scan(&left, &other)
+	if left != 10 || other != 1 {
+		t.Errorf("left %d of ours and %d of another subscriber's; want 10 and 1", left, other)
+	}
+}
