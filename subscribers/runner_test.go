@@ -261,6 +261,7 @@ func TestInstancesShareTheConsumer(t *testing.T) {
 		ids = append(ids, write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))...)
 		time.Sleep(5 * time.Millisecond)
 	}
+	env.WaitSent(ids...)
 	env.WaitIdle("shared", 15*time.Second)
 	for _, id := range ids {
 		if n := len(a.deliveries(id)) + len(b.deliveries(id)); n != 1 {
@@ -290,6 +291,7 @@ func TestStoppedSubscriberCatchesUp(t *testing.T) {
 	}
 	later := newScripted("catchup")
 	env.StartRunner(later, nil)
+	env.WaitSent(missed...)
 	env.WaitIdle("catchup", 10*time.Second)
 	for _, id := range missed {
 		if !later.isDone(id) {
@@ -310,6 +312,7 @@ func TestAddingASubscriber(t *testing.T) {
 	existing := newScripted("existing")
 	env.StartRunner(existing, nil)
 	history := write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))
+	env.WaitSent(history...)
 	env.WaitIdle("existing", 10*time.Second)
 
 	replaying := newScripted("audit-all")
@@ -319,6 +322,7 @@ func TestAddingASubscriber(t *testing.T) {
 	env.WaitIdle("audit-all", 10*time.Second)
 
 	fresh := write(env, testEvent("ok", 0))
+	env.WaitSent(fresh...)
 	for _, name := range []string{"existing", "audit-all", "audit-new"} {
 		env.WaitIdle(name, 10*time.Second)
 	}

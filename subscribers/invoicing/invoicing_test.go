@@ -138,6 +138,7 @@ func TestExactlyOneInvoicePerOrderWithTwoInstancesAndDuplicates(t *testing.T) {
 			return evs, nil
 		})...)
 	}
+	env.WaitSent(ids...)
 	for _, id := range ids[:30] {
 		env.Republish(id)
 	}

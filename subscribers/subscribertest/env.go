@@ -275,3 +275,18 @@ func (e *Env) Republish(id int64) {
 	}
 	e.T.Fatalf("event %d not in the stream", id)
 }
+
+// WaitSent waits until the relay has published the events (their outbox
+// rows are sent), so that a following WaitIdle means they were handled.
+func (e *Env) WaitSent(ids ...int64) {
+	e.T.Helper()
+	WaitFor(e.T, 15*time.Second, "events published", func() (bool, string) {
+		var unsent int
+		err := e.DB.Pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM outbox WHERE id = ANY($1) AND status <> 'sent'`, ids).Scan(&unsent)
+		if err != nil {
+			return false, err.Error()
+		}
+		return unsent == 0, strconv.Itoa(unsent) + " unsent"
+	})
+}

@@ -1,0 +1,224 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/natstest"
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/redistest"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/goleak"
+)
+
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "fanout-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binary = filepath.Join(dir, "fanout")
+	if out, err := exec.Command("go", "build", "-race", "-o", binary, ".").CombinedOutput(); err != nil {
+		fmt.Fprintf(os.Stderr, "build fanout: %v\n%s", err, out)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goroutine leak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// process is one running fanout role.
+type process struct {
+	name string
+	cmd  *exec.Cmd
+	mu   sync.Mutex
+	out  bytes.Buffer
+	done chan error
+}
+
+func (p *process) Write(b []byte) (int, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.out.Write(b)
+}
+
+func (p *process) output() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.out.String()
+}
+
+// start runs `fanout args...` with the given FANOUT_ settings (and none from
+// the test's own environment).
+func start(t *testing.T, env []string, args ...string) *process {
+	t.Helper()
+	p := &process{name: strings.Join(args, " "), done: make(chan error, 1)}
+	p.cmd = exec.Command(binary, args...)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "FANOUT_") {
+			p.cmd.Env = append(p.cmd.Env, kv)
+		}
+	}
+	p.cmd.Env = append(p.cmd.Env, env...)
+	p.cmd.Stdout, p.cmd.Stderr = p, p
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.done <- p.cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = p.cmd.Process.Kill()
+		<-p.done
+		if t.Failed() {
+			t.Logf("output of fanout %s:\n%s", p.name, p.output())
+		}
+	})
+	return p
+}
+
+// terminate sends SIGTERM and returns the exit error.
+func (p *process) terminate(t *testing.T, within time.Duration) error {
+	t.Helper()
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-p.done:
+		p.done <- err // for the cleanup
+		return err
+	case <-time.After(within):
+		t.Fatalf("fanout %s did not exit within %s of SIGTERM", p.name, within)
+		return nil
+	}
+}
+
+// handled sums the events a process's "batch handled" log lines report
+// for a subscriber.
+func (p *process) handled(subscriber string) int {
+	n := 0
+	sc := bufio.NewScanner(strings.NewReader(p.output()))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var line struct {
+			Msg        string `json:"msg"`
+			Subscriber string `json:"subscriber"`
+			Events     int    `json:"events"`
+		}
+		if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "batch handled" && line.Subscriber == subscriber {
+			n += line.Events
+		}
+	}
+	return n
+}
+
+// `fanout subscribe invoicing cacheinval` runs both in one process; a second
+// `fanout subscribe invoicing` shares the invoicing work; SIGTERM drains all.
+func TestSubscribeProcessesShareWork(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	nats := natstest.Start(t)
+	redis := redistest.Start(t)
+	env := []string{
+		"FANOUT_POSTGRES_URL=" + db.URL,
+		"FANOUT_NATS_URL=" + nats.URL,
+		"FANOUT_REDIS_URL=" + redis.URL,
+		"FANOUT_LOG_FORMAT=json",
+		"FANOUT_LOG_LEVEL=debug",
+		"FANOUT_RELAY_POLL_INTERVAL=50ms",
+		"FANOUT_SUBSCRIBERS_BATCH_SIZE=10",
+	}
+	relayProc := start(t, env, "relay")
+	both := start(t, env, "subscribe", "invoicing", "cacheinval")
+	one := start(t, env, "subscribe", "invoicing")
+
+	ctx := context.Background()
+	if _, err := shop.Seed(ctx, db.Pool, 20, rand.New(rand.NewPCG(5, 5))); err != nil {
+		t.Fatal(err)
+	}
+	const orders = 300
+	for range orders / 10 {
+		err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+			for range 10 {
+				var pid int64
+				if err := tx.QueryRow(ctx, `SELECT id FROM products ORDER BY random() LIMIT 1`).Scan(&pid); err != nil {
+					return err
+				}
+				if _, _, err := shop.CreateOrder(ctx, tx, "cli", []shop.OrderLine{{ProductID: pid, Quantity: 1}}); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	subscribertest.WaitFor(t, 60*time.Second, "every order invoiced", func() (bool, string) {
+		var n int
+		_ = db.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices`).Scan(&n)
+		return n == orders, fmt.Sprintf("%d invoices", n)
+	})
+	subscribertest.WaitFor(t, 30*time.Second, "the seed's product events invalidated", func() (bool, string) {
+		n := both.handled("cacheinval")
+		return n >= 20, fmt.Sprintf("%d handled", n)
+	})
+	for _, p := range []*process{one, both, relayProc} {
+		if err := p.terminate(t, 30*time.Second); err != nil {
+			t.Errorf("fanout %s exited with %v after SIGTERM, want a clean exit", p.name, err)
+		}
+	}
+	a, b := both.handled("invoicing"), one.handled("invoicing")
+	t.Logf("invoicing: %d events in `subscribe invoicing cacheinval`, %d in `subscribe invoicing`", a, b)
+	if a == 0 || b == 0 || a+b != orders {
+		t.Errorf("invoicing handled %d + %d events, want both processes to share the %d", a, b, orders)
+	}
+	if one.handled("cacheinval") != 0 {
+		t.Error("`subscribe invoicing` ran the cache invalidator")
+	}
+	if !strings.Contains(both.output(), `"msg":"subscriber stopped"`) || !strings.Contains(relayProc.output(), `"msg":"relay stopped"`) {
+		t.Error("a process did not log its graceful stop")
+	}
+}
+
+func TestUnknownSubscriberAndBadConfigAreClearErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		env  []string
+		args []string
+		want string
+	}{
+		{nil, []string{"subscribe", "billing"}, `unknown subscriber "billing" (known: cacheinval, invoicing)`},
+		{[]string{"FANOUT_SUBSCRIBERS_MAX_DELIVER=1"}, []string{"subscribe", "invoicing"}, "subscribers.max_deliver must be between 2 and 1000 (got 1)"},
+		{[]string{"FANOUT_RELAY_BATCH_SIZE=abc"}, []string{"relay"}, "relay.batch_size"},
+		{nil, []string{"subscribe", "invoicing", "--start", "yesterday"}, "subscribers.start must be one of all, new, time"},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		cmd := exec.CommandContext(ctx, binary, tc.args...)
+		cmd.Env = append(os.Environ(), tc.env...)
+		out, err := cmd.CombinedOutput()
+		cancel()
+		if err == nil || !strings.Contains(string(out), tc.want) {
+			t.Errorf("fanout %v with %v: %v\n%s\nwant an error containing %q", tc.args, tc.env, err, out, tc.want)
+		}
+	}
+}
