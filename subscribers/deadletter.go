@@ -13,10 +13,6 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// DeadLetterSubjectPrefix starts every dead letter's subject:
-// deadletter.<subscriber>.<event_type>.
-const DeadLetterSubjectPrefix = "deadletter"
-
 // Headers a dead letter carries besides the original message's headers.
 const (
 	DeadSubscriberHeader = "Fanout-Dead-Subscriber"
@@ -32,7 +28,7 @@ func DeadLetterStreamConfig(cfg config.Subscribers, replicas int) jetstream.Stre
 	return jetstream.StreamConfig{
 		Name:        cfg.DeadLetterStream,
 		Description: "fanout: events a subscriber gave up on, with the original body and headers, the subscriber, the reason and the delivery count",
-		Subjects:    []string{DeadLetterSubjectPrefix + ".>"},
+		Subjects:    []string{cfg.DeadLetterSubjectPrefix + ".>"},
 		Retention:   jetstream.LimitsPolicy,
 		Storage:     jetstream.FileStorage,
 		MaxAge:      cfg.DeadLetterMaxAge,
@@ -76,7 +72,7 @@ func (r *Runner) deadLetter(ctx context.Context, d delivery, reason string) {
 
 func (r *Runner) publishDeadLetter(ctx context.Context, data []byte, headers nats.Header, subject string, seq, deliveries uint64, reason string) error {
 	eventType := strings.TrimPrefix(subject, r.opts.Stream.SubjectPrefix+".")
-	msg := nats.NewMsg(DeadLetterSubjectPrefix + "." + r.name + "." + eventType)
+	msg := nats.NewMsg(r.cfg.DeadLetterSubjectPrefix + "." + r.name + "." + eventType)
 	msg.Data = data
 	for k, vs := range headers {
 		if strings.HasPrefix(k, "Nats-") {

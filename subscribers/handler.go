@@ -51,6 +51,17 @@ type TxHandler interface {
 	HandleTx(ctx context.Context, tx pgx.Tx, ev Event) error
 }
 
+// BatchTxHandler is a TxHandler that can also handle many events at once
+// (set-based SQL instead of a round trip per event). The runtime calls
+// HandleBatchTx with a batch's new events, in order; if it fails, the batch
+// rolls back and each event is handled alone through HandleTx, which decides
+// its fate. So HandleBatchTx may simply return an error for any batch it
+// does not like.
+type BatchTxHandler interface {
+	TxHandler
+	HandleBatchTx(ctx context.Context, tx pgx.Tx, evs []Event) error
+}
+
 // retryAfter asks for a redelivery after a delay.
 type retryAfter struct {
 	delay time.Duration

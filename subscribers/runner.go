@@ -403,13 +403,22 @@ func (r *Runner) txBatch(ctx context.Context, ds []delivery) (fresh int, err err
 			todo[id] = true
 		}
 		fresh = len(newIDs)
+		var evs []Event
 		for _, d := range ds {
-			if !todo[d.ev.ID] {
-				continue
+			if todo[d.ev.ID] {
+				delete(todo, d.ev.ID) // a duplicate in the same batch runs once
+				evs = append(evs, d.ev)
 			}
-			delete(todo, d.ev.ID) // a duplicate in the same batch runs once
-			if err := r.callTx(ctx, tx, d.ev); err != nil {
-				return &eventError{id: d.ev.ID, err: err}
+		}
+		if bh, ok := r.txH.(BatchTxHandler); ok && len(evs) > 1 {
+			if err := r.callBatchTx(ctx, bh, tx, evs); err != nil {
+				return fmt.Errorf("batch of %d events: %w", len(evs), err)
+			}
+			return nil
+		}
+		for _, ev := range evs {
+			if err := r.callTx(ctx, tx, ev); err != nil {
+				return &eventError{id: ev.ID, err: err}
 			}
 		}
 		return nil
@@ -432,6 +441,11 @@ func (e *eventError) Error() string { return fmt.Sprintf("event %d: %v", e.id, e
 func (r *Runner) callTx(ctx context.Context, tx pgx.Tx, ev Event) (err error) {
 	defer recoverHandler(ev, &err)
 	return r.txH.HandleTx(ctx, tx, ev)
+}
+
+func (r *Runner) callBatchTx(ctx context.Context, bh BatchTxHandler, tx pgx.Tx, evs []Event) (err error) {
+	defer recoverHandler(evs[0], &err)
+	return bh.HandleBatchTx(ctx, tx, evs)
 }
 
 func (r *Runner) call(ctx context.Context, ev Event) (err error) {

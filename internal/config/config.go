@@ -157,6 +157,9 @@ type Subscribers struct {
 	StartTime string `koanf:"start_time"`
 	// DeadLetterStream holds events that failed for good. Default DEADLETTER.
 	DeadLetterStream string `koanf:"dead_letter_stream"`
+	// DeadLetterSubjectPrefix starts dead letters' subjects:
+	// <prefix>.<subscriber>.<event_type>. Default "deadletter".
+	DeadLetterSubjectPrefix string `koanf:"dead_letter_subject_prefix"`
 	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30 days).
 	DeadLetterMaxAge time.Duration `koanf:"dead_letter_max_age"`
 	// ShutdownTimeout bounds the drain at SIGTERM. Default 30s, > 0.
@@ -251,19 +254,20 @@ func defaults() map[string]any {
 		"relay.cleanup_batch":    1000,
 		"relay.shutdown_timeout": "30s",
 
-		"subscribers.concurrency":         4,
-		"subscribers.batch_size":          100,
-		"subscribers.ack_wait":            "30s",
-		"subscribers.handler_timeout":     "1m",
-		"subscribers.max_deliver":         10,
-		"subscribers.max_ack_pending":     1000,
-		"subscribers.retry_min":           "1s",
-		"subscribers.retry_max":           "1m",
-		"subscribers.start":               "all",
-		"subscribers.start_time":          "",
-		"subscribers.dead_letter_stream":  "DEADLETTER",
-		"subscribers.dead_letter_max_age": "720h",
-		"subscribers.shutdown_timeout":    "30s",
+		"subscribers.concurrency":                4,
+		"subscribers.batch_size":                 100,
+		"subscribers.ack_wait":                   "30s",
+		"subscribers.handler_timeout":            "1m",
+		"subscribers.max_deliver":                10,
+		"subscribers.max_ack_pending":            1000,
+		"subscribers.retry_min":                  "1s",
+		"subscribers.retry_max":                  "1m",
+		"subscribers.start":                      "all",
+		"subscribers.start_time":                 "",
+		"subscribers.dead_letter_stream":         "DEADLETTER",
+		"subscribers.dead_letter_max_age":        "720h",
+		"subscribers.dead_letter_subject_prefix": "deadletter",
+		"subscribers.shutdown_timeout":           "30s",
 
 		"redis.url":           DefaultRedisURL,
 		"redis.password":      "",
@@ -505,6 +509,9 @@ func (c *Config) Validate() error {
 	}
 	if !validStreamName(c.Subscribers.DeadLetterStream) || c.Subscribers.DeadLetterStream == c.Stream.Name {
 		bad("subscribers.dead_letter_stream", "must be a stream name other than stream.name (got %q)", c.Subscribers.DeadLetterStream)
+	}
+	if !outbox.ValidSubjectToken(c.Subscribers.DeadLetterSubjectPrefix) || c.Subscribers.DeadLetterSubjectPrefix == c.Stream.SubjectPrefix {
+		bad("subscribers.dead_letter_subject_prefix", "must be one subject token other than stream.subject_prefix (got %q)", c.Subscribers.DeadLetterSubjectPrefix)
 	}
 	positive("subscribers.dead_letter_max_age", c.Subscribers.DeadLetterMaxAge)
 	positive("subscribers.shutdown_timeout", c.Subscribers.ShutdownTimeout)

@@ -224,7 +224,7 @@ func (e *Env) DeadLetters(name string) []*jetstream.RawStreamMsg {
 	if err != nil {
 		return nil // not created yet: no dead letters
 	}
-	info, err := s.Info(ctx, jetstream.WithSubjectFilter(subscribers.DeadLetterSubjectPrefix+"."+name+".>"))
+	info, err := s.Info(ctx, jetstream.WithSubjectFilter(e.Config.Subscribers.DeadLetterSubjectPrefix+"."+name+".>"))
 	if err != nil {
 		e.T.Fatal(err)
 	}

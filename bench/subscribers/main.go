@@ -1,0 +1,283 @@
+// Command subscribers is the subscriber benchmark (`go tool task
+// bench:subscribers`). From a stream holding 100k order.created events it
+// measures, in one run: invoicing with 1 and with 2 instances (batched
+// transactions, the default), the same handler the plain way (one
+// transaction and one double ack per event) as the baseline, and cache
+// invalidation over 100k product.updated events.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"strconv"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/cacheinval"
+	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/redis/go-redis/v9"
+)
+
+var (
+	events   = flag.Int("events", 100_000, "events in the stream")
+	natsURL  = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
+	redisURL = flag.String("redis", "redis://127.0.0.1:56379/15", "Redis URL (a database of its own: it is flushed)")
+	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
+)
+
+var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+func main() {
+	flag.Parse()
+	if err := run(context.Background()); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+type bench struct {
+	cfg  *config.Config
+	db   *pgtest.DB
+	nc   *nats.Conn
+	js   jetstream.JetStream
+	pool *pgxpool.Pool
+}
+
+func run(ctx context.Context) error {
+	cfg, err := config.Load("", nil)
+	if err != nil {
+		return err
+	}
+	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
+	cfg.Stream.Name = "BENCHSUB_" + suffix
+	cfg.Stream.SubjectPrefix = "benchsub" + suffix
+	cfg.Subscribers.DeadLetterStream = "BENCHSUB_DLQ_" + suffix
+	cfg.Subscribers.DeadLetterSubjectPrefix = "benchsubdlq" + suffix
+	b := &bench{cfg: cfg}
+	if b.nc, err = nats.Connect(*natsURL); err != nil {
+		return fmt.Errorf("connect to nats (start the services: go tool task services): %w", err)
+	}
+	defer b.nc.Close()
+	if b.js, err = jetstream.New(b.nc); err != nil {
+		return err
+	}
+	defer func() {
+		_ = b.js.DeleteStream(context.Background(), cfg.Stream.Name)
+		_ = b.js.DeleteStream(context.Background(), cfg.Subscribers.DeadLetterStream)
+	}()
+	if b.db, err = pgtest.Create(ctx, *adminURL); err != nil {
+		return err
+	}
+	defer b.db.Close()
+	pc, err := pgxpool.ParseConfig(b.db.URL)
+	if err != nil {
+		return err
+	}
+	pc.MaxConns = 16
+	if b.pool, err = pgxpool.NewWithConfig(ctx, pc); err != nil {
+		return err
+	}
+	defer b.pool.Close()
+
+	fmt.Printf("subscriber benchmark, %s, GOMAXPROCS=%d, %d events per run\n\n", time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0), *events)
+	start := time.Now()
+	if err := b.fill(ctx); err != nil {
+		return fmt.Errorf("fill: %w", err)
+	}
+	fmt.Printf("setup: %d orders and %d order.created + %d product.updated events in the stream (%.1fs)\n\n", *events, *events, *events, time.Since(start).Seconds())
+
+	type run struct {
+		name      string
+		instances int
+		batch     int
+	}
+	runs := []run{
+		{"invoicing, 1 instance (batched transactions, batch_size 100)", 1, 100},
+		{"invoicing, 2 instances (batched transactions, batch_size 100)", 2, 100},
+		{"baseline: one transaction + one double ack per event, 1 instance", 1, 1},
+	}
+	rates := make([]float64, len(runs))
+	for i, r := range runs {
+		rate, err := b.invoicing(ctx, r.instances, r.batch)
+		if err != nil {
+			return fmt.Errorf("%s: %w", r.name, err)
+		}
+		rates[i] = rate
+		fmt.Printf("%-68s %7.0f events/s\n", r.name, rate)
+	}
+	fmt.Printf("    1 instance / baseline = %.1fx (target >= 3x), 2 instances / 1 instance = %.2fx\n\n", rates[0]/rates[2], rates[1]/rates[0])
+
+	rate, err := b.cacheInvalidation(ctx)
+	if err != nil {
+		return fmt.Errorf("cache invalidation: %w", err)
+	}
+	fmt.Printf("%-68s %7.0f events/s\n", "cache invalidation, 1 instance", rate)
+	return nil
+}
+
+// fill creates the orders and publishes their events through a relay.
+func (b *bench) fill(ctx context.Context) error {
+	if _, err := shop.Seed(ctx, b.pool, 1000, rand.New(rand.NewPCG(1, 1))); err != nil {
+		return err
+	}
+	// The seed's product.created events are not part of the benchmark.
+	if _, err := b.pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
+		return err
+	}
+	_, err := b.pool.Exec(ctx, `
+WITH o AS (
+    INSERT INTO orders (customer) SELECT 'bench-' || g FROM generate_series(1, $1) g RETURNING id
+), l AS (
+    INSERT INTO order_lines (order_id, line_no, product_id, quantity, unit_price)
+    SELECT o.id, n, (SELECT min(id) FROM products) + (o.id * 7 + n) % 1000, 1 + n, 9.99 * n
+    FROM o, generate_series(1, 2) n
+)
+INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+SELECT 'order', o.id::text, 'order.created', jsonb_build_object('order_id', o.id, 'customer', 'bench', 'lines', 2) FROM o`, *events)
+	if err != nil {
+		return err
+	}
+	_, err = b.pool.Exec(ctx, `
+INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+SELECT 'product', p.id::text, 'product.updated', jsonb_build_object('product_id', p.id, 'price_cents', 1000 + g)
+FROM generate_series(1, $1) g JOIN products p ON p.id = (SELECT min(id) FROM products) + g % 1000`, *events)
+	if err != nil {
+		return err
+	}
+	r, err := relay.New(relay.Options{Relay: b.cfg.Relay, Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet})
+	if err != nil {
+		return err
+	}
+	if err := r.Start(ctx); err != nil {
+		return err
+	}
+	defer r.Stop(ctx) //nolint:errcheck
+	for {
+		var left int
+		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&left); err != nil {
+			return err
+		}
+		if left == 0 {
+			return nil
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// reset forgets every invoice, checkpoint and consumer, so the next run
+// starts from the stream's first event.
+func (b *bench) reset(ctx context.Context, consumer string) error {
+	_, err := b.pool.Exec(ctx, `TRUNCATE invoice_lines, invoices, processed_events`)
+	if err != nil {
+		return err
+	}
+	if err := b.js.DeleteConsumer(ctx, b.cfg.Stream.Name, consumer); err != nil && err != jetstream.ErrConsumerNotFound {
+		return err
+	}
+	return nil
+}
+
+// drain starts the runners and returns events/s once the consumer has
+// nothing pending and nothing unacknowledged.
+func (b *bench) drain(ctx context.Context, name string, runners []*subscribers.Runner, want int) (float64, error) {
+	start := time.Now()
+	for _, r := range runners {
+		if err := r.Start(ctx); err != nil {
+			return 0, err
+		}
+	}
+	defer func() {
+		for _, r := range runners {
+			_ = r.Stop(ctx)
+		}
+	}()
+	for {
+		time.Sleep(50 * time.Millisecond)
+		c, err := b.js.Consumer(ctx, b.cfg.Stream.Name, name)
+		if err != nil {
+			return 0, err
+		}
+		info, err := c.Info(ctx)
+		if err != nil {
+			return 0, err
+		}
+		if info.NumPending == 0 && info.NumAckPending == 0 && int(info.AckFloor.Stream) > 0 {
+			var done int
+			if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE subscriber = $1`, name).Scan(&done); err != nil {
+				return 0, err
+			}
+			if done != want {
+				return 0, fmt.Errorf("%d events checkpointed, want %d", done, want)
+			}
+			return float64(want) / time.Since(start).Seconds(), nil
+		}
+		if time.Since(start) > 15*time.Minute {
+			return 0, fmt.Errorf("not drained after 15 minutes: %d pending", info.NumPending)
+		}
+	}
+}
+
+func (b *bench) invoicing(ctx context.Context, instances, batch int) (float64, error) {
+	if err := b.reset(ctx, invoicing.Name); err != nil {
+		return 0, err
+	}
+	sc := b.cfg.Subscribers
+	sc.BatchSize = batch
+	var runners []*subscribers.Runner
+	for range instances {
+		nc, err := nats.Connect(*natsURL)
+		if err != nil {
+			return 0, err
+		}
+		defer nc.Close()
+		r, err := subscribers.New(subscribers.Options{Handler: invoicing.New(), Config: sc, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
+		if err != nil {
+			return 0, err
+		}
+		runners = append(runners, r)
+	}
+	rate, err := b.drain(ctx, invoicing.Name, runners, *events)
+	if err != nil {
+		return 0, err
+	}
+	var invoices int
+	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM invoices`).Scan(&invoices); err != nil || invoices != *events {
+		return 0, fmt.Errorf("%d invoices for %d orders (%v)", invoices, *events, err)
+	}
+	return rate, nil
+}
+
+func (b *bench) cacheInvalidation(ctx context.Context) (float64, error) {
+	if err := b.reset(ctx, cacheinval.Name); err != nil {
+		return 0, err
+	}
+	opts, err := redis.ParseURL(*redisURL)
+	if err != nil {
+		return 0, err
+	}
+	rdb := redis.NewClient(opts)
+	defer rdb.Close()
+	if err := rdb.FlushDB(ctx).Err(); err != nil {
+		return 0, fmt.Errorf("redis at %s: %w", opts.Addr, err)
+	}
+	cache := cacheinval.NewCache(rdb, b.pool, 2*time.Second, 10*time.Second)
+	r, err := subscribers.New(subscribers.Options{Handler: cacheinval.New(cache, b.pool), Config: b.cfg.Subscribers, Stream: b.cfg.Stream,
+		Pool: b.pool, Conn: b.nc, Logger: quiet})
+	if err != nil {
+		return 0, err
+	}
+	return b.drain(ctx, cacheinval.Name, []*subscribers.Runner{r}, *events)
+}
