@@ -92,7 +92,8 @@ func run(ctx context.Context) error {
 	}
 	defer b.pool.Close()
 
-	fmt.Printf("subscriber benchmark, %s, GOMAXPROCS=%d, %d events per run\n\n", time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0), *events)
+	fmt.Printf("subscriber benchmark, %s, GOMAXPROCS=%d, %d events per run, %d workers per instance\n\n",
+		time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0), *events, cfg.Subscribers.Concurrency)
 	start := time.Now()
 	if err := b.fill(ctx); err != nil {
 		return fmt.Errorf("fill: %w", err)
