@@ -20,6 +20,16 @@ import (
 //go:embed migrations/*.sql
 var migrationFiles embed.FS
 
+// ProductIndex is the search index definition (settings and mapping) of the
+// product documents: keyword fields for sku, brand and category, text with
+// an accent-folding analyzer for name and description, numeric fields, and
+// index.gc_deletes long enough that a delete outlives any in-flight stale
+// write (see package searchindex). "dynamic": "strict" makes a document with
+// an unknown field a mapping error rather than a silent new field.
+//
+//go:embed search/products.json
+var ProductIndex []byte
+
 // Migrations returns the embedded migration files, named NNNNN_what.sql.
 func Migrations() fs.FS {
 	sub, err := fs.Sub(migrationFiles, "migrations")

@@ -62,6 +62,15 @@ type BatchTxHandler interface {
 	HandleBatchTx(ctx context.Context, tx pgx.Tx, evs []Event) error
 }
 
+// BatchEventHandler is an EventHandler that can handle many events at once
+// (one bulk request instead of one per event). It returns one error per
+// event, in order: nil where that event's effect happened. Each event's fate
+// follows its own error, so one bad event never fails the others.
+type BatchEventHandler interface {
+	EventHandler
+	HandleBatch(ctx context.Context, evs []Event) []error
+}
+
 // retryAfter asks for a redelivery after a delay.
 type retryAfter struct {
 	delay time.Duration

@@ -318,11 +318,18 @@ func (r *Runner) keepAlive(ds []delivery) (stop func()) {
 }
 
 func (r *Runner) parse(m jetstream.Msg) (Event, error) {
+	return EventFromMsg(m, r.opts.Stream.SubjectPrefix)
+}
+
+// EventFromMsg reads the event a relayed message carries; subjectPrefix is
+// the stream's (stream.subject_prefix). Its error says why a message is not
+// an outbox event; the Event is filled as far as it could be.
+func EventFromMsg(m jetstream.Msg, subjectPrefix string) (Event, error) {
 	ev := Event{Payload: m.Data(), Headers: m.Headers(), Subject: m.Subject()}
 	if md, err := m.Metadata(); err == nil {
 		ev.StreamSeq, ev.Delivery = md.Sequence.Stream, md.NumDelivered
 	}
-	ev.Type = strings.TrimPrefix(m.Subject(), r.opts.Stream.SubjectPrefix+".")
+	ev.Type = strings.TrimPrefix(m.Subject(), subjectPrefix+".")
 	h := m.Headers()
 	idText := h.Get(outbox.EventIDHeader)
 	id, err := strconv.ParseInt(idText, 10, 64)
@@ -448,6 +455,46 @@ func (r *Runner) callBatchTx(ctx context.Context, bh BatchTxHandler, tx pgx.Tx, 
 	return bh.HandleBatchTx(ctx, tx, evs)
 }
 
+// callEach runs the handler on each event: in one call for a
+// BatchEventHandler, else one by one.
+func (r *Runner) callEach(ctx context.Context, ds []delivery) []error {
+	errs := make([]error, len(ds))
+	if len(ds) == 0 {
+		return errs
+	}
+	if bh, ok := r.eventH.(BatchEventHandler); ok && len(ds) > 1 {
+		evs := make([]Event, len(ds))
+		for i, d := range ds {
+			evs[i] = d.ev
+		}
+		func() {
+			defer func() {
+				if p := recover(); p != nil {
+					for i := range errs {
+						errs[i] = fmt.Errorf("handler panicked on a batch: %v\n%s", p, debug.Stack())
+					}
+				}
+			}()
+			hctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
+			defer cancel()
+			got := bh.HandleBatch(hctx, evs)
+			if len(got) != len(errs) {
+				err := fmt.Errorf("handler returned %d outcomes for %d events", len(got), len(errs))
+				for i := range errs {
+					errs[i] = err
+				}
+				return
+			}
+			copy(errs, got)
+		}()
+		return errs
+	}
+	for i, d := range ds {
+		errs[i] = r.call(ctx, d.ev)
+	}
+	return errs
+}
+
 func (r *Runner) call(ctx context.Context, ev Event) (err error) {
 	defer recoverHandler(ev, &err)
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
@@ -485,7 +532,7 @@ func (r *Runner) processEach(ctx context.Context, ds []delivery, start time.Time
 	for _, id := range done {
 		seen[id] = true
 	}
-	var ok []delivery
+	var ok, todo []delivery
 	var handled []int64
 	skipped := 0
 	for _, d := range ds {
@@ -494,11 +541,17 @@ func (r *Runner) processEach(ctx context.Context, ds []delivery, start time.Time
 			skipped++
 			continue
 		}
-		if err := r.call(ctx, d.ev); err != nil {
-			r.fail(ctx, d, err)
+		// A second copy of the event in this batch is acked as a duplicate;
+		// if the first copy fails, it is the one redelivered.
+		seen[d.ev.ID] = true
+		todo = append(todo, d)
+	}
+	errs := r.callEach(ctx, todo)
+	for i, d := range todo {
+		if errs[i] != nil {
+			r.fail(ctx, d, errs[i])
 			continue
 		}
-		seen[d.ev.ID] = true
 		ok = append(ok, d)
 		handled = append(handled, d.ev.ID)
 	}

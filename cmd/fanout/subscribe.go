@@ -12,6 +12,7 @@ import (
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
+	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 	"github.com/spf13/cobra"
@@ -36,6 +37,19 @@ func (d *deps) redis() *redis.Client {
 
 func (d *deps) cache() *cacheinval.Cache {
 	return cacheinval.NewCache(d.redis(), d.pool, d.a.cfg.Redis.Timeout, d.a.cfg.Redis.TombstoneTTL)
+}
+
+// searchIndexer connects to the engine and makes sure the alias points at
+// an index (per search.provision) before the indexer starts.
+func (d *deps) searchIndexer() (subscribers.Handler, error) {
+	c, err := connect.Search(d.ctx, d.a.cfg.Search)
+	if err != nil {
+		return nil, err
+	}
+	if err := searchindex.EnsureIndex(d.ctx, c, d.a.cfg.Search.Alias, d.a.cfg.Search.Provision); err != nil {
+		return nil, err
+	}
+	return searchindex.New(c, d.pool, d.a.cfg.Search, logging.Component(d.a.logger, "searchindex")), nil
 }
 
 func (d *deps) close() {

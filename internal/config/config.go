@@ -26,6 +26,7 @@ type Config struct {
 	Relay       Relay       `koanf:"relay"`
 	Subscribers Subscribers `koanf:"subscribers"`
 	Redis       Redis       `koanf:"redis"`
+	Search      Search      `koanf:"search"`
 	Log         Log         `koanf:"log"`
 	Demo        Demo        `koanf:"demo"`
 }
@@ -181,6 +182,35 @@ type Redis struct {
 	TombstoneTTL time.Duration `koanf:"tombstone_ttl"`
 }
 
+// Search is the search engine the search indexer keeps in step with SQL.
+type Search struct {
+	// Engine is elasticsearch or opensearch. Default elasticsearch.
+	Engine string `koanf:"engine"`
+	// URL is one or more comma-separated node URLs. Default DefaultSearchURL.
+	URL string `koanf:"url"`
+	// Username and Password authenticate with HTTP basic auth. Secret.
+	Username     string `koanf:"username"`
+	Password     string `koanf:"password"`
+	PasswordFile string `koanf:"password_file"`
+	// CAFile is a PEM file of CAs to trust for https. Default empty (system roots).
+	CAFile string `koanf:"ca_file"`
+	// InsecureSkipVerify disables certificate checks (test clusters only). Default false.
+	InsecureSkipVerify bool `koanf:"insecure_skip_verify"`
+	// Timeout bounds each request. Default 10s, > 0.
+	Timeout time.Duration `koanf:"timeout"`
+	// Alias is the name searches and the indexer use; it points at
+	// <alias>-v<N>. Default "products".
+	Alias string `koanf:"alias"`
+	// Provision is auto (create the first index and the alias if missing),
+	// verify (refuse to start without them) or off. Default auto.
+	Provision string `koanf:"provision"`
+	// BulkSize is the most operations in one bulk request. Default 1000, 1..10000.
+	BulkSize int `koanf:"bulk_size"`
+	// ReindexMaxFailures is how many documents may fail in a reindex before
+	// it aborts without swapping the alias. Default 0, >= 0.
+	ReindexMaxFailures int `koanf:"reindex_max_failures"`
+}
+
 // Log is the process log.
 type Log struct {
 	// Level is debug, info, warn or error. Default info.
@@ -209,6 +239,7 @@ const (
 	DefaultMaxInFlight = 4000
 	DefaultLease       = 2 * time.Minute
 	DefaultRedisURL    = "redis://127.0.0.1:56379/0"
+	DefaultSearchURL   = "http://127.0.0.1:9200"
 )
 
 // defaults lists every key and its default value. A key not listed here is
@@ -274,6 +305,19 @@ func defaults() map[string]any {
 		"redis.password_file": "",
 		"redis.timeout":       "2s",
 		"redis.tombstone_ttl": "10s",
+
+		"search.engine":               "elasticsearch",
+		"search.url":                  DefaultSearchURL,
+		"search.username":             "",
+		"search.password":             "",
+		"search.password_file":        "",
+		"search.ca_file":              "",
+		"search.insecure_skip_verify": false,
+		"search.timeout":              "10s",
+		"search.alias":                "products",
+		"search.provision":            "auto",
+		"search.bulk_size":            1000,
+		"search.reindex_max_failures": 0,
 
 		"log.level":  "info",
 		"log.format": "auto",
@@ -393,6 +437,7 @@ func (c *Config) readSecretFiles() error {
 		{"nats.password_file", c.NATS.PasswordFile, &c.NATS.Password},
 		{"nats.token_file", c.NATS.TokenFile, &c.NATS.Token},
 		{"redis.password_file", c.Redis.PasswordFile, &c.Redis.Password},
+		{"search.password_file", c.Search.PasswordFile, &c.Search.Password},
 	} {
 		if s.path == "" || *s.value != "" {
 			continue
@@ -522,6 +567,22 @@ func (c *Config) Validate() error {
 	positive("redis.timeout", c.Redis.Timeout)
 	if c.Redis.TombstoneTTL <= 2*c.Redis.Timeout {
 		bad("redis.tombstone_ttl", "must be longer than twice redis.timeout (%s), the longest a cache fill can take (got %s)", c.Redis.Timeout, c.Redis.TombstoneTTL)
+	}
+
+	oneOf("search.engine", c.Search.Engine, "elasticsearch", "opensearch")
+	for _, raw := range strings.Split(c.Search.URL, ",") {
+		if u, err := url.Parse(strings.TrimSpace(raw)); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			bad("search.url", "must be a comma-separated list of http:// or https:// URLs (got %q)", redactURL(raw))
+		}
+	}
+	positive("search.timeout", c.Search.Timeout)
+	if c.Search.Alias == "" || strings.ToLower(c.Search.Alias) != c.Search.Alias || strings.ContainsAny(c.Search.Alias, ` ,"*\/<>|?#`) {
+		bad("search.alias", "must be a lowercase index name without spaces or , \" * \\ / < > | ? # (got %q)", c.Search.Alias)
+	}
+	oneOf("search.provision", c.Search.Provision, "auto", "verify", "off")
+	between("search.bulk_size", int64(c.Search.BulkSize), 1, 10000)
+	if c.Search.ReindexMaxFailures < 0 {
+		bad("search.reindex_max_failures", "must be 0 or more (got %d)", c.Search.ReindexMaxFailures)
 	}
 
 	oneOf("log.level", c.Log.Level, "debug", "info", "warn", "error")

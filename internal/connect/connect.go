@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/search"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/redis/go-redis/v9"
@@ -130,4 +132,28 @@ func Redis(ctx context.Context, cfg config.Redis) (*redis.Client, error) {
 		return nil, fmt.Errorf("connect to redis at %s: %w", opts.Addr, err)
 	}
 	return rdb, nil
+}
+
+// SearchConfig turns the search settings into a client configuration.
+func SearchConfig(cfg config.Search) search.Config {
+	var addrs []string
+	for _, a := range strings.Split(cfg.URL, ",") {
+		addrs = append(addrs, strings.TrimSpace(a))
+	}
+	return search.Config{
+		Engine: cfg.Engine, Addresses: addrs, Username: cfg.Username, Password: cfg.Password,
+		CAFile: cfg.CAFile, InsecureSkipVerify: cfg.InsecureSkipVerify, Timeout: cfg.Timeout,
+	}
+}
+
+// Search opens a search client and checks that the engine answers.
+func Search(ctx context.Context, cfg config.Search) (*search.Client, error) {
+	c, err := search.New(SearchConfig(cfg))
+	if err != nil {
+		return nil, err
+	}
+	if _, err := c.Info(ctx); err != nil {
+		return nil, fmt.Errorf("connect to %s at %s: %w", cfg.Engine, cfg.URL, err)
+	}
+	return c, nil
 }

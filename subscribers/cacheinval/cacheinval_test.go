@@ -25,7 +25,6 @@ type fixture struct {
 	cache *cacheinval.Cache
 }
 
-
 func newFixture(env *subscribertest.Env) *fixture {
 	srv := redistest.Start(env.T)
 	f := &fixture{env: env, rdb: srv.Client(env.T)}

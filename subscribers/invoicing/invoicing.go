@@ -82,8 +82,8 @@ func (Handler) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) er
 		return subscribers.Permanent(fmt.Errorf("%w: no order_id in %s", ErrMalformed, truncate(ev.Payload)))
 	}
 	var (
-		exists                    bool
-		lines                     int
+		exists                      bool
+		lines                       int
 		missingLine, missingProduct *int64
 	)
 	b := &pgx.Batch{}

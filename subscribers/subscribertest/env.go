@@ -290,3 +290,17 @@ func (e *Env) WaitSent(ids ...int64) {
 		return unsent == 0, strconv.Itoa(unsent) + " unsent"
 	})
 }
+
+// Settle waits until every outbox row is published and the subscriber has
+// handled everything published: the pipeline is quiet.
+func (e *Env) Settle(name string) {
+	e.T.Helper()
+	WaitFor(e.T, 15*time.Second, "every outbox row published", func() (bool, string) {
+		var unsent int
+		if err := e.DB.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&unsent); err != nil {
+			return false, err.Error()
+		}
+		return unsent == 0, strconv.Itoa(unsent) + " unsent"
+	})
+	e.WaitIdle(name, 15*time.Second)
+}

@@ -1,0 +1,140 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/subscribers/searchindex"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
+)
+
+func reindexCommand(a *app) *cobra.Command {
+	var check, repair bool
+	var loaders int
+	cmd := &cobra.Command{
+		Use:   "reindex",
+		Short: "Build a new search index from SQL and swap the alias to it, with no downtime and no lost update",
+		Long: `reindex creates <alias>-v<N+1> from the mapping in schema/, bulk-loads it from
+one SQL snapshot (refresh off, a progress bar with docs/s and ETA), applies the
+events that arrived meanwhile, verifies counts and a sample of documents against
+SQL, and swaps the alias atomically. The old index is kept: ` + "`fanout reindex rollback`" + `
+returns to it, ` + "`fanout reindex cleanup`" + ` deletes it.
+
+--check compares SQL with the index (counts and every document) and reports
+drift; --check --repair fixes it.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.load(); err != nil {
+				return err
+			}
+			ctx := cmd.Context()
+			pool, err := a.postgres(ctx, "reindex")
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			client, err := connect.Search(ctx, a.cfg.Search)
+			if err != nil {
+				return err
+			}
+			out := cmd.OutOrStdout()
+			if check {
+				current, err := searchindex.Current(ctx, client, a.cfg.Search.Alias)
+				if err != nil {
+					return err
+				}
+				if current == "" {
+					return fmt.Errorf("alias %s points at no index", a.cfg.Search.Alias)
+				}
+				_ = client.Refresh(ctx, current)
+				drift, err := searchindex.Check(ctx, client, pool, current, 0)
+				if err != nil {
+					return err
+				}
+				fmt.Fprintf(out, "%s (%s): %s\n", a.cfg.Search.Alias, current, drift)
+				if drift.Total() == 0 {
+					fmt.Fprintln(out, "no drift")
+					return nil
+				}
+				if !repair {
+					return fmt.Errorf("%d documents drifted (run with --repair to fix them)", drift.Total())
+				}
+				if err := searchindex.Repair(ctx, client, pool, current, a.cfg.Search.BulkSize, drift); err != nil {
+					return err
+				}
+				fmt.Fprintf(out, "repaired %d documents\n", drift.Total())
+				return nil
+			}
+			nc, err := a.nats("reindex")
+			if err != nil {
+				return err
+			}
+			defer nc.Close()
+			js, err := jetstream.New(nc)
+			if err != nil {
+				return err
+			}
+			r := &searchindex.Reindexer{Client: client, Pool: pool, JS: js, Stream: a.cfg.Stream, Search: a.cfg.Search,
+				Logger: logging.Component(a.logger, "reindex"), Progress: os.Stderr, Loaders: loaders}
+			rep, err := r.Reindex(ctx)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(out, "reindexed %d documents into %s in %s (load %.0f docs/s), %d failed, %d events replayed; alias %s now points at %s (previous: %q, kept)\n",
+				rep.Loaded, rep.To, rep.TotalTime.Round(time.Millisecond), rep.DocsPerSec, len(rep.Failures), rep.Replayed, a.cfg.Search.Alias, rep.To, rep.From)
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&check, "check", false, "compare SQL with the index (counts and every document) and report drift")
+	cmd.Flags().BoolVar(&repair, "repair", false, "with --check: write the SQL state of every drifted document")
+	cmd.Flags().IntVar(&loaders, "loaders", 3, "bulk requests in flight during the load")
+	cmd.AddCommand(&cobra.Command{
+		Use:   "rollback",
+		Short: "Point the alias back at the previous index, then repair what it missed since the swap",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.load(); err != nil {
+				return err
+			}
+			ctx := cmd.Context()
+			pool, err := a.postgres(ctx, "reindex")
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			client, err := connect.Search(ctx, a.cfg.Search)
+			if err != nil {
+				return err
+			}
+			from, to, repaired, err := searchindex.Rollback(ctx, client, pool, a.cfg.Search)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "alias %s now points at %s (was %s); %d documents it had missed repaired\n", a.cfg.Search.Alias, to, from, repaired)
+			return nil
+		},
+	})
+	cmd.AddCommand(&cobra.Command{
+		Use:   "cleanup",
+		Short: "Delete every index version the alias does not point at",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.load(); err != nil {
+				return err
+			}
+			client, err := connect.Search(cmd.Context(), a.cfg.Search)
+			if err != nil {
+				return err
+			}
+			deleted, err := searchindex.Cleanup(context.WithoutCancel(cmd.Context()), client, a.cfg.Search.Alias)
+			fmt.Fprintf(cmd.OutOrStdout(), "deleted %v\n", deleted)
+			return err
+		},
+	})
+	return cmd
+}

@@ -1,0 +1,1274 @@
+package deploy_test
+
+// These tests run the real relay and subscribers under the production
+// nats-server configuration (deploy/nats/nats-server.conf) and the database
+// roles of deploy/postgres/roles.sql, and show what each role may and may
+// not do: every refusal is the server's own (a NATS permissions violation
+// naming the subject, SQLSTATE 42501 from PostgreSQL).
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/schema"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/cacheinval"
+	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// ---------------------------------------------------------------------------
+// nats-server under deploy/nats/nats-server.conf
+
+// natsUsers are the users of the configuration file.
+var natsUsers = []string{"relay", "invoicing", "cacheinval", "admin"}
+
+type natsServer struct {
+	url       string
+	passwords map[string]string // plain passwords, as the clients send them
+	cmd       *exec.Cmd
+	exited    chan struct{}
+	log       *syncBuffer
+}
+
+// startNATS runs the pinned nats-server with the production configuration
+// file on a free port, the passwords (bcrypt hashes, except admin's plain
+// one) and the store directory in its environment, and stops it when t ends.
+func startNATS(t *testing.T) *natsServer {
+	t.Helper()
+	bin, err := repo.Bin("nats-server")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := freePort(t)
+	s := &natsServer{
+		url:       fmt.Sprintf("nats://127.0.0.1:%d", port),
+		passwords: make(map[string]string),
+		exited:    make(chan struct{}),
+		log:       &syncBuffer{},
+	}
+	env := os.Environ()
+	for _, u := range natsUsers {
+		pw := "pw" + randomHex(t, 16)
+		s.passwords[u] = pw
+		secret := pw
+		if u != "admin" {
+			secret = bcryptHash(t, pw)
+		}
+		env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+secret)
+	}
+	env = append(env, "FANOUT_NATS_STORE_DIR="+filepath.Join(t.TempDir(), "jetstream"))
+	s.cmd = exec.Command(bin, "-c", natsConfPath(t), "-p", strconv.Itoa(port))
+	s.cmd.Env = env // the last of duplicate keys wins
+	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
+	if err := s.cmd.Start(); err != nil {
+		t.Fatalf("start nats-server: %v", err)
+	}
+	go func() {
+		_ = s.cmd.Wait()
+		close(s.exited)
+	}()
+	t.Cleanup(s.stop)
+
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		nc, err := nats.Connect(s.url, nats.UserInfo("admin", s.passwords["admin"]), nats.Timeout(time.Second))
+		if err == nil {
+			js, jerr := jetstream.New(nc)
+			if jerr == nil {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+				_, jerr = js.AccountInfo(ctx)
+				cancel()
+			}
+			nc.Close()
+			if jerr == nil {
+				return s
+			}
+			err = jerr
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nats-server on port %d not ready: %v\n%s", port, err, s.log.String())
+		}
+		select {
+		case <-s.exited:
+			t.Fatalf("nats-server exited at start:\n%s", s.log.String())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func (s *natsServer) stop() {
+	select {
+	case <-s.exited:
+		return
+	default:
+	}
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.exited:
+	case <-time.After(10 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.exited
+	}
+}
+
+func natsConfPath(t *testing.T) string {
+	t.Helper()
+	root, err := repo.Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return filepath.Join(root, "deploy", "nats", "nats-server.conf")
+}
+
+// bcryptHash hashes a password as `nats server passwd` does (at the lowest
+// cost, to keep the test fast).
+func bcryptHash(t *testing.T, pw string) string {
+	t.Helper()
+	cli, err := repo.Bin("nats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(cli, "server", "passwd", "--pass", pw, "--cost", "4").CombinedOutput()
+	if err != nil {
+		t.Fatalf("nats server passwd: %v\n%s", err, out)
+	}
+	h := strings.TrimSpace(string(out))
+	if !strings.HasPrefix(h, "$2a$") {
+		t.Fatalf("nats server passwd printed %q, not a bcrypt hash", h)
+	}
+	return h
+}
+
+// natsClient is one user's connection; its async errors (the server's
+// permissions violations) arrive on errs.
+type natsClient struct {
+	user       string
+	nc         *nats.Conn
+	js         jetstream.JetStream
+	errs       chan error
+	unexpected []error
+}
+
+func (s *natsServer) connect(t *testing.T, user string) *natsClient {
+	t.Helper()
+	c := &natsClient{user: user, errs: make(chan error, 1000)}
+	nc, err := nats.Connect(s.url,
+		nats.UserInfo(user, s.passwords[user]),
+		nats.Name("leastprivilege-"+user),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			select {
+			case c.errs <- err:
+			default:
+			}
+		}))
+	if err != nil {
+		t.Fatalf("connect as %s: %v", user, err)
+	}
+	t.Cleanup(nc.Close)
+	c.nc = nc
+	if c.js, err = jetstream.New(nc); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// waitViolation waits for the server's permissions violation for kind
+// ("Publish" or "Subscription") on subject. Other async errors are kept
+// for checkClean.
+func (c *natsClient) waitViolation(t *testing.T, kind, subject string) {
+	t.Helper()
+	want := fmt.Sprintf("%s to %q", kind, subject)
+	deadline := time.NewTimer(5 * time.Second)
+	defer deadline.Stop()
+	for {
+		select {
+		case err := <-c.errs:
+			if errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), want) {
+				return
+			}
+			c.unexpected = append(c.unexpected, err)
+		case <-deadline.C:
+			t.Fatalf("%s: no permissions violation for %s within 5s: the server allowed it", c.user, want)
+		}
+	}
+}
+
+// deniedRequest runs op, a request on subject that the user may not make:
+// the server must report the violation, and op must not succeed.
+func (c *natsClient) deniedRequest(t *testing.T, subject string, op func(ctx context.Context) error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res := make(chan error, 1)
+	go func() { res <- op(ctx) }()
+	c.waitViolation(t, "Publish", subject)
+	cancel() // the request has no answer coming: stop waiting for one
+	if err := <-res; err == nil {
+		t.Errorf("%s: request on %s succeeded", c.user, subject)
+	}
+}
+
+// checkClean fails t if the server reported anything else than the
+// violations the test provoked. A last denied publish serves as a marker:
+// the server answers in order and the client reports errors in order, so
+// once its violation arrives every earlier one has.
+func (c *natsClient) checkClean(t *testing.T) {
+	t.Helper()
+	marker := "leastprivilege.checkpoint." + c.user
+	if err := c.nc.Publish(marker, nil); err != nil {
+		t.Fatal(err)
+	}
+	c.waitViolation(t, "Publish", marker)
+	for _, err := range c.unexpected {
+		t.Errorf("%s: unexpected async error: %v", c.user, err)
+	}
+	c.unexpected = nil
+}
+
+// ---------------------------------------------------------------------------
+// PostgreSQL roles from deploy/postgres/roles.sql
+
+// rolesLock serializes applications of roles.sql across test processes:
+// roles are cluster-wide. Advisory locks are per database, so it is taken
+// in the admin database.
+const rolesLock = 0x666f726f6c6573
+
+// applyRoles runs roles.sql with psql against dbURL, as a DBA would, with
+// env added to psql's environment, and returns what psql printed.
+func applyRoles(t *testing.T, dbURL string, env ...string) string {
+	t.Helper()
+	root, err := repo.Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	psql, err := exec.LookPath("psql")
+	if err != nil {
+		psql = "/usr/lib/postgresql/15/bin/psql"
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	admin, err := pgx.Connect(ctx, pgtest.AdminURL())
+	if err != nil {
+		t.Fatalf("postgres not reachable (start it with deploy/services.sh up): %v", err)
+	}
+	defer admin.Close(context.Background())
+	if _, err := admin.Exec(ctx, "SELECT pg_advisory_lock($1)", int64(rolesLock)); err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Exec(context.Background(), "SELECT pg_advisory_unlock($1)", int64(rolesLock)) //nolint:errcheck
+
+	cmd := exec.CommandContext(ctx, psql, "-X", "-q", "-v", "ON_ERROR_STOP=1",
+		"-f", filepath.Join(root, "deploy", "postgres", "roles.sql"), dbURL)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "FANOUT_PG_") { // a developer's shell must not set passwords here
+			cmd.Env = append(cmd.Env, kv)
+		}
+	}
+	cmd.Env = append(cmd.Env, env...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("psql -f roles.sql: %v\n%s", err, out)
+	}
+	return string(out)
+}
+
+// roleURL is dbURL with role as the user (trust authentication on loopback
+// in the development cluster: no password).
+func roleURL(t *testing.T, dbURL, role string) string {
+	t.Helper()
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(role)
+	return u.String()
+}
+
+// rolePool connects to dbURL as role through the production code path.
+func rolePool(t *testing.T, cfg *config.Config, dbURL, role string, opts ...connect.PostgresOption) *pgxpool.Pool {
+	t.Helper()
+	pc := cfg.Postgres
+	pc.URL = roleURL(t, dbURL, role)
+	pool, err := connect.Postgres(context.Background(), pc, role, opts...)
+	if err != nil {
+		t.Fatalf("connect as %s: %v", role, err)
+	}
+	t.Cleanup(pool.Close)
+	var user string
+	if err := pool.QueryRow(context.Background(), "SELECT current_user").Scan(&user); err != nil || user != role {
+		t.Fatalf("connected as %q (%v), want %s", user, err, role)
+	}
+	return pool
+}
+
+// querier runs statements: a pool, a connection or a transaction.
+type querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// denied runs sql, which must fail with SQLSTATE 42501
+// (insufficient_privilege).
+func denied(t *testing.T, q querier, who, sql string, args ...any) {
+	t.Helper()
+	_, err := q.Exec(context.Background(), sql, args...)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "42501" {
+		t.Errorf("%s: %s: got %v, want SQLSTATE 42501 (insufficient_privilege)", who, sql, err)
+	}
+}
+
+// asRole runs fn in a transaction of the superuser pool switched to role
+// (SET LOCAL ROLE), as an application role that is a member of role would,
+// and rolls it back.
+func asRole(t *testing.T, pool *pgxpool.Pool, role string, fn func(tx pgx.Tx)) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck
+	if _, err := tx.Exec(ctx, "SET LOCAL ROLE "+pgx.Identifier{role}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	fn(tx)
+}
+
+// ---------------------------------------------------------------------------
+// The pipeline, every process with its own least-privilege identity
+
+// TestLeastPrivilegePipeline runs a writer (as fanout_writer), the relay (as
+// fanout_relay and NATS user relay) and the invoicing subscriber (as
+// fanout_invoicing and NATS user invoicing), all through the production
+// connection code, and checks that the events flow, are acked, and that a bad
+// one and a max-deliveries advisory reach the dead letters; and that nothing
+// any of them did was refused.
+func TestLeastPrivilegePipeline(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cfg := loadConfig(t)
+	db := pgtest.NewDB(t)
+	applyRoles(t, db.URL)
+	ns := startNATS(t)
+	logs := &logRecorder{}
+	logger := slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+
+	// The business application: a product and an order, then the order's
+	// event written in the same transaction under fanout_writer.
+	var productID, orderID int64
+	err := db.Pool.QueryRow(ctx, `
+WITH b AS (INSERT INTO brands (name) VALUES ('Acme') RETURNING id),
+     c AS (INSERT INTO categories (name) VALUES ('phones') RETURNING id)
+INSERT INTO products (sku, name, brand_id, category_id, price)
+SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&productID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const unknownOrder = 1 << 40
+	var goodEvent, badEvent int64
+	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		if err := tx.QueryRow(ctx, `INSERT INTO orders (customer) VALUES ('ada') RETURNING id`).Scan(&orderID); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO order_lines (order_id, line_no, product_id, quantity, unit_price) VALUES ($1, 1, $2, 2, 199.00)`, orderID, productID); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, "SET LOCAL ROLE fanout_writer"); err != nil {
+			return err
+		}
+		w := outbox.NewWriter(time.Millisecond) // its first write also notifies
+		if goodEvent, err = w.Write(ctx, tx, orderEvent(orderID)); err != nil {
+			return fmt.Errorf("outbox.Write as fanout_writer: %w", err)
+		}
+		b := &pgx.Batch{}
+		if err := w.Queue(b, orderEvent(unknownOrder), &badEvent); err != nil {
+			return err
+		}
+		if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			return fmt.Errorf("outbox.Queue as fanout_writer: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// The relay.
+	relayPool := rolePool(t, cfg, db.URL, "fanout_relay", connect.AsyncCommit())
+	relayNC := natsConn(t, cfg, ns, "relay", logger)
+	rl, err := relay.New(relay.Options{Relay: cfg.Relay, Stream: cfg.Stream, Pool: relayPool, Conn: relayNC, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rl.Start(ctx); err != nil {
+		t.Fatalf("relay start as fanout_relay / relay: %v", err)
+	}
+	t.Cleanup(func() {
+		sctx, c := context.WithTimeout(context.Background(), 10*time.Second)
+		defer c()
+		_ = rl.Stop(sctx)
+	})
+	waitFor(t, "both outbox rows marked sent by the relay", func() bool {
+		var sent int
+		err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status = 'sent' AND published_at IS NOT NULL AND id = ANY($1)`,
+			[]int64{goodEvent, badEvent}).Scan(&sent)
+		return err == nil && sent == 2
+	})
+	admin := ns.connect(t, "admin")
+	events, err := admin.js.Stream(ctx, cfg.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	seqOf := map[int64]uint64{}
+	for seq := uint64(1); seq <= 2; seq++ {
+		m, err := events.GetMsg(ctx, seq)
+		if err != nil {
+			t.Fatalf("stream %s message %d: %v", cfg.Stream.Name, seq, err)
+		}
+		id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+		seqOf[id] = seq
+		if m.Subject != "events."+shop.OrderCreated {
+			t.Errorf("message %d subject %s", seq, m.Subject)
+		}
+	}
+	if seqOf[goodEvent] == 0 || seqOf[badEvent] == 0 {
+		t.Fatalf("stream holds events %v, want %d and %d", seqOf, goodEvent, badEvent)
+	}
+
+	// Invoicing: first start creates its consumer and the dead-letter stream.
+	invPool := rolePool(t, cfg, db.URL, "fanout_invoicing")
+	invNC := natsConn(t, cfg, ns, "invoicing", logger)
+	startInvoicing := func() *subscribers.Runner {
+		t.Helper()
+		r, err := subscribers.New(subscribers.Options{Handler: invoicing.New(), Config: cfg.Subscribers, Stream: cfg.Stream,
+			Pool: invPool, Conn: invNC, Logger: logger})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := r.Start(ctx); err != nil {
+			t.Fatalf("invoicing start as fanout_invoicing / invoicing: %v", err)
+		}
+		t.Cleanup(func() {
+			sctx, c := context.WithTimeout(context.Background(), 10*time.Second)
+			defer c()
+			_ = r.Stop(sctx)
+		})
+		return r
+	}
+	run := startInvoicing()
+	waitFor(t, "the order's invoice", func() bool {
+		var n int
+		err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices i JOIN invoice_lines l ON l.invoice_id = i.id WHERE i.order_id = $1 AND i.total = 398.00`, orderID).Scan(&n)
+		return err == nil && n == 1
+	})
+	dl, err := admin.js.Stream(ctx, cfg.Subscribers.DeadLetterStream)
+	if err != nil {
+		t.Fatalf("dead-letter stream: %v", err)
+	}
+	waitFor(t, "the unknown order's dead letter", func() bool {
+		info, err := dl.Info(ctx)
+		return err == nil && info.State.Msgs == 1
+	})
+	first, err := dl.GetMsg(ctx, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.Subject != "deadletter.invoicing."+shop.OrderCreated ||
+		first.Header.Get(outbox.EventIDHeader) != strconv.FormatInt(badEvent, 10) ||
+		!strings.Contains(first.Header.Get(subscribers.DeadReasonHeader), invoicing.ErrUnknownOrder.Error()) {
+		t.Errorf("dead letter: subject %s, headers %v", first.Subject, first.Header)
+	}
+	// Both events are settled: the good one acked, the bad one terminated.
+	cons, err := jetstream.New(invNC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the invoicing consumer to have both events acked", func() bool {
+		c, err := cons.Consumer(ctx, cfg.Stream.Name, invoicing.Name)
+		if err != nil {
+			return false
+		}
+		ci := c.CachedInfo()
+		return ci.NumAckPending == 0 && ci.NumPending == 0 && ci.AckFloor.Stream == 2
+	})
+	var checkpoints int
+	if err := invPool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE subscriber = 'invoicing' AND event_id = $1`, goodEvent).Scan(&checkpoints); err != nil || checkpoints != 1 {
+		t.Errorf("invoicing checkpoint of event %d: %d rows (%v)", goodEvent, checkpoints, err)
+	}
+	if _, err := run.Prune(ctx); err != nil {
+		t.Errorf("prune checkpoints as fanout_invoicing: %v", err)
+	}
+	sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
+	if err := run.Stop(sctx); err != nil {
+		t.Errorf("stop invoicing: %v", err)
+	}
+	scancel()
+
+	// A second start updates the existing consumer. JetStream's advisory
+	// that an event ran out of deliveries (published here by the operator,
+	// as the server would) makes it read the event by sequence and
+	// dead-letter it.
+	startInvoicing()
+	if err := invNC.Flush(); err != nil { // its advisory subscription is in place
+		t.Fatal(err)
+	}
+	adv, _ := json.Marshal(map[string]any{
+		"type": "io.nats.jetstream.advisory.v1.max_deliver", "stream": cfg.Stream.Name, "consumer": invoicing.Name,
+		"stream_seq": seqOf[goodEvent], "deliveries": 11,
+	})
+	if err := admin.nc.Publish(fmt.Sprintf("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.%s.%s", cfg.Stream.Name, invoicing.Name), adv); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the advisory's dead letter", func() bool {
+		info, err := dl.Info(ctx)
+		return err == nil && info.State.Msgs == 2
+	})
+	second, err := dl.GetMsg(ctx, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if second.Header.Get(subscribers.DeadStreamSeqHeader) != strconv.FormatUint(seqOf[goodEvent], 10) ||
+		!strings.Contains(second.Header.Get(subscribers.DeadReasonHeader), "no outcome after 11 deliveries") {
+		t.Errorf("advisory dead letter: headers %v", second.Header)
+	}
+
+	// What these identities cannot do in Postgres.
+	denied(t, relayPool, "fanout_relay", `SELECT * FROM products`)
+	denied(t, relayPool, "fanout_relay", `UPDATE products SET price = 0`)
+	denied(t, relayPool, "fanout_relay", `UPDATE outbox SET payload = '{}'`)
+	denied(t, relayPool, "fanout_relay", `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('x', '1', 'x.y', '{}')`)
+	denied(t, relayPool, "fanout_relay", `SELECT * FROM processed_events`)
+	denied(t, invPool, "fanout_invoicing", `UPDATE outbox SET status = 'pending'`)
+	denied(t, invPool, "fanout_invoicing", `SELECT * FROM outbox`)
+	denied(t, invPool, "fanout_invoicing", `UPDATE invoices SET total = 0`)
+	denied(t, invPool, "fanout_invoicing", `UPDATE products SET price = 0`)
+
+	// Nothing the relay or invoicing did in the run was refused or failed:
+	// the only warnings are the two dead letters.
+	logs.checkpoint(t, relayNC, "relay")
+	logs.checkpoint(t, invNC, "invoicing")
+	for _, line := range logs.lines() {
+		if strings.Contains(line, `msg="event dead-lettered"`) || strings.Contains(line, "leastprivilege.checkpoint.") {
+			continue
+		}
+		t.Errorf("unexpected log: %s", line)
+	}
+}
+
+func orderEvent(orderID int64) outbox.Event {
+	return outbox.Event{
+		AggregateType: shop.AggregateOrder,
+		AggregateID:   strconv.FormatInt(orderID, 10),
+		Type:          shop.OrderCreated,
+		Payload:       shop.OrderEvent{OrderID: orderID, Customer: "ada", Lines: 1},
+	}
+}
+
+// natsConn connects as user through the production code path (config
+// nats.user / nats.password).
+func natsConn(t *testing.T, cfg *config.Config, ns *natsServer, user string, logger *slog.Logger) *nats.Conn {
+	t.Helper()
+	nc := cfg.NATS
+	nc.URL, nc.User, nc.Password = ns.url, user, ns.passwords[user]
+	conn, err := connect.NATS(nc, user, logger)
+	if err != nil {
+		t.Fatalf("connect to nats as %s: %v", user, err)
+	}
+	t.Cleanup(conn.Close)
+	return conn
+}
+
+// ---------------------------------------------------------------------------
+// NATS: what each user is refused
+
+// TestNATSPermissions provisions the stream, the dead-letter stream and both
+// subscribers' consumers with each role's own credentials (the calls the
+// relay and the subscriber runtime make), checks what each may do, and then
+// what each is refused.
+func TestNATSPermissions(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cfg := loadConfig(t)
+	ns := startNATS(t)
+	discard := slog.New(slog.NewTextHandler(io.Discard, nil))
+	rel := ns.connect(t, "relay")
+	inv := ns.connect(t, "invoicing")
+	cin := ns.connect(t, "cacheinval")
+
+	// The relay provisions EVENTS (auto: update, then create) and checks it
+	// (verify), and publishes with PubAcks.
+	minDup := cfg.Relay.Lease + cfg.Relay.PublishTimeout
+	if err := relay.EnsureStream(ctx, rel.js, cfg.Stream, minDup, discard); err != nil {
+		t.Fatalf("relay provisions the stream: %v", err)
+	}
+	verify := cfg.Stream
+	verify.Provision = "verify"
+	if err := relay.EnsureStream(ctx, rel.js, verify, minDup, discard); err != nil {
+		t.Fatalf("relay verifies the stream: %v", err)
+	}
+	publish := func(subject string, id int) uint64 {
+		t.Helper()
+		msg := nats.NewMsg(subject)
+		msg.Data = []byte(`{"order_id": 1, "product_id": 1}`)
+		msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(id))
+		ack, err := rel.js.PublishMsg(ctx, msg, jetstream.WithMsgID(strconv.Itoa(id)), jetstream.WithExpectStream(cfg.Stream.Name))
+		if err != nil {
+			t.Fatalf("relay publishes %s: %v", subject, err)
+		}
+		return ack.Sequence
+	}
+	orderSeq := publish("events."+shop.OrderCreated, 1)
+	publish("events.product.updated", 2)
+
+	// Each subscriber provisions the dead-letter stream and its own
+	// consumer, as the runtime does.
+	handlers := map[*natsClient]subscribers.Handler{inv: invoicing.New(), cin: cacheinval.New(nil, nil)}
+	for c, h := range handlers {
+		if _, err := c.js.CreateOrUpdateStream(ctx, subscribers.DeadLetterStreamConfig(cfg.Subscribers, cfg.Stream.Replicas)); err != nil {
+			t.Fatalf("%s provisions the dead-letter stream: %v", c.user, err)
+		}
+		if _, err := c.js.Stream(ctx, cfg.Subscribers.DeadLetterStream); err != nil {
+			t.Fatalf("%s looks up the dead-letter stream: %v", c.user, err)
+		}
+		s, err := c.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatalf("%s looks up the stream: %v", c.user, err)
+		}
+		want := subscribers.ConsumerConfig(h, cfg.Subscribers, cfg.Stream)
+		if _, err := s.CreateConsumer(ctx, want); err != nil {
+			t.Fatalf("%s creates its consumer: %v", c.user, err)
+		}
+		if _, err := s.UpdateConsumer(ctx, want); err != nil {
+			t.Fatalf("%s updates its consumer: %v", c.user, err)
+		}
+		if _, err := s.Consumer(ctx, h.Name()); err != nil {
+			t.Fatalf("%s looks up its consumer: %v", c.user, err)
+		}
+	}
+	events, err := inv.js.Stream(ctx, cfg.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventCount := func() uint64 {
+		t.Helper()
+		info, err := rel.js.Stream(ctx, cfg.Stream.Name) // STREAM.INFO, allowed to the relay
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.CachedInfo().State.Msgs
+	}
+
+	t.Run("a subscriber works its own consumer", func(t *testing.T) {
+		c, err := events.Consumer(ctx, invoicing.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		batch, err := c.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []jetstream.Msg
+		for m := range batch.Messages() {
+			got = append(got, m)
+		}
+		if len(got) != 1 || got[0].Subject() != "events."+shop.OrderCreated {
+			t.Fatalf("invoicing fetched %d messages (%v), want its order.created", len(got), batch.Error())
+		}
+		if err := got[0].InProgress(); err != nil {
+			t.Fatal(err)
+		}
+		if err := got[0].DoubleAck(ctx); err != nil {
+			t.Fatalf("invoicing acks: %v", err)
+		}
+		raw, err := events.GetMsg(ctx, orderSeq)
+		if err != nil || raw.Subject != "events."+shop.OrderCreated {
+			t.Fatalf("invoicing reads event %d by sequence: %v", orderSeq, err)
+		}
+		ack, err := inv.js.Publish(ctx, "deadletter.invoicing."+shop.OrderCreated, []byte("{}"))
+		if err != nil || ack.Stream != cfg.Subscribers.DeadLetterStream {
+			t.Fatalf("invoicing publishes its dead letter: %v", err)
+		}
+		sub, err := inv.nc.Subscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.EVENTS.invoicing", func(*nats.Msg) {})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer sub.Unsubscribe() //nolint:errcheck
+		info, err := c.Info(ctx)
+		if err != nil || info.AckFloor.Stream != orderSeq || info.NumAckPending != 0 {
+			t.Fatalf("invoicing consumer after the ack: %+v (%v)", info, err)
+		}
+		inv.checkClean(t) // none of the above was refused
+	})
+
+	t.Run("a subscriber cannot publish events", func(t *testing.T) {
+		before := eventCount()
+		subject := "events." + shop.OrderCreated
+		if err := inv.nc.Publish(subject, []byte(`{"order_id": 666}`)); err != nil {
+			t.Fatal(err)
+		}
+		inv.waitViolation(t, "Publish", subject)
+		inv.deniedRequest(t, subject, func(ctx context.Context) error {
+			_, err := inv.js.Publish(ctx, subject, []byte(`{"order_id": 667}`))
+			return err
+		})
+		cin.deniedRequest(t, "events.product.updated", func(ctx context.Context) error {
+			_, err := cin.js.Publish(ctx, "events.product.updated", []byte(`{"product_id": 1}`))
+			return err
+		})
+		if after := eventCount(); after != before {
+			t.Errorf("stream %s went from %d to %d messages", cfg.Stream.Name, before, after)
+		}
+	})
+
+	t.Run("a subscriber cannot touch another subscriber's consumer", func(t *testing.T) {
+		other := "cacheinval"
+		inv.deniedRequest(t, "$JS.API.CONSUMER.INFO.EVENTS."+other, func(ctx context.Context) error {
+			_, err := events.Consumer(ctx, other)
+			return err
+		})
+		inv.deniedRequest(t, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+other, func(ctx context.Context) error {
+			_, err := inv.nc.RequestWithContext(ctx, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+other, []byte(`{"batch":1}`))
+			return err
+		})
+		inv.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+other, func(ctx context.Context) error {
+			_, err := events.CreateOrUpdateConsumer(ctx, subscribers.ConsumerConfig(cacheinval.New(nil, nil), cfg.Subscribers, cfg.Stream))
+			return err
+		})
+		inv.deniedRequest(t, "$JS.API.CONSUMER.DELETE.EVENTS."+other, func(ctx context.Context) error {
+			return events.DeleteConsumer(ctx, other)
+		})
+		inv.deniedRequest(t, "deadletter.cacheinval.product.updated", func(ctx context.Context) error {
+			_, err := inv.js.Publish(ctx, "deadletter.cacheinval.product.updated", []byte("{}"))
+			return err
+		})
+		ackSubject := "$JS.ACK.EVENTS." + other + ".1.2.2.1700000000000000000.0"
+		if err := inv.nc.Publish(ackSubject, []byte("+ACK")); err != nil {
+			t.Fatal(err)
+		}
+		inv.waitViolation(t, "Publish", ackSubject)
+		advisory := "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.EVENTS." + other
+		sub, err := inv.nc.Subscribe(advisory, func(*nats.Msg) {})
+		if err != nil {
+			t.Fatal(err)
+		}
+		inv.waitViolation(t, "Subscription", advisory)
+		_ = sub.Unsubscribe()
+		inv.deniedRequest(t, "$JS.API.STREAM.DELETE.EVENTS", func(ctx context.Context) error {
+			return inv.js.DeleteStream(ctx, cfg.Stream.Name)
+		})
+		// cacheinval's consumer delivered nothing to anyone.
+		s, err := cin.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := s.Consumer(ctx, other)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ci := c.CachedInfo(); ci.Delivered.Consumer != 0 || ci.NumPending != 1 {
+			t.Errorf("cacheinval consumer: delivered %d, pending %d; want 0 and 1", ci.Delivered.Consumer, ci.NumPending)
+		}
+		inv.checkClean(t)
+		cin.checkClean(t)
+	})
+
+	t.Run("the relay cannot consume", func(t *testing.T) {
+		for _, name := range []string{invoicing.Name, cacheinval.Name} {
+			rel.deniedRequest(t, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, func(ctx context.Context) error {
+				_, err := rel.nc.RequestWithContext(ctx, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, []byte(`{"batch":1}`))
+				return err
+			})
+			rel.deniedRequest(t, "$JS.API.CONSUMER.INFO.EVENTS."+name, func(ctx context.Context) error {
+				_, err := rel.js.Consumer(ctx, cfg.Stream.Name, name)
+				return err
+			})
+		}
+		rel.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS.snoop", func(ctx context.Context) error {
+			_, err := rel.js.CreateConsumer(ctx, cfg.Stream.Name, jetstream.ConsumerConfig{Durable: "snoop", AckPolicy: jetstream.AckExplicitPolicy})
+			return err
+		})
+		s, err := rel.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rel.deniedRequest(t, "$JS.API.STREAM.MSG.GET.EVENTS", func(ctx context.Context) error {
+			_, err := s.GetMsg(ctx, orderSeq)
+			return err
+		})
+		rel.deniedRequest(t, "$JS.API.STREAM.DELETE.EVENTS", func(ctx context.Context) error {
+			return rel.js.DeleteStream(ctx, cfg.Stream.Name)
+		})
+		sub, err := rel.nc.Subscribe("events.>", func(*nats.Msg) {})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rel.waitViolation(t, "Subscription", "events.>")
+		_ = sub.Unsubscribe()
+		if err := rel.nc.Publish("deadletter.invoicing.x", nil); err != nil {
+			t.Fatal(err)
+		}
+		rel.waitViolation(t, "Publish", "deadletter.invoicing.x")
+		rel.checkClean(t)
+	})
+
+	t.Run("wrong or missing credentials are refused", func(t *testing.T) {
+		for _, opts := range [][]nats.Option{
+			{nats.UserInfo("relay", ns.passwords["invoicing"])},
+			{nats.UserInfo("relay", "")},
+			{},
+		} {
+			nc, err := nats.Connect(ns.url, append(opts, nats.Timeout(5*time.Second))...)
+			if err == nil {
+				nc.Close()
+				t.Error("connected with wrong credentials")
+			} else if !strings.Contains(strings.ToLower(err.Error()), "authorization violation") {
+				t.Errorf("wrong credentials: got %v, want an authorization violation", err)
+			}
+		}
+	})
+}
+
+// TestNATSConfigNeedsItsSecrets: the configuration names its secrets only by
+// environment variable, and the server refuses to start without them.
+func TestNATSConfigNeedsItsSecrets(t *testing.T) {
+	t.Parallel()
+	bin, err := repo.Bin("nats-server")
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf := natsConfPath(t)
+	body, err := os.ReadFile(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vars := []string{"FANOUT_NATS_STORE_DIR"}
+	for _, u := range natsUsers {
+		v := "FANOUT_NATS_" + strings.ToUpper(u) + "_PASSWORD"
+		vars = append(vars, v)
+		if !strings.Contains(string(body), "password: $"+v) {
+			t.Errorf("%s does not take user %s's password from $%s", conf, u, v)
+		}
+	}
+	var base []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "FANOUT_NATS_") {
+			base = append(base, kv)
+		}
+	}
+	check := func(env []string) (string, error) {
+		cmd := exec.Command(bin, "-c", conf, "-t")
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	all := append([]string(nil), base...)
+	for _, v := range vars {
+		all = append(all, v+"=x"+v)
+	}
+	if out, err := check(all); err != nil {
+		t.Fatalf("nats-server -t with every variable set: %v\n%s", err, out)
+	}
+	for i, missing := range vars {
+		env := append([]string(nil), base...)
+		for j, v := range vars {
+			if j != i {
+				env = append(env, v+"=x"+v)
+			}
+		}
+		out, err := check(env)
+		if err == nil || !strings.Contains(out, missing) {
+			t.Errorf("nats-server -t without %s: %v, %q; want a refusal naming it", missing, err, out)
+		}
+	}
+}
+
+// ---------------------------------------------------------------------------
+// PostgreSQL: what each role is refused
+
+// TestPostgresRoles checks roles.sql's grants: it converges when run twice,
+// sets passwords from the environment only, and each role can do its work
+// and nothing else.
+func TestPostgresRoles(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cfg := loadConfig(t)
+	db := pgtest.NewDB(t)
+	password := "pw" + randomHex(t, 12)
+	out := applyRoles(t, db.URL, "FANOUT_PG_SEARCHINDEX_PASSWORD="+password)
+	if strings.Contains(out, password) {
+		t.Errorf("psql printed the password: %s", out)
+	}
+	var hashed bool
+	if err := db.Pool.QueryRow(ctx, `SELECT rolpassword LIKE 'SCRAM-SHA-256$%' FROM pg_authid WHERE rolname = 'fanout_searchindex'`).Scan(&hashed); err != nil || !hashed {
+		t.Errorf("fanout_searchindex's password from FANOUT_PG_SEARCHINDEX_PASSWORD: stored as a SCRAM verifier %v (%v)", hashed, err)
+	}
+	first := privileges(t, db.Pool)
+	applyRoles(t, db.URL)
+	if second := privileges(t, db.Pool); second != first {
+		t.Errorf("a second run changed the privileges:\nfirst:\n%s\nsecond:\n%s", first, second)
+	}
+	for _, want := range []string{
+		"outbox owner=fanout_migrate",
+		"outbox fanout_relay=dr",
+		"outbox.status fanout_relay=w",
+		"outbox.payload fanout_writer=a",
+		"outbox.id fanout_writer=r",
+		"invoices fanout_invoicing=a",
+		"invoices.order_id fanout_invoicing=r",
+		"products fanout_cacheinval=r",
+		"processed_events fanout_invoicing=dar",
+		"policy fanout_invoicing_checkpoints (subscriber = 'invoicing'::text) (subscriber = 'invoicing'::text)",
+	} {
+		if !strings.Contains(first, want+"\n") {
+			t.Errorf("privileges lack %q:\n%s", want, first)
+		}
+	}
+
+	// Seed a catalog and order as the superuser (the business application).
+	var productID, orderID int64
+	err := db.Pool.QueryRow(ctx, `
+WITH b AS (INSERT INTO brands (name) VALUES ('Acme') RETURNING id),
+     c AS (INSERT INTO categories (name) VALUES ('phones') RETURNING id),
+     p AS (INSERT INTO products (sku, name, brand_id, category_id, price)
+           SELECT 'SKU-1', 'Phone', b.id, c.id, 10.00 FROM b, c RETURNING id),
+     i AS (INSERT INTO inventory (product_id, stock) SELECT id, 5 FROM p)
+SELECT id FROM p`).Scan(&productID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := db.Pool.QueryRow(ctx, `INSERT INTO orders (customer) VALUES ('ada') RETURNING id`).Scan(&orderID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO order_lines VALUES ($1, 1, $2, 1, 10.00)`, orderID, productID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO processed_events (subscriber, event_id) VALUES ('cacheinval', 7), ('invoicing', 8)`); err != nil {
+		t.Fatal(err)
+	}
+
+	t.Run("fanout_writer", func(t *testing.T) {
+		asRole(t, db.Pool, "fanout_writer", func(tx pgx.Tx) {
+			if _, err := outbox.Write(ctx, tx, orderEvent(orderID)); err != nil {
+				t.Errorf("outbox.Write as fanout_writer: %v", err)
+			}
+		})
+		for _, sql := range []string{
+			`SELECT payload FROM outbox`,
+			`UPDATE outbox SET status = 'sent'`,
+			`DELETE FROM outbox`,
+			`INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status) VALUES ('x', '1', 'x.y', '{}', 'sent')`,
+			`INSERT INTO orders (customer) VALUES ('eve')`,
+		} {
+			asRole(t, db.Pool, "fanout_writer", func(tx pgx.Tx) { denied(t, tx, "fanout_writer", sql) })
+		}
+	})
+
+	t.Run("fanout_invoicing", func(t *testing.T) {
+		pool := rolePool(t, cfg, db.URL, "fanout_invoicing")
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			ev := subscribers.Event{ID: 100, Type: shop.OrderCreated, Payload: []byte(fmt.Sprintf(`{"order_id": %d}`, orderID))}
+			if _, err := tx.Exec(ctx, `INSERT INTO processed_events (subscriber, event_id) VALUES ('invoicing', 100)`); err != nil {
+				return err
+			}
+			return invoicing.New().HandleTx(ctx, tx, ev)
+		})
+		if err != nil {
+			t.Fatalf("invoicing's work as fanout_invoicing: %v", err)
+		}
+		var n int
+		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices WHERE order_id = $1`, orderID).Scan(&n); err != nil || n != 1 {
+			t.Fatalf("invoices for order %d: %d (%v)", orderID, n, err)
+		}
+		// Its own checkpoint rows only: cacheinval's are invisible and out
+		// of reach.
+		rows, err := pool.Query(ctx, `SELECT DISTINCT subscriber FROM processed_events`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		visible, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil || len(visible) != 1 || visible[0] != "invoicing" {
+			t.Errorf("fanout_invoicing sees checkpoints of %v (%v), want only invoicing", visible, err)
+		}
+		if ct, err := pool.Exec(ctx, `DELETE FROM processed_events WHERE subscriber = 'cacheinval'`); err != nil || ct.RowsAffected() != 0 {
+			t.Errorf("fanout_invoicing deleted %d of cacheinval's checkpoints (%v)", ct.RowsAffected(), err)
+		}
+		denied(t, pool, "fanout_invoicing", `INSERT INTO processed_events (subscriber, event_id) VALUES ('cacheinval', 9)`)
+		denied(t, pool, "fanout_invoicing", `UPDATE outbox SET status = 'pending'`)
+		denied(t, pool, "fanout_invoicing", `SELECT * FROM outbox`)
+		denied(t, pool, "fanout_invoicing", `SELECT * FROM brands`)
+		denied(t, pool, "fanout_invoicing", `UPDATE invoices SET total = 0`)
+		denied(t, pool, "fanout_invoicing", `DELETE FROM invoices`)
+		denied(t, pool, "fanout_invoicing", `SELECT total FROM invoices`)
+	})
+
+	for _, role := range []string{"fanout_cacheinval", "fanout_searchindex"} {
+		t.Run(role, func(t *testing.T) {
+			pool := rolePool(t, cfg, db.URL, role)
+			got, err := shop.LoadProducts(ctx, pool, []int64{productID})
+			if err != nil || len(got) != 1 {
+				t.Fatalf("%s reads the catalog (shop.LoadProducts): %d products, %v", role, len(got), err)
+			}
+			subscriber := strings.TrimPrefix(role, "fanout_")
+			if _, err := pool.Exec(ctx, `INSERT INTO processed_events (subscriber, event_id) VALUES ($1, 1) ON CONFLICT DO NOTHING`, subscriber); err != nil {
+				t.Errorf("%s checkpoints: %v", role, err)
+			}
+			denied(t, pool, role, `INSERT INTO processed_events (subscriber, event_id) VALUES ('invoicing', 1)`)
+			denied(t, pool, role, `UPDATE products SET price = 0`)
+			denied(t, pool, role, `SELECT * FROM orders`)
+			denied(t, pool, role, `SELECT * FROM outbox`)
+			denied(t, pool, role, `INSERT INTO invoices (order_id, number, total) VALUES (1, 'x', 0)`)
+		})
+	}
+
+	t.Run("fanout_relay", func(t *testing.T) {
+		pool := rolePool(t, cfg, db.URL, "fanout_relay")
+		denied(t, pool, "fanout_relay", `SELECT * FROM products`)
+		denied(t, pool, "fanout_relay", `UPDATE products SET price = 0`)
+		denied(t, pool, "fanout_relay", `UPDATE outbox SET event_type = 'x.y'`)
+		denied(t, pool, "fanout_relay", `DELETE FROM processed_events`)
+	})
+}
+
+// privileges lists, one per line, the owner and grants of every table and
+// sequence in schema public, their column grants and the policies.
+func privileges(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `
+SELECT line FROM (
+    SELECT c.relname || ' owner=' || pg_get_userbyid(c.relowner) AS line
+    FROM pg_class c WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'S')
+    UNION ALL
+    SELECT c.relname || ' ' || pg_get_userbyid(a.grantee) || '=' || string_agg(
+             CASE a.privilege_type WHEN 'SELECT' THEN 'r' WHEN 'INSERT' THEN 'a' WHEN 'UPDATE' THEN 'w'
+                                   WHEN 'DELETE' THEN 'd' WHEN 'USAGE' THEN 'U' ELSE a.privilege_type END, '' ORDER BY a.privilege_type)
+    FROM pg_class c, aclexplode(c.relacl) a
+    WHERE c.relnamespace = 'public'::regnamespace AND a.grantee <> c.relowner
+    GROUP BY c.relname, a.grantee
+    UNION ALL
+    SELECT c.relname || '.' || att.attname || ' ' || pg_get_userbyid(a.grantee) || '=' || string_agg(
+             CASE a.privilege_type WHEN 'SELECT' THEN 'r' WHEN 'INSERT' THEN 'a' WHEN 'UPDATE' THEN 'w' ELSE a.privilege_type END, '' ORDER BY a.privilege_type)
+    FROM pg_class c JOIN pg_attribute att ON att.attrelid = c.oid, aclexplode(att.attacl) a
+    WHERE c.relnamespace = 'public'::regnamespace
+    GROUP BY c.relname, att.attname, a.grantee
+    UNION ALL
+    SELECT 'policy ' || polname || ' ' || pg_get_expr(polqual, polrelid) || ' ' || pg_get_expr(polwithcheck, polrelid)
+    FROM pg_policy
+) l ORDER BY line`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	var b strings.Builder
+	for _, l := range lines {
+		b.WriteString(l)
+		b.WriteByte('\n')
+	}
+	return b.String()
+}
+
+// TestPostgresRolesBootstrap follows roles.sql's own instructions on an empty
+// database: run it, migrate as fanout_migrate, run it again.
+func TestPostgresRolesBootstrap(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cfg := loadConfig(t)
+	admin, err := pgx.Connect(ctx, pgtest.AdminURL())
+	if err != nil {
+		t.Fatalf("postgres not reachable (start it with deploy/services.sh up): %v", err)
+	}
+	defer admin.Close(context.Background())
+	name := "fanout_test_roles_" + randomHex(t, 6)
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c, err := pgx.Connect(context.Background(), pgtest.AdminURL())
+		if err != nil {
+			return
+		}
+		defer c.Close(context.Background())
+		_, _ = c.Exec(context.Background(), "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)")
+	})
+	u, err := url.Parse(pgtest.AdminURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.Path = "/" + name
+	dbURL := u.String()
+
+	out := applyRoles(t, dbURL)
+	if !strings.Contains(out, "not all there yet") {
+		t.Errorf("roles.sql on an empty database did not say it skipped the table grants: %q", out)
+	}
+	migratePool := rolePool(t, cfg, dbURL, "fanout_migrate")
+	applied, err := schema.Migrate(ctx, migratePool, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil || len(applied) == 0 {
+		t.Fatalf("migrate as fanout_migrate: %v (applied %v)", err, applied)
+	}
+	// Before the second run, nobody but the owner can read the outbox.
+	relayPool := rolePool(t, cfg, dbURL, "fanout_relay")
+	denied(t, relayPool, "fanout_relay before the grants", `SELECT id FROM outbox`)
+
+	applyRoles(t, dbURL)
+	if _, err := relayPool.Exec(ctx, `SELECT id FROM outbox`); err != nil {
+		t.Errorf("fanout_relay after the grants: %v", err)
+	}
+	var owner string
+	if err := migratePool.QueryRow(ctx, `SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = 'public.outbox'::regclass`).Scan(&owner); err != nil || owner != "fanout_migrate" {
+		t.Errorf("outbox owner %q (%v), want fanout_migrate", owner, err)
+	}
+	// Owner-level: it can change the schema (rolled back).
+	err = pgx.BeginFunc(ctx, migratePool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `ALTER TABLE outbox ADD COLUMN probe int`); err != nil {
+			return err
+		}
+		return errRollback
+	})
+	if !errors.Is(err, errRollback) {
+		t.Errorf("fanout_migrate alters a table: %v", err)
+	}
+	denied(t, relayPool, "fanout_relay", `CREATE TABLE probe (id int)`)
+}
+
+var errRollback = errors.New("rollback")
+
+// ---------------------------------------------------------------------------
+// helpers
+
+func loadConfig(t *testing.T) *config.Config {
+	t.Helper()
+	cfg, err := config.Load("", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Relay.PollInterval = 50 * time.Millisecond
+	return cfg
+}
+
+// waitFor polls cond until it holds, failing t after 20s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+func randomHex(t *testing.T, n int) string {
+	t.Helper()
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b)
+}
+
+// syncBuffer is a bytes.Buffer safe for a process's output and the test.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// logRecorder keeps the lines a slog.TextHandler writes (one per record).
+type logRecorder struct {
+	mu  sync.Mutex
+	all []string
+}
+
+func (l *logRecorder) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.all = append(l.all, strings.TrimSpace(string(p)))
+	return len(p), nil
+}
+
+func (l *logRecorder) lines() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.all...)
+}
+
+// checkpoint makes sure every async error nc's server sent so far has been
+// logged: it publishes where user may not and waits for that violation's
+// log line (the server and the client keep the order).
+func (l *logRecorder) checkpoint(t *testing.T, nc *nats.Conn, user string) {
+	t.Helper()
+	marker := "leastprivilege.checkpoint." + user
+	if err := nc.Publish(marker, nil); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the marker violation of "+user, func() bool {
+		for _, line := range l.lines() {
+			if strings.Contains(line, `msg="nats async error"`) && strings.Contains(line, marker) {
+				return true
+			}
+		}
+		return false
+	})
+}

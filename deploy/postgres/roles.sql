@@ -1,0 +1,183 @@
+-- fanout's PostgreSQL roles, each with the least privilege its code needs.
+--
+-- A DBA runs this with psql, as a superuser, connected to the database that
+-- holds (or will hold) fanout's tables:
+--
+--   psql -X -v ON_ERROR_STOP=1 -f deploy/postgres/roles.sql "postgres://postgres@db-host/shop"
+--
+-- It is idempotent and converges: every run revokes what the fanout roles
+-- hold on the tables in schema public and grants the lists below again, in
+-- one transaction. Run it
+--   1. before the first migration: it creates the roles and lets
+--      fanout_migrate create tables (the table grants are skipped, with a
+--      notice, while the schema is missing);
+--   2. after `fanout migrate` (run as fanout_migrate), and again after any
+--      migration that adds a table a role needs (add the grant here first).
+-- Roles are cluster-wide; grants, ownership and policies are per database.
+-- Do not run it in two sessions at once (CREATE ROLE would race).
+--
+-- Roles:
+--   fanout_migrate      LOGIN. Owns fanout's tables and sequences (ownership
+--                       of existing ones is transferred to it); CREATE on
+--                       schema public. Runs `fanout migrate`.
+--   fanout_relay        LOGIN. outbox: SELECT, DELETE, and UPDATE of the
+--                       bookkeeping columns only (status, attempts,
+--                       last_error, available_at, claimed_at, lease_token,
+--                       published_at): it claims, marks, reaps and deletes
+--                       rows but cannot change an event or write one.
+--                       LISTEN needs no privilege.
+--   fanout_writer       NOLOGIN group role: GRANT it to each application role
+--                       that writes events. outbox: INSERT of the event
+--                       columns (aggregate_type, aggregate_id, event_type,
+--                       payload, headers) and SELECT (id) for RETURNING id.
+--                       pg_notify needs no privilege. The identity column
+--                       needs no USAGE on outbox_id_seq.
+--   fanout_invoicing    LOGIN. SELECT on orders, order_lines, products;
+--                       INSERT on invoices, invoice_lines; SELECT (id,
+--                       order_id) on invoices (ON CONFLICT (order_id) and
+--                       RETURNING need it); USAGE on invoice_number_seq;
+--                       its own checkpoint rows in processed_events.
+--   fanout_cacheinval   LOGIN. SELECT on products, brands, categories,
+--                       inventory; its own checkpoint rows.
+--   fanout_searchindex  LOGIN. Same as fanout_cacheinval.
+--
+-- processed_events has row-level security: each subscriber role sees,
+-- inserts and deletes only the rows of its own subscriber name (invoicing,
+-- cacheinval, searchindex), so one subscriber cannot skip or replay
+-- another's events. The table owner (fanout_migrate) and superusers bypass
+-- it.
+--
+-- Passwords are not in this file. For each LOGIN role, if the matching
+-- variable is set in psql's environment, the role's password is set from it:
+--   FANOUT_PG_MIGRATE_PASSWORD, FANOUT_PG_RELAY_PASSWORD,
+--   FANOUT_PG_INVOICING_PASSWORD, FANOUT_PG_CACHEINVAL_PASSWORD,
+--   FANOUT_PG_SEARCHINDEX_PASSWORD.
+-- The value may be a SCRAM-SHA-256 verifier (SCRAM-SHA-256$4096:...), which
+-- PostgreSQL stores as is; a plain password travels to the server in the
+-- ALTER ROLE statement, so make sure log_statement does not log DDL then, or
+-- leave the variables unset and use psql's \password (which hashes on the
+-- client). Unset variables leave passwords as they are. Each fanout process
+-- gets its password through postgres.password or postgres.password_file.
+
+\set ON_ERROR_STOP on
+
+BEGIN;
+
+-- Roles -----------------------------------------------------------------------
+
+SELECT format('CREATE ROLE %I', r)
+FROM unnest(ARRAY['fanout_migrate', 'fanout_relay', 'fanout_writer',
+                  'fanout_invoicing', 'fanout_cacheinval', 'fanout_searchindex']) AS r
+WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = r) \gexec
+
+ALTER ROLE fanout_migrate     LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_relay       LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_writer      NOLOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_invoicing   LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_cacheinval  LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_searchindex LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+
+-- Passwords, from psql's environment when set.
+\unset fanout_password
+\getenv fanout_password FANOUT_PG_MIGRATE_PASSWORD
+\if :{?fanout_password}
+ALTER ROLE fanout_migrate PASSWORD :'fanout_password';
+\unset fanout_password
+\endif
+\getenv fanout_password FANOUT_PG_RELAY_PASSWORD
+\if :{?fanout_password}
+ALTER ROLE fanout_relay PASSWORD :'fanout_password';
+\unset fanout_password
+\endif
+\getenv fanout_password FANOUT_PG_INVOICING_PASSWORD
+\if :{?fanout_password}
+ALTER ROLE fanout_invoicing PASSWORD :'fanout_password';
+\unset fanout_password
+\endif
+\getenv fanout_password FANOUT_PG_CACHEINVAL_PASSWORD
+\if :{?fanout_password}
+ALTER ROLE fanout_cacheinval PASSWORD :'fanout_password';
+\unset fanout_password
+\endif
+\getenv fanout_password FANOUT_PG_SEARCHINDEX_PASSWORD
+\if :{?fanout_password}
+ALTER ROLE fanout_searchindex PASSWORD :'fanout_password';
+\unset fanout_password
+\endif
+
+-- Database and schema ---------------------------------------------------------
+
+SELECT current_database() AS fanout_database \gset
+GRANT CONNECT ON DATABASE :"fanout_database"
+    TO fanout_migrate, fanout_relay, fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+
+GRANT USAGE, CREATE ON SCHEMA public TO fanout_migrate;
+GRANT USAGE ON SCHEMA public
+    TO fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+
+-- Tables (once migrated) --------------------------------------------------------
+
+SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migrated
+FROM unnest(ARRAY['outbox', 'processed_events', 'brands', 'categories', 'products',
+                  'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
+                  'invoice_number_seq']) AS t \gset
+
+\if :fanout_migrated
+
+-- fanout_migrate owns what fanout's migrations created (sequences owned by a
+-- column follow their table).
+SELECT format('ALTER TABLE public.%I OWNER TO fanout_migrate', c.relname)
+FROM pg_class c
+WHERE c.relnamespace = 'public'::regnamespace
+  AND c.relkind IN ('r', 'p')
+  AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'brands',
+                    'categories', 'products', 'inventory', 'orders', 'order_lines',
+                    'invoices', 'invoice_lines')
+  AND c.relowner <> 'fanout_migrate'::regrole \gexec
+SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
+WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
+      <> 'fanout_migrate'::regrole \gexec
+
+-- Start from nothing, so that a run converges on the lists below.
+REVOKE ALL ON ALL TABLES IN SCHEMA public
+    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
+    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+
+-- The relay.
+GRANT SELECT, DELETE ON outbox TO fanout_relay;
+GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_token, published_at)
+    ON outbox TO fanout_relay;
+
+-- Writers (outbox.Write, outbox.Queue).
+GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers) ON outbox TO fanout_writer;
+GRANT SELECT (id) ON outbox TO fanout_writer;
+
+-- Subscribers: the checkpoint (insert, read, prune), restricted to their rows.
+GRANT SELECT, INSERT, DELETE ON processed_events
+    TO fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+ALTER TABLE processed_events ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS fanout_invoicing_checkpoints ON processed_events;
+CREATE POLICY fanout_invoicing_checkpoints ON processed_events TO fanout_invoicing
+    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+DROP POLICY IF EXISTS fanout_cacheinval_checkpoints ON processed_events;
+CREATE POLICY fanout_cacheinval_checkpoints ON processed_events TO fanout_cacheinval
+    USING (subscriber = 'cacheinval') WITH CHECK (subscriber = 'cacheinval');
+DROP POLICY IF EXISTS fanout_searchindex_checkpoints ON processed_events;
+CREATE POLICY fanout_searchindex_checkpoints ON processed_events TO fanout_searchindex
+    USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
+
+-- Invoicing.
+GRANT SELECT ON orders, order_lines, products TO fanout_invoicing;
+GRANT INSERT ON invoices, invoice_lines TO fanout_invoicing;
+GRANT SELECT (id, order_id) ON invoices TO fanout_invoicing;
+GRANT USAGE ON SEQUENCE invoice_number_seq TO fanout_invoicing;
+
+-- The cache invalidator and the search indexer read the catalog.
+GRANT SELECT ON products, brands, categories, inventory TO fanout_cacheinval, fanout_searchindex;
+
+\else
+\echo 'roles.sql: fanout''s tables are not all there yet: roles, CONNECT and schema privileges done; run `fanout migrate` as fanout_migrate, then this file again for the table grants'
+\endif
+
+COMMIT;

@@ -1,0 +1,193 @@
+package searchindex
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/fanout/fanout/search"
+	"github.com/fanout/fanout/shop"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Drift is how an index differs from SQL.
+type Drift struct {
+	SQLCount, IndexCount int64
+	Missing              []int64  // in SQL, not in the index
+	Extra                []string // in the index, not in SQL (deleted products)
+	Different            []int64  // in both, with different fields or versions
+	Sampled              int      // documents compared (0: every document)
+}
+
+// Total is the number of drifted documents (a count mismatch counts once if
+// the sample found nothing).
+func (d Drift) Total() int {
+	n := len(d.Missing) + len(d.Extra) + len(d.Different)
+	if n == 0 && d.SQLCount != d.IndexCount {
+		n = 1
+	}
+	return n
+}
+
+func (d Drift) String() string {
+	scope := "every document"
+	if d.Sampled > 0 {
+		scope = fmt.Sprintf("a sample of %d documents", d.Sampled)
+	}
+	return fmt.Sprintf("SQL has %d products, the index %d documents; comparing %s: %d missing %s, %d extra %s, %d different %s",
+		d.SQLCount, d.IndexCount, scope, len(d.Missing), head(d.Missing), len(d.Extra), head(d.Extra), len(d.Different), head(d.Different))
+}
+
+func head[T any](xs []T) string {
+	if len(xs) == 0 {
+		return ""
+	}
+	var parts []string
+	for i, x := range xs {
+		if i == 10 {
+			parts = append(parts, "...")
+			break
+		}
+		parts = append(parts, fmt.Sprint(x))
+	}
+	return "(" + strings.Join(parts, ", ") + ")"
+}
+
+// Check compares index with SQL. With sample > 0 it compares the counts and
+// that many random products; with sample 0, the counts and every document.
+func Check(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index string, sample int) (Drift, error) {
+	var d Drift
+	var err error
+	if err = pool.QueryRow(ctx, `SELECT count(*) FROM products`).Scan(&d.SQLCount); err != nil {
+		return d, err
+	}
+	if d.IndexCount, err = c.Count(ctx, index); err != nil {
+		return d, err
+	}
+	if sample > 0 {
+		return checkSample(ctx, c, pool, index, sample, d)
+	}
+	// Every document: the index side in memory (id -> document), the SQL
+	// side streamed.
+	indexed := make(map[int64]search.Doc, d.IndexCount)
+	err = c.Scan(ctx, index, "id", func(doc search.Doc) error {
+		id, err := strconv.ParseInt(doc.ID, 10, 64)
+		if err != nil {
+			d.Extra = append(d.Extra, doc.ID)
+			return nil
+		}
+		indexed[id] = doc
+		return nil
+	})
+	if err != nil {
+		return d, err
+	}
+	rows, err := pool.Query(ctx, `SELECT `+shop.ProductColumns+` FROM `+shop.ProductFrom+` ORDER BY p.id`)
+	if err != nil {
+		return d, err
+	}
+	for rows.Next() {
+		p, err := shop.ScanProduct(rows)
+		if err != nil {
+			rows.Close()
+			return d, err
+		}
+		doc, ok := indexed[p.ID]
+		delete(indexed, p.ID)
+		switch {
+		case !ok:
+			d.Missing = append(d.Missing, p.ID)
+		case !same(doc, p):
+			d.Different = append(d.Different, p.ID)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return d, err
+	}
+	for id := range indexed {
+		d.Extra = append(d.Extra, strconv.FormatInt(id, 10))
+	}
+	slices.Sort(d.Extra)
+	return d, nil
+}
+
+func checkSample(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index string, n int, d Drift) (Drift, error) {
+	rows, err := pool.Query(ctx, `SELECT id FROM products ORDER BY random() LIMIT $1`, n)
+	if err != nil {
+		return d, err
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return d, err
+	}
+	d.Sampled = len(ids)
+	if len(ids) == 0 {
+		return d, nil
+	}
+	products, err := shop.LoadProducts(ctx, pool, ids)
+	if err != nil {
+		return d, err
+	}
+	strIDs := make([]string, len(ids))
+	for i, id := range ids {
+		strIDs[i] = strconv.FormatInt(id, 10)
+	}
+	docs, err := c.MGet(ctx, index, strIDs)
+	if err != nil {
+		return d, err
+	}
+	for _, id := range ids {
+		p, inSQL := products[id]
+		doc, inIndex := docs[strconv.FormatInt(id, 10)]
+		switch {
+		case !inSQL && inIndex:
+			d.Extra = append(d.Extra, doc.ID)
+		case inSQL && !inIndex:
+			d.Missing = append(d.Missing, id)
+		case inSQL && !same(doc, p):
+			d.Different = append(d.Different, id)
+		}
+	}
+	return d, nil
+}
+
+// same reports whether a stored document is the product's current one.
+func same(doc search.Doc, p shop.Product) bool {
+	var got shop.Product
+	if err := json.Unmarshal(doc.Source, &got); err != nil {
+		return false
+	}
+	return got == p && doc.Version == p.Version
+}
+
+// Repair writes the current SQL state of every drifted document into index.
+func Repair(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index string, bulkSize int, d Drift) error {
+	ids := append(slices.Clone(d.Missing), d.Different...)
+	for _, e := range d.Extra {
+		if id, err := strconv.ParseInt(e, 10, 64); err == nil {
+			ids = append(ids, id)
+		}
+	}
+	s := syncer{client: c, pool: pool, bulkSize: bulkSize, logger: slog.New(slog.DiscardHandler),
+		retryWaits: []time.Duration{200 * time.Millisecond, time.Second}}
+	outcomes, err := s.sync(ctx, index, ids)
+	if err != nil {
+		return err
+	}
+	var failed []string
+	for id, o := range outcomes {
+		if o.permanent != nil || o.transient != nil {
+			failed = append(failed, fmt.Sprintf("%d: %v", id, o.err()))
+		}
+	}
+	if len(failed) > 0 {
+		return fmt.Errorf("repair: %d documents failed: %s", len(failed), strings.Join(failed[:min(10, len(failed))], "; "))
+	}
+	return nil
+}

@@ -1,0 +1,155 @@
+package searchindex
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/search"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Name is the subscriber's durable name.
+const Name = "searchindex"
+
+// Handler indexes product documents.
+type Handler struct {
+	syncer
+	alias string
+}
+
+// New returns the search indexer writing through cfg.Alias.
+func New(client *search.Client, pool *pgxpool.Pool, cfg config.Search, logger *slog.Logger) *Handler {
+	return &Handler{
+		syncer: syncer{client: client, pool: pool, bulkSize: cfg.BulkSize, logger: logger,
+			retryWaits: []time.Duration{200 * time.Millisecond, 800 * time.Millisecond}},
+		alias: cfg.Alias,
+	}
+}
+
+func (h *Handler) Name() string { return Name }
+
+// EventTypes: every product change, and brand renames (the brand name is in
+// the documents of all its products).
+func (h *Handler) EventTypes() []string { return []string{"product.>", shop.BrandUpdated} }
+
+// Handle indexes one event's products.
+func (h *Handler) Handle(ctx context.Context, ev subscribers.Event) error {
+	return h.HandleBatch(ctx, []subscribers.Event{ev})[0]
+}
+
+// HandleBatch indexes the products a batch of events changed, each product
+// once, in bulk, and reports each event's outcome.
+func (h *Handler) HandleBatch(ctx context.Context, evs []subscribers.Event) []error {
+	errs := make([]error, len(evs))
+	products := make([][]int64, len(evs)) // the products each event names
+	brands := map[int64][]int{}           // brand id -> events renaming it
+	for i, ev := range evs {
+		switch ev.Type {
+		case shop.BrandUpdated:
+			var p shop.BrandEvent
+			if err := json.Unmarshal(ev.Payload, &p); err != nil || p.BrandID <= 0 {
+				errs[i] = subscribers.Permanent(fmt.Errorf("malformed brand.updated payload %.200q: %v", ev.Payload, err))
+				continue
+			}
+			brands[p.BrandID] = append(brands[p.BrandID], i)
+		default:
+			id, err := productID(ev)
+			if err != nil {
+				errs[i] = subscribers.Permanent(err)
+				continue
+			}
+			products[i] = []int64{id}
+		}
+	}
+	if len(brands) > 0 {
+		if err := h.brandProducts(ctx, brands, products); err != nil {
+			return fill(errs, err)
+		}
+	}
+	var ids []int64
+	for _, p := range products {
+		ids = append(ids, p...)
+	}
+	slices.Sort(ids)
+	ids = slices.Compact(ids)
+	outcomes, err := h.sync(ctx, h.alias, ids)
+	if err != nil {
+		return fill(errs, fmt.Errorf("index %d products: %w", len(ids), err))
+	}
+	for i := range evs {
+		if errs[i] != nil {
+			continue
+		}
+		var transient error
+		for _, id := range products[i] {
+			o := outcomes[id]
+			if o.permanent != nil {
+				errs[i] = subscribers.Permanent(o.permanent)
+				break
+			}
+			if o.transient != nil && transient == nil {
+				transient = o.transient
+			}
+		}
+		if errs[i] == nil {
+			errs[i] = transient
+		}
+	}
+	return errs
+}
+
+func productID(ev subscribers.Event) (int64, error) {
+	var p shop.ProductEvent
+	if err := json.Unmarshal(ev.Payload, &p); err != nil {
+		return 0, fmt.Errorf("malformed %s payload %.200q: %v", ev.Type, ev.Payload, err)
+	}
+	if p.ProductID > 0 {
+		return p.ProductID, nil
+	}
+	if id, err := strconv.ParseInt(ev.AggregateID, 10, 64); err == nil && id > 0 {
+		return id, nil
+	}
+	return 0, fmt.Errorf("%s event names no product (payload %.200q, aggregate %q)", ev.Type, ev.Payload, ev.AggregateID)
+}
+
+// brandProducts adds each renamed brand's products to its events.
+func (h *Handler) brandProducts(ctx context.Context, brands map[int64][]int, products [][]int64) error {
+	ids := make([]int64, 0, len(brands))
+	for id := range brands {
+		ids = append(ids, id)
+	}
+	rows, err := h.pool.Query(ctx, `SELECT brand_id, id FROM products WHERE brand_id = ANY($1)`, ids)
+	if err != nil {
+		return fmt.Errorf("products of renamed brands: %w", err)
+	}
+	var brandID, productID int64
+	_, err = pgx.ForEachRow(rows, []any{&brandID, &productID}, func() error {
+		for _, i := range brands[brandID] {
+			products[i] = append(products[i], productID)
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("products of renamed brands: %w", err)
+	}
+	return nil
+}
+
+// fill sets err on every event that has no outcome yet.
+func fill(errs []error, err error) []error {
+	for i := range errs {
+		if errs[i] == nil {
+			errs[i] = err
+		}
+	}
+	return errs
+}

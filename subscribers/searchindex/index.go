@@ -1,0 +1,146 @@
+package searchindex
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/schema"
+	"github.com/fanout/fanout/search"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// IndexName is the name of version n of the index behind alias.
+func IndexName(alias string, n int) string { return alias + "-v" + strconv.Itoa(n) }
+
+// indexVersion parses the N of <alias>-vN, or returns 0.
+func indexVersion(alias, name string) int {
+	n, err := strconv.Atoi(strings.TrimPrefix(name, alias+"-v"))
+	if err != nil || !strings.HasPrefix(name, alias+"-v") {
+		return 0
+	}
+	return n
+}
+
+// Versions lists the existing <alias>-vN indices, oldest first.
+func Versions(ctx context.Context, c *search.Client, alias string) ([]string, error) {
+	names, err := c.Indices(ctx, alias+"-v*")
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, n := range names {
+		if indexVersion(alias, n) > 0 {
+			out = append(out, n)
+		}
+	}
+	// Numeric order: v10 after v9.
+	for i := 1; i < len(out); i++ {
+		for j := i; j > 0 && indexVersion(alias, out[j]) < indexVersion(alias, out[j-1]); j-- {
+			out[j], out[j-1] = out[j-1], out[j]
+		}
+	}
+	return out, nil
+}
+
+// Current returns the index the alias points at, or "" if none.
+func Current(ctx context.Context, c *search.Client, alias string) (string, error) {
+	names, err := c.AliasIndices(ctx, alias)
+	if err != nil {
+		return "", err
+	}
+	switch len(names) {
+	case 0:
+		return "", nil
+	case 1:
+		return names[0], nil
+	}
+	return "", fmt.Errorf("alias %s points at %d indices (%v); fanout needs exactly one", alias, len(names), names)
+}
+
+// EnsureIndex makes sure the alias points at an index: with provision auto
+// it creates <alias>-v1 from the mapping in schema/ if there is none;
+// verify refuses to go on without one; off does not look.
+func EnsureIndex(ctx context.Context, c *search.Client, alias, provision string) error {
+	if provision == "off" {
+		return nil
+	}
+	cur, err := Current(ctx, c, alias)
+	if err != nil || cur != "" {
+		return err
+	}
+	if provision == "verify" {
+		return fmt.Errorf("alias %s points at no index (search.provision=verify): run `fanout reindex` to build one", alias)
+	}
+	name := IndexName(alias, 1)
+	if err := c.CreateIndex(ctx, name, schema.ProductIndex); err != nil {
+		var e *search.Error
+		if !(asError(err, &e) && e.Type == "resource_already_exists_exception") {
+			return fmt.Errorf("create index %s: %w", name, err)
+		}
+	}
+	if err := c.SwapAlias(ctx, alias, name); err != nil {
+		return fmt.Errorf("point alias %s at %s: %w", alias, name, err)
+	}
+	return nil
+}
+
+// Rollback points the alias at the newest index older than the current one,
+// then repairs that index's drift from SQL (it missed the updates made since
+// the swap). It returns the index left, the index now current and how many
+// documents were repaired.
+func Rollback(ctx context.Context, c *search.Client, pool *pgxpool.Pool, cfg config.Search) (from, to string, repaired int, err error) {
+	from, err = Current(ctx, c, cfg.Alias)
+	if err != nil {
+		return "", "", 0, err
+	}
+	versions, err := Versions(ctx, c, cfg.Alias)
+	if err != nil {
+		return "", "", 0, err
+	}
+	for _, v := range versions {
+		if indexVersion(cfg.Alias, v) < indexVersion(cfg.Alias, from) {
+			to = v
+		}
+	}
+	if to == "" {
+		return from, "", 0, fmt.Errorf("no index older than %s to roll back to (have %v)", from, versions)
+	}
+	if err := c.SwapAlias(ctx, cfg.Alias, to); err != nil {
+		return from, to, 0, err
+	}
+	_ = c.Refresh(ctx, to)
+	drift, err := Check(ctx, c, pool, to, 0)
+	if err != nil {
+		return from, to, 0, fmt.Errorf("rolled back to %s, but checking it failed (run `fanout reindex --check --repair`): %w", to, err)
+	}
+	if err := Repair(ctx, c, pool, to, cfg.BulkSize, drift); err != nil {
+		return from, to, 0, fmt.Errorf("rolled back to %s, but repairing it failed: %w", to, err)
+	}
+	return from, to, drift.Total(), nil
+}
+
+// Cleanup deletes every <alias>-vN index the alias does not point at.
+func Cleanup(ctx context.Context, c *search.Client, alias string) ([]string, error) {
+	cur, err := Current(ctx, c, alias)
+	if err != nil {
+		return nil, err
+	}
+	versions, err := Versions(ctx, c, alias)
+	if err != nil {
+		return nil, err
+	}
+	var deleted []string
+	for _, v := range versions {
+		if v == cur {
+			continue
+		}
+		if err := c.DeleteIndex(ctx, v); err != nil {
+			return deleted, err
+		}
+		deleted = append(deleted, v)
+	}
+	return deleted, nil
+}

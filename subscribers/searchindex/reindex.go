@@ -1,0 +1,404 @@
+package searchindex
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/schema"
+	"github.com/fanout/fanout/search"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/schollz/progressbar/v3"
+	"golang.org/x/sync/errgroup"
+)
+
+// Reindexer builds a new index version from SQL and swaps the alias to it
+// without losing an update or a search.
+type Reindexer struct {
+	Client *search.Client
+	Pool   *pgxpool.Pool
+	JS     jetstream.JetStream
+	Stream config.Stream
+	Search config.Search
+	Logger *slog.Logger
+	// Progress receives the progress bar (nil: none).
+	Progress io.Writer
+	// Loaders is how many bulk requests are in flight during the load.
+	Loaders int
+}
+
+// Failure is a document the engine refused.
+type Failure struct {
+	ID     string
+	Type   string
+	Reason string
+}
+
+// ReindexReport says what a reindex did.
+type ReindexReport struct {
+	From, To   string
+	Loaded     int64
+	Failures   []Failure
+	Replayed   int // events replayed onto the new index after the load
+	LoadTime   time.Duration
+	TotalTime  time.Duration
+	DocsPerSec float64
+}
+
+// ErrTooManyFailures aborts a reindex before the swap.
+var ErrTooManyFailures = errors.New("too many documents failed")
+
+// Reindex creates <alias>-v<N+1> from the mapping in schema/, bulk-loads it
+// from one SQL snapshot (streamed: memory stays bounded), replays the events
+// that arrived meanwhile, verifies it, swaps the alias in one _aliases call
+// and replays once more. The old index is kept (Rollback returns to it).
+//
+// No update is lost: the stream position is recorded before the snapshot
+// is taken, so every change the snapshot missed has an event after that
+// position, and those events are applied to the new index (documents are
+// read from SQL and written with external versions, so applying an event
+// twice, or one the snapshot already saw, is harmless). Events handled by
+// the live indexer just before the swap still went to the old index; the
+// replay after the swap covers them.
+func (r *Reindexer) Reindex(ctx context.Context) (ReindexReport, error) {
+	start := time.Now()
+	alias := r.Search.Alias
+	rep := ReindexReport{}
+	from, err := Current(ctx, r.Client, alias)
+	if err != nil {
+		return rep, err
+	}
+	rep.From = from
+	versions, err := Versions(ctx, r.Client, alias)
+	if err != nil {
+		return rep, err
+	}
+	next := 1
+	if len(versions) > 0 {
+		next = indexVersion(alias, versions[len(versions)-1]) + 1
+	}
+	rep.To = IndexName(alias, next)
+
+	// 1. The stream position, before the snapshot.
+	mark, err := r.streamLastSeq(ctx)
+	if err != nil {
+		return rep, err
+	}
+
+	// 2. The new index, refresh off during the load.
+	body, refresh, err := loadSettings()
+	if err != nil {
+		return rep, err
+	}
+	if err := r.Client.CreateIndex(ctx, rep.To, body); err != nil {
+		return rep, fmt.Errorf("create %s: %w", rep.To, err)
+	}
+	r.Logger.Info("reindex: loading", "from", rep.From, "to", rep.To, "stream_seq", mark)
+
+	// 3. The load.
+	loadStart := time.Now()
+	loaded, failures, err := r.load(ctx, rep.To)
+	rep.Loaded, rep.Failures, rep.LoadTime = loaded, failures, time.Since(loadStart)
+	if rep.LoadTime > 0 {
+		rep.DocsPerSec = float64(loaded) / rep.LoadTime.Seconds()
+	}
+	if err == nil {
+		err = r.Client.SetRefreshInterval(ctx, rep.To, refresh)
+	}
+	if err == nil {
+		err = r.Client.Refresh(ctx, rep.To)
+	}
+	if err == nil && len(failures) > r.Search.ReindexMaxFailures {
+		err = fmt.Errorf("%w: %d of %d documents (search.reindex_max_failures is %d); first: %s",
+			ErrTooManyFailures, len(failures), loaded+int64(len(failures)), r.Search.ReindexMaxFailures, describe(failures, 10))
+	}
+	if err != nil {
+		r.abandon(rep.To)
+		return rep, fmt.Errorf("reindex into %s aborted before the swap (the alias still points at %q; %s deleted): %w", rep.To, rep.From, rep.To, err)
+	}
+
+	// 4. Catch up with what happened during the load, and verify.
+	n, mark, err := r.replay(ctx, rep.To, mark)
+	rep.Replayed += n
+	if err == nil {
+		n, mark, err = r.verify(ctx, rep.To, mark)
+		rep.Replayed += n
+	}
+	if err != nil {
+		r.abandon(rep.To)
+		return rep, fmt.Errorf("reindex into %s aborted before the swap (the alias still points at %q; %s deleted): %w", rep.To, rep.From, rep.To, err)
+	}
+
+	// 5. The swap, atomic, then the events that raced it.
+	if err := r.Client.SwapAlias(ctx, alias, rep.To); err != nil {
+		return rep, fmt.Errorf("swap alias %s to %s: %w", alias, rep.To, err)
+	}
+	n, _, err = r.replay(ctx, rep.To, mark)
+	rep.Replayed += n
+	rep.TotalTime = time.Since(start)
+	if err != nil {
+		return rep, fmt.Errorf("swapped to %s, but the replay after the swap failed (run `fanout reindex --check --repair`): %w", rep.To, err)
+	}
+	r.Logger.Info("reindex: swapped", "alias", alias, "from", rep.From, "to", rep.To, "docs", rep.Loaded,
+		"replayed_events", rep.Replayed, "took", rep.TotalTime)
+	return rep, nil
+}
+
+// loadSettings is the mapping with refresh disabled, and the refresh
+// interval to restore after the load.
+func loadSettings() (body []byte, refresh string, err error) {
+	var def map[string]any
+	if err := json.Unmarshal(schema.ProductIndex, &def); err != nil {
+		return nil, "", err
+	}
+	settings, _ := def["settings"].(map[string]any)
+	refresh, _ = settings["refresh_interval"].(string)
+	if refresh == "" {
+		refresh = "1s"
+	}
+	settings["refresh_interval"] = "-1"
+	body, err = json.Marshal(def)
+	return body, refresh, err
+}
+
+func (r *Reindexer) abandon(index string) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := r.Client.DeleteIndex(ctx, index); err != nil {
+		r.Logger.Warn("delete abandoned index", "index", index, "error", err)
+	}
+}
+
+func (r *Reindexer) streamLastSeq(ctx context.Context) (uint64, error) {
+	s, err := r.JS.Stream(ctx, r.Stream.Name)
+	if err != nil {
+		return 0, fmt.Errorf("stream %s: %w", r.Stream.Name, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return 0, fmt.Errorf("stream %s: %w", r.Stream.Name, err)
+	}
+	return info.State.LastSeq, nil
+}
+
+// load streams every product from one snapshot into index, with Loaders
+// bulk requests in flight.
+func (r *Reindexer) load(ctx context.Context, index string) (int64, []Failure, error) {
+	tx, err := r.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
+	if err != nil {
+		return 0, nil, err
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // read-only
+	var total int64
+	if err := tx.QueryRow(ctx, `SELECT count(*) FROM products`).Scan(&total); err != nil {
+		return 0, nil, err
+	}
+	bar := r.bar(total)
+
+	loaders := max(r.Loaders, 1)
+	batches := make(chan []search.Op, loaders)
+	var mu sync.Mutex
+	var failures []Failure
+	var loaded int64
+	g, gctx := errgroup.WithContext(ctx)
+	for range loaders {
+		g.Go(func() error {
+			for ops := range batches {
+				results, err := r.Client.Bulk(gctx, index, ops)
+				if err != nil {
+					return err
+				}
+				var ok int64
+				mu.Lock()
+				for _, res := range results {
+					if res.Status < 300 || res.Status == 409 {
+						ok++
+					} else {
+						failures = append(failures, Failure{ID: res.ID, Type: res.Type, Reason: fmt.Sprintf("%d: %s", res.Status, res.Reason)})
+					}
+				}
+				loaded += ok
+				mu.Unlock()
+				if bar != nil {
+					_ = bar.Add(len(ops))
+				}
+			}
+			return nil
+		})
+	}
+	g.Go(func() error {
+		defer close(batches)
+		// The cursor streams rows: memory holds one batch per loader.
+		rows, err := tx.Query(gctx, `SELECT `+shop.ProductColumns+` FROM `+shop.ProductFrom+` ORDER BY p.id`)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		ops := make([]search.Op, 0, r.Search.BulkSize)
+		for rows.Next() {
+			p, err := shop.ScanProduct(rows)
+			if err != nil {
+				return err
+			}
+			doc, err := Document(p)
+			if err != nil {
+				return err
+			}
+			ops = append(ops, search.Op{ID: strconv.FormatInt(p.ID, 10), Version: p.Version, Doc: doc})
+			if len(ops) == r.Search.BulkSize {
+				select {
+				case batches <- ops:
+				case <-gctx.Done():
+					return gctx.Err()
+				}
+				ops = make([]search.Op, 0, r.Search.BulkSize)
+			}
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		if len(ops) > 0 {
+			select {
+			case batches <- ops:
+			case <-gctx.Done():
+				return gctx.Err()
+			}
+		}
+		return nil
+	})
+	err = g.Wait()
+	if bar != nil {
+		_ = bar.Finish()
+		fmt.Fprintln(r.Progress)
+	}
+	return loaded, failures, err
+}
+
+func (r *Reindexer) bar(total int64) *progressbar.ProgressBar {
+	if r.Progress == nil {
+		return nil
+	}
+	return progressbar.NewOptions64(total,
+		progressbar.OptionSetWriter(r.Progress),
+		progressbar.OptionSetDescription("loading"),
+		progressbar.OptionShowCount(),
+		progressbar.OptionShowIts(),
+		progressbar.OptionSetItsString("docs"),
+		progressbar.OptionSetPredictTime(true),
+		progressbar.OptionThrottle(200*time.Millisecond),
+		progressbar.OptionFullWidth(),
+	)
+}
+
+// replay applies the product and brand events after seq (up to the stream's
+// end as of now) to index, and returns how many it read and the new
+// position.
+func (r *Reindexer) replay(ctx context.Context, index string, seq uint64) (int, uint64, error) {
+	last, err := r.streamLastSeq(ctx)
+	if err != nil || last <= seq {
+		return 0, seq, err
+	}
+	cons, err := r.JS.OrderedConsumer(ctx, r.Stream.Name, jetstream.OrderedConsumerConfig{
+		FilterSubjects: []string{r.Stream.SubjectPrefix + ".product.>", r.Stream.SubjectPrefix + "." + shop.BrandUpdated},
+		DeliverPolicy:  jetstream.DeliverByStartSequencePolicy,
+		OptStartSeq:    seq + 1,
+	})
+	if err != nil {
+		return 0, seq, err
+	}
+	h := &Handler{syncer: syncer{client: r.Client, pool: r.Pool, bulkSize: r.Search.BulkSize, logger: r.Logger,
+		retryWaits: []time.Duration{200 * time.Millisecond, time.Second, 3 * time.Second}}, alias: index}
+	read := 0
+	pos := seq
+	for pos < last {
+		batch, err := cons.Fetch(500, jetstream.FetchMaxWait(500*time.Millisecond))
+		if err != nil {
+			return read, pos, err
+		}
+		var evs []subscribers.Event
+		for m := range batch.Messages() {
+			ev, err := subscribers.EventFromMsg(m, r.Stream.SubjectPrefix)
+			if err != nil {
+				continue // not an outbox event: the indexer dead-letters it, the reindex skips it
+			}
+			pos = ev.StreamSeq
+			evs = append(evs, ev)
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, nats.ErrTimeout) {
+			return read, pos, err
+		}
+		read += len(evs)
+		if len(evs) > 0 {
+			for i, err := range h.HandleBatch(ctx, evs) {
+				if err != nil && !subscribers.IsPermanent(err) {
+					return read, pos, fmt.Errorf("replay event %d (seq %d): %w", evs[i].ID, evs[i].StreamSeq, err)
+				}
+			}
+		}
+		if len(evs) < 500 {
+			info, err := cons.Info(ctx)
+			if err != nil {
+				return read, pos, err
+			}
+			if info.NumPending == 0 {
+				break // the rest of the stream concerns no product
+			}
+		}
+	}
+	return read, max(pos, last), nil
+}
+
+// verify compares the new index with SQL: the document count, and a sample
+// of documents field by field. Writes since the replay may still be on
+// their way: a drift is replayed away once before it counts.
+func (r *Reindexer) verify(ctx context.Context, index string, mark uint64) (int, uint64, error) {
+	replayed := 0
+	for attempt := 0; ; attempt++ {
+		if err := r.Client.Refresh(ctx, index); err != nil {
+			return replayed, mark, err
+		}
+		drift, err := Check(ctx, r.Client, r.Pool, index, 500)
+		if err != nil {
+			return replayed, mark, err
+		}
+		if drift.Total() == 0 {
+			return replayed, mark, nil
+		}
+		if attempt == 2 {
+			return replayed, mark, fmt.Errorf("verification failed: %s", drift)
+		}
+		r.Logger.Info("reindex: verification found drift, catching up", "drift", drift.String())
+		time.Sleep(500 * time.Millisecond)
+		n, next, err := r.replay(ctx, index, mark)
+		replayed += n
+		mark = next
+		if err != nil {
+			return replayed, mark, err
+		}
+	}
+}
+
+func describe(fs []Failure, n int) string {
+	var parts []string
+	for i, f := range fs {
+		if i == n {
+			parts = append(parts, fmt.Sprintf("and %d more", len(fs)-n))
+			break
+		}
+		parts = append(parts, fmt.Sprintf("document %s: %s %s", f.ID, f.Type, f.Reason))
+	}
+	return strings.Join(parts, "; ")
+}

@@ -1,0 +1,113 @@
+package searchindex
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/fanout/fanout/search"
+	"github.com/fanout/fanout/shop"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// DeletedVersion is the external version of every deletion: above any
+// product version, since a deleted product never comes back.
+const DeletedVersion = math.MaxInt64 / 2
+
+// docOutcome is what happened to one product's document.
+type docOutcome struct {
+	permanent error // the engine rejected the document for good
+	transient error // it may pass later
+}
+
+func (o docOutcome) err() error {
+	if o.permanent != nil {
+		return o.permanent
+	}
+	return o.transient
+}
+
+// syncer writes products' current SQL state into an index.
+type syncer struct {
+	client   *search.Client
+	pool     *pgxpool.Pool
+	bulkSize int
+	logger   *slog.Logger
+	// retryWaits are the pauses before retrying 429/5xx items in place.
+	retryWaits []time.Duration
+}
+
+// Document is the JSON a product is indexed as.
+func Document(p shop.Product) ([]byte, error) { return json.Marshal(p) }
+
+// sync loads the products from SQL and writes each one's document (or its
+// deletion) to index, retrying overloaded items a few times in place.
+func (s *syncer) sync(ctx context.Context, index string, ids []int64) (map[int64]docOutcome, error) {
+	out := make(map[int64]docOutcome, len(ids))
+	for chunk := range slices.Chunk(ids, s.bulkSize) {
+		products, err := shop.LoadProducts(ctx, s.pool, chunk)
+		if err != nil {
+			return nil, err
+		}
+		ops := make([]search.Op, 0, len(chunk))
+		for _, id := range chunk {
+			op := search.Op{ID: strconv.FormatInt(id, 10)}
+			if p, ok := products[id]; ok {
+				doc, err := Document(p)
+				if err != nil {
+					return nil, err
+				}
+				op.Doc, op.Version = doc, p.Version
+			} else {
+				op.Delete, op.Version = true, DeletedVersion
+			}
+			ops = append(ops, op)
+		}
+		if err := s.bulk(ctx, index, ops, out); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// bulk sends ops and records each product's outcome; items the engine was
+// too busy for are sent again after a pause.
+func (s *syncer) bulk(ctx context.Context, index string, ops []search.Op, out map[int64]docOutcome) error {
+	for attempt := 0; ; attempt++ {
+		results, err := s.client.Bulk(ctx, index, ops)
+		if err != nil {
+			return err
+		}
+		var again []search.Op
+		for i, r := range results {
+			id, _ := strconv.ParseInt(ops[i].ID, 10, 64)
+			switch {
+			case r.OK():
+				out[id] = docOutcome{}
+			case r.Retryable():
+				out[id] = docOutcome{transient: fmt.Errorf("document %s: engine answered %d %s: %s", r.ID, r.Status, r.Type, r.Reason)}
+				again = append(again, ops[i])
+			default:
+				out[id] = docOutcome{permanent: fmt.Errorf("document %s rejected by index %s: %d %s: %s", r.ID, index, r.Status, r.Type, r.Reason)}
+			}
+		}
+		if len(again) == 0 || attempt >= len(s.retryWaits) {
+			return nil
+		}
+		s.logger.Warn("bulk items throttled or failed, retrying", "items", len(again), "attempt", attempt+1)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(s.retryWaits[attempt]):
+		}
+		ops = again
+	}
+}
+
+func asError(err error, target **search.Error) bool { return errors.As(err, target) }
