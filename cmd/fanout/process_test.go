@@ -207,7 +207,7 @@ func TestUnknownSubscriberAndBadConfigAreClearErrors(t *testing.T) {
 		args []string
 		want string
 	}{
-		{nil, []string{"subscribe", "billing"}, `unknown subscriber "billing" (known: cacheinval, invoicing)`},
+		{nil, []string{"subscribe", "billing"}, `unknown subscriber "billing" (known: cacheinval, invoicing, searchindex)`},
 		{[]string{"FANOUT_SUBSCRIBERS_MAX_DELIVER=1"}, []string{"subscribe", "invoicing"}, "subscribers.max_deliver must be between 2 and 1000 (got 1)"},
 		{[]string{"FANOUT_RELAY_BATCH_SIZE=abc"}, []string{"relay"}, "relay.batch_size"},
 		{nil, []string{"subscribe", "invoicing", "--start", "yesterday"}, "subscribers.start must be one of all, new, time"},

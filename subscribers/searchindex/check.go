@@ -126,6 +126,12 @@ func checkSample(ctx context.Context, c *search.Client, pool *pgxpool.Pool, inde
 	if err != nil {
 		return d, err
 	}
+	return CheckIDs(ctx, c, pool, index, ids, d)
+}
+
+// CheckIDs compares the given products' documents with SQL, adding what
+// drifted to d.
+func CheckIDs(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index string, ids []int64, d Drift) (Drift, error) {
 	d.Sampled = len(ids)
 	if len(ids) == 0 {
 		return d, nil
@@ -157,6 +163,17 @@ func checkSample(ctx context.Context, c *search.Client, pool *pgxpool.Pool, inde
 	return d, nil
 }
 
+// IDs are the products concerned by the drift.
+func (d Drift) IDs() []int64 {
+	ids := append(slices.Clone(d.Missing), d.Different...)
+	for _, e := range d.Extra {
+		if id, err := strconv.ParseInt(e, 10, 64); err == nil {
+			ids = append(ids, id)
+		}
+	}
+	return ids
+}
+
 // same reports whether a stored document is the product's current one.
 func same(doc search.Doc, p shop.Product) bool {
 	var got shop.Product
@@ -168,12 +185,7 @@ func same(doc search.Doc, p shop.Product) bool {
 
 // Repair writes the current SQL state of every drifted document into index.
 func Repair(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index string, bulkSize int, d Drift) error {
-	ids := append(slices.Clone(d.Missing), d.Different...)
-	for _, e := range d.Extra {
-		if id, err := strconv.ParseInt(e, 10, 64); err == nil {
-			ids = append(ids, id)
-		}
-	}
+	ids := d.IDs()
 	s := syncer{client: c, pool: pool, bulkSize: bulkSize, logger: slog.New(slog.DiscardHandler),
 		retryWaits: []time.Duration{200 * time.Millisecond, time.Second}}
 	outcomes, err := s.sync(ctx, index, ids)

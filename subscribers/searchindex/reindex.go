@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -134,7 +135,7 @@ func (r *Reindexer) Reindex(ctx context.Context) (ReindexReport, error) {
 	n, mark, err := r.replay(ctx, rep.To, mark)
 	rep.Replayed += n
 	if err == nil {
-		n, mark, err = r.verify(ctx, rep.To, mark)
+		n, mark, err = r.verify(ctx, rep.To, mark, rep.Failures)
 		rep.Replayed += n
 	}
 	if err != nil {
@@ -361,31 +362,65 @@ func (r *Reindexer) replay(ctx context.Context, index string, seq uint64) (int, 
 	return read, max(pos, last), nil
 }
 
-// verify compares the new index with SQL: the document count, and a sample
-// of documents field by field. Writes since the replay may still be on
-// their way: a drift is replayed away once before it counts.
-func (r *Reindexer) verify(ctx context.Context, index string, mark uint64) (int, uint64, error) {
+// verify compares the new index with SQL before the swap: a sample of
+// documents field by field and version by version, and the counts. Writes
+// keep coming meanwhile, so a document may be behind only because its event
+// has not been replayed yet: the drifted ones are re-checked after another
+// replay, a few times; one that is still wrong after that is real drift. The
+// counts get a tolerance of 1% (creates and deletes in flight); `fanout
+// reindex --check` compares every document exactly, at rest.
+//
+// Documents the engine refused during the load (within
+// search.reindex_max_failures) are known and reported; they are not drift.
+func (r *Reindexer) verify(ctx context.Context, index string, mark uint64, failures []Failure) (int, uint64, error) {
+	const rounds = 6
 	replayed := 0
-	for attempt := 0; ; attempt++ {
-		if err := r.Client.Refresh(ctx, index); err != nil {
-			return replayed, mark, err
+	refused := make(map[int64]bool, len(failures))
+	for _, f := range failures {
+		if id, err := strconv.ParseInt(f.ID, 10, 64); err == nil {
+			refused[id] = true
 		}
-		drift, err := Check(ctx, r.Client, r.Pool, index, 500)
-		if err != nil {
-			return replayed, mark, err
-		}
-		if drift.Total() == 0 {
+	}
+	known := func(d Drift) Drift {
+		d.Missing = slices.DeleteFunc(d.Missing, func(id int64) bool { return refused[id] })
+		return d
+	}
+	if err := r.Client.Refresh(ctx, index); err != nil {
+		return 0, mark, err
+	}
+	drift, err := Check(ctx, r.Client, r.Pool, index, 500)
+	if err != nil {
+		return 0, mark, err
+	}
+	for round := 1; ; round++ {
+		drift = known(drift)
+		off := drift.SQLCount - drift.IndexCount - int64(len(refused))
+		countOK := off <= max(10, drift.SQLCount/100) && -off <= max(10, drift.SQLCount/100)
+		if len(drift.IDs()) == 0 && countOK {
 			return replayed, mark, nil
 		}
-		if attempt == 2 {
+		if round == rounds {
 			return replayed, mark, fmt.Errorf("verification failed: %s", drift)
 		}
 		r.Logger.Info("reindex: verification found drift, catching up", "drift", drift.String())
-		time.Sleep(500 * time.Millisecond)
+		time.Sleep(300 * time.Millisecond)
 		n, next, err := r.replay(ctx, index, mark)
 		replayed += n
 		mark = next
 		if err != nil {
+			return replayed, mark, err
+		}
+		if err := r.Client.Refresh(ctx, index); err != nil {
+			return replayed, mark, err
+		}
+		recheck := Drift{}
+		if err := r.Pool.QueryRow(ctx, `SELECT count(*) FROM products`).Scan(&recheck.SQLCount); err != nil {
+			return replayed, mark, err
+		}
+		if recheck.IndexCount, err = r.Client.Count(ctx, index); err != nil {
+			return replayed, mark, err
+		}
+		if drift, err = CheckIDs(ctx, r.Client, r.Pool, index, drift.IDs(), recheck); err != nil {
 			return replayed, mark, err
 		}
 	}

@@ -1,0 +1,204 @@
+package searchindex_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/demo"
+	"github.com/fanout/fanout/search"
+	"github.com/fanout/fanout/subscribers/searchindex"
+)
+
+func (f *fixture) reindexer() *searchindex.Reindexer {
+	return &searchindex.Reindexer{Client: f.client, Pool: f.env.DB.Pool, JS: f.env.JS, Stream: f.env.Config.Stream,
+		Search: f.env.Config.Search, Logger: f.env.Logger, Loaders: 2}
+}
+
+func (f *fixture) current(t *testing.T) string {
+	t.Helper()
+	cur, err := searchindex.Current(context.Background(), f.client, f.alias)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cur
+}
+
+// A reindex during a steady stream of updates and continuous searches:
+// no search fails or comes back empty, and afterwards there is no drift.
+func TestReindexDuringUpdatesAndSearches(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 500)
+	f.env.StartRunner(f.handler(), nil)
+	f.env.Settle(searchindex.Name)
+	if err := f.client.Refresh(context.Background(), f.alias); err != nil {
+		t.Fatal(err)
+	}
+
+	ctx, stopLoad := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 150, Rand: rand.New(rand.NewPCG(4, 4)), Logger: f.env.Logger,
+			Mix: demo.Mix{Price: 40, Stock: 30, Create: 10, Delete: 10, RenameBrand: 10}}
+		_ = d.Run(ctx)
+	}()
+	var searches, failed atomic.Int64
+	var firstFailure atomic.Value
+	go func() {
+		defer wg.Done()
+		for ctx.Err() == nil {
+			res, err := f.client.Search(context.Background(), f.alias, map[string]any{"size": 1, "query": map[string]any{"match_all": map[string]any{}}})
+			searches.Add(1)
+			if err != nil || res.Total == 0 {
+				failed.Add(1)
+				firstFailure.CompareAndSwap(nil, time.Now().Format("15:04:05.000")+" total "+strconv.FormatInt(res.Total, 10)+", hits "+strconv.Itoa(len(res.Hits))+", error "+errString(err))
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+
+	time.Sleep(500 * time.Millisecond)
+	rep, err := f.reindexer().Reindex(context.Background())
+	if err != nil {
+		stopLoad()
+		wg.Wait()
+		t.Fatal(err)
+	}
+	time.Sleep(500 * time.Millisecond) // updates keep flowing after the swap
+	stopLoad()
+	wg.Wait()
+	t.Logf("reindex: %+v; %d searches during the test", rep, searches.Load())
+
+	if rep.From != searchindex.IndexName(f.alias, 1) || rep.To != searchindex.IndexName(f.alias, 2) || f.current(t) != rep.To {
+		t.Errorf("reindex from %s to %s, alias at %s; want v1 -> v2 and the alias on v2", rep.From, rep.To, f.current(t))
+	}
+	if n := failed.Load(); n > 0 {
+		t.Errorf("%d of %d searches failed or came back empty during the reindex; first: %v", n, searches.Load(), firstFailure.Load())
+	}
+	if rep.Loaded < 500 || len(rep.Failures) != 0 {
+		t.Errorf("loaded %d documents with %d failures", rep.Loaded, len(rep.Failures))
+	}
+	f.env.Settle(searchindex.Name)
+	f.noDrift(t)
+	if versions, _ := searchindex.Versions(context.Background(), f.client, f.alias); len(versions) != 2 {
+		t.Errorf("indices after the reindex: %v, want the old one kept", versions)
+	}
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "none"
+	}
+	return err.Error()
+}
+
+// Too many refused documents: the reindex stops before the swap and says
+// which documents and why.
+func TestReindexAbortsOnFailures(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 20)
+	ctx := context.Background()
+	id := firstProduct(t, f)
+	if _, err := f.env.DB.Pool.Exec(ctx, `UPDATE products SET sku = repeat('Y', 40000) WHERE id = $1`, id); err != nil {
+		t.Fatal(err)
+	}
+	before := f.current(t)
+	_, err := f.reindexer().Reindex(ctx)
+	if !errors.Is(err, searchindex.ErrTooManyFailures) || !strings.Contains(err.Error(), "document "+strconv.FormatInt(id, 10)) ||
+		!strings.Contains(err.Error(), "immense term") {
+		t.Fatalf("reindex with a refused document: %v; want ErrTooManyFailures naming the document and the reason", err)
+	}
+	if f.current(t) != before {
+		t.Errorf("alias moved to %s after an aborted reindex", f.current(t))
+	}
+	if versions, _ := searchindex.Versions(ctx, f.client, f.alias); len(versions) != 1 {
+		t.Errorf("indices after the abort: %v, want the new one removed", versions)
+	}
+	// With a threshold that tolerates it, the reindex goes through and
+	// reports the refused document.
+	r := f.reindexer()
+	r.Search.ReindexMaxFailures = 1
+	rep, err := r.Reindex(ctx)
+	if err != nil {
+		t.Fatalf("reindex tolerating one failure: %v", err)
+	}
+	if len(rep.Failures) != 1 || rep.Failures[0].ID != strconv.FormatInt(id, 10) || f.current(t) != rep.To {
+		t.Errorf("reindex report %+v, alias at %s; want the one refused document reported and the alias swapped", rep, f.current(t))
+	}
+}
+
+// --check finds what drifted and --repair fixes it.
+func TestCheckAndRepair(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 30)
+	f.env.StartRunner(f.handler(), nil)
+	f.env.Settle(searchindex.Name)
+	ctx := context.Background()
+	cur := f.current(t)
+	// Drift of every kind, behind fanout's back: a product created and one
+	// changed without events, and a document for a product that never was.
+	var missing, changed int64
+	if err := f.env.DB.Pool.QueryRow(ctx, `
+WITH p AS (INSERT INTO products (sku, name, brand_id, category_id, price)
+           SELECT 'SKU-DRIFT', 'Drifter', brand_id, category_id, 1 FROM products LIMIT 1 RETURNING id)
+INSERT INTO inventory (product_id, stock) SELECT id, 1 FROM p RETURNING product_id`).Scan(&missing); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.env.DB.Pool.QueryRow(ctx, `UPDATE products SET price = 0.01, version = version + 1 WHERE id = (SELECT min(id) FROM products) RETURNING id`).Scan(&changed); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.client.Bulk(ctx, cur, []search.Op{{ID: "987654", Version: 1, Doc: []byte(`{"id": 987654, "name": "ghost"}`)}}); err != nil {
+		t.Fatal(err)
+	}
+	_ = f.client.Refresh(ctx, cur)
+	d, err := searchindex.Check(ctx, f.client, f.env.DB.Pool, cur, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(d.Missing) != 1 || d.Missing[0] != missing || len(d.Different) != 1 || d.Different[0] != changed || len(d.Extra) != 1 || d.Extra[0] != "987654" {
+		t.Fatalf("check: %s; want missing %d, different %d, extra 987654", d, missing, changed)
+	}
+	if err := searchindex.Repair(ctx, f.client, f.env.DB.Pool, cur, 100, d); err != nil {
+		t.Fatal(err)
+	}
+	f.noDrift(t)
+}
+
+// Rollback returns the alias to the previous index and repairs what it
+// missed while it was not current.
+func TestRollback(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 30)
+	f.env.StartRunner(f.handler(), nil)
+	f.env.Settle(searchindex.Name)
+	ctx := context.Background()
+	if _, err := f.reindexer().Reindex(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// Changes that only the new index receives.
+	d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 200, Rand: rand.New(rand.NewPCG(2, 2)), Logger: f.env.Logger,
+		Mix: demo.Mix{Price: 50, Stock: 20, Create: 15, Delete: 15}}
+	lctx, cancel := context.WithTimeout(ctx, time.Second)
+	_ = d.Run(lctx)
+	cancel()
+	f.env.Settle(searchindex.Name)
+	from, to, repaired, err := searchindex.Rollback(ctx, f.client, f.env.DB.Pool, f.env.Config.Search)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if from != searchindex.IndexName(f.alias, 2) || to != searchindex.IndexName(f.alias, 1) || f.current(t) != to {
+		t.Errorf("rollback from %s to %s, alias at %s", from, to, f.current(t))
+	}
+	if repaired == 0 {
+		t.Error("rollback repaired nothing, though the old index missed a second of writes")
+	}
+	f.noDrift(t)
+}
