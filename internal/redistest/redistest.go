@@ -73,4 +73,3 @@ func (s *Server) Client(t testing.TB) *redis.Client {
 	t.Cleanup(func() { rdb.Close() })
 	return rdb
 }
-

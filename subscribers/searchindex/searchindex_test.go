@@ -401,4 +401,3 @@ func TestStormConverges(t *testing.T) {
 		t.Error("the storm deleted no product: the test proves less than it claims")
 	}
 }
-
