@@ -130,7 +130,7 @@ func (r *Runner) start(ctx context.Context) error {
 	if err := ensureDeadLetterStream(ctx, r.js, r.cfg, r.opts.Stream.Replicas, r.opts.Stream.Provision); err != nil {
 		return err
 	}
-	stream, err := r.js.Stream(ctx, r.opts.Stream.Name)
+	stream, err := r.waitForStream(ctx)
 	if err != nil {
 		return fmt.Errorf("subscriber %s: stream %s: %w", r.name, r.opts.Stream.Name, err)
 	}
@@ -182,6 +182,29 @@ func (r *Runner) start(ctx context.Context) error {
 	r.logger.Info("subscriber started", "consumer", info.Name, "filter_subjects", info.Config.FilterSubjects,
 		"pending", info.NumPending, "concurrency", r.cfg.Concurrency, "batch_size", r.cfg.BatchSize)
 	return nil
+}
+
+// waitForStream returns the events stream, waiting (as long as ctx allows)
+// for the relay to create it: subscribers may well start first.
+func (r *Runner) waitForStream(ctx context.Context) (jetstream.Stream, error) {
+	wait := 100 * time.Millisecond
+	logged := time.Time{}
+	for {
+		s, err := r.js.Stream(ctx, r.opts.Stream.Name)
+		if err == nil || !errors.Is(err, jetstream.ErrStreamNotFound) {
+			return s, err
+		}
+		if time.Since(logged) > 10*time.Second {
+			r.logger.Warn("waiting for the relay to create the stream", "stream", r.opts.Stream.Name)
+			logged = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("%w (the relay creates it with stream.provision=auto)", err)
+		case <-time.After(wait):
+		}
+		wait = min(wait*2, 2*time.Second)
+	}
 }
 
 // Stop drains: no new messages are pulled, the ones already received are

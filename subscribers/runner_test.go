@@ -393,3 +393,32 @@ UNION ALL SELECT 'other', 1, now() - interval '2 hours'`)
 		t.Errorf("left %d of ours and %d of another subscriber's; want 10 and 1", left, other)
 	}
 }
+
+// A subscriber started before the relay created the stream waits for it.
+func TestSubscriberWaitsForTheStream(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	env.Config.Stream.Name = "LATER"
+	env.Config.Stream.SubjectPrefix = "later"
+	h := newScripted("early")
+	r := env.NewRunner(h, nil)
+	started := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		started <- r.Start(ctx)
+	}()
+	t.Cleanup(func() { _ = r.Stop(context.Background()) })
+	select {
+	case err := <-started:
+		t.Fatalf("Start returned (%v) with no stream to consume", err)
+	case <-time.After(500 * time.Millisecond):
+	}
+	cfg := env.Config.Stream
+	if _, err := env.JS.CreateStream(context.Background(), jetstream.StreamConfig{Name: cfg.Name, Subjects: []string{cfg.SubjectPrefix + ".>"}, Duplicates: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-started; err != nil {
+		t.Fatalf("Start after the stream appeared: %v", err)
+	}
+}
