@@ -282,6 +282,31 @@ func applyRoles(t *testing.T, dbURL string, env ...string) string {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	var out []byte
+	withRolesLock(t, func(*pgx.Conn) error {
+		cmd := exec.CommandContext(ctx, psql, "-X", "-q", "-v", "ON_ERROR_STOP=1",
+			"-f", filepath.Join(root, "deploy", "postgres", "roles.sql"), dbURL)
+		for _, kv := range os.Environ() {
+			if !strings.HasPrefix(kv, "FANOUT_PG_") { // a developer's shell must not set passwords here
+				cmd.Env = append(cmd.Env, kv)
+			}
+		}
+		cmd.Env = append(cmd.Env, env...)
+		var err error
+		if out, err = cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("psql -f roles.sql: %w\n%s", err, out)
+		}
+		return nil
+	})
+	return string(out)
+}
+
+// withRolesLock runs fn holding rolesLock, with a superuser connection to
+// the admin database.
+func withRolesLock(t *testing.T, fn func(admin *pgx.Conn) error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	admin, err := pgx.Connect(ctx, pgtest.AdminURL())
 	if err != nil {
 		t.Fatalf("postgres not reachable (start it with deploy/services.sh up): %v", err)
@@ -291,20 +316,9 @@ func applyRoles(t *testing.T, dbURL string, env ...string) string {
 		t.Fatal(err)
 	}
 	defer admin.Exec(context.Background(), "SELECT pg_advisory_unlock($1)", int64(rolesLock)) //nolint:errcheck
-
-	cmd := exec.CommandContext(ctx, psql, "-X", "-q", "-v", "ON_ERROR_STOP=1",
-		"-f", filepath.Join(root, "deploy", "postgres", "roles.sql"), dbURL)
-	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "FANOUT_PG_") { // a developer's shell must not set passwords here
-			cmd.Env = append(cmd.Env, kv)
-		}
+	if err := fn(admin); err != nil {
+		t.Fatal(err)
 	}
-	cmd.Env = append(cmd.Env, env...)
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		t.Fatalf("psql -f roles.sql: %v\n%s", err, out)
-	}
-	return string(out)
 }
 
 // roleURL is dbURL with role as the user (trust authentication on loopback
@@ -930,19 +944,43 @@ func TestPostgresRoles(t *testing.T) {
 	ctx := context.Background()
 	cfg := loadConfig(t)
 	db := pgtest.NewDB(t)
+	// A password from the environment (a SCRAM verifier has a fresh salt
+	// each time it is set, so the stored one changes), and none from a run
+	// without the variable.
+	rolpassword := func() string {
+		t.Helper()
+		var pw *string
+		if err := db.Pool.QueryRow(ctx, `SELECT rolpassword FROM pg_authid WHERE rolname = 'fanout_searchindex'`).Scan(&pw); err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			t.Fatal(err)
+		}
+		if pw == nil {
+			return ""
+		}
+		return *pw
+	}
+	t.Cleanup(func() {
+		withRolesLock(t, func(c *pgx.Conn) error {
+			_, err := c.Exec(context.Background(), "ALTER ROLE fanout_searchindex PASSWORD NULL")
+			return err
+		})
+	})
+	before := rolpassword()
 	password := "pw" + randomHex(t, 12)
 	out := applyRoles(t, db.URL, "FANOUT_PG_SEARCHINDEX_PASSWORD="+password)
 	if strings.Contains(out, password) {
 		t.Errorf("psql printed the password: %s", out)
 	}
-	var hashed bool
-	if err := db.Pool.QueryRow(ctx, `SELECT rolpassword LIKE 'SCRAM-SHA-256$%' FROM pg_authid WHERE rolname = 'fanout_searchindex'`).Scan(&hashed); err != nil || !hashed {
-		t.Errorf("fanout_searchindex's password from FANOUT_PG_SEARCHINDEX_PASSWORD: stored as a SCRAM verifier %v (%v)", hashed, err)
+	set := rolpassword()
+	if !strings.HasPrefix(set, "SCRAM-SHA-256$") || set == before {
+		t.Errorf("fanout_searchindex's password after a run with FANOUT_PG_SEARCHINDEX_PASSWORD: %q, before %q; want a new SCRAM verifier", set, before)
 	}
 	first := privileges(t, db.Pool)
 	applyRoles(t, db.URL)
 	if second := privileges(t, db.Pool); second != first {
 		t.Errorf("a second run changed the privileges:\nfirst:\n%s\nsecond:\n%s", first, second)
+	}
+	if again := rolpassword(); again != set {
+		t.Errorf("a run without FANOUT_PG_SEARCHINDEX_PASSWORD changed the password")
 	}
 	for _, want := range []string{
 		"outbox owner=fanout_migrate",
