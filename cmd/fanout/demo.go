@@ -59,11 +59,11 @@ func upCommand(a *app) *cobra.Command {
 				return err
 			}
 			var published atomic.Int64
-			r, cleanup, err := startRelay(ctx, a, countPublished{&published})
+			r, deps, err := startRelay(ctx, a, countPublished{&published})
 			if err != nil {
 				return err
 			}
-			defer cleanup()
+			defer deps.close()
 			d, err := newDriver(ctx, a, pool)
 			if err != nil {
 				_ = stopRelay(a, r)

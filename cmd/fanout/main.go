@@ -45,6 +45,7 @@ FANOUT_RELAY_BATCH_SIZE). ` + "`fanout config keys`" + ` lists every key.`,
 		demoCommand(app),
 		upCommand(app),
 		configCommand(app),
+		healthcheckCommand(app),
 	)
 	return root
 }

@@ -6,8 +6,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
+	"net/http"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -111,6 +113,41 @@ func (p *process) terminate(t *testing.T, within time.Duration) error {
 	}
 }
 
+// opsAddr waits for the process's "operations endpoint listening" line and
+// returns the address.
+func (p *process) opsAddr(t *testing.T) string {
+	t.Helper()
+	var addr string
+	subscribertest.WaitFor(t, 20*time.Second, "the operations endpoint of "+p.name, func() (bool, string) {
+		sc := bufio.NewScanner(strings.NewReader(p.output()))
+		for sc.Scan() {
+			var line struct {
+				Msg  string `json:"msg"`
+				Addr string `json:"addr"`
+			}
+			if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "operations endpoint listening" {
+				addr = line.Addr
+				return true, ""
+			}
+		}
+		return false, ""
+	})
+	return addr
+}
+
+// get fetches a path of the process's operations endpoint.
+func get(t *testing.T, addr, path string) (int, string) {
+	t.Helper()
+	c := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	res, err := c.Get("http://" + addr + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer res.Body.Close()
+	b, _ := io.ReadAll(res.Body)
+	return res.StatusCode, string(b)
+}
+
 // handled sums the events a process's "batch handled" log lines report
 // for a subscriber.
 func (p *process) handled(subscriber string) int {
@@ -145,6 +182,7 @@ func TestSubscribeProcessesShareWork(t *testing.T) {
 		"FANOUT_LOG_LEVEL=debug",
 		"FANOUT_RELAY_POLL_INTERVAL=50ms",
 		"FANOUT_SUBSCRIBERS_BATCH_SIZE=10",
+		"FANOUT_HTTP_ADDR=127.0.0.1:0",
 	}
 	relayProc := start(t, env, "relay")
 	both := start(t, env, "subscribe", "invoicing", "cacheinval")
@@ -182,6 +220,22 @@ func TestSubscribeProcessesShareWork(t *testing.T) {
 		n := both.handled("cacheinval")
 		return n >= 20, fmt.Sprintf("%d handled", n)
 	})
+	// The operations endpoints: metrics and readiness of each role.
+	if code, body := get(t, relayProc.opsAddr(t), "/metrics"); code != 200 || !strings.Contains(body, "fanout_relay_published_rows_total") ||
+		!strings.Contains(body, "fanout_outbox_backlog_rows 0") {
+		t.Errorf("relay /metrics: %d\n%.2000s", code, body)
+	}
+	bothAddr := both.opsAddr(t)
+	if code, body := get(t, bothAddr, "/metrics"); code != 200 || !strings.Contains(body, `fanout_subscriber_handled_events_total{subscriber="cacheinval"}`) ||
+		!strings.Contains(body, `fanout_subscriber_pending_events{subscriber="invoicing"} 0`) {
+		t.Errorf("subscriber /metrics: %d\n%.3000s", code, body)
+	}
+	if code, body := get(t, bothAddr, "/readyz"); code != 200 || !strings.Contains(body, `"ready":true`) {
+		t.Errorf("subscriber /readyz: %d %s", code, body)
+	}
+	if code, _ := get(t, bothAddr, "/livez"); code != 200 {
+		t.Errorf("subscriber /livez: %d", code)
+	}
 	for _, p := range []*process{one, both, relayProc} {
 		if err := p.terminate(t, 30*time.Second); err != nil {
 			t.Errorf("fanout %s exited with %v after SIGTERM, want a clean exit", p.name, err)
@@ -197,6 +251,55 @@ func TestSubscribeProcessesShareWork(t *testing.T) {
 	}
 	if !strings.Contains(both.output(), `"msg":"subscriber stopped"`) || !strings.Contains(relayProc.output(), `"msg":"relay stopped"`) {
 		t.Error("a process did not log its graceful stop")
+	}
+}
+
+// A relay that cannot publish (NATS down) reports not ready once the oldest
+// pending row is older than http.ready_max_pending_age, and ready again once
+// it caught up; `fanout healthcheck` says the same.
+func TestReadinessFailsOnAStalledRelay(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	nats := natstest.Start(t)
+	env := []string{
+		"FANOUT_POSTGRES_URL=" + db.URL, "FANOUT_NATS_URL=" + nats.URL, "FANOUT_LOG_FORMAT=json",
+		"FANOUT_HTTP_ADDR=127.0.0.1:0", "FANOUT_HTTP_READY_MAX_PENDING_AGE=1s", "FANOUT_RELAY_POLL_INTERVAL=50ms",
+	}
+	relayProc := start(t, env, "relay")
+	addr := relayProc.opsAddr(t)
+	if code, body := get(t, addr, "/readyz"); code != 200 {
+		t.Fatalf("a fresh relay is not ready: %d %s", code, body)
+	}
+	nats.Stop()
+	ctx := context.Background()
+	if _, err := shop.Seed(ctx, db.Pool, 3, rand.New(rand.NewPCG(1, 1))); err != nil {
+		t.Fatal(err)
+	}
+	var body string
+	subscribertest.WaitFor(t, 15*time.Second, "readiness to fail on the stalled outbox", func() (bool, string) {
+		var code int
+		code, body = get(t, addr, "/readyz")
+		return code == 503 && strings.Contains(body, "stalled"), body
+	})
+	if !strings.Contains(body, "stalled") || !strings.Contains(body, "nats") {
+		t.Errorf("/readyz while stalled: %s; want the outbox and nats failures named", body)
+	}
+	hc := exec.Command(binary, "healthcheck")
+	hc.Env = append(os.Environ(), "FANOUT_HTTP_ADDR="+addr)
+	if out, err := hc.CombinedOutput(); err == nil {
+		t.Errorf("fanout healthcheck on a stalled relay succeeded: %s", out)
+	}
+	if err := nats.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	subscribertest.WaitFor(t, 20*time.Second, "readiness to come back", func() (bool, string) {
+		code, body := get(t, addr, "/readyz")
+		return code == 200, body
+	})
+	hc = exec.Command(binary, "healthcheck")
+	hc.Env = append(os.Environ(), "FANOUT_HTTP_ADDR="+addr)
+	if out, err := hc.CombinedOutput(); err != nil || !strings.Contains(string(out), "ready") {
+		t.Errorf("fanout healthcheck on a ready relay: %v %s", err, out)
 	}
 }
 

@@ -6,7 +6,11 @@ import (
 
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/internal/metrics"
+	"github.com/fanout/fanout/internal/opsserver"
 	"github.com/fanout/fanout/relay"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 )
 
@@ -19,32 +23,50 @@ func relayCommand(a *app) *cobra.Command {
 			if err := a.load(); err != nil {
 				return err
 			}
-			r, cleanup, err := startRelay(cmd.Context(), a, nil)
+			reg := metrics.NewRegistry()
+			r, deps, err := startRelay(cmd.Context(), a, metrics.NewRelay(reg))
 			if err != nil {
 				return err
 			}
-			defer cleanup()
+			defer deps.close()
+			reg.MustRegister(metrics.NewOutboxCollector(deps.pool, a.logger))
+			stopOps, err := startOps(a, reg, []opsserver.Check{
+				postgresCheck(deps.pool), natsCheck(deps.nc), stalledCheck(deps.pool, a.cfg.HTTP.ReadyMaxPendingAge),
+			})
+			if err != nil {
+				_ = stopRelay(a, r)
+				return err
+			}
+			defer stopOps()
 			<-cmd.Context().Done()
 			return stopRelay(a, r)
 		},
 	}
 }
 
-// startRelay connects and starts a relay; cleanup closes its connections.
-func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, func(), error) {
+// relayDeps are a relay's connections.
+type relayDeps struct {
+	pool *pgxpool.Pool
+	nc   *nats.Conn
+}
+
+func (d relayDeps) close() {
+	d.nc.Close()
+	d.pool.Close()
+}
+
+// startRelay connects and starts a relay.
+func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, relayDeps, error) {
 	pool, err := a.postgres(ctx, "relay", connect.AsyncCommit())
 	if err != nil {
-		return nil, nil, err
+		return nil, relayDeps{}, err
 	}
 	nc, err := a.nats("relay")
 	if err != nil {
 		pool.Close()
-		return nil, nil, err
+		return nil, relayDeps{}, err
 	}
-	cleanup := func() {
-		nc.Close()
-		pool.Close()
-	}
+	deps := relayDeps{pool: pool, nc: nc}
 	r, err := relay.New(relay.Options{
 		Relay:    a.cfg.Relay,
 		Stream:   a.cfg.Stream,
@@ -57,10 +79,10 @@ func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, 
 		err = r.Start(ctx)
 	}
 	if err != nil {
-		cleanup()
-		return nil, nil, err
+		deps.close()
+		return nil, relayDeps{}, err
 	}
-	return r, cleanup, nil
+	return r, deps, nil
 }
 
 // stopRelay drains the relay within relay.shutdown_timeout.

@@ -10,10 +10,14 @@ import (
 
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/internal/metrics"
+	"github.com/fanout/fanout/internal/opsserver"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/spf13/cobra"
 )
@@ -21,9 +25,11 @@ import (
 // deps are the shared connections subscribers are built from; the Redis
 // client is opened only if a subscriber asks for it.
 type deps struct {
-	a    *app
-	ctx  context.Context
-	pool *pgxpool.Pool
+	a      *app
+	ctx    context.Context
+	pool   *pgxpool.Pool
+	reg    *prometheus.Registry
+	checks []opsserver.Check
 
 	redisOnce sync.Once
 	rdb       *redis.Client
@@ -31,7 +37,12 @@ type deps struct {
 }
 
 func (d *deps) redis() *redis.Client {
-	d.redisOnce.Do(func() { d.rdb, d.redisErr = connect.Redis(d.ctx, d.a.cfg.Redis) })
+	d.redisOnce.Do(func() {
+		d.rdb, d.redisErr = connect.Redis(d.ctx, d.a.cfg.Redis)
+		if d.redisErr == nil {
+			d.checks = append(d.checks, opsserver.Check{Name: "redis", Fn: func(ctx context.Context) error { return d.rdb.Ping(ctx).Err() }})
+		}
+	})
 	return d.rdb
 }
 
@@ -49,7 +60,10 @@ func (d *deps) searchIndexer() (subscribers.Handler, error) {
 	if err := searchindex.EnsureIndex(d.ctx, c, d.a.cfg.Search.Alias, d.a.cfg.Search.Provision); err != nil {
 		return nil, err
 	}
-	return searchindex.New(c, d.pool, d.a.cfg.Search, logging.Component(d.a.logger, "searchindex")), nil
+	d.checks = append(d.checks, opsserver.Check{Name: "search", Fn: func(ctx context.Context) error { _, err := c.Info(ctx); return err }})
+	h := searchindex.New(c, d.pool, d.a.cfg.Search, logging.Component(d.a.logger, "searchindex"))
+	h.ObserveBulkItems(metrics.NewBulkItems(d.reg).BulkItem)
+	return h, nil
 }
 
 func (d *deps) close() {
@@ -102,8 +116,9 @@ events are pulled, the ones in hand finish and are acked, then the process exits
 				return err
 			}
 			defer nc.Close()
-			d := &deps{a: a, ctx: ctx, pool: pool}
+			d := &deps{a: a, ctx: ctx, pool: pool, reg: metrics.NewRegistry(), checks: []opsserver.Check{postgresCheck(pool), natsCheck(nc)}}
 			defer d.close()
+			obs := metrics.NewSubscribers(d.reg)
 
 			var runners []*subscribers.Runner
 			stopAll := func() error {
@@ -137,7 +152,7 @@ events are pulled, the ones in hand finish and are acked, then the process exits
 				}
 				r, err := subscribers.New(subscribers.Options{
 					Handler: h, Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
-					Pool: pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"),
+					Pool: pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"), Observer: obs,
 				})
 				if err == nil {
 					err = r.Start(ctx)
@@ -148,6 +163,18 @@ events are pulled, the ones in hand finish and are acked, then the process exits
 				}
 				runners = append(runners, r)
 			}
+			js, err := jetstream.New(nc)
+			if err != nil {
+				_ = stopAll()
+				return err
+			}
+			d.reg.MustRegister(metrics.NewConsumerCollector(js, a.cfg.Stream.Name, args, a.logger))
+			stopOps, err := startOps(a, d.reg, d.checks)
+			if err != nil {
+				_ = stopAll()
+				return err
+			}
+			defer stopOps()
 			<-ctx.Done()
 			a.logger.Info("draining subscribers", "subscribers", args)
 			return stopAll()

@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"os"
 	"slices"
@@ -27,6 +28,7 @@ type Config struct {
 	Subscribers Subscribers `koanf:"subscribers"`
 	Redis       Redis       `koanf:"redis"`
 	Search      Search      `koanf:"search"`
+	HTTP        HTTP        `koanf:"http"`
 	Log         Log         `koanf:"log"`
 	Demo        Demo        `koanf:"demo"`
 }
@@ -211,6 +213,17 @@ type Search struct {
 	ReindexMaxFailures int `koanf:"reindex_max_failures"`
 }
 
+// HTTP is each role's operations endpoint: /metrics, /livez, /readyz.
+type HTTP struct {
+	// Addr is host:port to listen on; empty disables the endpoint.
+	// Default 127.0.0.1:9464 (containers set 0.0.0.0:9464).
+	Addr string `koanf:"addr"`
+	// ReadyMaxPendingAge: the relay reports not ready when the oldest
+	// pending outbox row is older than this (the pipeline is stalled).
+	// Default 1m, > 0.
+	ReadyMaxPendingAge time.Duration `koanf:"ready_max_pending_age"`
+}
+
 // Log is the process log.
 type Log struct {
 	// Level is debug, info, warn or error. Default info.
@@ -318,6 +331,9 @@ func defaults() map[string]any {
 		"search.provision":            "auto",
 		"search.bulk_size":            1000,
 		"search.reindex_max_failures": 0,
+
+		"http.addr":                  "127.0.0.1:9464",
+		"http.ready_max_pending_age": "1m",
 
 		"log.level":  "info",
 		"log.format": "auto",
@@ -584,6 +600,13 @@ func (c *Config) Validate() error {
 	if c.Search.ReindexMaxFailures < 0 {
 		bad("search.reindex_max_failures", "must be 0 or more (got %d)", c.Search.ReindexMaxFailures)
 	}
+
+	if c.HTTP.Addr != "" {
+		if _, _, err := net.SplitHostPort(c.HTTP.Addr); err != nil {
+			bad("http.addr", "must be host:port such as 0.0.0.0:9464, or empty to disable (got %q)", c.HTTP.Addr)
+		}
+	}
+	positive("http.ready_max_pending_age", c.HTTP.ReadyMaxPendingAge)
 
 	oneOf("log.level", c.Log.Level, "debug", "info", "warn", "error")
 	oneOf("log.format", c.Log.Format, "auto", "json", "text")

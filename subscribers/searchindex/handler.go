@@ -35,6 +35,10 @@ func New(client *search.Client, pool *pgxpool.Pool, cfg config.Search, logger *s
 	}
 }
 
+// ObserveBulkItems has f told every bulk item's outcome: ok, conflict,
+// not_found, retry or rejected.
+func (h *Handler) ObserveBulkItems(f func(outcome string)) { h.items = f }
+
 func (h *Handler) Name() string { return Name }
 
 // EventTypes: every product change, and brand renames (the brand name is in

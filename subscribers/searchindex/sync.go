@@ -41,6 +41,23 @@ type syncer struct {
 	logger   *slog.Logger
 	// retryWaits are the pauses before retrying 429/5xx items in place.
 	retryWaits []time.Duration
+	// items, if set, is told each bulk item's outcome (metrics).
+	items func(outcome string)
+}
+
+// outcome names a bulk item's result for metrics.
+func outcome(r search.Result) string {
+	switch {
+	case r.Status == 409:
+		return "conflict"
+	case r.Status == 404:
+		return "not_found"
+	case r.Status < 300:
+		return "ok"
+	case r.Retryable():
+		return "retry"
+	}
+	return "rejected"
 }
 
 // Document is the JSON a product is indexed as.
@@ -86,6 +103,9 @@ func (s *syncer) bulk(ctx context.Context, index string, ops []search.Op, out ma
 		}
 		var again []search.Op
 		for i, r := range results {
+			if s.items != nil {
+				s.items(outcome(r))
+			}
 			id, _ := strconv.ParseInt(ops[i].ID, 10, 64)
 			switch {
 			case r.OK():

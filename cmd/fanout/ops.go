@@ -1,0 +1,100 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/internal/metrics"
+	"github.com/fanout/fanout/internal/opsserver"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/spf13/cobra"
+)
+
+// startOps serves /metrics, /livez and /readyz on http.addr (if set); the
+// returned stop shuts it down.
+func startOps(a *app, reg *prometheus.Registry, checks []opsserver.Check) (stop func(), err error) {
+	if a.cfg.HTTP.Addr == "" {
+		return func() {}, nil
+	}
+	srv, err := opsserver.Start(a.cfg.HTTP.Addr, reg, checks, logging.Component(a.logger, "http"))
+	if err != nil {
+		return nil, fmt.Errorf("http.addr %s: %w", a.cfg.HTTP.Addr, err)
+	}
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(ctx)
+	}, nil
+}
+
+func postgresCheck(pool *pgxpool.Pool) opsserver.Check {
+	return opsserver.Check{Name: "postgres", Fn: func(ctx context.Context) error { return pool.Ping(ctx) }}
+}
+
+func natsCheck(nc *nats.Conn) opsserver.Check {
+	return opsserver.Check{Name: "nats", Fn: func(context.Context) error {
+		if !nc.IsConnected() {
+			return fmt.Errorf("not connected (%s)", nc.Status())
+		}
+		return nil
+	}}
+}
+
+// stalledCheck fails when the oldest pending outbox row is older than max:
+// rows are committed but nothing publishes them.
+func stalledCheck(pool *pgxpool.Pool, max time.Duration) opsserver.Check {
+	return opsserver.Check{Name: "outbox", Fn: func(ctx context.Context) error {
+		var backlog, failed int64
+		var oldest float64
+		if err := pool.QueryRow(ctx, metrics.OutboxStateSQL).Scan(&backlog, &oldest, &failed); err != nil {
+			return err
+		}
+		if age := time.Duration(oldest * float64(time.Second)); age > max {
+			return fmt.Errorf("stalled: the oldest pending row is %s old (http.ready_max_pending_age is %s), %d rows waiting", age.Round(time.Second), max, backlog)
+		}
+		return nil
+	}}
+}
+
+func healthcheckCommand(a *app) *cobra.Command {
+	return &cobra.Command{
+		Use:   "healthcheck",
+		Short: "Ask this role's /readyz (http.addr) and exit 0 if ready: a probe for images without a shell",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.load(); err != nil {
+				return err
+			}
+			if a.cfg.HTTP.Addr == "" {
+				return errors.New("http.addr is empty: the operations endpoint is disabled")
+			}
+			host, port, _ := net.SplitHostPort(a.cfg.HTTP.Addr)
+			if host == "" || host == "0.0.0.0" || host == "::" {
+				host = "127.0.0.1"
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), 3*time.Second)
+			defer cancel()
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+net.JoinHostPort(host, port)+"/readyz", nil)
+			if err != nil {
+				return err
+			}
+			res, err := http.DefaultClient.Do(req)
+			if err != nil {
+				return err
+			}
+			defer res.Body.Close()
+			if res.StatusCode != http.StatusOK {
+				return fmt.Errorf("not ready: %s", res.Status)
+			}
+			fmt.Fprintln(cmd.OutOrStdout(), "ready")
+			return nil
+		},
+	}
+}

@@ -1,0 +1,226 @@
+// Package metrics exposes fanout's Prometheus metrics. The relay and the
+// subscriber runtime report through small observer interfaces; the types
+// here implement them (decorators, not counters sprinkled through the
+// code), and collectors read gauges (backlog, consumer lag) from Postgres
+// and JetStream when Prometheus scrapes.
+package metrics
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+)
+
+// NewRegistry returns a registry with the Go runtime and process metrics.
+func NewRegistry() *prometheus.Registry {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return reg
+}
+
+// latencyBuckets span 1 ms to about 30 s.
+var latencyBuckets = prometheus.ExponentialBuckets(0.001, 2, 16)
+
+// Relay implements relay.Observer.
+type Relay struct {
+	claimed, published, duplicates, retried, failed, reaped, deleted prometheus.Counter
+	claimSeconds, latency                                            prometheus.Histogram
+}
+
+var _ relay.Observer = (*Relay)(nil)
+
+// NewRelay registers the relay's metrics.
+func NewRelay(reg prometheus.Registerer) *Relay {
+	c := func(name, help string) prometheus.Counter {
+		m := prometheus.NewCounter(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "relay", Name: name, Help: help})
+		reg.MustRegister(m)
+		return m
+	}
+	m := &Relay{
+		claimed:    c("claimed_rows_total", "Outbox rows claimed for publishing."),
+		published:  c("published_rows_total", "Outbox rows whose PubAck arrived and that were marked sent."),
+		duplicates: c("duplicate_publishes_total", "Publishes JetStream recognized as duplicates (a row published again after a crash or a lost lease)."),
+		retried:    c("retried_rows_total", "Rows returned to pending after a failed publish."),
+		failed:     c("failed_rows_total", "Rows marked failed: they can never be published."),
+		reaped:     c("reaped_rows_total", "Rows whose lease expired, returned to pending."),
+		deleted:    c("deleted_rows_total", "Sent rows deleted after their retention."),
+		claimSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "fanout", Subsystem: "relay", Name: "claim_seconds",
+			Help: "Time to claim one batch.", Buckets: latencyBuckets}),
+		latency: prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "fanout", Subsystem: "relay", Name: "publish_latency_seconds",
+			Help: "From the outbox insert (the writer's transaction time) to the PubAck.", Buckets: latencyBuckets}),
+	}
+	reg.MustRegister(m.claimSeconds, m.latency)
+	return m
+}
+
+func (m *Relay) Claimed(n int, took time.Duration) {
+	m.claimed.Add(float64(n))
+	m.claimSeconds.Observe(took.Seconds())
+}
+
+func (m *Relay) Published(evs []relay.Published) {
+	m.published.Add(float64(len(evs)))
+	for _, e := range evs {
+		if e.Duplicate {
+			m.duplicates.Inc()
+		}
+		m.latency.Observe(e.AckedAt.Sub(e.CreatedAt).Seconds())
+	}
+}
+
+func (m *Relay) Retried(n int) { m.retried.Add(float64(n)) }
+func (m *Relay) Failed(n int)  { m.failed.Add(float64(n)) }
+func (m *Relay) Reaped(n int)  { m.reaped.Add(float64(n)) }
+func (m *Relay) Deleted(n int) { m.deleted.Add(float64(n)) }
+
+// Subscribers implements subscribers.Observer.
+type Subscribers struct {
+	handled, skipped, retried, dead *prometheus.CounterVec
+	seconds                         *prometheus.HistogramVec
+}
+
+var _ subscribers.Observer = (*Subscribers)(nil)
+
+// NewSubscribers registers the subscriber runtime's metrics.
+func NewSubscribers(reg prometheus.Registerer) *Subscribers {
+	c := func(name, help string) *prometheus.CounterVec {
+		m := prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "subscriber", Name: name, Help: help}, []string{"subscriber"})
+		reg.MustRegister(m)
+		return m
+	}
+	m := &Subscribers{
+		handled: c("handled_events_total", "Events whose effect happened (and was checkpointed)."),
+		skipped: c("skipped_duplicates_total", "Events already in the checkpoint: redeliveries and duplicate publishes absorbed."),
+		retried: c("retried_events_total", "Events naked for a later redelivery."),
+		dead:    c("dead_lettered_events_total", "Events sent to the dead letters."),
+		seconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "batch_seconds",
+			Help: "Time to handle one batch, checkpoint included.", Buckets: latencyBuckets}, []string{"subscriber"}),
+	}
+	reg.MustRegister(m.seconds)
+	return m
+}
+
+func (m *Subscribers) Handled(s string, n int, took time.Duration) {
+	m.handled.WithLabelValues(s).Add(float64(n))
+	m.seconds.WithLabelValues(s).Observe(took.Seconds())
+}
+func (m *Subscribers) Skipped(s string, n int)      { m.skipped.WithLabelValues(s).Add(float64(n)) }
+func (m *Subscribers) Retried(s string, n int)      { m.retried.WithLabelValues(s).Add(float64(n)) }
+func (m *Subscribers) DeadLettered(s string, n int) { m.dead.WithLabelValues(s).Add(float64(n)) }
+
+// BulkItems counts search bulk item outcomes (ok, conflict, not_found,
+// retry, rejected).
+type BulkItems struct{ items *prometheus.CounterVec }
+
+// NewBulkItems registers the search indexer's bulk metrics.
+func NewBulkItems(reg prometheus.Registerer) *BulkItems {
+	m := &BulkItems{items: prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "search",
+		Name: "bulk_items_total", Help: "Search bulk items by outcome."}, []string{"outcome"})}
+	reg.MustRegister(m.items)
+	return m
+}
+
+// BulkItem counts one item.
+func (m *BulkItems) BulkItem(outcome string) { m.items.WithLabelValues(outcome).Inc() }
+
+// scrapeTimeout bounds the queries a scrape runs.
+const scrapeTimeout = 3 * time.Second
+
+// outboxCollector reads the backlog from Postgres on each scrape.
+type outboxCollector struct {
+	pool                    *pgxpool.Pool
+	logger                  *slog.Logger
+	backlog, oldest, failed *prometheus.Desc
+}
+
+// NewOutboxCollector reports the outbox backlog (pending and sending rows),
+// the age of the oldest pending row, and failed rows.
+func NewOutboxCollector(pool *pgxpool.Pool, logger *slog.Logger) prometheus.Collector {
+	return &outboxCollector{
+		pool: pool, logger: logger,
+		backlog: prometheus.NewDesc("fanout_outbox_backlog_rows", "Outbox rows not yet published (pending or sending).", nil, nil),
+		oldest:  prometheus.NewDesc("fanout_outbox_oldest_pending_age_seconds", "Age of the oldest pending outbox row (0 if none).", nil, nil),
+		failed:  prometheus.NewDesc("fanout_outbox_failed_rows", "Outbox rows marked failed.", nil, nil),
+	}
+}
+
+func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.backlog
+	ch <- c.oldest
+	ch <- c.failed
+}
+
+// OutboxStateSQL reads the backlog over the unsent index.
+const OutboxStateSQL = `
+SELECT count(*) FILTER (WHERE status IN ('pending', 'sending')),
+       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8,
+       count(*) FILTER (WHERE status = 'failed')
+FROM outbox WHERE published_at IS NULL`
+
+func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), scrapeTimeout)
+	defer cancel()
+	var backlog, failed int64
+	var oldest float64
+	if err := c.pool.QueryRow(ctx, OutboxStateSQL).Scan(&backlog, &oldest, &failed); err != nil {
+		c.logger.Warn("metrics: read outbox state", "error", err)
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(c.backlog, prometheus.GaugeValue, float64(backlog))
+	ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, oldest)
+	ch <- prometheus.MustNewConstMetric(c.failed, prometheus.GaugeValue, float64(failed))
+}
+
+// consumerCollector reads each subscriber's consumer state on each scrape.
+type consumerCollector struct {
+	js                           jetstream.JetStream
+	stream                       string
+	names                        []string
+	logger                       *slog.Logger
+	pending, ackPending, redeliv *prometheus.Desc
+}
+
+// NewConsumerCollector reports, per subscriber, its consumer's pending
+// (lag), ack-pending and redelivered counts.
+func NewConsumerCollector(js jetstream.JetStream, stream string, names []string, logger *slog.Logger) prometheus.Collector {
+	l := []string{"subscriber"}
+	return &consumerCollector{
+		js: js, stream: stream, names: names, logger: logger,
+		pending:    prometheus.NewDesc("fanout_subscriber_pending_events", "Events in the stream the subscriber has not received yet (its lag).", l, nil),
+		ackPending: prometheus.NewDesc("fanout_subscriber_ack_pending_events", "Events delivered to the subscriber and not acknowledged yet.", l, nil),
+		redeliv:    prometheus.NewDesc("fanout_subscriber_redelivered_events", "Events delivered more than once and not acknowledged yet.", l, nil),
+	}
+}
+
+func (c *consumerCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.pending
+	ch <- c.ackPending
+	ch <- c.redeliv
+}
+
+func (c *consumerCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), scrapeTimeout)
+	defer cancel()
+	for _, name := range c.names {
+		cons, err := c.js.Consumer(ctx, c.stream, name)
+		if err != nil {
+			c.logger.Warn("metrics: consumer info", "subscriber", name, "error", err)
+			continue
+		}
+		info, err := cons.Info(ctx)
+		if err != nil {
+			c.logger.Warn("metrics: consumer info", "subscriber", name, "error", err)
+			continue
+		}
+		ch <- prometheus.MustNewConstMetric(c.pending, prometheus.GaugeValue, float64(info.NumPending), name)
+		ch <- prometheus.MustNewConstMetric(c.ackPending, prometheus.GaugeValue, float64(info.NumAckPending), name)
+		ch <- prometheus.MustNewConstMetric(c.redeliv, prometheus.GaugeValue, float64(info.NumRedelivered), name)
+	}
+}
