@@ -147,11 +147,22 @@ func (r *Runner) start(ctx context.Context) error {
 		return fmt.Errorf("subscriber %s: consume: %w", r.name, err)
 	}
 	r.iter = iter
-	r.advSub, err = r.opts.Conn.QueueSubscribe(
-		fmt.Sprintf("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.%s.%s", r.opts.Stream.Name, r.name),
-		"fanout-"+r.name+"-advisories", r.onMaxDeliveries)
+	advisories := fmt.Sprintf("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.%s.%s", r.opts.Stream.Name, r.name)
+	r.advSub, err = r.opts.Conn.QueueSubscribe(advisories, "fanout-"+r.name+"-advisories", r.onMaxDeliveries)
+	if err == nil {
+		// A subscription the server refuses (permissions) fails only
+		// asynchronously: flush, then look, so Start says so.
+		if err = r.opts.Conn.FlushTimeout(5 * time.Second); err == nil {
+			if last := r.opts.Conn.LastError(); last != nil && strings.Contains(last.Error(), advisories) {
+				err = last
+			}
+		}
+	}
 	if err != nil {
 		iter.Stop()
+		if r.advSub != nil {
+			_ = r.advSub.Unsubscribe()
+		}
 		return fmt.Errorf("subscriber %s: subscribe to max-delivery advisories: %w", r.name, err)
 	}
 
