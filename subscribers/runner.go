@@ -359,12 +359,18 @@ func (r *Runner) parse(m jetstream.Msg) (Event, error) {
 // the stream's (stream.subject_prefix). Its error says why a message is not
 // an outbox event; the Event is filled as far as it could be.
 func EventFromMsg(m jetstream.Msg, subjectPrefix string) (Event, error) {
-	ev := Event{Payload: m.Data(), Headers: m.Headers(), Subject: m.Subject()}
-	if md, err := m.Metadata(); err == nil {
+	ev, err := EventFromParts(m.Data(), m.Headers(), m.Subject(), subjectPrefix)
+	if md, merr := m.Metadata(); merr == nil {
 		ev.StreamSeq, ev.Delivery = md.Sequence.Stream, md.NumDelivered
 	}
-	ev.Type = strings.TrimPrefix(m.Subject(), subjectPrefix+".")
-	h := m.Headers()
+	return ev, err
+}
+
+// EventFromParts reads an event from a message's body, headers and subject
+// (for messages read from a stream directly, such as dead letters).
+func EventFromParts(data []byte, h nats.Header, subject, subjectPrefix string) (Event, error) {
+	ev := Event{Payload: data, Headers: h, Subject: subject}
+	ev.Type = strings.TrimPrefix(subject, subjectPrefix+".")
 	idText := h.Get(outbox.EventIDHeader)
 	id, err := strconv.ParseInt(idText, 10, 64)
 	if err != nil || id <= 0 {
@@ -696,6 +702,29 @@ func (r *Runner) fail(ctx context.Context, d delivery, err error) {
 		r.logger.Warn("event failed, will retry", "event_id", d.ev.ID, "event_type", d.ev.Type,
 			"delivery", d.ev.Delivery, "retry_in", delay, "error", err)
 	}
+}
+
+// HandleOnce runs the subscriber's handler on one event outside the
+// consumer, with the same checkpoint semantics (operators redriving a dead
+// letter use it): an event already in the checkpoint is not handled again
+// and handled is false.
+func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err error) {
+	if r.txH != nil {
+		fresh, err := r.txBatch(ctx, []delivery{{ev: ev}})
+		return fresh == 1, err
+	}
+	var done bool
+	if err := r.opts.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM processed_events WHERE subscriber = $1 AND event_id = $2)`, r.name, ev.ID).Scan(&done); err != nil {
+		return false, err
+	}
+	if done {
+		return false, nil
+	}
+	if err := r.call(ctx, ev); err != nil {
+		return false, err
+	}
+	_, err = r.opts.Pool.Exec(ctx, `INSERT INTO processed_events (subscriber, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`, r.name, ev.ID)
+	return err == nil, err
 }
 
 // backoff is retry_min doubled per delivery so far, capped at retry_max.

@@ -46,6 +46,10 @@ FANOUT_RELAY_BATCH_SIZE). ` + "`fanout config keys`" + ` lists every key.`,
 		upCommand(app),
 		configCommand(app),
 		healthcheckCommand(app),
+		statusCommand(app),
+		dlqCommand(app),
+		outboxCommand(app),
+		replayCommand(app),
 	)
 	return root
 }

@@ -62,7 +62,9 @@ func (d *deps) searchIndexer() (subscribers.Handler, error) {
 	}
 	d.checks = append(d.checks, opsserver.Check{Name: "search", Fn: func(ctx context.Context) error { _, err := c.Info(ctx); return err }})
 	h := searchindex.New(c, d.pool, d.a.cfg.Search, logging.Component(d.a.logger, "searchindex"))
-	h.ObserveBulkItems(metrics.NewBulkItems(d.reg).BulkItem)
+	if d.reg != nil {
+		h.ObserveBulkItems(metrics.NewBulkItems(d.reg).BulkItem)
+	}
 	return h, nil
 }
 

@@ -1,0 +1,316 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/user"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
+)
+
+// dlqEnv is what the dead-letter commands work with.
+type dlqEnv struct {
+	a      *app
+	pool   *pgxpool.Pool
+	nc     *nats.Conn
+	stream jetstream.Stream
+}
+
+func openDLQ(ctx context.Context, a *app) (*dlqEnv, error) {
+	if err := a.load(); err != nil {
+		return nil, err
+	}
+	pool, err := a.postgres(ctx, "dlq")
+	if err != nil {
+		return nil, err
+	}
+	nc, err := a.nats("dlq")
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	js, err := jetstream.New(nc)
+	if err == nil {
+		var s jetstream.Stream
+		if s, err = js.Stream(ctx, a.cfg.Subscribers.DeadLetterStream); err == nil {
+			return &dlqEnv{a: a, pool: pool, nc: nc, stream: s}, nil
+		}
+	}
+	nc.Close()
+	pool.Close()
+	return nil, fmt.Errorf("dead-letter stream %s: %w", a.cfg.Subscribers.DeadLetterStream, err)
+}
+
+func (e *dlqEnv) close() {
+	e.nc.Close()
+	e.pool.Close()
+}
+
+// deadLetter is one message of the dead-letter stream.
+type deadLetter struct {
+	Seq        uint64
+	Subscriber string
+	EventID    string
+	EventType  string
+	Reason     string
+	Deliveries string
+	At         string
+	raw        *jetstream.RawStreamMsg
+}
+
+// list returns the dead letters, of one subscriber if not empty.
+func (e *dlqEnv) list(ctx context.Context, subscriber string) ([]deadLetter, error) {
+	filter := e.a.cfg.Subscribers.DeadLetterSubjectPrefix + ".>"
+	if subscriber != "" {
+		filter = e.a.cfg.Subscribers.DeadLetterSubjectPrefix + "." + subscriber + ".>"
+	}
+	info, err := e.stream.Info(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var out []deadLetter
+	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; {
+		m, err := e.stream.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(filter))
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, e.describe(m))
+		seq = m.Sequence + 1
+	}
+	return out, nil
+}
+
+func (e *dlqEnv) describe(m *jetstream.RawStreamMsg) deadLetter {
+	h := m.Header
+	return deadLetter{Seq: m.Sequence, Subscriber: h.Get(subscribers.DeadSubscriberHeader), EventID: h.Get(outbox.EventIDHeader),
+		EventType: h.Get(outbox.EventTypeHeader), Reason: h.Get(subscribers.DeadReasonHeader),
+		Deliveries: h.Get(subscribers.DeadDeliveriesHeader), At: h.Get(subscribers.DeadAtHeader), raw: m}
+}
+
+// targets resolves `<seq>` or `--subscriber S` into dead letters.
+func (e *dlqEnv) targets(ctx context.Context, args []string, subscriber string) ([]deadLetter, error) {
+	if (len(args) == 1) == (subscriber != "") {
+		return nil, errors.New("give either a dead letter's sequence number or --subscriber")
+	}
+	if subscriber != "" {
+		return e.list(ctx, subscriber)
+	}
+	seq, err := strconv.ParseUint(args[0], 10, 64)
+	if err != nil {
+		return nil, fmt.Errorf("%q is not a sequence number (see `fanout dlq list`)", args[0])
+	}
+	m, err := e.stream.GetMsg(ctx, seq)
+	if err != nil {
+		return nil, fmt.Errorf("dead letter %d: %w", seq, err)
+	}
+	return []deadLetter{e.describe(m)}, nil
+}
+
+// record notes an operator's action on a dead letter.
+func (e *dlqEnv) record(ctx context.Context, action string, d deadLetter, outcome, actor string) error {
+	id, _ := strconv.ParseInt(d.EventID, 10, 64)
+	_, err := e.pool.Exec(ctx, `
+INSERT INTO dead_letter_actions (action, subscriber, event_id, stream_seq, outcome, actor)
+VALUES ($1, $2, nullif($3, 0), $4, $5, $6)`, action, d.Subscriber, id, int64(d.Seq), outcome, actor)
+	return err
+}
+
+func defaultActor() string {
+	name := "unknown"
+	if u, err := user.Current(); err == nil {
+		name = u.Username
+	}
+	host, _ := os.Hostname()
+	return name + "@" + host
+}
+
+func dlqCommand(a *app) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "dlq",
+		Short: "List, show, redrive or discard dead letters",
+	}
+	var subscriber, actor string
+	list := &cobra.Command{
+		Use:   "list",
+		Short: "List dead letters (of one subscriber with --subscriber)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			e, err := openDLQ(ctx, a)
+			if err != nil {
+				return err
+			}
+			defer e.close()
+			ds, err := e.list(ctx, subscriber)
+			if err != nil {
+				return err
+			}
+			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
+			fmt.Fprintln(tw, "SEQ\tSUBSCRIBER\tEVENT\tTYPE\tDELIVERIES\tDEAD AT\tREASON")
+			for _, d := range ds {
+				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", d.Seq, d.Subscriber, d.EventID, d.EventType, d.Deliveries, d.At, truncate(d.Reason, 100))
+			}
+			tw.Flush()
+			fmt.Fprintf(cmd.OutOrStdout(), "%d dead letters\n", len(ds))
+			return nil
+		},
+	}
+	list.Flags().StringVar(&subscriber, "subscriber", "", "only this subscriber's dead letters")
+
+	show := &cobra.Command{
+		Use:   "show <seq>",
+		Short: "Show a dead letter: its headers (subscriber, reason, deliveries, original subject) and body",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			e, err := openDLQ(ctx, a)
+			if err != nil {
+				return err
+			}
+			defer e.close()
+			ds, err := e.targets(ctx, args, "")
+			if err != nil {
+				return err
+			}
+			m := ds[0].raw
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "seq %d, subject %s, stored %s\n", m.Sequence, m.Subject, m.Time.UTC().Format(time.RFC3339))
+			for k, vs := range m.Header {
+				fmt.Fprintf(w, "%s: %s\n", k, strings.Join(vs, ", "))
+			}
+			fmt.Fprintf(w, "\n%s\n", m.Data)
+			return nil
+		},
+	}
+
+	redrive := &cobra.Command{
+		Use:   "redrive <seq> | --subscriber S",
+		Short: "Hand dead letters back to their subscriber only: run its handler once more; on success the dead letter is removed",
+		Long: `redrive runs the dead letter's own subscriber's handler on the event, in this
+process, with the subscriber's checkpoint (an event it already handled is not
+handled twice). No other subscriber sees the event again. On success the dead
+letter is deleted; on failure it stays, and the error is printed. Every
+attempt is recorded in the dead_letter_actions table with --actor.`,
+		Args: cobra.MaximumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			e, err := openDLQ(ctx, a)
+			if err != nil {
+				return err
+			}
+			defer e.close()
+			ds, err := e.targets(ctx, args, subscriber)
+			if err != nil {
+				return err
+			}
+			d := &deps{a: a, ctx: ctx, pool: e.pool, reg: nil}
+			defer d.close()
+			runners := map[string]*subscribers.Runner{}
+			failed := 0
+			for _, dl := range ds {
+				r, ok := runners[dl.Subscriber]
+				if !ok {
+					build, known := registry[dl.Subscriber]
+					if !known {
+						return fmt.Errorf("dead letter %d belongs to %q, which this binary does not know", dl.Seq, dl.Subscriber)
+					}
+					h, err := build(d)
+					if err == nil && d.redisErr != nil {
+						err = d.redisErr
+					}
+					if err != nil {
+						return err
+					}
+					if r, err = subscribers.New(subscribers.Options{Handler: h, Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
+						Pool: e.pool, Conn: e.nc, Logger: logging.Component(a.logger, "dlq")}); err != nil {
+						return err
+					}
+					runners[dl.Subscriber] = r
+				}
+				subject := dl.raw.Header.Get(subscribers.DeadSubjectHeader)
+				ev, err := subscribers.EventFromParts(dl.raw.Data, dl.raw.Header, subject, a.cfg.Stream.SubjectPrefix)
+				outcome := "handled"
+				if err == nil {
+					var handled bool
+					if handled, err = r.HandleOnce(ctx, ev); err == nil && !handled {
+						outcome = "already in the checkpoint"
+					}
+				}
+				if err != nil {
+					outcome = "failed: " + err.Error()
+					failed++
+				}
+				if rerr := e.record(ctx, "redrive", dl, outcome, actor); rerr != nil {
+					return fmt.Errorf("record redrive of %d: %w", dl.Seq, rerr)
+				}
+				if err == nil {
+					if derr := e.stream.DeleteMsg(ctx, dl.Seq); derr != nil {
+						return fmt.Errorf("redrove %d but could not delete it: %w", dl.Seq, derr)
+					}
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "%d (%s, event %s): %s\n", dl.Seq, dl.Subscriber, dl.EventID, outcome)
+			}
+			if failed > 0 {
+				return fmt.Errorf("%d of %d redrives failed; their dead letters remain", failed, len(ds))
+			}
+			return nil
+		},
+	}
+	redrive.Flags().StringVar(&subscriber, "subscriber", "", "redrive every dead letter of this subscriber")
+	redrive.Flags().StringVar(&actor, "actor", defaultActor(), "who is redriving (recorded)")
+
+	discard := &cobra.Command{
+		Use:   "discard <seq> | --subscriber S",
+		Short: "Delete dead letters for good (recorded in dead_letter_actions)",
+		Args:  cobra.MaximumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			e, err := openDLQ(ctx, a)
+			if err != nil {
+				return err
+			}
+			defer e.close()
+			ds, err := e.targets(ctx, args, subscriber)
+			if err != nil {
+				return err
+			}
+			for _, dl := range ds {
+				if err := e.record(ctx, "discard", dl, "discarded", actor); err != nil {
+					return err
+				}
+				if err := e.stream.DeleteMsg(ctx, dl.Seq); err != nil {
+					return fmt.Errorf("discard %d: %w", dl.Seq, err)
+				}
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "discarded %d dead letters\n", len(ds))
+			return nil
+		},
+	}
+	discard.Flags().StringVar(&subscriber, "subscriber", "", "discard every dead letter of this subscriber")
+	discard.Flags().StringVar(&actor, "actor", defaultActor(), "who is discarding (recorded)")
+
+	cmd.AddCommand(list, show, redrive, discard)
+	return cmd
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
+}

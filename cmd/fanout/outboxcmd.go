@@ -1,0 +1,98 @@
+package main
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/spf13/cobra"
+)
+
+func outboxCommand(a *app) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "outbox",
+		Short: "Operate on outbox rows: retry failed ones, republish sent ones",
+	}
+	cmd.AddCommand(&cobra.Command{
+		Use:   "retry-failed",
+		Short: "Return every failed row to pending (after fixing what made it fail)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.load(); err != nil {
+				return err
+			}
+			pool, err := a.postgres(cmd.Context(), "outbox")
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			ct, err := pool.Exec(cmd.Context(), `
+UPDATE outbox
+SET status = 'pending', attempts = 0, available_at = now(), claimed_at = NULL, lease_token = NULL,
+    last_error = 'retried by an operator after: ' || coalesce(last_error, '')
+WHERE published_at IS NULL AND status = 'failed'`)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%d failed rows returned to pending\n", ct.RowsAffected())
+			return nil
+		},
+	})
+	var since string
+	republish := &cobra.Command{
+		Use:   "republish --since TIME",
+		Short: "Publish again the sent rows still retained, sent since TIME (after a broker lost data)",
+		Long: `republish returns the sent rows published at or after --since (RFC 3339, or a
+duration such as 30m meaning that long ago) to pending, so the relay publishes
+them again. Use it after the broker lost acknowledged messages (a single
+server's power loss, a stream restored from an old backup). Only rows still
+retained are covered (relay.sent_retention, 1 hour by default). Messages the
+stream still has inside its duplicates window are dropped by JetStream; the
+rest are stored again, and each subscriber's checkpoint absorbs the events it
+had already handled.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.load(); err != nil {
+				return err
+			}
+			t, err := parseSince(since)
+			if err != nil {
+				return err
+			}
+			pool, err := a.postgres(cmd.Context(), "outbox")
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			var oldest *time.Time
+			_ = pool.QueryRow(cmd.Context(), `SELECT min(published_at) FROM outbox WHERE status = 'sent'`).Scan(&oldest)
+			ct, err := pool.Exec(cmd.Context(), `
+UPDATE outbox
+SET status = 'pending', published_at = NULL, available_at = now(), claimed_at = NULL, lease_token = NULL,
+    last_error = 'republished by an operator'
+WHERE status = 'sent' AND published_at >= $1`, t)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%d sent rows since %s returned to pending for the relay to publish again\n", ct.RowsAffected(), t.UTC().Format(time.RFC3339))
+			if oldest != nil && oldest.After(t) {
+				fmt.Fprintf(cmd.OutOrStdout(), "note: the oldest retained sent row is from %s; events sent before that are no longer in the outbox\n", oldest.UTC().Format(time.RFC3339))
+			}
+			return nil
+		},
+	}
+	republish.Flags().StringVar(&since, "since", "", "RFC 3339 time, or a duration ago (e.g. 30m)")
+	_ = republish.MarkFlagRequired("since")
+	cmd.AddCommand(republish)
+	return cmd
+}
+
+func parseSince(s string) (time.Time, error) {
+	if d, err := time.ParseDuration(s); err == nil && d > 0 {
+		return time.Now().Add(-d), nil
+	}
+	t, err := time.Parse(time.RFC3339, s)
+	if err != nil {
+		return time.Time{}, fmt.Errorf("--since %q: want an RFC 3339 time (2026-01-02T15:04:05Z) or a duration ago (30m)", s)
+	}
+	return t, nil
+}
