@@ -5,6 +5,7 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/spf13/cobra"
+	"gopkg.in/yaml.v3"
 )
 
 func configCommand(a *app) *cobra.Command {
@@ -20,6 +21,22 @@ func configCommand(a *app) *cobra.Command {
 			for _, k := range config.Keys() {
 				fmt.Fprintf(cmd.OutOrStdout(), "%-28s %s\n", k, config.EnvName(k))
 			}
+		},
+	})
+	cmd.AddCommand(&cobra.Command{
+		Use:   "print",
+		Short: "Print the merged configuration (defaults, file, environment) as YAML, secrets redacted",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if err := a.load(); err != nil {
+				return err
+			}
+			out, err := yaml.Marshal(a.cfg.Redacted())
+			if err != nil {
+				return err
+			}
+			_, err = cmd.OutOrStdout().Write(out)
+			return err
 		},
 	})
 	cmd.AddCommand(&cobra.Command{

@@ -1,6 +1,7 @@
 package config
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -99,5 +100,43 @@ func TestEnvNamesAreUnambiguous(t *testing.T) {
 			t.Errorf("%s and %s share the environment variable %s", k, other, EnvName(k))
 		}
 		seen[EnvName(k)] = k
+	}
+}
+
+// fanout.example.yaml lists every key with its default: loading it changes
+// nothing, and no key is missing from it.
+func TestExampleFileHasEveryKeyAndItsDefault(t *testing.T) {
+	path := filepath.Join("..", "..", "fanout.example.yaml")
+	fromFile, err := Load(path, nil)
+	if err != nil {
+		t.Fatalf("load %s: %v", path, err)
+	}
+	defaults, _ := Load("", nil)
+	if fmt.Sprint(fromFile.Redacted()) != fmt.Sprint(defaults.Redacted()) {
+		t.Errorf("the example file's values differ from the defaults:\nfile:     %v\ndefaults: %v", fromFile.Redacted(), defaults.Redacted())
+	}
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range Keys() {
+		section, key, _ := strings.Cut(k, ".")
+		if !strings.Contains(string(raw), "\n"+section+":\n") || !strings.Contains(string(raw), "\n  "+key+":") {
+			t.Errorf("key %s is missing from fanout.example.yaml", k)
+		}
+	}
+}
+
+func TestRedactedHidesSecrets(t *testing.T) {
+	cfg, err := Load("", []string{
+		"FANOUT_POSTGRES_PASSWORD=pg-s3cret", "FANOUT_NATS_URL=nats://relay:nats-s3cret@127.0.0.1:4222",
+		"FANOUT_NATS_TOKEN=tok-s3cret", "FANOUT_SEARCH_PASSWORD=es-s3cret", "FANOUT_REDIS_URL=redis://:redis-s3cret@127.0.0.1:6379/0",
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	printed := fmt.Sprint(cfg.Redacted())
+	if strings.Contains(printed, "s3cret") || !strings.Contains(printed, "<redacted>") {
+		t.Errorf("redacted config shows a secret: %s", printed)
 	}
 }
