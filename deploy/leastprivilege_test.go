@@ -39,6 +39,7 @@ import (
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
 	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -55,7 +56,7 @@ func TestMain(m *testing.M) {
 // nats-server under deploy/nats/nats-server.conf
 
 // natsUsers are the users of the configuration file.
-var natsUsers = []string{"relay", "invoicing", "cacheinval", "admin"}
+var natsUsers = []string{"relay", "invoicing", "cacheinval", "searchindex", "admin"}
 
 type natsServer struct {
 	url       string
@@ -184,22 +185,25 @@ type natsClient struct {
 	unexpected []error
 }
 
+// connect connects as user through the production code path
+// (connect.NATS with nats.user and nats.password: its inboxes are
+// _INBOX_<user>), and takes over the connection's async errors.
 func (s *natsServer) connect(t *testing.T, user string) *natsClient {
 	t.Helper()
 	c := &natsClient{user: user, errs: make(chan error, 1000)}
-	nc, err := nats.Connect(s.url,
-		nats.UserInfo(user, s.passwords[user]),
-		nats.Name("leastprivilege-"+user),
-		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
-			select {
-			case c.errs <- err:
-			default:
-			}
-		}))
+	cfg := config.NATS{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 5 * time.Second}
+	nc, err := connect.NATS(cfg, "leastprivilege-"+user, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if err != nil {
 		t.Fatalf("connect as %s: %v", user, err)
 	}
 	t.Cleanup(nc.Close)
+	nc.SetErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+		select {
+		case c.errs <- err:
+		default:
+		}
+	})
+	checkInboxPrefix(t, nc, user)
 	c.nc = nc
 	if c.js, err = jetstream.New(nc); err != nil {
 		t.Fatal(err)
@@ -625,13 +629,23 @@ func natsConn(t *testing.T, cfg *config.Config, ns *natsServer, user string, log
 		t.Fatalf("connect to nats as %s: %v", user, err)
 	}
 	t.Cleanup(conn.Close)
+	checkInboxPrefix(t, conn, user)
 	return conn
+}
+
+// checkInboxPrefix: a connection with nats.user receives its replies on
+// _INBOX_<user>, the only inboxes the configuration lets user read.
+func checkInboxPrefix(t *testing.T, nc *nats.Conn, user string) {
+	t.Helper()
+	if inbox, want := nc.NewInbox(), "_INBOX_"+user+"."; !strings.HasPrefix(inbox, want) {
+		t.Fatalf("%s's inbox %s, want one under %s", user, inbox, want)
+	}
 }
 
 // ---------------------------------------------------------------------------
 // NATS: what each user is refused
 
-// TestNATSPermissions provisions the stream, the dead-letter stream and both
+// TestNATSPermissions provisions the stream, the dead-letter stream and the
 // subscribers' consumers with each role's own credentials (the calls the
 // relay and the subscriber runtime make), checks what each may do, and then
 // what each is refused.
@@ -645,6 +659,7 @@ func TestNATSPermissions(t *testing.T) {
 	rel := ns.connect(t, "relay")
 	inv := ns.connect(t, "invoicing")
 	cin := ns.connect(t, "cacheinval")
+	six := ns.connect(t, "searchindex")
 
 	// The relay provisions EVENTS (auto: update, then create) and checks it
 	// (verify), and publishes with PubAcks.
@@ -669,11 +684,13 @@ func TestNATSPermissions(t *testing.T) {
 		return ack.Sequence
 	}
 	orderSeq := publish("events."+shop.OrderCreated, 1)
-	publish("events.product.updated", 2)
+	productSeq := publish("events.product.updated", 2)
 
 	// Each subscriber provisions the dead-letter stream and its own
 	// consumer, as the runtime does.
-	handlers := map[*natsClient]subscribers.Handler{inv: invoicing.New(), cin: cacheinval.New(nil, nil)}
+	handlers := map[*natsClient]subscribers.Handler{
+		inv: invoicing.New(), cin: cacheinval.New(nil, nil), six: searchindex.New(nil, nil, cfg.Search, discard),
+	}
 	for c, h := range handlers {
 		if _, err := c.js.CreateOrUpdateStream(ctx, subscribers.DeadLetterStreamConfig(cfg.Subscribers, cfg.Stream.Replicas)); err != nil {
 			t.Fatalf("%s provisions the dead-letter stream: %v", c.user, err)
@@ -696,10 +713,6 @@ func TestNATSPermissions(t *testing.T) {
 			t.Fatalf("%s looks up its consumer: %v", c.user, err)
 		}
 	}
-	events, err := inv.js.Stream(ctx, cfg.Stream.Name)
-	if err != nil {
-		t.Fatal(err)
-	}
 	eventCount := func() uint64 {
 		t.Helper()
 		info, err := rel.js.Stream(ctx, cfg.Stream.Name) // STREAM.INFO, allowed to the relay
@@ -710,45 +723,58 @@ func TestNATSPermissions(t *testing.T) {
 	}
 
 	t.Run("a subscriber works its own consumer", func(t *testing.T) {
-		c, err := events.Consumer(ctx, invoicing.Name)
-		if err != nil {
-			t.Fatal(err)
+		for _, tc := range []struct {
+			c         *natsClient
+			name, typ string
+			seq       uint64
+		}{
+			{inv, invoicing.Name, shop.OrderCreated, orderSeq},
+			{six, searchindex.Name, "product.updated", productSeq},
+		} {
+			events, err := tc.c.js.Stream(ctx, cfg.Stream.Name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c, err := events.Consumer(ctx, tc.name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			batch, err := c.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []jetstream.Msg
+			for m := range batch.Messages() {
+				got = append(got, m)
+			}
+			if len(got) != 1 || got[0].Subject() != "events."+tc.typ {
+				t.Fatalf("%s fetched %d messages (%v), want its %s", tc.name, len(got), batch.Error(), tc.typ)
+			}
+			if err := got[0].InProgress(); err != nil {
+				t.Fatal(err)
+			}
+			if err := got[0].DoubleAck(ctx); err != nil {
+				t.Fatalf("%s acks: %v", tc.name, err)
+			}
+			raw, err := events.GetMsg(ctx, tc.seq)
+			if err != nil || raw.Subject != "events."+tc.typ {
+				t.Fatalf("%s reads event %d by sequence: %v", tc.name, tc.seq, err)
+			}
+			ack, err := tc.c.js.Publish(ctx, "deadletter."+tc.name+"."+tc.typ, []byte("{}"))
+			if err != nil || ack.Stream != cfg.Subscribers.DeadLetterStream {
+				t.Fatalf("%s publishes its dead letter: %v", tc.name, err)
+			}
+			sub, err := tc.c.nc.Subscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.EVENTS."+tc.name, func(*nats.Msg) {})
+			if err != nil {
+				t.Fatal(err)
+			}
+			info, err := c.Info(ctx)
+			if err != nil || info.AckFloor.Stream != tc.seq || info.NumAckPending != 0 {
+				t.Fatalf("%s consumer after the ack: %+v (%v)", tc.name, info, err)
+			}
+			tc.c.checkClean(t) // none of the above was refused
+			_ = sub.Unsubscribe()
 		}
-		batch, err := c.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var got []jetstream.Msg
-		for m := range batch.Messages() {
-			got = append(got, m)
-		}
-		if len(got) != 1 || got[0].Subject() != "events."+shop.OrderCreated {
-			t.Fatalf("invoicing fetched %d messages (%v), want its order.created", len(got), batch.Error())
-		}
-		if err := got[0].InProgress(); err != nil {
-			t.Fatal(err)
-		}
-		if err := got[0].DoubleAck(ctx); err != nil {
-			t.Fatalf("invoicing acks: %v", err)
-		}
-		raw, err := events.GetMsg(ctx, orderSeq)
-		if err != nil || raw.Subject != "events."+shop.OrderCreated {
-			t.Fatalf("invoicing reads event %d by sequence: %v", orderSeq, err)
-		}
-		ack, err := inv.js.Publish(ctx, "deadletter.invoicing."+shop.OrderCreated, []byte("{}"))
-		if err != nil || ack.Stream != cfg.Subscribers.DeadLetterStream {
-			t.Fatalf("invoicing publishes its dead letter: %v", err)
-		}
-		sub, err := inv.nc.Subscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.EVENTS.invoicing", func(*nats.Msg) {})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer sub.Unsubscribe() //nolint:errcheck
-		info, err := c.Info(ctx)
-		if err != nil || info.AckFloor.Stream != orderSeq || info.NumAckPending != 0 {
-			t.Fatalf("invoicing consumer after the ack: %+v (%v)", info, err)
-		}
-		inv.checkClean(t) // none of the above was refused
 	})
 
 	t.Run("a subscriber cannot publish events", func(t *testing.T) {
@@ -762,10 +788,12 @@ func TestNATSPermissions(t *testing.T) {
 			_, err := inv.js.Publish(ctx, subject, []byte(`{"order_id": 667}`))
 			return err
 		})
-		cin.deniedRequest(t, "events.product.updated", func(ctx context.Context) error {
-			_, err := cin.js.Publish(ctx, "events.product.updated", []byte(`{"product_id": 1}`))
-			return err
-		})
+		for _, c := range []*natsClient{cin, six} {
+			c.deniedRequest(t, "events.product.updated", func(ctx context.Context) error {
+				_, err := c.js.Publish(ctx, "events.product.updated", []byte(`{"product_id": 1}`))
+				return err
+			})
+		}
 		if after := eventCount(); after != before {
 			t.Errorf("stream %s went from %d to %d messages", cfg.Stream.Name, before, after)
 		}
@@ -773,40 +801,47 @@ func TestNATSPermissions(t *testing.T) {
 
 	t.Run("a subscriber cannot touch another subscriber's consumer", func(t *testing.T) {
 		other := "cacheinval"
-		inv.deniedRequest(t, "$JS.API.CONSUMER.INFO.EVENTS."+other, func(ctx context.Context) error {
-			_, err := events.Consumer(ctx, other)
-			return err
-		})
-		inv.deniedRequest(t, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+other, func(ctx context.Context) error {
-			_, err := inv.nc.RequestWithContext(ctx, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+other, []byte(`{"batch":1}`))
-			return err
-		})
-		inv.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+other, func(ctx context.Context) error {
-			_, err := events.CreateOrUpdateConsumer(ctx, subscribers.ConsumerConfig(cacheinval.New(nil, nil), cfg.Subscribers, cfg.Stream))
-			return err
-		})
-		inv.deniedRequest(t, "$JS.API.CONSUMER.DELETE.EVENTS."+other, func(ctx context.Context) error {
-			return events.DeleteConsumer(ctx, other)
-		})
-		inv.deniedRequest(t, "deadletter.cacheinval.product.updated", func(ctx context.Context) error {
-			_, err := inv.js.Publish(ctx, "deadletter.cacheinval.product.updated", []byte("{}"))
-			return err
-		})
-		ackSubject := "$JS.ACK.EVENTS." + other + ".1.2.2.1700000000000000000.0"
-		if err := inv.nc.Publish(ackSubject, []byte("+ACK")); err != nil {
-			t.Fatal(err)
+		for _, c := range []*natsClient{inv, six} {
+			events, err := c.js.Stream(ctx, cfg.Stream.Name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.deniedRequest(t, "$JS.API.CONSUMER.INFO.EVENTS."+other, func(ctx context.Context) error {
+				_, err := events.Consumer(ctx, other)
+				return err
+			})
+			c.deniedRequest(t, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+other, func(ctx context.Context) error {
+				_, err := c.nc.RequestWithContext(ctx, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+other, []byte(`{"batch":1}`))
+				return err
+			})
+			c.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+other, func(ctx context.Context) error {
+				_, err := events.CreateOrUpdateConsumer(ctx, subscribers.ConsumerConfig(cacheinval.New(nil, nil), cfg.Subscribers, cfg.Stream))
+				return err
+			})
+			c.deniedRequest(t, "$JS.API.CONSUMER.DELETE.EVENTS."+other, func(ctx context.Context) error {
+				return events.DeleteConsumer(ctx, other)
+			})
+			c.deniedRequest(t, "deadletter.cacheinval.product.updated", func(ctx context.Context) error {
+				_, err := c.js.Publish(ctx, "deadletter.cacheinval.product.updated", []byte("{}"))
+				return err
+			})
+			ackSubject := "$JS.ACK.EVENTS." + other + ".1.2.2.1700000000000000000.0"
+			if err := c.nc.Publish(ackSubject, []byte("+ACK")); err != nil {
+				t.Fatal(err)
+			}
+			c.waitViolation(t, "Publish", ackSubject)
+			advisory := "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.EVENTS." + other
+			sub, err := c.nc.Subscribe(advisory, func(*nats.Msg) {})
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.waitViolation(t, "Subscription", advisory)
+			_ = sub.Unsubscribe()
+			c.deniedRequest(t, "$JS.API.STREAM.DELETE.EVENTS", func(ctx context.Context) error {
+				return c.js.DeleteStream(ctx, cfg.Stream.Name)
+			})
+			c.checkClean(t)
 		}
-		inv.waitViolation(t, "Publish", ackSubject)
-		advisory := "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.EVENTS." + other
-		sub, err := inv.nc.Subscribe(advisory, func(*nats.Msg) {})
-		if err != nil {
-			t.Fatal(err)
-		}
-		inv.waitViolation(t, "Subscription", advisory)
-		_ = sub.Unsubscribe()
-		inv.deniedRequest(t, "$JS.API.STREAM.DELETE.EVENTS", func(ctx context.Context) error {
-			return inv.js.DeleteStream(ctx, cfg.Stream.Name)
-		})
 		// cacheinval's consumer delivered nothing to anyone.
 		s, err := cin.js.Stream(ctx, cfg.Stream.Name)
 		if err != nil {
@@ -819,12 +854,84 @@ func TestNATSPermissions(t *testing.T) {
 		if ci := c.CachedInfo(); ci.Delivered.Consumer != 0 || ci.NumPending != 1 {
 			t.Errorf("cacheinval consumer: delivered %d, pending %d; want 0 and 1", ci.Delivered.Consumer, ci.NumPending)
 		}
-		inv.checkClean(t)
 		cin.checkClean(t)
 	})
 
+	t.Run("no user can read or forge another user's replies", func(t *testing.T) {
+		users := map[string]*natsClient{"relay": rel, "invoicing": inv, "cacheinval": cin, "searchindex": six}
+		// request makes user receive a reply (a JetStream API response) on
+		// its inbox.
+		request := func(user string) {
+			t.Helper()
+			if _, err := users[user].js.Stream(ctx, cfg.Stream.Name); err != nil {
+				t.Fatalf("%s looks up the stream: %v", user, err)
+			}
+		}
+		// The replies really travel on _INBOX_<user>: the admin, who may
+		// subscribe to anything, sees invoicing's.
+		admin := ns.connect(t, "admin")
+		seen := make(chan *nats.Msg, 100)
+		spy, err := admin.nc.ChanSubscribe("_INBOX_invoicing.>", seen)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := admin.nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		request("invoicing")
+		select {
+		case m := <-seen:
+			if !strings.HasPrefix(m.Subject, "_INBOX_invoicing.") {
+				t.Errorf("admin's subscription to _INBOX_invoicing.> got %s", m.Subject)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("invoicing's reply did not travel on _INBOX_invoicing.")
+		}
+		_ = spy.Unsubscribe()
+
+		// No other user may subscribe there, nor to the default inboxes,
+		// nor publish (forge a reply) there.
+		for user, c := range users {
+			snooped := make(chan *nats.Msg, 100)
+			subjects := []string{"_INBOX.>", ">"}
+			for other := range users {
+				if other != user {
+					subjects = append(subjects, "_INBOX_"+other+".>")
+				}
+			}
+			for _, subject := range subjects {
+				sub, err := c.nc.ChanSubscribe(subject, snooped)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer sub.Unsubscribe() //nolint:errcheck
+				c.waitViolation(t, "Subscription", subject)
+			}
+			for other := range users {
+				if other == user {
+					continue
+				}
+				request(other)
+				forged := "_INBOX_" + other + ".forged"
+				if err := c.nc.Publish(forged, []byte(`{"type":"io.nats.jetstream.api.v1.stream_info_response"}`)); err != nil {
+					t.Fatal(err)
+				}
+				c.waitViolation(t, "Publish", forged)
+			}
+			if err := c.nc.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case m := <-snooped:
+				t.Errorf("%s read %s", user, m.Subject)
+			default:
+			}
+			c.checkClean(t)
+		}
+	})
+
 	t.Run("the relay cannot consume", func(t *testing.T) {
-		for _, name := range []string{invoicing.Name, cacheinval.Name} {
+		for _, name := range []string{invoicing.Name, cacheinval.Name, searchindex.Name} {
 			rel.deniedRequest(t, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, func(ctx context.Context) error {
 				_, err := rel.nc.RequestWithContext(ctx, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, []byte(`{"batch":1}`))
 				return err

@@ -101,11 +101,14 @@ func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error)
 	}
 	switch {
 	case cfg.CredsFile != "":
+		// No per-user inbox prefix: the user's name is in the JWT, not known here.
 		opts = append(opts, nats.UserCredentials(cfg.CredsFile))
 	case cfg.Token != "":
 		opts = append(opts, nats.Token(cfg.Token))
 	case cfg.User != "":
-		opts = append(opts, nats.UserInfo(cfg.User, cfg.Password))
+		// Replies (API responses, PubAcks, pulled messages) arrive on
+		// _INBOX_<user>.>, which only this user may read (deploy/nats/nats-server.conf).
+		opts = append(opts, nats.UserInfo(cfg.User, cfg.Password), nats.CustomInboxPrefix("_INBOX_"+cfg.User))
 	}
 	nc, err := nats.Connect(cfg.URL, opts...)
 	if err != nil {
