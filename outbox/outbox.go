@@ -104,6 +104,7 @@ SELECT id, pg_notify('` + WakeChannel + `', '') FROM inserted`
 // published (bad type, invalid JSON) is refused with an error wrapping
 // ErrInvalidEvent, and tx is left as it was.
 func (w *Writer) Write(ctx context.Context, tx pgx.Tx, e Event) (int64, error) {
+	e.Headers = TraceHeaders(ctx, e.Headers)
 	payload, headers, err := e.encode()
 	if err != nil {
 		return 0, err
@@ -126,6 +127,9 @@ func (w *Writer) Write(ctx context.Context, tx pgx.Tx, e Event) (int64, error) {
 // more than the insert itself does. When the batch's results are read, *id
 // (if not nil) receives the event id. As with Write, an error from the batch
 // means the transaction must not commit.
+//
+// Queue has no context, so it cannot pick up the caller's span: set
+// Headers to TraceHeaders(ctx, ...) yourself, as the shop writers do.
 func (w *Writer) Queue(b *pgx.Batch, e Event, id *int64) error {
 	payload, headers, err := e.encode()
 	if err != nil {

@@ -34,7 +34,7 @@ func productEvent(ctx context.Context, eventType string, ev ProductEvent) outbox
 		AggregateID:   strconv.FormatInt(ev.ProductID, 10),
 		Type:          eventType,
 		Payload:       ev,
-		Headers:       outbox.HeadersFromContext(ctx),
+		Headers:       outbox.TraceHeaders(ctx, outbox.HeadersFromContext(ctx)),
 	}
 }
 
@@ -143,7 +143,7 @@ func RenameBrand(ctx context.Context, tx pgx.Tx, brandID int64, name string) (ev
 		AggregateID:   strconv.FormatInt(brandID, 10),
 		Type:          BrandUpdated,
 		Payload:       BrandEvent{BrandID: brandID, Name: name, Products: int(ct.RowsAffected())},
-		Headers:       outbox.HeadersFromContext(ctx),
+		Headers:       outbox.TraceHeaders(ctx, outbox.HeadersFromContext(ctx)),
 	})
 }
 
@@ -179,7 +179,7 @@ SELECT $1, $2, id, $4, price FROM products WHERE id = $3`, orderID, i+1, l.Produ
 		AggregateID:   strconv.FormatInt(orderID, 10),
 		Type:          OrderCreated,
 		Payload:       OrderEvent{OrderID: orderID, Customer: customer, Lines: len(lines)},
-		Headers:       outbox.HeadersFromContext(ctx),
+		Headers:       outbox.TraceHeaders(ctx, outbox.HeadersFromContext(ctx)),
 	})
 	return orderID, eventID, err
 }

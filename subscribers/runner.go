@@ -487,11 +487,15 @@ func (e *eventError) Error() string { return fmt.Sprintf("event %d: %v", e.id, e
 
 func (r *Runner) callTx(ctx context.Context, tx pgx.Tx, ev Event) (err error) {
 	defer recoverHandler(ev, &err)
+	ctx, span := r.eventContext(ctx, ev)
+	defer span.End()
 	return r.txH.HandleTx(ctx, tx, ev)
 }
 
 func (r *Runner) callBatchTx(ctx context.Context, bh BatchTxHandler, tx pgx.Tx, evs []Event) (err error) {
 	defer recoverHandler(evs[0], &err)
+	ctx, span := r.batchContext(ctx, evs)
+	defer span.End()
 	return bh.HandleBatchTx(ctx, tx, evs)
 }
 
@@ -517,6 +521,8 @@ func (r *Runner) callEach(ctx context.Context, ds []delivery) []error {
 			}()
 			hctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
 			defer cancel()
+			hctx, span := r.batchContext(hctx, evs)
+			defer span.End()
 			got := bh.HandleBatch(hctx, evs)
 			if len(got) != len(errs) {
 				err := fmt.Errorf("handler returned %d outcomes for %d events", len(got), len(errs))
@@ -539,6 +545,8 @@ func (r *Runner) call(ctx context.Context, ev Event) (err error) {
 	defer recoverHandler(ev, &err)
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
 	defer cancel()
+	ctx, span := r.eventContext(ctx, ev)
+	defer span.End()
 	return r.eventH.Handle(ctx, ev)
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
+	"go.opentelemetry.io/otel/trace"
 	"go.uber.org/goleak"
 )
 
@@ -420,5 +421,52 @@ func TestSubscriberWaitsForTheStream(t *testing.T) {
 	}
 	if err := <-started; err != nil {
 		t.Fatalf("Start after the stream appeared: %v", err)
+	}
+}
+
+// traceRecorder remembers the trace id each event was handled under.
+type traceRecorder struct {
+	*scripted
+	mu     sync.Mutex
+	traces map[int64]trace.TraceID
+}
+
+func (r *traceRecorder) Handle(ctx context.Context, ev subscribers.Event) error {
+	r.mu.Lock()
+	r.traces[ev.ID] = trace.SpanContextFromContext(ctx).TraceID()
+	r.mu.Unlock()
+	return r.scripted.Handle(ctx, ev)
+}
+
+// A writer's trace (its span in ctx) travels in the outbox row's headers, in
+// the NATS message's traceparent, and into the subscriber's handling.
+func TestTraceContextReachesTheHandler(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	h := &traceRecorder{scripted: newScripted("traced"), traces: map[int64]trace.TraceID{}}
+	env.StartRunner(h, nil)
+	traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+	spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+	ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+		TraceID: traceID, SpanID: spanID, TraceFlags: trace.FlagsSampled, Remote: true}))
+	var id int64
+	err := pgx.BeginFunc(ctx, env.DB.Pool, func(tx pgx.Tx) error {
+		var err error
+		id, err = outbox.Write(ctx, tx, testEvent("ok", 0))
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stored string
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT headers->>'traceparent' FROM outbox WHERE id = $1`, id).Scan(&stored); err != nil ||
+		!strings.Contains(stored, "4bf92f3577b34da6a3ce929d0e0e4736") {
+		t.Fatalf("outbox headers traceparent %q (%v)", stored, err)
+	}
+	subscribertest.WaitFor(t, 10*time.Second, "the traced event", func() (bool, string) { return h.isDone(id), "" })
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if got := h.traces[id]; got != traceID {
+		t.Errorf("handler ran under trace %s, want the writer's %s", got, traceID)
 	}
 }

@@ -5,12 +5,16 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"time"
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/exporters/stdout/stdouttrace"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 )
 
 // app holds what every subcommand loads: the configuration and the logger.
@@ -18,6 +22,8 @@ type app struct {
 	configPath *string
 	cfg        *config.Config
 	logger     *slog.Logger
+
+	shutdownTracing func()
 }
 
 func (a *app) load() error {
@@ -30,7 +36,27 @@ func (a *app) load() error {
 	}
 	a.cfg = cfg
 	a.logger = logging.New(os.Stderr, cfg.Log.Format, cfg.Log.Level)
+	if cfg.Tracing.Exporter == "stdout" {
+		exp, err := stdouttrace.New(stdouttrace.WithWriter(os.Stderr))
+		if err != nil {
+			return fmt.Errorf("tracing.exporter: %w", err)
+		}
+		tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp))
+		otel.SetTracerProvider(tp)
+		a.shutdownTracing = func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_ = tp.Shutdown(ctx)
+		}
+	}
 	return nil
+}
+
+// close flushes what the process still holds (spans).
+func (a *app) close() {
+	if a.shutdownTracing != nil {
+		a.shutdownTracing()
+	}
 }
 
 func (a *app) postgres(ctx context.Context, role string, opts ...connect.PostgresOption) (*pgxpool.Pool, error) {

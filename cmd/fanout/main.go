@@ -37,6 +37,7 @@ FANOUT_RELAY_BATCH_SIZE). ` + "`fanout config keys`" + ` lists every key.`,
 	}
 	root.PersistentFlags().StringVar(&configPath, "config", os.Getenv("FANOUT_CONFIG"), "YAML config file (default $FANOUT_CONFIG)")
 	app := &app{configPath: &configPath}
+	root.PersistentPostRun = func(*cobra.Command, []string) { app.close() }
 	root.AddCommand(
 		migrateCommand(app),
 		relayCommand(app),

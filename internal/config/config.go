@@ -29,6 +29,7 @@ type Config struct {
 	Redis       Redis       `koanf:"redis"`
 	Search      Search      `koanf:"search"`
 	HTTP        HTTP        `koanf:"http"`
+	Tracing     Tracing     `koanf:"tracing"`
 	Log         Log         `koanf:"log"`
 	Demo        Demo        `koanf:"demo"`
 }
@@ -224,6 +225,13 @@ type HTTP struct {
 	ReadyMaxPendingAge time.Duration `koanf:"ready_max_pending_age"`
 }
 
+// Tracing is OpenTelemetry tracing. The W3C trace context always travels
+// from writers to handlers; spans are exported only if an exporter is set.
+type Tracing struct {
+	// Exporter is none or stdout (spans as JSON on stderr). Default none.
+	Exporter string `koanf:"exporter"`
+}
+
 // Log is the process log.
 type Log struct {
 	// Level is debug, info, warn or error. Default info.
@@ -334,6 +342,8 @@ func defaults() map[string]any {
 
 		"http.addr":                  "127.0.0.1:9464",
 		"http.ready_max_pending_age": "1m",
+
+		"tracing.exporter": "none",
 
 		"log.level":  "info",
 		"log.format": "auto",
@@ -607,6 +617,8 @@ func (c *Config) Validate() error {
 		}
 	}
 	positive("http.ready_max_pending_age", c.HTTP.ReadyMaxPendingAge)
+
+	oneOf("tracing.exporter", c.Tracing.Exporter, "none", "stdout")
 
 	oneOf("log.level", c.Log.Level, "debug", "info", "warn", "error")
 	oneOf("log.format", c.Log.Format, "auto", "json", "text")
