@@ -325,3 +325,28 @@ func TestUnknownSubscriberAndBadConfigAreClearErrors(t *testing.T) {
 		}
 	}
 }
+
+// Secrets never reach logs, errors or `config print`, whichever way they
+// were given.
+func TestSecretsStayOutOfOutput(t *testing.T) {
+	t.Parallel()
+	pwFile := t.TempDir() + "/pg-password"
+	if err := os.WriteFile(pwFile, []byte("file-s3cret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	env := []string{
+		"FANOUT_POSTGRES_PASSWORD_FILE=" + pwFile,
+		"FANOUT_NATS_URL=nats://relay:url-s3cret@127.0.0.1:1", // nothing listens: the error names the URL
+		"FANOUT_SEARCH_PASSWORD=search-s3cret", "FANOUT_NATS_TOKEN=token-s3cret",
+		"FANOUT_LOG_FORMAT=json", "FANOUT_LOG_LEVEL=debug", "FANOUT_HTTP_ADDR=",
+	}
+	for _, args := range [][]string{{"config", "print"}, {"relay"}, {"subscribe", "invoicing"}, {"status"}} {
+		out, _ := run(t, env, args...)
+		if strings.Contains(out, "s3cret") {
+			t.Errorf("fanout %v printed a secret:\n%s", args, out)
+		}
+		if args[0] == "config" && (!strings.Contains(out, "<redacted>") || !strings.Contains(out, "relay:xxxxx@")) {
+			t.Errorf("config print does not show that secrets are set:\n%s", out)
+		}
+	}
+}

@@ -112,7 +112,7 @@ func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error)
 	}
 	nc, err := nats.Connect(cfg.URL, opts...)
 	if err != nil {
-		return nil, fmt.Errorf("connect to nats at %s: %w", cfg.URL, err)
+		return nil, fmt.Errorf("connect to nats at %s: %w", config.RedactURL(cfg.URL), err)
 	}
 	return nc, nil
 }
@@ -156,7 +156,7 @@ func Search(ctx context.Context, cfg config.Search) (*search.Client, error) {
 		return nil, err
 	}
 	if _, err := c.Info(ctx); err != nil {
-		return nil, fmt.Errorf("connect to %s at %s: %w", cfg.Engine, cfg.URL, err)
+		return nil, fmt.Errorf("connect to %s at %s: %w", cfg.Engine, config.RedactURL(cfg.URL), err)
 	}
 	return c, nil
 }
