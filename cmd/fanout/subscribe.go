@@ -90,7 +90,9 @@ func subscribeCommand(a *app) *cobra.Command {
 		Short: "Run one or more subscribers until SIGTERM (" + strings.Join(subscriberNames(), ", ") + ")",
 		Long: `Run subscribers in this process. Several processes running the same
 subscriber share its durable consumer (and its work). SIGTERM drains: no new
-events are pulled, the ones in hand finish and are acked, then the process exits.`,
+events are pulled, the ones in hand finish and are acked, then the process exits.
+
+Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := a.load(); err != nil {

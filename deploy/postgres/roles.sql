@@ -132,7 +132,7 @@ WHERE c.relnamespace = 'public'::regnamespace
   AND c.relkind IN ('r', 'p')
   AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'brands',
                     'categories', 'products', 'inventory', 'orders', 'order_lines',
-                    'invoices', 'invoice_lines')
+                    'invoices', 'invoice_lines', 'dead_letter_actions')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
 WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
