@@ -64,6 +64,13 @@ type NATS struct {
 	TokenFile string `koanf:"token_file"`
 	// CredsFile is a .creds file (JWT + nkey seed). Default empty.
 	CredsFile string `koanf:"creds_file"`
+	// CAFile is a PEM file of CAs to verify the server with (tls:// URLs,
+	// or servers that require TLS). Default empty (system roots).
+	CAFile string `koanf:"ca_file"`
+	// CertFile and KeyFile are a client certificate for mutual TLS.
+	// Default empty.
+	CertFile string `koanf:"cert_file"`
+	KeyFile  string `koanf:"key_file"`
 	// ConnectTimeout bounds each connection attempt. Default 5s, > 0.
 	ConnectTimeout time.Duration `koanf:"connect_timeout"`
 	// RequestTimeout bounds each JetStream API call. Default 10s, > 0.
@@ -281,6 +288,9 @@ func defaults() map[string]any {
 		"nats.token":           "",
 		"nats.token_file":      "",
 		"nats.creds_file":      "",
+		"nats.ca_file":         "",
+		"nats.cert_file":       "",
+		"nats.key_file":        "",
 		"nats.connect_timeout": "5s",
 		"nats.request_timeout": "10s",
 
@@ -514,6 +524,9 @@ func (c *Config) Validate() error {
 		if err != nil || !slices.Contains([]string{"nats", "tls", "ws", "wss"}, u.Scheme) {
 			bad("nats.url", "must be a comma-separated list of nats:// or tls:// URLs (got %q)", redactURL(raw))
 		}
+	}
+	if (c.NATS.CertFile == "") != (c.NATS.KeyFile == "") {
+		bad("nats.cert_file", "and nats.key_file must be set together (got cert %q, key %q)", c.NATS.CertFile, c.NATS.KeyFile)
 	}
 	positive("nats.connect_timeout", c.NATS.ConnectTimeout)
 	positive("nats.request_timeout", c.NATS.RequestTimeout)

@@ -110,6 +110,12 @@ func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error)
 		// _INBOX_<user>.>, which only this user may read (deploy/nats/nats-server.conf).
 		opts = append(opts, nats.UserInfo(cfg.User, cfg.Password), nats.CustomInboxPrefix("_INBOX_"+cfg.User))
 	}
+	if cfg.CAFile != "" {
+		opts = append(opts, nats.RootCAs(cfg.CAFile))
+	}
+	if cfg.CertFile != "" {
+		opts = append(opts, nats.ClientCert(cfg.CertFile, cfg.KeyFile))
+	}
 	nc, err := nats.Connect(cfg.URL, opts...)
 	if err != nil {
 		return nil, fmt.Errorf("connect to nats at %s: %w", config.RedactURL(cfg.URL), err)

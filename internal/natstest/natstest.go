@@ -23,14 +23,15 @@ import (
 
 // Server is one nats-server process.
 type Server struct {
-	URL      string
-	Port     int
-	StoreDir string
-	args     []string
-	bin      string
-	cmd      *exec.Cmd
-	exited   chan struct{}
-	log      *bytes.Buffer
+	URL        string
+	Port       int
+	StoreDir   string
+	args       []string
+	clientOpts []nats.Option
+	bin        string
+	cmd        *exec.Cmd
+	exited     chan struct{}
+	log        *bytes.Buffer
 }
 
 // Option adjusts the server's command line.
@@ -39,6 +40,12 @@ type Option func(*Server)
 // WithArgs adds nats-server command-line arguments.
 func WithArgs(args ...string) Option {
 	return func(s *Server) { s.args = append(s.args, args...) }
+}
+
+// WithClientOptions are used by the readiness probe's connection (for a
+// server that requires TLS, say).
+func WithClientOptions(opts ...nats.Option) Option {
+	return func(s *Server) { s.clientOpts = append(s.clientOpts, opts...) }
 }
 
 // Start runs a JetStream-enabled server for t and stops it when t ends.
@@ -104,7 +111,7 @@ func (s *Server) start() error {
 }
 
 func (s *Server) ready() error {
-	nc, err := nats.Connect(s.URL, nats.Timeout(time.Second))
+	nc, err := nats.Connect(s.URL, append([]nats.Option{nats.Timeout(time.Second)}, s.clientOpts...)...)
 	if err != nil {
 		return err
 	}
