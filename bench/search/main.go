@@ -418,4 +418,3 @@ func (b *bench) freshness(ctx context.Context) error {
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-
