@@ -171,6 +171,13 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 	}
 	if len(published) > 0 {
 		r.obs.Published(published)
+		dups := 0
+		for _, p := range published {
+			if p.Duplicate {
+				dups++
+			}
+		}
+		r.logger.Debug("batch recorded", "sent", len(published), "duplicates", dups, "retried", len(retryIDs), "failed", len(failedIDs))
 	}
 	if len(retryIDs) > 0 {
 		r.obs.Retried(len(retryIDs))

@@ -165,8 +165,8 @@ func CreateOrder(ctx context.Context, tx pgx.Tx, customer string, lines []OrderL
 	}
 	for i, l := range lines {
 		ct, err := tx.Exec(ctx, `
-INSERT INTO order_lines (order_id, line_no, product_id, quantity, unit_price)
-SELECT $1, $2, id, $4, price FROM products WHERE id = $3`, orderID, i+1, l.ProductID, l.Quantity)
+INSERT INTO order_lines (order_id, line_no, product_id, sku, name, quantity, unit_price)
+SELECT $1, $2, id, sku, name, $4, price FROM products WHERE id = $3`, orderID, i+1, l.ProductID, l.Quantity)
 		if err != nil {
 			return 0, 0, fmt.Errorf("create order line %d: %w", i+1, err)
 		}

@@ -625,7 +625,7 @@ ON CONFLICT DO NOTHING`, r.name, handled); err != nil {
 	}
 	r.ack(ctx, ok, false)
 	r.obs.Handled(r.name, len(handled), time.Since(start))
-	r.logger.Debug("batch handled", "events", len(handled), "skipped", skipped, "took", time.Since(start))
+	r.logger.Debug("batch handled", "events", len(handled), "skipped", skipped, "redelivered", redelivered(ds), "took", time.Since(start))
 	if skipped > 0 {
 		r.obs.Skipped(r.name, skipped)
 	}
@@ -640,10 +640,21 @@ func (r *Runner) succeeded(ctx context.Context, ds []delivery, fresh int, start 
 	}
 	r.ack(ctx, ds, true)
 	r.obs.Handled(r.name, fresh, time.Since(start))
-	r.logger.Debug("batch handled", "events", fresh, "skipped", len(ds)-fresh, "first_event_id", ds[0].ev.ID, "took", time.Since(start))
+	r.logger.Debug("batch handled", "events", fresh, "skipped", len(ds)-fresh, "redelivered", redelivered(ds), "first_event_id", ds[0].ev.ID, "took", time.Since(start))
 	if skipped := len(ds) - fresh; skipped > 0 {
 		r.obs.Skipped(r.name, skipped)
 	}
+}
+
+// redelivered counts the deliveries that were not an event's first.
+func redelivered(ds []delivery) int {
+	n := 0
+	for _, d := range ds {
+		if d.ev.Delivery > 1 {
+			n++
+		}
+	}
+	return n
 }
 
 func (r *Runner) beforeAck(ctx context.Context, ds []delivery) {

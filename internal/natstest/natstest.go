@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -28,6 +29,7 @@ type Server struct {
 	StoreDir   string
 	args       []string
 	clientOpts []nats.Option
+	env        []string
 	bin        string
 	cmd        *exec.Cmd
 	exited     chan struct{}
@@ -40,6 +42,20 @@ type Option func(*Server)
 // WithArgs adds nats-server command-line arguments.
 func WithArgs(args ...string) Option {
 	return func(s *Server) { s.args = append(s.args, args...) }
+}
+
+// WithEnv adds environment variables to the server process (its config
+// file may read them).
+func WithEnv(env ...string) Option {
+	return func(s *Server) { s.env = append(s.env, env...) }
+}
+
+// WithPort runs the server on a given port instead of a free one.
+func WithPort(port int) Option {
+	return func(s *Server) {
+		s.Port = port
+		s.URL = fmt.Sprintf("nats://127.0.0.1:%d", port)
+	}
 }
 
 // WithClientOptions are used by the readiness probe's connection (for a
@@ -84,6 +100,9 @@ func StartServer(dir string, opts ...Option) (*Server, error) {
 func (s *Server) start() error {
 	args := append([]string{"-a", "127.0.0.1", "-p", strconv.Itoa(s.Port), "-js", "-sd", s.StoreDir}, s.args...)
 	s.cmd = exec.Command(s.bin, args...)
+	if len(s.env) > 0 {
+		s.cmd.Env = append(os.Environ(), s.env...)
+	}
 	s.log = &bytes.Buffer{}
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	if err := s.cmd.Start(); err != nil {
@@ -174,6 +193,16 @@ func (s *Server) Connect(t testing.TB) *nats.Conn {
 
 // Log returns what the server printed.
 func (s *Server) Log() string { return s.log.String() }
+
+// Running reports whether the process is alive.
+func (s *Server) Running() bool {
+	select {
+	case <-s.exited:
+		return false
+	default:
+		return s.cmd != nil
+	}
+}
 
 func freePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")

@@ -47,12 +47,17 @@ CREATE TABLE orders (
     created_at timestamptz NOT NULL DEFAULT now()
 );
 
+-- An order line snapshots what was sold (sku, name, price) when the order
+-- was placed, so invoicing does not depend on the product still existing.
 -- product_id has no foreign key on purpose: an order outlives the product it
--- names, and invoicing must cope with a line whose product is gone.
+-- names. sku and name are NULL only for lines written without a snapshot
+-- (by hand, or by older writers); invoicing then needs the product row.
 CREATE TABLE order_lines (
     order_id   bigint        NOT NULL REFERENCES orders (id) ON DELETE CASCADE,
     line_no    integer       NOT NULL,
     product_id bigint        NOT NULL,
+    sku        text,
+    name       text,
     quantity   integer       NOT NULL CHECK (quantity > 0),
     unit_price numeric(12,2) NOT NULL CHECK (unit_price >= 0),
     PRIMARY KEY (order_id, line_no)

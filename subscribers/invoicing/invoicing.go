@@ -28,7 +28,8 @@ func New() Handler { return Handler{} }
 func (Handler) Name() string         { return Name }
 func (Handler) EventTypes() []string { return []string{shop.OrderCreated} }
 
-// ErrMalformed, ErrUnknownOrder and ErrMissingProduct are the reasons an
+// ErrMalformed, ErrUnknownOrder and ErrMissingProduct (a line with no
+// snapshot whose product is gone) are the reasons an
 // order.created event goes to the dead letters.
 var (
 	ErrMalformed      = errors.New("malformed order.created payload")
@@ -42,8 +43,8 @@ const (
 	checkOrderSQL = `
 SELECT o.id IS NOT NULL,
        count(l.line_no),
-       min(l.line_no) FILTER (WHERE p.id IS NULL),
-       min(l.product_id) FILTER (WHERE p.id IS NULL)
+       min(l.line_no) FILTER (WHERE l.sku IS NULL AND p.id IS NULL),
+       min(l.product_id) FILTER (WHERE l.sku IS NULL AND p.id IS NULL)
 FROM (SELECT $1::bigint AS id) q
 LEFT JOIN orders o ON o.id = q.id
 LEFT JOIN order_lines l ON l.order_id = o.id
@@ -64,10 +65,11 @@ WITH invoice AS (
     RETURNING id
 )
 INSERT INTO invoice_lines (invoice_id, line_no, sku, description, quantity, unit_price, amount)
-SELECT invoice.id, l.line_no, p.sku, p.name, l.quantity, l.unit_price, l.quantity * l.unit_price
+SELECT invoice.id, l.line_no, coalesce(l.sku, p.sku), coalesce(l.name, p.name), l.quantity, l.unit_price, l.quantity * l.unit_price
 FROM invoice
 JOIN order_lines l ON l.order_id = $1
-JOIN products p ON p.id = l.product_id`
+LEFT JOIN products p ON p.id = l.product_id
+WHERE coalesce(l.sku, p.sku) IS NOT NULL -- a line the check rejects: the transaction rolls back`
 )
 
 // HandleTx creates the order's invoice inside tx. The check and the insert
@@ -115,7 +117,7 @@ LEFT JOIN orders o ON o.id = q.id
 LEFT JOIN order_lines l ON l.order_id = o.id
 LEFT JOIN products p ON p.id = l.product_id
 GROUP BY q.id, o.id
-HAVING o.id IS NULL OR count(l.line_no) = 0 OR count(*) FILTER (WHERE l.line_no IS NOT NULL AND p.id IS NULL) > 0`
+HAVING o.id IS NULL OR count(l.line_no) = 0 OR count(*) FILTER (WHERE l.line_no IS NOT NULL AND l.sku IS NULL AND p.id IS NULL) > 0`
 
 	// createInvoicesSQL is createInvoiceSQL for a set of orders.
 	createInvoicesSQL = `
@@ -130,10 +132,11 @@ WITH invoice AS (
     RETURNING id, order_id
 )
 INSERT INTO invoice_lines (invoice_id, line_no, sku, description, quantity, unit_price, amount)
-SELECT invoice.id, l.line_no, p.sku, p.name, l.quantity, l.unit_price, l.quantity * l.unit_price
+SELECT invoice.id, l.line_no, coalesce(l.sku, p.sku), coalesce(l.name, p.name), l.quantity, l.unit_price, l.quantity * l.unit_price
 FROM invoice
 JOIN order_lines l ON l.order_id = invoice.order_id
-JOIN products p ON p.id = l.product_id`
+LEFT JOIN products p ON p.id = l.product_id
+WHERE coalesce(l.sku, p.sku) IS NOT NULL`
 )
 
 // errBatchHasBadOrders makes the runtime handle the batch's events one by

@@ -239,3 +239,32 @@ func TestBadOrdersGoToDeadLettersAndOthersFlow(t *testing.T) {
 		}
 	}
 }
+
+// An order line keeps what was sold: a product deleted after the order was
+// placed does not keep its order from being invoiced.
+func TestProductDeletedAfterTheOrderIsStillInvoiced(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	seedCatalog(t, env)
+	ctx := context.Background()
+	var orderID, productID int64
+	var sku string
+	env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+		if err := tx.QueryRow(ctx, `SELECT id, sku FROM products ORDER BY id LIMIT 1`).Scan(&productID, &sku); err != nil {
+			return nil, err
+		}
+		var err error
+		orderID, _, err = shop.CreateOrder(ctx, tx, "late", []shop.OrderLine{{ProductID: productID, Quantity: 2}})
+		if err != nil {
+			return nil, err
+		}
+		_, err = shop.DeleteProduct(ctx, tx, productID)
+		return nil, err
+	})
+	env.StartRunner(invoicing.New(), nil)
+	subscribertest.WaitFor(t, 10*time.Second, "the invoice", func() (bool, string) { return invoicesOf(env, orderID) == 1, "" })
+	var lineSKU string
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT l.sku FROM invoice_lines l JOIN invoices i ON i.id = l.invoice_id WHERE i.order_id = $1`, orderID).Scan(&lineSKU); err != nil || lineSKU != sku {
+		t.Errorf("invoice line sku %q (%v), want the snapshot %q", lineSKU, err, sku)
+	}
+}
