@@ -1,0 +1,162 @@
+package chaos
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/shop"
+	"github.com/jackc/pgx/v5"
+)
+
+func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// planted remembers the bad input and where each must end.
+type planted struct {
+	mu             sync.Mutex
+	failedRows     map[int64]string // outbox id -> what was planted
+	deadLetters    map[int64]string // event id -> planted for invoicing
+	rejectedProds  map[int64]bool   // products the search mapping refuses
+	rejectedBrands map[int64]bool   // their brands (a rename reindexes them)
+	rolledBack     []int64          // order ids of rolled-back transactions
+	kinds          map[string]int
+}
+
+func newPlanted() *planted {
+	return &planted{failedRows: map[int64]string{}, deadLetters: map[int64]string{}, rejectedProds: map[int64]bool{},
+		rejectedBrands: map[int64]bool{}, kinds: map[string]int{}}
+}
+
+func (p *planted) note(kind string) {
+	p.mu.Lock()
+	p.kinds[kind]++
+	p.mu.Unlock()
+}
+
+// A valid JSON payload of the wrong shape: invoicing dead-letters it.
+func (r *run) plantMalformedOrder(ctx context.Context) error {
+	var id int64
+	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
+		var err error
+		id, err = outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: "?", Type: shop.OrderCreated,
+			Payload: json.RawMessage(`{"order_id": "forty-two"}`)})
+		return err
+	})
+	if err == nil {
+		r.planted.mu.Lock()
+		r.planted.deadLetters[id] = "malformed order.created payload"
+		r.planted.mu.Unlock()
+		r.planted.note("malformed JSON payload (order.created)")
+	}
+	return err
+}
+
+// An event type NATS cannot carry, written behind the writer API's back:
+// the relay marks it failed.
+func (r *run) plantBadEventType(ctx context.Context) error {
+	var id int64
+	err := r.pool().QueryRow(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+VALUES ('product', '1', 'product teleported', '{"product_id": 1}') RETURNING id`).Scan(&id)
+	if err == nil {
+		r.planted.mu.Lock()
+		r.planted.failedRows[id] = "event type"
+		r.planted.mu.Unlock()
+		r.planted.note("unknown event type (not a valid subject)")
+	}
+	return err
+}
+
+// A payload over NATS's max_payload: failed.
+func (r *run) plantOversized(ctx context.Context) error {
+	var id int64
+	err := r.pool().QueryRow(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+VALUES ('product', '1', 'product.updated', jsonb_build_object('product_id', 1, 'blob', repeat('x', 1100000))) RETURNING id`).Scan(&id)
+	if err == nil {
+		r.planted.mu.Lock()
+		r.planted.failedRows[id] = "max_payload"
+		r.planted.mu.Unlock()
+		r.planted.note("payload over NATS max payload")
+	}
+	return err
+}
+
+// An order whose line names a product that does not exist (no snapshot):
+// invoicing dead-letters it.
+func (r *run) plantOrderWithMissingProduct(ctx context.Context) error {
+	var id int64
+	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
+		var orderID int64
+		if err := tx.QueryRow(ctx, `INSERT INTO orders (customer) VALUES ('chaos') RETURNING id`).Scan(&orderID); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO order_lines (order_id, line_no, product_id, quantity, unit_price) VALUES ($1, 1, 987654321, 1, 1)`, orderID); err != nil {
+			return err
+		}
+		var err error
+		id, err = outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: strconv.FormatInt(orderID, 10), Type: shop.OrderCreated,
+			Payload: shop.OrderEvent{OrderID: orderID, Customer: "chaos", Lines: 1}})
+		return err
+	})
+	if err == nil {
+		r.planted.mu.Lock()
+		r.planted.deadLetters[id] = "missing product"
+		r.planted.mu.Unlock()
+		r.planted.note("order line referencing a missing product")
+	}
+	return err
+}
+
+// A product the search mapping refuses (a sku over Lucene's term limit):
+// the indexer dead-letters the events about it.
+func (r *run) plantRejectedProduct(ctx context.Context) error {
+	var productID, brandID int64
+	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
+		p, err := shop.RandomProduct(ctx, tx, rand.New(rand.NewPCG(uint64(r.intn(1<<30)), 5)))
+		if err != nil {
+			return err
+		}
+		p.SKU = strings.Repeat("R", 40000) + strconv.Itoa(r.intn(1<<30))
+		brandID = p.BrandID
+		productID, err = shop.CreateProduct(ctx, tx, p)
+		return err
+	})
+	if err == nil {
+		r.planted.mu.Lock()
+		r.planted.rejectedProds[productID] = true
+		r.planted.rejectedBrands[brandID] = true
+		r.planted.mu.Unlock()
+		r.planted.note("product document the search mapping rejects")
+	}
+	return err
+}
+
+// An order created and rolled back: its id must never be invoiced.
+func (r *run) rolledBackOrder(ctx context.Context) error {
+	tx, err := r.pool().Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck
+	var productID int64
+	if err := tx.QueryRow(ctx, `SELECT id FROM products ORDER BY id LIMIT 1`).Scan(&productID); err != nil {
+		return err
+	}
+	orderID, _, err := shop.CreateOrder(ctx, tx, "rolled back", []shop.OrderLine{{ProductID: productID, Quantity: 1}})
+	if err != nil {
+		return err
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		return err
+	}
+	r.planted.mu.Lock()
+	r.planted.rolledBack = append(r.planted.rolledBack, orderID)
+	r.planted.mu.Unlock()
+	r.planted.note("rolled-back order")
+	return nil
+}

@@ -1,0 +1,131 @@
+package chaos
+
+import (
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Proxy is a TCP proxy on 127.0.0.1 that can slow down or cut the
+// connections it carries: the network faults of the run.
+type Proxy struct {
+	Addr   string
+	target string
+	ln     net.Listener
+	delay  atomic.Int64 // per chunk, nanoseconds
+	cut    atomic.Bool
+	mu     sync.Mutex
+	conns  map[net.Conn]struct{}
+	wg     sync.WaitGroup
+}
+
+// NewProxy forwards a new local port to target.
+func NewProxy(target string) (*Proxy, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	p := &Proxy{Addr: ln.Addr().String(), target: target, ln: ln, conns: map[net.Conn]struct{}{}}
+	p.wg.Add(1)
+	go p.accept()
+	return p, nil
+}
+
+func (p *Proxy) accept() {
+	defer p.wg.Done()
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		if p.cut.Load() {
+			c.Close()
+			continue
+		}
+		p.wg.Add(1)
+		go p.serve(c)
+	}
+}
+
+func (p *Proxy) serve(c net.Conn) {
+	defer p.wg.Done()
+	up, err := net.DialTimeout("tcp", p.target, 2*time.Second)
+	if err != nil {
+		c.Close()
+		return
+	}
+	p.track(c, up)
+	defer p.untrack(c, up)
+	done := make(chan struct{}, 2)
+	pipe := func(dst, src net.Conn) {
+		buf := make([]byte, 32*1024)
+		for {
+			n, err := src.Read(buf)
+			if n > 0 {
+				if d := p.delay.Load(); d > 0 {
+					time.Sleep(time.Duration(d))
+				}
+				if _, werr := dst.Write(buf[:n]); werr != nil {
+					break
+				}
+			}
+			if err != nil {
+				if err != io.EOF {
+					break
+				}
+				break
+			}
+		}
+		dst.Close()
+		src.Close()
+		done <- struct{}{}
+	}
+	go pipe(up, c)
+	go pipe(c, up)
+	<-done
+	<-done
+}
+
+func (p *Proxy) track(cs ...net.Conn) {
+	p.mu.Lock()
+	for _, c := range cs {
+		p.conns[c] = struct{}{}
+	}
+	p.mu.Unlock()
+}
+
+func (p *Proxy) untrack(cs ...net.Conn) {
+	p.mu.Lock()
+	for _, c := range cs {
+		delete(p.conns, c)
+	}
+	p.mu.Unlock()
+}
+
+// Slow delays every chunk by d (0 restores full speed).
+func (p *Proxy) Slow(d time.Duration) { p.delay.Store(int64(d)) }
+
+// Cut drops every connection and refuses new ones until Restore.
+func (p *Proxy) Cut() {
+	p.cut.Store(true)
+	p.mu.Lock()
+	for c := range p.conns {
+		c.Close()
+	}
+	p.mu.Unlock()
+}
+
+// Restore lets connections through again at full speed.
+func (p *Proxy) Restore() {
+	p.cut.Store(false)
+	p.delay.Store(0)
+}
+
+// Close stops the proxy and its connections.
+func (p *Proxy) Close() {
+	p.ln.Close()
+	p.Cut()
+	p.wg.Wait()
+}

@@ -1,0 +1,115 @@
+package chaos
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+)
+
+// Report is what a run found.
+type Report struct {
+	Mode         string
+	Seed         uint64
+	Duration     time.Duration
+	Writes       int64 // committed writer transactions
+	FailedWrites int64 // failed ones (Postgres restarts)
+	Planted      map[string]int
+	Faults       map[string]int
+	Events       uint64 // in the stream
+	OutboxRows   int64
+	FailedRows   int64
+	DeadLetters  map[string]int
+	// Counted from every process's logs, across restarts.
+	JetStreamDuplicates int64 // publishes JetStream recognized (after crashes, reaped leases)
+	CheckpointSkips     int64 // deliveries the checkpoints absorbed
+	Redeliveries        int64
+	Restarts            int
+	DrainTime           time.Duration
+	Violations          []string
+}
+
+func (r *Report) violate(invariant, detail string) {
+	r.Violations = append(r.Violations, invariant+": "+detail)
+}
+
+// Pass reports whether every invariant held.
+func (r *Report) Pass() bool { return len(r.Violations) == 0 }
+
+func (r *Report) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "fanout fault-injection run: %s, %s, seed %d (replay with FANOUT_TEST_CHAOS_SEED=%d)\n", r.Mode, r.Duration, r.Seed, r.Seed)
+	fmt.Fprintf(&b, "  writes: %d committed, %d failed (during faults)\n", r.Writes, r.FailedWrites)
+	fmt.Fprintf(&b, "  planted bad input:\n")
+	for _, k := range sortedKeys(r.Planted) {
+		fmt.Fprintf(&b, "    %-48s %d\n", k, r.Planted[k])
+	}
+	total := 0
+	for _, n := range r.Faults {
+		total += n
+	}
+	fmt.Fprintf(&b, "  faults injected: %d\n", total)
+	for _, k := range sortedKeys(r.Faults) {
+		fmt.Fprintf(&b, "    %-48s %d\n", k, r.Faults[k])
+	}
+	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows\n", r.OutboxRows, r.Events, r.FailedRows)
+	fmt.Fprintf(&b, "  dead letters: %v\n", r.DeadLetters)
+	fmt.Fprintf(&b, "  duplicates absorbed: %d by JetStream (publishes it already had), %d by the checkpoints; %d redeliveries\n",
+		r.JetStreamDuplicates, r.CheckpointSkips, r.Redeliveries)
+	fmt.Fprintf(&b, "  time to drain after the faults stopped: %s\n", r.DrainTime.Round(100*time.Millisecond))
+	if r.Pass() {
+		fmt.Fprintf(&b, "PASS: every invariant held\n")
+	} else {
+		fmt.Fprintf(&b, "FAIL: %s\n", r.Violations[0])
+		for _, v := range r.Violations[1:] {
+			fmt.Fprintf(&b, "  also: %s\n", v)
+		}
+	}
+	return b.String()
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// collectCounters sums the debug batch lines of every process's log, over
+// all its incarnations.
+func (r *run) collectCounters() {
+	for _, role := range r.roles {
+		r.report.Restarts += role.restarts
+		f, err := os.Open(filepath.Join(r.logDir, role.Name+".log"))
+		if err != nil {
+			continue
+		}
+		sc := bufio.NewScanner(f)
+		sc.Buffer(make([]byte, 1<<20), 1<<20)
+		for sc.Scan() {
+			var line struct {
+				Msg         string `json:"msg"`
+				Duplicates  int64  `json:"duplicates"`
+				Skipped     int64  `json:"skipped"`
+				Redelivered int64  `json:"redelivered"`
+			}
+			if json.Unmarshal(sc.Bytes(), &line) != nil {
+				continue
+			}
+			switch line.Msg {
+			case "batch recorded":
+				r.report.JetStreamDuplicates += line.Duplicates
+			case "batch handled":
+				r.report.CheckpointSkips += line.Skipped
+				r.report.Redeliveries += line.Redelivered
+			}
+		}
+		f.Close()
+	}
+}

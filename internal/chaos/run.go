@@ -1,0 +1,497 @@
+package chaos
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/demo"
+	"github.com/fanout/fanout/internal/natstest"
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/redistest"
+	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/search"
+	"github.com/fanout/fanout/search/searchtest"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers/cacheinval"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/redis/go-redis/v9"
+)
+
+// Options configure a run.
+type Options struct {
+	Duration time.Duration // of the load and the faults
+	Seed     uint64
+	Cluster  bool // three nats-servers, stream replicas 3
+	Rate     int  // writes per second
+	Binary   string
+	Logf     func(format string, args ...any)
+}
+
+// subscriberFilters are the event types each subscriber wants (as in their
+// packages).
+var subscriberFilters = map[string][]string{
+	"invoicing":   {"order.created"},
+	"cacheinval":  {"product.>", "brand.updated"},
+	"searchindex": {"product.>", "brand.updated"},
+}
+
+// run is one fault-injection run's world.
+type run struct {
+	t       *testing.T
+	o       Options
+	rng     *rand.Rand
+	rngMu   sync.Mutex
+	pg      *pgtest.Server
+	db      *pgtest.DB
+	nats    []*natstest.Server
+	nproxy  []*Proxy
+	sproxy  *Proxy
+	rdb     *redis.Client
+	search  *search.Client
+	alias   string
+	roles   []*Role
+	admin   *nats.Conn
+	js      jetstream.JetStream
+	logDir  string
+	report  *Report
+	planted *planted
+}
+
+func (r *run) intn(n int) int {
+	r.rngMu.Lock()
+	defer r.rngMu.Unlock()
+	return r.rng.IntN(n)
+}
+
+func (r *run) between(lo, hi time.Duration) time.Duration {
+	return lo + time.Duration(r.intn(int(hi-lo)/int(time.Millisecond)+1))*time.Millisecond
+}
+
+// Run executes one fault-injection run and returns its report. Setup
+// failures fail t; invariant violations are in the report.
+func Run(t *testing.T, o Options) *Report {
+	r := &run{t: t, o: o, rng: rand.New(rand.NewPCG(o.Seed, o.Seed^0x9e3779b97f4a7c15)), planted: newPlanted()}
+	mode := "single nats-server"
+	if o.Cluster {
+		mode = "three-node JetStream cluster (replicas 3)"
+	}
+	r.report = &Report{Mode: mode, Seed: o.Seed, Duration: o.Duration, Faults: map[string]int{}}
+	r.logDir = t.TempDir()
+	r.setup()
+	defer r.teardown()
+
+	start := time.Now()
+	ctx, stop := context.WithTimeout(context.Background(), o.Duration)
+	var wg sync.WaitGroup
+	wg.Add(3)
+	go func() { defer wg.Done(); r.load(ctx) }()
+	go func() { defer wg.Done(); r.readCache(ctx) }()
+	go func() { defer wg.Done(); r.faults(ctx) }()
+	wg.Wait()
+	stop()
+	o.Logf("chaos: load and faults over after %s; draining", time.Since(start).Round(time.Second))
+
+	drainStart := time.Now()
+	r.heal()
+	r.drain()
+	r.report.DrainTime = time.Since(drainStart)
+	for _, role := range r.roles {
+		role.Stop()
+	}
+	r.collectCounters()
+	r.check()
+	return r.report
+}
+
+func (r *run) setup() {
+	t := r.t
+	r.pg = pgtest.StartServer(t)
+	r.db = r.pg.NewDB(t)
+	if r.o.Cluster {
+		r.nats = startCluster(t)
+	} else {
+		r.nats = []*natstest.Server{natstest.Start(t)}
+	}
+	var urls []string
+	for _, s := range r.nats {
+		p, err := NewProxy(strings.TrimPrefix(s.URL, "nats://"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.nproxy = append(r.nproxy, p)
+		urls = append(urls, "nats://"+p.Addr)
+	}
+	redisSrv := redistest.Start(t)
+	r.rdb = redisSrv.Client(t)
+	r.search = searchtest.Client(t, search.OpenSearch)
+	r.alias = searchtest.Alias(t, r.search)
+	sp, err := NewProxy(strings.TrimPrefix(searchtest.URL(), "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.sproxy = sp
+
+	var directURLs []string
+	for _, s := range r.nats {
+		directURLs = append(directURLs, s.URL)
+	}
+	if r.admin, err = nats.Connect(strings.Join(directURLs, ","), nats.MaxReconnects(-1), nats.ReconnectWait(200*time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	if r.js, err = jetstream.New(r.admin); err != nil {
+		t.Fatal(err)
+	}
+
+	replicas := "1"
+	if r.o.Cluster {
+		replicas = "3"
+	}
+	var env []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "FANOUT_") {
+			env = append(env, kv)
+		}
+	}
+	env = append(env,
+		"FANOUT_POSTGRES_URL="+r.db.URL,
+		"FANOUT_NATS_URL="+strings.Join(urls, ","),
+		"FANOUT_REDIS_URL="+redisSrv.URL,
+		"FANOUT_SEARCH_ENGINE=opensearch", "FANOUT_SEARCH_URL=http://"+sp.Addr, "FANOUT_SEARCH_ALIAS="+r.alias,
+		"FANOUT_STREAM_REPLICAS="+replicas,
+		"FANOUT_LOG_FORMAT=json", "FANOUT_LOG_LEVEL=debug", "FANOUT_HTTP_ADDR=127.0.0.1:0",
+		"FANOUT_RELAY_POLL_INTERVAL=100ms", "FANOUT_RELAY_LEASE=10s", "FANOUT_RELAY_PUBLISH_TIMEOUT=5s", "FANOUT_RELAY_REAP_INTERVAL=1s",
+		"FANOUT_SUBSCRIBERS_ACK_WAIT=5s", "FANOUT_SUBSCRIBERS_RETRY_MIN=200ms", "FANOUT_SUBSCRIBERS_RETRY_MAX=5s",
+		"FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=20s", "FANOUT_SEARCH_TIMEOUT=5s",
+	)
+	// The relay first (it creates the stream), then the subscribers.
+	for _, spec := range [][]string{
+		{"relay-1", "relay"}, {"relay-2", "relay"},
+		{"invoicing-1", "subscribe", "invoicing"}, {"invoicing-2", "subscribe", "invoicing"},
+		{"searchindex-1", "subscribe", "searchindex"}, {"searchindex-2", "subscribe", "searchindex"},
+		{"cacheinval-1", "subscribe", "cacheinval"},
+	} {
+		role, err := newRole(spec[0], r.o.Binary, r.logDir, env, spec[1:]...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := role.Start(); err != nil {
+			t.Fatal(err)
+		}
+		r.roles = append(r.roles, role)
+	}
+	r.waitConsumers()
+
+	ctx := context.Background()
+	if _, err := shop.Seed(ctx, r.db.Pool, 150, rand.New(rand.NewPCG(r.o.Seed, 1))); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func startCluster(t *testing.T) []*natstest.Server {
+	root, err := repo.Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ports := make([]int, 6)
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ports[i] = l.Addr().(*net.TCPAddr).Port
+		l.Close()
+	}
+	servers := make([]*natstest.Server, 3)
+	var wg sync.WaitGroup
+	errs := make([]error, 3)
+	for i := range 3 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			dir := t.TempDir()
+			servers[i], errs[i] = natstest.StartServer(dir,
+				natstest.WithPort(ports[i]),
+				natstest.WithArgs("-c", filepath.Join(root, "deploy/nats/cluster.conf")),
+				natstest.WithEnv(
+					"FANOUT_NATS_NODE=n"+strconv.Itoa(i+1),
+					"FANOUT_NATS_CLUSTER_PORT="+strconv.Itoa(ports[3+i]),
+					"FANOUT_NATS_ROUTE_1=nats://127.0.0.1:"+strconv.Itoa(ports[3]),
+					"FANOUT_NATS_ROUTE_2=nats://127.0.0.1:"+strconv.Itoa(ports[4]),
+					"FANOUT_NATS_ROUTE_3=nats://127.0.0.1:"+strconv.Itoa(ports[5]),
+				))
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("cluster node %d: %v", i+1, err)
+		}
+	}
+	for _, s := range servers {
+		t.Cleanup(s.Kill)
+	}
+	return servers
+}
+
+// waitConsumers waits until the stream and every subscriber's consumer exist.
+func (r *run) waitConsumers() {
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		missing := ""
+		for name := range subscriberFilters {
+			if _, err := r.js.Consumer(ctx, "EVENTS", name); err != nil {
+				missing = name + ": " + err.Error()
+				break
+			}
+		}
+		cancel()
+		if missing == "" {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("the roles did not come up: %s (logs in %s)", missing, r.logDir)
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+}
+
+// load writes the shop's traffic at the rate, and plants bad input.
+func (r *run) load(ctx context.Context) {
+	d := &demo.Driver{Pool: r.db.Pool, Rate: r.o.Rate, Rand: rand.New(rand.NewPCG(r.o.Seed, 2)), Logger: quietLogger(),
+		Mix: demo.Mix{Price: 35, Stock: 25, Order: 25, Create: 6, Delete: 4, RenameBrand: 5}}
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() {
+		defer wg.Done()
+		_ = d.Run(ctx)
+	}()
+	go func() {
+		defer wg.Done()
+		// Bad input and rolled-back orders, spread over the run.
+		kinds := []func(context.Context) error{r.plantMalformedOrder, r.plantBadEventType, r.plantOversized,
+			r.plantOrderWithMissingProduct, r.plantRejectedProduct, r.rolledBackOrder}
+		every := max(r.o.Duration/time.Duration(2*len(kinds)+1), time.Second)
+		for i := 0; ; i++ {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(every):
+			}
+			if err := kinds[i%len(kinds)](ctx); err != nil && ctx.Err() == nil {
+				r.o.Logf("chaos: planting: %v (Postgres may be restarting; tried again later)", err)
+			}
+		}
+	}()
+	wg.Wait()
+	r.report.Writes = d.Written()
+	r.report.FailedWrites = d.Failed()
+}
+
+// readCache reads products through the cache, so fills race the
+// invalidations.
+func (r *run) readCache(ctx context.Context) {
+	cache := cacheinval.NewCache(r.rdb, r.db.Pool, 2*time.Second, 10*time.Second)
+	var maxID atomic.Int64
+	for ctx.Err() == nil {
+		if maxID.Load() == 0 || r.intn(50) == 0 {
+			var m int64
+			_ = r.db.Pool.QueryRow(ctx, `SELECT coalesce(max(id), 0) FROM products`).Scan(&m)
+			maxID.Store(m)
+		}
+		if m := maxID.Load(); m > 0 {
+			_, _, _ = cache.Product(ctx, 1+int64(r.intn(int(m))))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// faults injects one fault every few seconds until ctx ends.
+func (r *run) faults(ctx context.Context) {
+	type fault struct {
+		name   string
+		weight int
+		do     func(context.Context)
+	}
+	natsKill := "nats-server killed and restarted"
+	if r.o.Cluster {
+		natsKill = "cluster node killed and restarted"
+	}
+	all := []fault{
+		{"role process killed (kill -9) and restarted", 5, r.killRole},
+		{natsKill, 2, r.killNATS},
+		{"postgres restarted (pg_ctl restart -m immediate)", 1, r.restartPostgres},
+		{"search engine unreachable", 1, r.cutSearch},
+		{"slow network to NATS", 1, r.slowNATS},
+		{"NATS connections cut", 1, r.cutNATS},
+	}
+	total := 0
+	for _, f := range all {
+		total += f.weight
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(r.between(2*time.Second, 5*time.Second)):
+		}
+		n := r.intn(total)
+		for _, f := range all {
+			if n < f.weight {
+				f.do(ctx)
+				r.report.Faults[f.name]++
+				break
+			}
+			n -= f.weight
+		}
+	}
+}
+
+func (r *run) killRole(context.Context) {
+	role := r.roles[r.intn(len(r.roles))]
+	role.Kill()
+	time.Sleep(r.between(200*time.Millisecond, 2*time.Second))
+	if err := role.Start(); err != nil {
+		r.o.Logf("chaos: restart %s: %v", role.Name, err)
+	}
+}
+
+func (r *run) killNATS(ctx context.Context) {
+	victim := r.nats[r.intn(len(r.nats))]
+	if r.o.Cluster && r.intn(2) == 0 {
+		// The stream leader, half the time.
+		if s, err := r.js.Stream(ctx, "EVENTS"); err == nil {
+			if info, err := s.Info(ctx); err == nil && info.Cluster != nil {
+				for i := range r.nats {
+					if "n"+strconv.Itoa(i+1) == info.Cluster.Leader {
+						victim = r.nats[i]
+					}
+				}
+			}
+		}
+	}
+	victim.Kill()
+	time.Sleep(r.between(time.Second, 3*time.Second))
+	if err := victim.Restart(); err != nil {
+		r.o.Logf("chaos: restart nats-server: %v", err)
+	}
+}
+
+func (r *run) restartPostgres(context.Context) {
+	if err := r.pg.RestartImmediate(); err != nil {
+		r.o.Logf("chaos: restart postgres: %v", err)
+	}
+}
+
+func (r *run) cutSearch(context.Context) {
+	r.sproxy.Cut()
+	time.Sleep(r.between(3*time.Second, 8*time.Second))
+	r.sproxy.Restore()
+}
+
+func (r *run) slowNATS(context.Context) {
+	d := r.between(20*time.Millisecond, 150*time.Millisecond)
+	for _, p := range r.nproxy {
+		p.Slow(d)
+	}
+	time.Sleep(r.between(3*time.Second, 6*time.Second))
+	for _, p := range r.nproxy {
+		p.Restore()
+	}
+}
+
+func (r *run) cutNATS(context.Context) {
+	p := r.nproxy[r.intn(len(r.nproxy))]
+	p.Cut()
+	time.Sleep(r.between(500*time.Millisecond, 3*time.Second))
+	p.Restore()
+}
+
+// heal ends every fault: proxies restored, servers and roles running.
+func (r *run) heal() {
+	r.sproxy.Restore()
+	for _, p := range r.nproxy {
+		p.Restore()
+	}
+	for _, s := range r.nats {
+		if !s.Running() {
+			if err := s.Restart(); err != nil {
+				r.o.Logf("chaos: heal nats-server: %v", err)
+			}
+		}
+	}
+	for _, role := range r.roles {
+		if !role.Alive() {
+			if err := role.Start(); err != nil {
+				r.o.Logf("chaos: heal %s: %v", role.Name, err)
+			}
+		}
+	}
+}
+
+// drain waits until the outbox is empty and every subscriber caught up.
+func (r *run) drain() {
+	deadline := time.Now().Add(4 * time.Minute)
+	var state string
+	for time.Now().Before(deadline) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		var unsent int
+		err := r.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status IN ('pending', 'sending')`).Scan(&unsent)
+		idle := err == nil && unsent == 0
+		state = fmt.Sprintf("unsent %d (%v)", unsent, err)
+		for name := range subscriberFilters {
+			c, err := r.js.Consumer(ctx, "EVENTS", name)
+			if err != nil {
+				idle, state = false, state+"; "+name+": "+err.Error()
+				continue
+			}
+			info, err := c.Info(ctx)
+			if err != nil || info.NumPending > 0 || info.NumAckPending > 0 {
+				idle = false
+				if info != nil {
+					state += fmt.Sprintf("; %s pending %d ack pending %d", name, info.NumPending, info.NumAckPending)
+				}
+			}
+		}
+		cancel()
+		if idle {
+			return
+		}
+		time.Sleep(500 * time.Millisecond)
+	}
+	r.report.violate("drain", "the pipeline did not drain within 4 minutes: "+state)
+}
+
+func (r *run) teardown() {
+	for _, role := range r.roles {
+		role.close()
+	}
+	r.sproxy.Close()
+	for _, p := range r.nproxy {
+		p.Close()
+	}
+	if r.admin != nil {
+		r.admin.Close()
+	}
+}
+
+// pool is the chaos driver's Postgres.
+func (r *run) pool() *pgxpool.Pool { return r.db.Pool }
+
+func inTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
+	return pgx.BeginFunc(ctx, pool, fn)
+}
+
