@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -130,7 +131,9 @@ func (r *Relay) Start(ctx context.Context) error {
 }
 
 func (r *Relay) start(ctx context.Context) error {
-	if err := EnsureStream(ctx, r.js, r.stream, r.cfg.Lease+r.cfg.PublishTimeout, r.logger); err != nil {
+	if err := jsretry.Do(ctx, r.logger, "provision the stream", func() error {
+		return EnsureStream(ctx, r.js, r.stream, r.cfg.Lease+r.cfg.PublishTimeout, r.logger)
+	}); err != nil {
 		return err
 	}
 	hardCtx, cancelHard := context.WithCancel(context.WithoutCancel(ctx))

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -127,7 +128,9 @@ func (r *Runner) Start(ctx context.Context) error {
 }
 
 func (r *Runner) start(ctx context.Context) error {
-	if err := ensureDeadLetterStream(ctx, r.js, r.cfg, r.opts.Stream.Replicas, r.opts.Stream.Provision); err != nil {
+	if err := jsretry.Do(ctx, r.logger, "provision the dead-letter stream", func() error {
+		return ensureDeadLetterStream(ctx, r.js, r.cfg, r.opts.Stream.Replicas, r.opts.Stream.Provision)
+	}); err != nil {
 		return err
 	}
 	stream, err := r.waitForStream(ctx)
@@ -135,7 +138,12 @@ func (r *Runner) start(ctx context.Context) error {
 		return fmt.Errorf("subscriber %s: stream %s: %w", r.name, r.opts.Stream.Name, err)
 	}
 	r.stream = stream
-	cons, err := ensureConsumer(ctx, stream, ConsumerConfig(r.opts.Handler, r.cfg, r.opts.Stream), r.opts.Stream.Provision)
+	var cons jetstream.Consumer
+	err = jsretry.Do(ctx, r.logger, "provision the consumer", func() error {
+		var err error
+		cons, err = ensureConsumer(ctx, stream, ConsumerConfig(r.opts.Handler, r.cfg, r.opts.Stream), r.opts.Stream.Provision)
+		return err
+	})
 	if err != nil {
 		return fmt.Errorf("subscriber %s: %w", r.name, err)
 	}
@@ -202,7 +210,7 @@ func (r *Runner) waitForStream(ctx context.Context) (jetstream.Stream, error) {
 	logged := time.Time{}
 	for {
 		s, err := r.js.Stream(ctx, r.opts.Stream.Name)
-		if err == nil || !errors.Is(err, jetstream.ErrStreamNotFound) {
+		if err == nil || !(errors.Is(err, jetstream.ErrStreamNotFound) || jsretry.Transient(ctx, err)) {
 			return s, err
 		}
 		if time.Since(logged) > 10*time.Second {

@@ -494,4 +494,3 @@ func (r *run) pool() *pgxpool.Pool { return r.db.Pool }
 func inTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
 	return pgx.BeginFunc(ctx, pool, fn)
 }
-
