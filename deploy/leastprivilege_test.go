@@ -1121,7 +1121,7 @@ SELECT id FROM p`).Scan(&productID)
 	if err := db.Pool.QueryRow(ctx, `INSERT INTO orders (customer) VALUES ('ada') RETURNING id`).Scan(&orderID); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := db.Pool.Exec(ctx, `INSERT INTO order_lines VALUES ($1, 1, $2, 1, 10.00)`, orderID, productID); err != nil {
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO order_lines (order_id, line_no, product_id, quantity, unit_price) VALUES ($1, 1, $2, 1, 10.00)`, orderID, productID); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := db.Pool.Exec(ctx, `INSERT INTO processed_events (subscriber, event_id) VALUES ('cacheinval', 7), ('invoicing', 8)`); err != nil {
