@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -13,6 +15,7 @@ import (
 	"github.com/fanout/fanout/schema"
 	"github.com/fanout/fanout/shop"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 )
 
@@ -34,7 +37,7 @@ func demoCommand(a *app) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			go progress(cmd.Context(), a, pool, d, nil)
+			go progress(cmd.Context(), a, pool, d, nil, nil, nil)
 			return d.Run(cmd.Context())
 		},
 	}
@@ -43,7 +46,7 @@ func demoCommand(a *app) *cobra.Command {
 func upCommand(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:   "up",
-		Short: "Migrate, then run the relay and the demo writer with a progress line (the services must be up: `go tool task up` starts them)",
+		Short: "Migrate, then run the relay, every subscriber and the demo writer in one process, with a progress line (`go tool task up` starts the services first)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := a.load(); err != nil {
@@ -59,24 +62,39 @@ func upCommand(a *app) *cobra.Command {
 				return err
 			}
 			var published atomic.Int64
-			r, deps, err := startRelay(ctx, a, countPublished{&published})
+			r, conns, err := startRelay(ctx, a, countPublished{&published})
 			if err != nil {
 				return err
 			}
-			defer deps.close()
-			d, err := newDriver(ctx, a, pool)
+			defer conns.close()
+			names := subscriberNames()
+			sd := &deps{a: a, ctx: ctx, pool: pool}
+			defer sd.close()
+			stopSubscribers, err := startSubscribers(ctx, a, sd, names, conns.nc, nil)
 			if err != nil {
 				_ = stopRelay(a, r)
 				return err
 			}
-			fmt.Printf("fanout up: relay publishing to stream %s on %s; demo writing %d/s. Try: .bin/nats stream info %s. Ctrl-C stops.\n",
-				a.cfg.Stream.Name, a.cfg.NATS.URL, a.cfg.Demo.Rate, a.cfg.Stream.Name)
-			go progress(ctx, a, pool, d, &published)
+			d, err := newDriver(ctx, a, pool)
+			if err != nil {
+				_ = stopSubscribers()
+				_ = stopRelay(a, r)
+				return err
+			}
+			fmt.Printf("fanout up: relay publishing to stream %s on %s, subscribers %s, demo writing %d/s.\n"+
+				"Try: .bin/nats stream info %s, or fanout status. Ctrl-C stops.\n",
+				a.cfg.Stream.Name, a.cfg.NATS.URL, strings.Join(names, ", "), a.cfg.Demo.Rate, a.cfg.Stream.Name)
+			js, err := jetstream.New(conns.nc)
+			if err != nil {
+				return err
+			}
+			go progress(ctx, a, pool, d, &published, js, names)
 			runErr := d.Run(ctx)
+			stopErr := stopSubscribers()
 			if err := stopRelay(a, r); err != nil {
 				return err
 			}
-			return runErr
+			return errors.Join(runErr, stopErr)
 		},
 	}
 }
@@ -104,7 +122,7 @@ func (c countPublished) Reaped(int)                     {}
 func (c countPublished) Deleted(int)                    {}
 
 // progress prints a line every demo.progress_interval until ctx ends.
-func progress(ctx context.Context, a *app, pool *pgxpool.Pool, d *demo.Driver, published *atomic.Int64) {
+func progress(ctx context.Context, a *app, pool *pgxpool.Pool, d *demo.Driver, published *atomic.Int64, js jetstream.JetStream, names []string) {
 	t := time.NewTicker(a.cfg.Demo.ProgressInterval)
 	defer t.Stop()
 	start := time.Now()
@@ -131,6 +149,22 @@ FROM outbox WHERE status <> 'sent'`).Scan(&pending, &sending, &failed)
 			line += fmt.Sprintf("  published %d", published.Load())
 		}
 		line += fmt.Sprintf("  backlog %d (pending %d, sending %d)  failed %d", pending+sending, pending, sending, failed)
+		if js != nil {
+			var invoices int64
+			_ = pool.QueryRow(ctx, `SELECT count(*) FROM invoices`).Scan(&invoices)
+			line += fmt.Sprintf("  invoices %d  lag", invoices)
+			for _, n := range names {
+				lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+				lag := "?"
+				if c, err := js.Consumer(lctx, a.cfg.Stream.Name, n); err == nil {
+					if info, err := c.Info(lctx); err == nil {
+						lag = fmt.Sprint(info.NumPending + uint64(info.NumAckPending))
+					}
+				}
+				cancel()
+				line += " " + n + "=" + lag
+			}
+		}
 		fmt.Println(line)
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/fanout/fanout/subscribers/cacheinval"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
@@ -83,6 +84,55 @@ func subscriberNames() []string {
 	return names
 }
 
+// startSubscribers starts a runner per name; stopAll drains them all within
+// subscribers.shutdown_timeout.
+func startSubscribers(ctx context.Context, a *app, d *deps, names []string, nc *nats.Conn, obs subscribers.Observer) (stopAll func() error, err error) {
+	var runners []*subscribers.Runner
+	stopAll = func() error {
+		sctx, cancel := context.WithTimeout(context.Background(), a.cfg.Subscribers.ShutdownTimeout)
+		defer cancel()
+		var errs []error
+		var mu sync.Mutex
+		var wg sync.WaitGroup
+		for _, r := range runners {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if err := r.Stop(sctx); err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+				}
+			}()
+		}
+		wg.Wait()
+		return errors.Join(errs...)
+	}
+	for _, name := range names {
+		h, err := registry[name](d)
+		if err == nil && d.redisErr != nil {
+			err = d.redisErr
+		}
+		if err != nil {
+			_ = stopAll()
+			return nil, fmt.Errorf("subscriber %s: %w", name, err)
+		}
+		r, err := subscribers.New(subscribers.Options{
+			Handler: h, Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
+			Pool: d.pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"), Observer: obs,
+		})
+		if err == nil {
+			err = r.Start(ctx)
+		}
+		if err != nil {
+			_ = stopAll()
+			return nil, err
+		}
+		runners = append(runners, r)
+	}
+	return stopAll, nil
+}
+
 func subscribeCommand(a *app) *cobra.Command {
 	var start string
 	cmd := &cobra.Command{
@@ -124,48 +174,9 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 			defer d.close()
 			obs := metrics.NewSubscribers(d.reg)
 
-			var runners []*subscribers.Runner
-			stopAll := func() error {
-				sctx, cancel := context.WithTimeout(context.Background(), a.cfg.Subscribers.ShutdownTimeout)
-				defer cancel()
-				var errs []error
-				var mu sync.Mutex
-				var wg sync.WaitGroup
-				for _, r := range runners {
-					wg.Add(1)
-					go func() {
-						defer wg.Done()
-						if err := r.Stop(sctx); err != nil {
-							mu.Lock()
-							errs = append(errs, err)
-							mu.Unlock()
-						}
-					}()
-				}
-				wg.Wait()
-				return errors.Join(errs...)
-			}
-			for _, name := range args {
-				h, err := registry[name](d)
-				if err == nil && d.redisErr != nil {
-					err = d.redisErr
-				}
-				if err != nil {
-					_ = stopAll()
-					return fmt.Errorf("subscriber %s: %w", name, err)
-				}
-				r, err := subscribers.New(subscribers.Options{
-					Handler: h, Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
-					Pool: pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"), Observer: obs,
-				})
-				if err == nil {
-					err = r.Start(ctx)
-				}
-				if err != nil {
-					_ = stopAll()
-					return err
-				}
-				runners = append(runners, r)
+			stopAll, err := startSubscribers(ctx, a, d, args, nc, obs)
+			if err != nil {
+				return err
 			}
 			js, err := jetstream.New(nc)
 			if err != nil {
