@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -422,13 +423,5 @@ func classify(err error) outcome {
 
 // sortRows orders a claimed batch by id, so one relay publishes in id order.
 func sortRows(rows []row) {
-	slices.SortFunc(rows, func(a, b row) int {
-		switch {
-		case a.id < b.id:
-			return -1
-		case a.id > b.id:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(rows, func(a, b row) int { return cmp.Compare(a.id, b.id) })
 }

@@ -511,7 +511,7 @@ func (c *Config) Validate() error {
 	}
 
 	if u, err := url.Parse(c.Postgres.URL); err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
-		bad("postgres.url", "must be a postgres:// URL (got %q)", redactURL(c.Postgres.URL))
+		bad("postgres.url", "must be a postgres:// URL (got %q)", RedactURL(c.Postgres.URL))
 	}
 	between("postgres.max_conns", int64(c.Postgres.MaxConns), 1, 1000)
 	positive("postgres.connect_timeout", c.Postgres.ConnectTimeout)
@@ -522,7 +522,7 @@ func (c *Config) Validate() error {
 	for _, raw := range strings.Split(c.NATS.URL, ",") {
 		u, err := url.Parse(strings.TrimSpace(raw))
 		if err != nil || !slices.Contains([]string{"nats", "tls", "ws", "wss"}, u.Scheme) {
-			bad("nats.url", "must be a comma-separated list of nats:// or tls:// URLs (got %q)", redactURL(raw))
+			bad("nats.url", "must be a comma-separated list of nats:// or tls:// URLs (got %q)", RedactURL(raw))
 		}
 	}
 	if (c.NATS.CertFile == "") != (c.NATS.KeyFile == "") {
@@ -601,7 +601,7 @@ func (c *Config) Validate() error {
 	positive("subscribers.shutdown_timeout", c.Subscribers.ShutdownTimeout)
 
 	if u, err := url.Parse(c.Redis.URL); err != nil || (u.Scheme != "redis" && u.Scheme != "rediss") {
-		bad("redis.url", "must be a redis:// or rediss:// URL (got %q)", redactURL(c.Redis.URL))
+		bad("redis.url", "must be a redis:// or rediss:// URL (got %q)", RedactURL(c.Redis.URL))
 	}
 	positive("redis.timeout", c.Redis.Timeout)
 	if c.Redis.TombstoneTTL <= 2*c.Redis.Timeout {
@@ -611,7 +611,7 @@ func (c *Config) Validate() error {
 	oneOf("search.engine", c.Search.Engine, "elasticsearch", "opensearch")
 	for _, raw := range strings.Split(c.Search.URL, ",") {
 		if u, err := url.Parse(strings.TrimSpace(raw)); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			bad("search.url", "must be a comma-separated list of http:// or https:// URLs (got %q)", redactURL(raw))
+			bad("search.url", "must be a comma-separated list of http:// or https:// URLs (got %q)", RedactURL(raw))
 		}
 	}
 	positive("search.timeout", c.Search.Timeout)
@@ -645,13 +645,4 @@ func (c *Config) Validate() error {
 
 func validStreamName(s string) bool {
 	return outbox.ValidSubjectToken(s) && !strings.ContainsAny(s, `/\`)
-}
-
-// redactURL hides any password in a URL for error messages and logs.
-func redactURL(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "(unparseable URL)"
-	}
-	return u.Redacted()
 }

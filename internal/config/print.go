@@ -36,7 +36,7 @@ func redactStruct(v reflect.Value) map[string]any {
 				out[key] = ""
 			}
 		case key == "url":
-			out[key] = redactURLs(fv.String())
+			out[key] = RedactURL(fv.String())
 		default:
 			out[key] = fv.Interface()
 		}
@@ -49,11 +49,17 @@ func isSecret(key string) bool {
 	return key == "password" || key == "token"
 }
 
-// redactURLs masks passwords in a comma-separated list of URLs.
-func redactURLs(list string) string {
+// RedactURL masks the passwords in a URL, or a comma-separated list of
+// them, for messages, logs and `config print`. A part that does not parse
+// is not shown at all: it might hold a password in a form we cannot see.
+func RedactURL(list string) string {
 	parts := strings.Split(list, ",")
 	for i, p := range parts {
-		if u, err := url.Parse(strings.TrimSpace(p)); err == nil && u.User != nil {
+		u, err := url.Parse(strings.TrimSpace(p))
+		switch {
+		case err != nil:
+			parts[i] = "(unparseable URL)"
+		case u.User != nil:
 			if _, has := u.User.Password(); has {
 				parts[i] = u.Redacted()
 			}
@@ -61,6 +67,3 @@ func redactURLs(list string) string {
 	}
 	return strings.Join(parts, ",")
 }
-
-// RedactURL masks a password in a URL, for messages and logs.
-func RedactURL(raw string) string { return redactURLs(raw) }
