@@ -372,7 +372,10 @@ func (r *run) killRole(context.Context) {
 func (r *run) killNATS(ctx context.Context) {
 	victim := r.nats[r.intn(len(r.nats))]
 	if r.o.Cluster && r.intn(2) == 0 {
-		// The stream leader, half the time.
+		// The stream leader, half the time. A short deadline: the admin
+		// connection may itself be reconnecting.
+		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
 		if s, err := r.js.Stream(ctx, "EVENTS"); err == nil {
 			if info, err := s.Info(ctx); err == nil && info.Cluster != nil {
 				for i := range r.nats {
