@@ -12,8 +12,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"io"
-	"log/slog"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -26,6 +24,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/fanout/fanout/internal/benchkit"
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/pgtest"
@@ -53,7 +52,7 @@ var (
 	adminURL  = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
 
-var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+var quiet = benchkit.Quiet
 
 func main() {
 	flag.Parse()
@@ -210,24 +209,7 @@ func (b *bench) publish(ctx context.Context, fill func(context.Context) error) e
 	if err := fill(ctx); err != nil {
 		return err
 	}
-	r, err := relay.New(relay.Options{Relay: b.cfg.Relay, Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet})
-	if err != nil {
-		return err
-	}
-	if err := r.Start(ctx); err != nil {
-		return err
-	}
-	defer r.Stop(ctx) //nolint:errcheck
-	for {
-		var left int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&left); err != nil {
-			return err
-		}
-		if left == 0 {
-			return nil
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	return benchkit.Publish(ctx, b.pool, b.nc, b.cfg.Relay, b.cfg.Stream)
 }
 
 // steady measures the indexer draining a backlog of price updates.
@@ -275,19 +257,8 @@ LIMIT $1`, *updates, *products)
 				return err
 			}
 		}
-		for {
-			time.Sleep(50 * time.Millisecond)
-			c, err := b.js.Consumer(ctx, b.cfg.Stream.Name, searchindex.Name)
-			if err != nil {
-				return err
-			}
-			ci, err := c.Info(ctx)
-			if err != nil {
-				return err
-			}
-			if ci.NumPending == 0 && ci.NumAckPending == 0 && ci.AckFloor.Stream > 0 {
-				break
-			}
+		if err := benchkit.WaitDrained(ctx, b.js, b.cfg.Stream.Name, searchindex.Name, 15*time.Minute); err != nil {
+			return err
 		}
 		took := time.Since(start)
 		for _, r := range runners {

@@ -10,17 +10,15 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"io"
-	"log/slog"
 	"math/rand/v2"
 	"os"
 	"runtime"
 	"strconv"
 	"time"
 
+	"github.com/fanout/fanout/internal/benchkit"
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/pgtest"
-	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
@@ -38,7 +36,7 @@ var (
 	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
 
-var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+var quiet = benchkit.Quiet
 
 func main() {
 	flag.Parse()
@@ -158,24 +156,7 @@ FROM generate_series(1, $1) g JOIN products p ON p.id = (SELECT min(id) FROM pro
 	if err != nil {
 		return err
 	}
-	r, err := relay.New(relay.Options{Relay: b.cfg.Relay, Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet})
-	if err != nil {
-		return err
-	}
-	if err := r.Start(ctx); err != nil {
-		return err
-	}
-	defer r.Stop(ctx) //nolint:errcheck
-	for {
-		var left int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&left); err != nil {
-			return err
-		}
-		if left == 0 {
-			return nil
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	return benchkit.Publish(ctx, b.pool, b.nc, b.cfg.Relay, b.cfg.Stream)
 }
 
 // reset forgets every invoice, checkpoint and consumer, so the next run
@@ -205,30 +186,18 @@ func (b *bench) drain(ctx context.Context, name string, runners []*subscribers.R
 			_ = r.Stop(ctx)
 		}
 	}()
-	for {
-		time.Sleep(50 * time.Millisecond)
-		c, err := b.js.Consumer(ctx, b.cfg.Stream.Name, name)
-		if err != nil {
-			return 0, err
-		}
-		info, err := c.Info(ctx)
-		if err != nil {
-			return 0, err
-		}
-		if info.NumPending == 0 && info.NumAckPending == 0 && int(info.AckFloor.Stream) > 0 {
-			var done int
-			if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE subscriber = $1`, name).Scan(&done); err != nil {
-				return 0, err
-			}
-			if done != want {
-				return 0, fmt.Errorf("%d events checkpointed, want %d", done, want)
-			}
-			return float64(want) / time.Since(start).Seconds(), nil
-		}
-		if time.Since(start) > 15*time.Minute {
-			return 0, fmt.Errorf("not drained after 15 minutes: %d pending", info.NumPending)
-		}
+	if err := benchkit.WaitDrained(ctx, b.js, b.cfg.Stream.Name, name, 15*time.Minute); err != nil {
+		return 0, err
 	}
+	took := time.Since(start)
+	var done int
+	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE subscriber = $1`, name).Scan(&done); err != nil {
+		return 0, err
+	}
+	if done != want {
+		return 0, fmt.Errorf("%d events checkpointed, want %d", done, want)
+	}
+	return float64(want) / took.Seconds(), nil
 }
 
 func (b *bench) invoicing(ctx context.Context, instances, batch int) (float64, error) {
