@@ -8,10 +8,29 @@ import (
 
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/subscribers/searchindex"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 )
+
+// openSQLAndSearch connects the reindex commands to Postgres and the engine.
+func openSQLAndSearch(ctx context.Context, a *app) (*pgxpool.Pool, *search.Client, func(), error) {
+	if err := a.load(); err != nil {
+		return nil, nil, nil, err
+	}
+	pool, err := a.postgres(ctx, "reindex")
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	client, err := connect.Search(ctx, a.cfg.Search)
+	if err != nil {
+		pool.Close()
+		return nil, nil, nil, err
+	}
+	return pool, client, func() { _ = client.Close(); pool.Close() }, nil
+}
 
 func reindexCommand(a *app) *cobra.Command {
 	var check, repair bool
@@ -29,19 +48,12 @@ returns to it, ` + "`fanout reindex cleanup`" + ` deletes it.
 drift; --check --repair fixes it.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
 			ctx := cmd.Context()
-			pool, err := a.postgres(ctx, "reindex")
+			pool, client, closeAll, err := openSQLAndSearch(ctx, a)
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			client, err := connect.Search(ctx, a.cfg.Search)
-			if err != nil {
-				return err
-			}
+			defer closeAll()
 			out := cmd.OutOrStdout()
 			if check {
 				current, err := searchindex.Current(ctx, client, a.cfg.Search.Alias)
@@ -98,19 +110,12 @@ drift; --check --repair fixes it.`,
 		Short: "Point the alias back at the previous index, then repair what it missed since the swap",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
 			ctx := cmd.Context()
-			pool, err := a.postgres(ctx, "reindex")
+			pool, client, closeAll, err := openSQLAndSearch(ctx, a)
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			client, err := connect.Search(ctx, a.cfg.Search)
-			if err != nil {
-				return err
-			}
+			defer closeAll()
 			from, to, repaired, err := searchindex.Rollback(ctx, client, pool, a.cfg.Search)
 			if err != nil {
 				return err
@@ -131,6 +136,7 @@ drift; --check --repair fixes it.`,
 			if err != nil {
 				return err
 			}
+			defer client.Close()
 			deleted, err := searchindex.Cleanup(context.WithoutCancel(cmd.Context()), client, a.cfg.Search.Alias)
 			fmt.Fprintf(cmd.OutOrStdout(), "deleted %v\n", deleted)
 			return err

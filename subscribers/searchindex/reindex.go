@@ -185,6 +185,10 @@ func (r *Reindexer) abandon(index string) {
 
 func (r *Reindexer) streamLastSeq(ctx context.Context) (uint64, error) {
 	s, err := r.JS.Stream(ctx, r.Stream.Name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		// No stream yet (a fresh installation): no event to replay.
+		return 0, nil
+	}
 	if err != nil {
 		return 0, fmt.Errorf("stream %s: %w", r.Stream.Name, err)
 	}
