@@ -97,8 +97,8 @@ drift; --check --repair fixes it.`,
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(out, "reindexed %d documents into %s in %s (load %.0f docs/s), %d failed, %d events replayed; alias %s now points at %s (previous: %q, kept)\n",
-				rep.Loaded, rep.To, rep.TotalTime.Round(time.Millisecond), rep.DocsPerSec, len(rep.Failures), rep.Replayed, a.cfg.Search.Alias, rep.To, rep.From)
+			fmt.Fprintf(out, "reindexed %d of %d products into %s in %s (load %.0f docs/s), %d failed, %d events replayed; alias %s now points at %s (previous: %q, kept)\n",
+				rep.Loaded, rep.Snapshot, rep.To, rep.TotalTime.Round(time.Millisecond), rep.DocsPerSec, len(rep.Failures), rep.Replayed, a.cfg.Search.Alias, rep.To, rep.From)
 			return nil
 		},
 	}

@@ -51,7 +51,8 @@ type Failure struct {
 // ReindexReport says what a reindex did.
 type ReindexReport struct {
 	From, To   string
-	Loaded     int64
+	Snapshot   int64 // products in the SQL snapshot the load read
+	Loaded     int64 // documents the new index accepted
 	Failures   []Failure
 	Replayed   int // events replayed onto the new index after the load
 	LoadTime   time.Duration
@@ -111,8 +112,8 @@ func (r *Reindexer) Reindex(ctx context.Context) (ReindexReport, error) {
 
 	// 3. The load.
 	loadStart := time.Now()
-	loaded, failures, err := r.load(ctx, rep.To)
-	rep.Loaded, rep.Failures, rep.LoadTime = loaded, failures, time.Since(loadStart)
+	snapshot, loaded, failures, err := r.load(ctx, rep.To)
+	rep.Snapshot, rep.Loaded, rep.Failures, rep.LoadTime = snapshot, loaded, failures, time.Since(loadStart)
 	if rep.LoadTime > 0 {
 		rep.DocsPerSec = float64(loaded) / rep.LoadTime.Seconds()
 	}
@@ -200,24 +201,22 @@ func (r *Reindexer) streamLastSeq(ctx context.Context) (uint64, error) {
 }
 
 // load streams every product from one snapshot into index, with Loaders
-// bulk requests in flight.
-func (r *Reindexer) load(ctx context.Context, index string) (int64, []Failure, error) {
+// bulk requests in flight. It returns how many products the snapshot held
+// and how many of them the index accepted.
+func (r *Reindexer) load(ctx context.Context, index string) (total, loaded int64, failures []Failure, err error) {
 	tx, err := r.Pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
 	if err != nil {
-		return 0, nil, err
+		return 0, 0, nil, err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // read-only
-	var total int64
 	if err := tx.QueryRow(ctx, `SELECT count(*) FROM products`).Scan(&total); err != nil {
-		return 0, nil, err
+		return 0, 0, nil, err
 	}
 	bar := r.bar(total)
 
 	loaders := max(r.Loaders, 1)
 	batches := make(chan []search.Op, loaders)
 	var mu sync.Mutex
-	var failures []Failure
-	var loaded int64
 	g, gctx := errgroup.WithContext(ctx)
 	for range loaders {
 		g.Go(func() error {
@@ -289,7 +288,7 @@ func (r *Reindexer) load(ctx context.Context, index string) (int64, []Failure, e
 		_ = bar.Finish()
 		fmt.Fprintln(r.Progress)
 	}
-	return loaded, failures, err
+	return total, loaded, failures, err
 }
 
 func (r *Reindexer) bar(total int64) *progressbar.ProgressBar {
