@@ -177,22 +177,33 @@ func TestFailedPublishBacksOff(t *testing.T) {
 	if err != nil || len(rows) != 2 {
 		t.Fatalf("claim: %d rows, %v", len(rows), err)
 	}
-	r.record(ctx, rows, token, []outcome{{err: "nats: timeout"}, {err: "nats: timeout"}})
-	var attempts int
-	var lastError string
-	var delay float64
-	err = h.db.Pool.QueryRow(ctx, `
-SELECT attempts, last_error, extract(epoch FROM available_at - now())
-FROM outbox WHERE id = $1 AND status = 'pending'`, rows[0].id).Scan(&attempts, &lastError, &delay)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if attempts != 1 || lastError != "nats: timeout" {
-		t.Errorf("attempts %d, last_error %q; want 1 and the publish error", attempts, lastError)
+	// available_at is computed from the recording transaction's start, so
+	// the expected wait is bracketed by the clock before and after it.
+	waitAfter := func(t *testing.T, outcomes []outcome, want time.Duration) (attempts int, lastError string) {
+		t.Helper()
+		var before, after, availableAt time.Time
+		if err := h.db.Pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&before); err != nil {
+			t.Fatal(err)
+		}
+		r.record(ctx, rows, token, outcomes)
+		if err := h.db.Pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&after); err != nil {
+			t.Fatal(err)
+		}
+		err := h.db.Pool.QueryRow(ctx, `
+SELECT attempts, last_error, available_at FROM outbox WHERE id = $1 AND status = 'pending'`, rows[0].id).Scan(&attempts, &lastError, &availableAt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if availableAt.Before(before.Add(want)) || availableAt.After(after.Add(want)) {
+			t.Errorf("available_at is %s after the recording started (which took %s), want %s",
+				availableAt.Sub(before), after.Sub(before), want)
+		}
+		return attempts, lastError
 	}
 	// retry_min is 50ms in the harness: the first retry waits retry_min * 2^0.
-	if delay <= 0 || delay > 0.06 {
-		t.Errorf("available_at is %.3fs ahead, want about retry_min (0.05s)", delay)
+	attempts, lastError := waitAfter(t, []outcome{{err: "nats: timeout"}, {err: "nats: timeout"}}, 50*time.Millisecond)
+	if attempts != 1 || lastError != "nats: timeout" {
+		t.Errorf("attempts %d, last_error %q; want 1 and the publish error", attempts, lastError)
 	}
 	// Claimed again after the backoff, a second failure doubles the wait.
 	time.Sleep(60 * time.Millisecond)
@@ -200,12 +211,8 @@ FROM outbox WHERE id = $1 AND status = 'pending'`, rows[0].id).Scan(&attempts, &
 	if err != nil || len(rows) != 2 {
 		t.Fatalf("claim after backoff: %d rows, %v", len(rows), err)
 	}
-	r.record(ctx, rows, token, []outcome{{err: "again"}, {err: "again"}})
-	if err := h.db.Pool.QueryRow(ctx, `SELECT attempts, extract(epoch FROM available_at - now()) FROM outbox WHERE id = $1`, rows[0].id).Scan(&attempts, &delay); err != nil {
-		t.Fatal(err)
-	}
-	if attempts != 2 || delay <= 0.05 || delay > 0.11 {
-		t.Errorf("after the second failure: attempts %d, wait %.3fs; want 2 and about 0.1s", attempts, delay)
+	if attempts, _ := waitAfter(t, []outcome{{err: "again"}, {err: "again"}}, 100*time.Millisecond); attempts != 2 {
+		t.Errorf("after the second failure: attempts %d, want 2", attempts)
 	}
 }
 
