@@ -217,7 +217,7 @@ func (s *natsServer) connect(t *testing.T, user string) *natsClient {
 func (c *natsClient) waitViolation(t *testing.T, kind, subject string) {
 	t.Helper()
 	want := fmt.Sprintf("%s to %q", kind, subject)
-	deadline := time.NewTimer(5 * time.Second)
+	deadline := time.NewTimer(15 * time.Second)
 	defer deadline.Stop()
 	for {
 		select {
@@ -227,7 +227,7 @@ func (c *natsClient) waitViolation(t *testing.T, kind, subject string) {
 			}
 			c.unexpected = append(c.unexpected, err)
 		case <-deadline.C:
-			t.Fatalf("%s: no permissions violation for %s within 5s: the server allowed it", c.user, want)
+			t.Fatalf("%s: no permissions violation for %s within 15s: the server allowed it", c.user, want)
 		}
 	}
 }
@@ -884,7 +884,7 @@ func TestNATSPermissions(t *testing.T) {
 			if !strings.HasPrefix(m.Subject, "_INBOX_invoicing.") {
 				t.Errorf("admin's subscription to _INBOX_invoicing.> got %s", m.Subject)
 			}
-		case <-time.After(5 * time.Second):
+		case <-time.After(15 * time.Second):
 			t.Fatal("invoicing's reply did not travel on _INBOX_invoicing.")
 		}
 		_ = spy.Unsubscribe()

@@ -34,6 +34,7 @@ type scripted struct {
 type script struct {
 	Behave string `json:"behave"` // ok, fail, retry, permanent, hang, slow
 	Fails  int    `json:"fails"`  // for fail: fail this many deliveries, then succeed
+	Millis int    `json:"millis"` // for slow: how long the work takes (2500 if 0)
 }
 
 func newScripted(name string, types ...string) *scripted {
@@ -69,8 +70,12 @@ func (s *scripted) Handle(ctx context.Context, ev subscribers.Event) error {
 		<-ctx.Done() // never returns in time: the ack wait expires
 		err = ctx.Err()
 	case "slow":
+		took := 2500 * time.Millisecond
+		if sc.Millis > 0 {
+			took = time.Duration(sc.Millis) * time.Millisecond
+		}
 		select {
-		case <-time.After(2500 * time.Millisecond):
+		case <-time.After(took):
 		case <-ctx.Done():
 			err = ctx.Err()
 		}
@@ -121,7 +126,7 @@ func TestOutcomes(t *testing.T) {
 		testEvent("permanent", 0), // dead letter at once
 		testEvent("ok", 0),        // behind the others, and not held up by them
 	)
-	subscribertest.WaitFor(t, 5*time.Second, "the ok event", func() (bool, string) { return h.isDone(ids[4]), "" })
+	subscribertest.WaitFor(t, 15*time.Second, "the ok event", func() (bool, string) { return h.isDone(ids[4]), "" })
 	subscribertest.WaitFor(t, 20*time.Second, "two dead letters", func() (bool, string) {
 		return len(env.DeadLetters(h.name)) == 2, strconv.Itoa(len(env.DeadLetters(h.name)))
 	})
@@ -213,15 +218,18 @@ func TestCrashLoopEventEndsInDeadLetters(t *testing.T) {
 }
 
 // Long work sends in-progress signals: a handler taking 2.5 ack waits is
-// not redelivered meanwhile.
+// not redelivered meanwhile. The ack wait is 2 s here (1 s elsewhere): an
+// in-progress signal goes every third of it, and a stall of two thirds of
+// it on a loaded machine must not pass for a missing keep-alive.
 func TestLongWorkIsKeptAlive(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
+	env.Config.Subscribers.AckWait = 2 * time.Second
 	h := newScripted("slow")
 	env.StartRunner(h, nil)
-	id := write(env, testEvent("slow", 0))[0]
-	subscribertest.WaitFor(t, 10*time.Second, "the slow event", func() (bool, string) { return h.isDone(id), "" })
-	env.WaitIdle(h.name, 5*time.Second)
+	id := write(env, outbox.Event{AggregateType: "test", AggregateID: "1", Type: "test.event", Payload: script{Behave: "slow", Millis: 5000}})[0]
+	subscribertest.WaitFor(t, 20*time.Second, "the slow event", func() (bool, string) { return h.isDone(id), "" })
+	env.WaitIdle(h.name, 15*time.Second)
 	if d := h.deliveries(id); len(d) != 1 {
 		t.Errorf("slow event delivered %d times, want 1 (in-progress must hold it)", len(d))
 	}
@@ -234,7 +242,7 @@ func TestStopDrainsEventsInHand(t *testing.T) {
 	h := newScripted("drain")
 	r := env.StartRunner(h, nil)
 	id := write(env, testEvent("slow", 0))[0]
-	subscribertest.WaitFor(t, 5*time.Second, "the slow event to start", func() (bool, string) { return len(h.deliveries(id)) == 1, "" })
+	subscribertest.WaitFor(t, 15*time.Second, "the slow event to start", func() (bool, string) { return len(h.deliveries(id)) == 1, "" })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := r.Stop(ctx); err != nil {
@@ -282,7 +290,7 @@ func TestStoppedSubscriberCatchesUp(t *testing.T) {
 	first := newScripted("catchup")
 	r := env.StartRunner(first, nil)
 	before := write(env, testEvent("ok", 0))
-	subscribertest.WaitFor(t, 5*time.Second, "the first event", func() (bool, string) { return first.isDone(before[0]), "" })
+	subscribertest.WaitFor(t, 15*time.Second, "the first event", func() (bool, string) { return first.isDone(before[0]), "" })
 	if err := r.Stop(context.Background()); err != nil {
 		t.Fatal(err)
 	}

@@ -114,9 +114,9 @@ func TestOperatorCommands(t *testing.T) {
 	var st Status
 	subscribertest.WaitFor(t, 30*time.Second, "the pipeline to settle", func() (bool, string) {
 		st = status(t, env)
-		si := subscriberStatus(st, "searchindex")
+		si, ci := subscriberStatus(st, "searchindex"), subscriberStatus(st, "cacheinval")
 		return st.Outbox.Pending == 0 && st.Outbox.Sending == 0 && st.Outbox.Failed == 1 && si.DeadLetters == 1 &&
-			si.Pending == 0 && si.AckPending == 0 && invoices() == 3, fmt.Sprintf("%+v", st)
+			si.Pending == 0 && si.AckPending == 0 && ci.Pending == 0 && ci.AckPending == 0 && invoices() == 3, fmt.Sprintf("%+v", st)
 	})
 	if st.Stream.Messages != 9 || subscriberStatus(st, "invoicing").Checkpoint != 3 || subscriberStatus(st, "cacheinval").Checkpoint != 6 ||
 		subscriberStatus(st, "searchindex").Checkpoint != 5 {

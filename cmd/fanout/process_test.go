@@ -148,6 +148,26 @@ func get(t *testing.T, addr, path string) (int, string) {
 	return res.StatusCode, string(b)
 }
 
+// waitStarted waits until the process logged that subscriber's start (its
+// consumer exists and it is pulling).
+func (p *process) waitStarted(t *testing.T, subscriber string) {
+	t.Helper()
+	subscribertest.WaitFor(t, 30*time.Second, subscriber+" started in "+p.name, func() (bool, string) {
+		sc := bufio.NewScanner(strings.NewReader(p.output()))
+		sc.Buffer(make([]byte, 1<<20), 1<<20)
+		for sc.Scan() {
+			var line struct {
+				Msg        string `json:"msg"`
+				Subscriber string `json:"subscriber"`
+			}
+			if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "subscriber started" && line.Subscriber == subscriber {
+				return true, ""
+			}
+		}
+		return false, ""
+	})
+}
+
 // handled sums the events a process's "batch handled" log lines report
 // for a subscriber.
 func (p *process) handled(subscriber string) int {
@@ -187,6 +207,10 @@ func TestSubscribeProcessesShareWork(t *testing.T) {
 	relayProc := start(t, env, "relay")
 	both := start(t, env, "subscribe", "invoicing", "cacheinval")
 	one := start(t, env, "subscribe", "invoicing")
+	// Both invoicing instances pull before the orders are written, or the
+	// first one up could take them all.
+	both.waitStarted(t, "invoicing")
+	one.waitStarted(t, "invoicing")
 
 	ctx := context.Background()
 	if _, err := shop.Seed(ctx, db.Pool, 20, rand.New(rand.NewPCG(5, 5))); err != nil {

@@ -28,7 +28,7 @@ type fixture struct {
 func newFixture(env *subscribertest.Env) *fixture {
 	srv := redistest.Start(env.T)
 	f := &fixture{env: env, rdb: srv.Client(env.T)}
-	f.cache = cacheinval.NewCache(f.rdb, env.DB.Pool, 2*time.Second, 10*time.Second)
+	f.cache = cacheinval.NewCache(f.rdb, env.DB.Pool, 2*time.Second, time.Minute) // tombstones outlive any test
 	// The catalog is written without events: the product events a test
 	// sees are the ones it writes.
 	_, err := env.DB.Pool.Exec(context.Background(), `

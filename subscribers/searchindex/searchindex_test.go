@@ -302,6 +302,9 @@ func TestThrottledWritesAreRetriedUntilTheyPass(t *testing.T) {
 	f := newFixture(t, search.OpenSearch, 3)
 	ctx := context.Background()
 	cur, _ := searchindex.Current(ctx, f.client, f.alias)
+	// Deliveries enough to outlast the block, however slowly it is lifted
+	// on a loaded engine: each one retries in place for about a second.
+	f.env.Config.Subscribers.MaxDeliver = 50
 	f.env.StartRunner(f.handler(), nil)
 	f.env.Settle(searchindex.Name)
 	id := firstProduct(t, f)

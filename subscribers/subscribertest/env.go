@@ -280,7 +280,7 @@ func (e *Env) Republish(id int64) {
 // rows are sent), so that a following WaitIdle means they were handled.
 func (e *Env) WaitSent(ids ...int64) {
 	e.T.Helper()
-	WaitFor(e.T, 15*time.Second, "events published", func() (bool, string) {
+	WaitFor(e.T, time.Minute, "events published", func() (bool, string) {
 		var unsent int
 		err := e.DB.Pool.QueryRow(context.Background(),
 			`SELECT count(*) FROM outbox WHERE id = ANY($1) AND status <> 'sent'`, ids).Scan(&unsent)
@@ -295,12 +295,12 @@ func (e *Env) WaitSent(ids ...int64) {
 // handled everything published: the pipeline is quiet.
 func (e *Env) Settle(name string) {
 	e.T.Helper()
-	WaitFor(e.T, 15*time.Second, "every outbox row published", func() (bool, string) {
+	WaitFor(e.T, time.Minute, "every outbox row published", func() (bool, string) {
 		var unsent int
 		if err := e.DB.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&unsent); err != nil {
 			return false, err.Error()
 		}
 		return unsent == 0, strconv.Itoa(unsent) + " unsent"
 	})
-	e.WaitIdle(name, 15*time.Second)
+	e.WaitIdle(name, time.Minute)
 }
