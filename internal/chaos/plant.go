@@ -117,11 +117,11 @@ func (r *run) plantOrderWithMissingProduct(ctx context.Context) error {
 func (r *run) plantRejectedProduct(ctx context.Context) error {
 	var productID, brandID int64
 	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
-		p, err := shop.RandomProduct(ctx, tx, rand.New(rand.NewPCG(uint64(r.intn(1<<30)), 5)))
+		p, err := shop.RandomProduct(ctx, tx, rand.New(rand.NewPCG(uint64(r.plantRand.intn(1<<30)), 5)))
 		if err != nil {
 			return err
 		}
-		p.SKU = strings.Repeat("R", 40000) + strconv.Itoa(r.intn(1<<30))
+		p.SKU = strings.Repeat("R", 40000) + strconv.Itoa(r.plantRand.intn(1<<30))
 		brandID = p.BrandID
 		productID, err = shop.CreateProduct(ctx, tx, p)
 		return err

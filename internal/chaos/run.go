@@ -50,40 +50,55 @@ var subscriberFilters = map[string][]string{
 
 // run is one fault-injection run's world.
 type run struct {
-	t       *testing.T
-	o       Options
-	rng     *rand.Rand
-	rngMu   sync.Mutex
-	pg      *pgtest.Server
-	db      *pgtest.DB
-	nats    []*natstest.Server
-	nproxy  []*Proxy
-	sproxy  *Proxy
-	rdb     *redis.Client
-	search  *search.Client
-	alias   string
-	roles   []*Role
-	admin   *nats.Conn
-	js      jetstream.JetStream
-	logDir  string
-	report  *Report
-	planted *planted
+	t         *testing.T
+	o         Options
+	faultRand *seeded // which fault, where, when and for how long
+	plantRand *seeded // the planted bad input
+	readRand  *seeded // which products the cache reader reads
+	pg        *pgtest.Server
+	db        *pgtest.DB
+	nats      []*natstest.Server
+	nproxy    []*Proxy
+	sproxy    *Proxy
+	rdb       *redis.Client
+	search    *search.Client
+	alias     string
+	roles     []*Role
+	admin     *nats.Conn
+	js        jetstream.JetStream
+	logDir    string
+	report    *Report
+	planted   *planted
 }
 
-func (r *run) intn(n int) int {
-	r.rngMu.Lock()
-	defer r.rngMu.Unlock()
-	return r.rng.IntN(n)
+// seeded is one stream of the run's randomness. Each consumer has its own
+// stream, so the fault schedule a seed gives does not depend on how many
+// numbers a timing-dependent loop (the cache reader) drew meanwhile: a
+// failing seed replays the same faults.
+type seeded struct {
+	mu  sync.Mutex
+	rng *rand.Rand
 }
 
-func (r *run) between(lo, hi time.Duration) time.Duration {
-	return lo + time.Duration(r.intn(int(hi-lo)/int(time.Millisecond)+1))*time.Millisecond
+func newSeeded(seed, stream uint64) *seeded {
+	return &seeded{rng: rand.New(rand.NewPCG(seed, stream))}
+}
+
+func (s *seeded) intn(n int) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.rng.IntN(n)
+}
+
+func (s *seeded) between(lo, hi time.Duration) time.Duration {
+	return lo + time.Duration(s.intn(int(hi-lo)/int(time.Millisecond)+1))*time.Millisecond
 }
 
 // Run executes one fault-injection run and returns its report. Setup
 // failures fail t; invariant violations are in the report.
 func Run(t *testing.T, o Options) *Report {
-	r := &run{t: t, o: o, rng: rand.New(rand.NewPCG(o.Seed, o.Seed^0x9e3779b97f4a7c15)), planted: newPlanted()}
+	r := &run{t: t, o: o, planted: newPlanted(),
+		faultRand: newSeeded(o.Seed, 3), plantRand: newSeeded(o.Seed, 4), readRand: newSeeded(o.Seed, 5)}
 	mode := "single nats-server"
 	if o.Cluster {
 		mode = "three-node JetStream cluster (replicas 3)"
@@ -307,13 +322,13 @@ func (r *run) readCache(ctx context.Context) {
 	cache := cacheinval.NewCache(r.rdb, r.db.Pool, 2*time.Second, 10*time.Second)
 	var maxID atomic.Int64
 	for ctx.Err() == nil {
-		if maxID.Load() == 0 || r.intn(50) == 0 {
+		if maxID.Load() == 0 || r.readRand.intn(50) == 0 {
 			var m int64
 			_ = r.db.Pool.QueryRow(ctx, `SELECT coalesce(max(id), 0) FROM products`).Scan(&m)
 			maxID.Store(m)
 		}
 		if m := maxID.Load(); m > 0 {
-			_, _, _ = cache.Product(ctx, 1+int64(r.intn(int(m))))
+			_, _, _ = cache.Product(ctx, 1+int64(r.readRand.intn(int(m))))
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -346,9 +361,9 @@ func (r *run) faults(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(r.between(2*time.Second, 5*time.Second)):
+		case <-time.After(r.faultRand.between(2*time.Second, 5*time.Second)):
 		}
-		n := r.intn(total)
+		n := r.faultRand.intn(total)
 		for _, f := range all {
 			if n < f.weight {
 				f.do(ctx)
@@ -361,17 +376,17 @@ func (r *run) faults(ctx context.Context) {
 }
 
 func (r *run) killRole(context.Context) {
-	role := r.roles[r.intn(len(r.roles))]
+	role := r.roles[r.faultRand.intn(len(r.roles))]
 	role.Kill()
-	time.Sleep(r.between(200*time.Millisecond, 2*time.Second))
+	time.Sleep(r.faultRand.between(200*time.Millisecond, 2*time.Second))
 	if err := role.Start(); err != nil {
 		r.o.Logf("chaos: restart %s: %v", role.Name, err)
 	}
 }
 
 func (r *run) killNATS(ctx context.Context) {
-	victim := r.nats[r.intn(len(r.nats))]
-	if r.o.Cluster && r.intn(2) == 0 {
+	victim := r.nats[r.faultRand.intn(len(r.nats))]
+	if r.o.Cluster && r.faultRand.intn(2) == 0 {
 		// The stream leader, half the time. A short deadline: the admin
 		// connection may itself be reconnecting.
 		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -387,7 +402,7 @@ func (r *run) killNATS(ctx context.Context) {
 		}
 	}
 	victim.Kill()
-	time.Sleep(r.between(time.Second, 3*time.Second))
+	time.Sleep(r.faultRand.between(time.Second, 3*time.Second))
 	if err := victim.Restart(); err != nil {
 		r.o.Logf("chaos: restart nats-server: %v", err)
 	}
@@ -401,25 +416,25 @@ func (r *run) restartPostgres(context.Context) {
 
 func (r *run) cutSearch(context.Context) {
 	r.sproxy.Cut()
-	time.Sleep(r.between(3*time.Second, 8*time.Second))
+	time.Sleep(r.faultRand.between(3*time.Second, 8*time.Second))
 	r.sproxy.Restore()
 }
 
 func (r *run) slowNATS(context.Context) {
-	d := r.between(20*time.Millisecond, 150*time.Millisecond)
+	d := r.faultRand.between(20*time.Millisecond, 150*time.Millisecond)
 	for _, p := range r.nproxy {
 		p.Slow(d)
 	}
-	time.Sleep(r.between(3*time.Second, 6*time.Second))
+	time.Sleep(r.faultRand.between(3*time.Second, 6*time.Second))
 	for _, p := range r.nproxy {
 		p.Restore()
 	}
 }
 
 func (r *run) cutNATS(context.Context) {
-	p := r.nproxy[r.intn(len(r.nproxy))]
+	p := r.nproxy[r.faultRand.intn(len(r.nproxy))]
 	p.Cut()
-	time.Sleep(r.between(500*time.Millisecond, 3*time.Second))
+	time.Sleep(r.faultRand.between(500*time.Millisecond, 3*time.Second))
 	p.Restore()
 }
 
