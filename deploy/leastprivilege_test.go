@@ -777,6 +777,43 @@ func TestNATSPermissions(t *testing.T) {
 		}
 	})
 
+	t.Run("the search indexer replays the stream for a reindex through its replay consumer only", func(t *testing.T) {
+		var got []subscribers.Event
+		read, pos, err := searchindex.ReadEvents(ctx, six.js, cfg.Stream, 0, productSeq, func(evs []subscribers.Event) error {
+			got = append(got, evs...)
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("searchindex replays: %v", err)
+		}
+		if read != 1 || len(got) != 1 || got[0].ID != 2 || got[0].Type != "product.updated" || pos != productSeq {
+			t.Fatalf("replay read %d events %+v up to %d; want the product event (id 2, seq %d) only", read, got, pos, productSeq)
+		}
+		events, err := six.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := events.Consumer(ctx, searchindex.ReplayConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
+			t.Errorf("replay consumer after the replay: %v, want it deleted", err)
+		}
+		replayAll := jetstream.ConsumerConfig{Name: "searchindex_everything", AckPolicy: jetstream.AckNonePolicy}
+		six.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+replayAll.Name, func(ctx context.Context) error {
+			_, err := events.CreateConsumer(ctx, replayAll)
+			return err
+		})
+		six.checkClean(t)
+		// The replay consumer is the search indexer's, no one else's.
+		invEvents, err := inv.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		inv.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+searchindex.ReplayConsumer, func(ctx context.Context) error {
+			_, err := invEvents.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: searchindex.ReplayConsumer, AckPolicy: jetstream.AckNonePolicy})
+			return err
+		})
+		inv.checkClean(t)
+	})
+
 	t.Run("a subscriber cannot publish events", func(t *testing.T) {
 		before := eventCount()
 		subject := "events." + shop.OrderCreated

@@ -15,8 +15,10 @@ import (
 	"github.com/spf13/cobra"
 )
 
-// openSQLAndSearch connects the reindex commands to Postgres and the engine.
-func openSQLAndSearch(ctx context.Context, a *app) (*pgxpool.Pool, *search.Client, func(), error) {
+// openSQLAndSearch connects the reindex commands to Postgres and the
+// engine. With exclusive, it also takes the reindex lock of the alias
+// (searchindex.Lock), released by the returned close.
+func openSQLAndSearch(ctx context.Context, a *app, exclusive bool) (*pgxpool.Pool, *search.Client, func(), error) {
 	if err := a.load(); err != nil {
 		return nil, nil, nil, err
 	}
@@ -24,12 +26,20 @@ func openSQLAndSearch(ctx context.Context, a *app) (*pgxpool.Pool, *search.Clien
 	if err != nil {
 		return nil, nil, nil, err
 	}
+	unlock := func() {}
+	if exclusive {
+		if unlock, err = searchindex.Lock(ctx, pool, a.cfg.Search.Alias); err != nil {
+			pool.Close()
+			return nil, nil, nil, err
+		}
+	}
 	client, err := connect.Search(ctx, a.cfg.Search)
 	if err != nil {
+		unlock()
 		pool.Close()
 		return nil, nil, nil, err
 	}
-	return pool, client, func() { _ = client.Close(); pool.Close() }, nil
+	return pool, client, func() { _ = client.Close(); unlock(); pool.Close() }, nil
 }
 
 func reindexCommand(a *app) *cobra.Command {
@@ -49,7 +59,8 @@ drift; --check --repair fixes it.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			pool, client, closeAll, err := openSQLAndSearch(ctx, a)
+			// A plain --check only reads; everything else changes the index.
+			pool, client, closeAll, err := openSQLAndSearch(ctx, a, !check || repair)
 			if err != nil {
 				return err
 			}
@@ -111,7 +122,7 @@ drift; --check --repair fixes it.`,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
-			pool, client, closeAll, err := openSQLAndSearch(ctx, a)
+			pool, client, closeAll, err := openSQLAndSearch(ctx, a, true)
 			if err != nil {
 				return err
 			}
@@ -129,14 +140,13 @@ drift; --check --repair fixes it.`,
 		Short: "Delete every index version the alias does not point at",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
-			client, err := connect.Search(cmd.Context(), a.cfg.Search)
+			// Locked too: the index a running reindex loads is one the alias
+			// does not point at yet.
+			_, client, closeAll, err := openSQLAndSearch(cmd.Context(), a, true)
 			if err != nil {
 				return err
 			}
-			defer client.Close()
+			defer closeAll()
 			deleted, err := searchindex.Cleanup(context.WithoutCancel(cmd.Context()), client, a.cfg.Search.Alias)
 			fmt.Fprintf(cmd.OutOrStdout(), "deleted %v\n", deleted)
 			return err

@@ -20,7 +20,6 @@ import (
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/schollz/progressbar/v3"
 	"golang.org/x/sync/errgroup"
@@ -315,53 +314,20 @@ func (r *Reindexer) replay(ctx context.Context, index string, seq uint64) (int, 
 	if err != nil || last <= seq {
 		return 0, seq, err
 	}
-	cons, err := r.JS.OrderedConsumer(ctx, r.Stream.Name, jetstream.OrderedConsumerConfig{
-		FilterSubjects: []string{r.Stream.SubjectPrefix + ".product.>", r.Stream.SubjectPrefix + "." + shop.BrandUpdated},
-		DeliverPolicy:  jetstream.DeliverByStartSequencePolicy,
-		OptStartSeq:    seq + 1,
-	})
-	if err != nil {
-		return 0, seq, err
-	}
 	h := &Handler{syncer: syncer{client: r.Client, pool: r.Pool, bulkSize: r.Search.BulkSize, logger: r.Logger,
 		retryWaits: []time.Duration{200 * time.Millisecond, time.Second, 3 * time.Second}}, alias: index}
-	read := 0
-	pos := seq
-	for pos < last {
-		batch, err := cons.Fetch(500, jetstream.FetchMaxWait(500*time.Millisecond))
-		if err != nil {
-			return read, pos, err
-		}
-		var evs []subscribers.Event
-		for m := range batch.Messages() {
-			ev, err := subscribers.EventFromMsg(m, r.Stream.SubjectPrefix)
-			if err != nil {
-				continue // not an outbox event: the indexer dead-letters it, the reindex skips it
-			}
-			pos = ev.StreamSeq
-			evs = append(evs, ev)
-		}
-		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, nats.ErrTimeout) {
-			return read, pos, err
-		}
-		read += len(evs)
-		if len(evs) > 0 {
-			for i, err := range h.HandleBatch(ctx, evs) {
-				if err != nil && !subscribers.IsPermanent(err) {
-					return read, pos, fmt.Errorf("replay event %d (seq %d): %w", evs[i].ID, evs[i].StreamSeq, err)
-				}
+	read, pos, err := ReadEvents(ctx, r.JS, r.Stream, seq, last, func(evs []subscribers.Event) error {
+		for i, err := range h.HandleBatch(ctx, evs) {
+			if err != nil && !subscribers.IsPermanent(err) {
+				return fmt.Errorf("replay event %d (seq %d): %w", evs[i].ID, evs[i].StreamSeq, err)
 			}
 		}
-		if len(evs) < 500 {
-			info, err := cons.Info(ctx)
-			if err != nil {
-				return read, pos, err
-			}
-			if info.NumPending == 0 {
-				break // the rest of the stream concerns no product
-			}
-		}
+		return nil
+	})
+	if err != nil {
+		return read, seq, err
 	}
+	// Past the last product event read, the stream up to last held none.
 	return read, max(pos, last), nil
 }
 

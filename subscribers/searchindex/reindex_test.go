@@ -14,6 +14,7 @@ import (
 	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/subscribers/searchindex"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 func (f *fixture) reindexer() *searchindex.Reindexer {
@@ -202,5 +203,73 @@ func TestRollback(t *testing.T) {
 	if repaired == 0 {
 		t.Error("rollback repaired nothing, though the old index missed a second of writes")
 	}
+	f.noDrift(t)
+}
+
+// The commands that change index versions run one at a time per alias,
+// and a command that ends (or dies: its connection closes) lets the next
+// one in.
+func TestReindexLockIsExclusive(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 1)
+	ctx := context.Background()
+	unlock, err := searchindex.Lock(ctx, f.env.DB.Pool, f.alias)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := searchindex.Lock(ctx, f.env.DB.Pool, f.alias); !errors.Is(err, searchindex.ErrBusy) || !strings.Contains(err.Error(), f.alias) {
+		t.Fatalf("second lock while the first is held: %v; want ErrBusy naming the alias", err)
+	}
+	other, err := searchindex.Lock(ctx, f.env.DB.Pool, f.alias+"-other")
+	if err != nil {
+		t.Fatalf("lock of another alias: %v, want it independent", err)
+	}
+	other()
+	unlock()
+	again, err := searchindex.Lock(ctx, f.env.DB.Pool, f.alias)
+	if err != nil {
+		t.Fatalf("lock after the unlock: %v", err)
+	}
+	again()
+}
+
+// A reindex replaces a replay consumer a dead reindex left behind, reads
+// through it, and deletes it when done.
+func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 20)
+	f.env.StartRunner(f.handler(), nil)
+	f.env.Settle(searchindex.Name)
+	ctx := context.Background()
+	events, err := f.env.JS.Stream(ctx, f.env.Config.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leftover := jetstream.ConsumerConfig{Name: searchindex.ReplayConsumer, AckPolicy: jetstream.AckNonePolicy, FilterSubject: "events.brand.updated"}
+	if _, err := events.CreateConsumer(ctx, leftover); err != nil {
+		t.Fatal(err)
+	}
+	// Changes during the reindex, so it has events to replay.
+	lctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 200, Rand: rand.New(rand.NewPCG(9, 9)), Logger: f.env.Logger, Mix: demo.Mix{Price: 80, Stock: 20}}
+		_ = d.Run(lctx)
+	}()
+	time.Sleep(300 * time.Millisecond)
+	rep, err := f.reindexer().Reindex(ctx)
+	stop()
+	<-done
+	if err != nil {
+		t.Fatalf("reindex with a leftover replay consumer: %v", err)
+	}
+	if rep.Replayed == 0 {
+		t.Errorf("reindex replayed no event: %+v", rep)
+	}
+	if _, err := events.Consumer(ctx, searchindex.ReplayConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		t.Errorf("replay consumer after the reindex: %v, want it deleted", err)
+	}
+	f.env.Settle(searchindex.Name)
 	f.noDrift(t)
 }

@@ -1,0 +1,131 @@
+package searchindex
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// ReplayConsumer is the consumer `fanout reindex` reads the stream through.
+// Its name is fixed, not generated like an ordered consumer's, so the
+// search indexer's NATS user can be granted exactly this consumer and no
+// other (deploy/nats/nats-server.conf). Reindexes are serialized (Lock), so
+// one name is enough.
+const ReplayConsumer = "searchindex_reindex"
+
+const replayFetch = 500
+
+// replayConsumerConfig reads the product and brand events from sequence
+// from on, without acks (the reader tracks its own position), and lives on
+// the server only while a reindex reads it: a reindex that died leaves it
+// behind for a minute at most.
+func replayConsumerConfig(stream config.Stream, from uint64) jetstream.ConsumerConfig {
+	return jetstream.ConsumerConfig{
+		Name:              ReplayConsumer,
+		Description:       "fanout reindex: replays product and brand events onto a new search index; deleted when the reindex ends",
+		FilterSubjects:    []string{stream.SubjectPrefix + ".product.>", stream.SubjectPrefix + "." + shop.BrandUpdated},
+		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
+		OptStartSeq:       from,
+		AckPolicy:         jetstream.AckNonePolicy,
+		InactiveThreshold: time.Minute,
+		MemoryStorage:     true,
+		Replicas:          1,
+	}
+}
+
+// ReadEvents calls fn, in stream order, with the product and brand events
+// stored after sequence after, until the stream holds no more of them or
+// position upTo is reached. It returns how many events it passed to fn and
+// the stream position it read up to.
+//
+// Messages of a consumer without acks are not redelivered, so the reader
+// checks that consumer sequences have no gap (a message lost on a broken
+// connection) and, on one, starts a new consumer after the last message it
+// has: what an ordered consumer does, under a name a permission can name.
+func ReadEvents(ctx context.Context, js jetstream.JetStream, stream config.Stream, after, upTo uint64, fn func([]subscribers.Event) error) (read int, pos uint64, err error) {
+	pos = after
+	if upTo <= after {
+		return 0, pos, nil
+	}
+	s, err := js.Stream(ctx, stream.Name)
+	if err != nil {
+		return 0, pos, fmt.Errorf("stream %s: %w", stream.Name, err)
+	}
+	start := func() (jetstream.Consumer, error) {
+		// A consumer of this name is left over from a reindex that died, or
+		// from this one before a gap: either way it is done with.
+		if err := s.DeleteConsumer(ctx, ReplayConsumer); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+			return nil, fmt.Errorf("delete consumer %s: %w", ReplayConsumer, err)
+		}
+		c, err := s.CreateConsumer(ctx, replayConsumerConfig(stream, pos+1))
+		if err != nil {
+			return nil, fmt.Errorf("create consumer %s: %w", ReplayConsumer, err)
+		}
+		return c, nil
+	}
+	cons, err := start()
+	if err != nil {
+		return 0, pos, err
+	}
+	defer func() {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		_ = s.DeleteConsumer(dctx, ReplayConsumer) // if this fails, the inactive threshold removes it
+	}()
+	var delivered uint64 // the last consumer sequence received
+	for pos < upTo {
+		batch, err := cons.Fetch(replayFetch, jetstream.FetchMaxWait(time.Second))
+		if err != nil {
+			return read, pos, err
+		}
+		var evs []subscribers.Event
+		received, gap := 0, false
+		for m := range batch.Messages() {
+			received++
+			meta, err := m.Metadata()
+			if gap || err != nil || meta.Sequence.Consumer != delivered+1 {
+				gap = true // everything after the gap is read again
+				continue
+			}
+			delivered, pos = meta.Sequence.Consumer, meta.Sequence.Stream
+			ev, err := subscribers.EventFromMsg(m, stream.SubjectPrefix)
+			if err != nil {
+				continue // not an outbox event: the indexer dead-letters it, a replay skips it
+			}
+			evs = append(evs, ev)
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, nats.ErrTimeout) {
+			return read, pos, err
+		}
+		if len(evs) > 0 {
+			if err := fn(evs); err != nil {
+				return read, pos, err
+			}
+			read += len(evs)
+		}
+		if gap {
+			if cons, err = start(); err != nil {
+				return read, pos, err
+			}
+			delivered = 0
+			continue
+		}
+		if received < replayFetch {
+			info, err := cons.Info(ctx)
+			if err != nil {
+				return read, pos, err
+			}
+			if info.NumPending == 0 {
+				break // the rest of the stream concerns no product
+			}
+		}
+	}
+	return read, pos, nil
+}
