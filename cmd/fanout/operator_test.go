@@ -206,3 +206,23 @@ func TestOperatorCommands(t *testing.T) {
 		t.Errorf("replay without a position succeeded: %s", out)
 	}
 }
+
+// Before the relay ever ran there is no stream: status says so and still
+// reports the outbox.
+func TestStatusBeforeTheStreamExists(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	nats := natstest.Start(t)
+	env := []string{"FANOUT_POSTGRES_URL=" + db.URL, "FANOUT_NATS_URL=" + nats.URL, "FANOUT_LOG_FORMAT=json"}
+	if _, err := shop.Seed(context.Background(), db.Pool, 3, rand.New(rand.NewPCG(1, 1))); err != nil {
+		t.Fatal(err)
+	}
+	human, err := run(t, env, "status")
+	if err != nil || !strings.Contains(human, "stream   EVENTS  not created yet") || !regexp.MustCompile(`outbox\s+pending [1-9]`).MatchString(human) {
+		t.Errorf("fanout status before the relay: %v\n%s", err, human)
+	}
+	st := status(t, env)
+	if !st.Stream.Missing || st.Stream.Name != "EVENTS" || st.Outbox.Pending == 0 {
+		t.Errorf("fanout status --json before the relay: %+v; want the stream missing and the pending rows", st)
+	}
+}

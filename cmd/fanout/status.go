@@ -30,6 +30,8 @@ type Status struct {
 		Bytes    uint64 `json:"bytes"`
 		FirstSeq uint64 `json:"first_seq"`
 		LastSeq  uint64 `json:"last_seq"`
+		// Missing: the stream does not exist yet (the relay creates it).
+		Missing bool `json:"missing,omitempty"`
 	} `json:"stream"`
 	Subscribers []SubscriberStatus `json:"subscribers"`
 }
@@ -80,16 +82,20 @@ FROM outbox`).Scan(&st.Outbox.Pending, &st.Outbox.Sending, &st.Outbox.Sent, &st.
 			if err != nil {
 				return fmt.Errorf("outbox: %w", err)
 			}
+			// A stream not created yet (a fresh installation, the relay not
+			// started) is a state to report, not an error.
+			st.Stream.Name = a.cfg.Stream.Name
 			stream, err := js.Stream(ctx, a.cfg.Stream.Name)
-			if err != nil {
+			switch {
+			case errors.Is(err, jetstream.ErrStreamNotFound):
+				st.Stream.Missing = true
+			case err != nil:
 				return fmt.Errorf("stream %s: %w", a.cfg.Stream.Name, err)
+			default:
+				info := stream.CachedInfo()
+				st.Stream.Messages, st.Stream.Bytes = info.State.Msgs, info.State.Bytes
+				st.Stream.FirstSeq, st.Stream.LastSeq = info.State.FirstSeq, info.State.LastSeq
 			}
-			info, err := stream.Info(ctx)
-			if err != nil {
-				return err
-			}
-			st.Stream.Name, st.Stream.Messages, st.Stream.Bytes = info.Config.Name, info.State.Msgs, info.State.Bytes
-			st.Stream.FirstSeq, st.Stream.LastSeq = info.State.FirstSeq, info.State.LastSeq
 
 			checkpoints := map[string]int64{}
 			rows, err := pool.Query(ctx, `SELECT subscriber, count(*) FROM processed_events GROUP BY subscriber`)
@@ -119,13 +125,15 @@ FROM outbox`).Scan(&st.Outbox.Pending, &st.Outbox.Sending, &st.Outbox.Sent, &st.
 				names[n] = true
 			}
 			consumers := map[string]*jetstream.ConsumerInfo{}
-			lister := stream.ListConsumers(ctx)
-			for ci := range lister.Info() {
-				consumers[ci.Name] = ci
-				names[ci.Name] = true
-			}
-			if err := lister.Err(); err != nil {
-				return err
+			if stream != nil {
+				lister := stream.ListConsumers(ctx)
+				for ci := range lister.Info() {
+					consumers[ci.Name] = ci
+					names[ci.Name] = true
+				}
+				if err := lister.Err(); err != nil {
+					return err
+				}
 			}
 			for n := range names {
 				s := SubscriberStatus{Name: n, Checkpoint: checkpoints[n], DeadLetters: dead[n]}
@@ -178,7 +186,11 @@ func printStatus(w io.Writer, st Status) {
 	o := st.Outbox
 	fmt.Fprintf(w, "outbox   pending %d  sending %d  sent %d (retained)  failed %d  oldest pending %s\n",
 		o.Pending, o.Sending, o.Sent, o.Failed, (time.Duration(o.OldestPendingAge * float64(time.Second))).Round(time.Millisecond))
-	fmt.Fprintf(w, "stream   %s  %d messages  %d bytes  seq %d..%d\n\n", st.Stream.Name, st.Stream.Messages, st.Stream.Bytes, st.Stream.FirstSeq, st.Stream.LastSeq)
+	if st.Stream.Missing {
+		fmt.Fprintf(w, "stream   %s  not created yet (the relay creates it at start with stream.provision auto)\n\n", st.Stream.Name)
+	} else {
+		fmt.Fprintf(w, "stream   %s  %d messages  %d bytes  seq %d..%d\n\n", st.Stream.Name, st.Stream.Messages, st.Stream.Bytes, st.Stream.FirstSeq, st.Stream.LastSeq)
+	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "SUBSCRIBER\tPENDING\tACK PENDING\tREDELIVERED\tCHECKPOINT\tDEAD LETTERS")
 	for _, s := range st.Subscribers {
