@@ -23,7 +23,13 @@ type Drift struct {
 	Extra                []string // in the index, not in SQL (deleted products)
 	Different            []int64  // in both, with different fields or versions
 	Sampled              int      // documents compared (0: every document)
+
+	// versions holds, for each id in Different that CheckIDs compared, the
+	// product's SQL version and its document's version.
+	versions map[int64]versionPair
 }
+
+type versionPair struct{ sql, index int64 }
 
 // Total is the number of drifted documents (a count mismatch counts once if
 // the sample found nothing).
@@ -158,6 +164,10 @@ func CheckIDs(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index s
 			d.Missing = append(d.Missing, id)
 		case inSQL && !same(doc, p):
 			d.Different = append(d.Different, id)
+			if d.versions == nil {
+				d.versions = map[int64]versionPair{}
+			}
+			d.versions[id] = versionPair{sql: p.Version, index: doc.Version}
 		}
 	}
 	return d, nil

@@ -273,3 +273,34 @@ func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
 	f.env.Settle(searchindex.Name)
 	f.noDrift(t)
 }
+
+// Products that change faster than a verification round (every product
+// here changes dozens of times a second) are behind SQL at every check; the
+// reindex still verifies and swaps, because each replay brings them to the
+// version SQL had before it.
+func TestReindexVerifiesHotProducts(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 5)
+	f.env.StartRunner(f.handler(), nil)
+	f.env.Settle(searchindex.Name)
+	ctx := context.Background()
+	lctx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 300, Rand: rand.New(rand.NewPCG(11, 11)), Logger: f.env.Logger, Mix: demo.Mix{Price: 50, Stock: 50}}
+		_ = d.Run(lctx)
+	}()
+	time.Sleep(300 * time.Millisecond)
+	rep, err := f.reindexer().Reindex(ctx)
+	stop()
+	<-done
+	if err != nil {
+		t.Fatalf("reindex under hot updates: %v", err)
+	}
+	if f.current(t) != rep.To {
+		t.Errorf("alias at %s after the reindex, want %s", f.current(t), rep.To)
+	}
+	f.env.Settle(searchindex.Name)
+	f.noDrift(t)
+}
