@@ -10,11 +10,9 @@ import (
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/internal/tracing"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/exporters/stdout/stdouttrace"
-	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 )
 
 // app holds what every subcommand loads: the configuration and the logger.
@@ -36,17 +34,15 @@ func (a *app) load() error {
 	}
 	a.cfg = cfg
 	a.logger = logging.New(os.Stderr, cfg.Log.Format, cfg.Log.Level)
-	if cfg.Tracing.Exporter == "stdout" {
-		exp, err := stdouttrace.New(stdouttrace.WithWriter(os.Stderr))
-		if err != nil {
-			return fmt.Errorf("tracing.exporter: %w", err)
-		}
-		tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp))
-		otel.SetTracerProvider(tp)
-		a.shutdownTracing = func() {
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			defer cancel()
-			_ = tp.Shutdown(ctx)
+	shutdown, err := tracing.Setup(context.Background(), cfg.Tracing, os.Stderr, logging.Component(a.logger, "tracing"))
+	if err != nil {
+		return err
+	}
+	a.shutdownTracing = func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := shutdown(ctx); err != nil {
+			a.logger.Warn("flushing spans", "exporter", cfg.Tracing.Exporter, "error", err)
 		}
 	}
 	return nil

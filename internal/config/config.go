@@ -235,8 +235,15 @@ type HTTP struct {
 // Tracing is OpenTelemetry tracing. The W3C trace context always travels
 // from writers to handlers; spans are exported only if an exporter is set.
 type Tracing struct {
-	// Exporter is none or stdout (spans as JSON on stderr). Default none.
+	// Exporter is none, stdout (spans as JSON on stderr) or otlp (OTLP over
+	// HTTP to a collector). Default none.
 	Exporter string `koanf:"exporter"`
+	// OTLPEndpoint is the collector's full traces URL for exporter otlp,
+	// such as http://otel-collector:4318/v1/traces. Empty: the standard
+	// OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT
+	// variable, else http://localhost:4318/v1/traces. Headers (say, an API
+	// key) come from OTEL_EXPORTER_OTLP_HEADERS. Default empty.
+	OTLPEndpoint string `koanf:"otlp_endpoint"`
 }
 
 // Log is the process log.
@@ -353,7 +360,8 @@ func defaults() map[string]any {
 		"http.addr":                  "127.0.0.1:9464",
 		"http.ready_max_pending_age": "1m",
 
-		"tracing.exporter": "none",
+		"tracing.exporter":      "none",
+		"tracing.otlp_endpoint": "",
 
 		"log.level":  "info",
 		"log.format": "auto",
@@ -631,7 +639,12 @@ func (c *Config) Validate() error {
 	}
 	positive("http.ready_max_pending_age", c.HTTP.ReadyMaxPendingAge)
 
-	oneOf("tracing.exporter", c.Tracing.Exporter, "none", "stdout")
+	oneOf("tracing.exporter", c.Tracing.Exporter, "none", "stdout", "otlp")
+	if c.Tracing.OTLPEndpoint != "" {
+		if u, err := url.Parse(c.Tracing.OTLPEndpoint); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			bad("tracing.otlp_endpoint", "must be an http:// or https:// URL such as http://otel-collector:4318/v1/traces (got %q)", RedactURL(c.Tracing.OTLPEndpoint))
+		}
+	}
 
 	oneOf("log.level", c.Log.Level, "debug", "info", "warn", "error")
 	oneOf("log.format", c.Log.Format, "auto", "json", "text")

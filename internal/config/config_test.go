@@ -60,6 +60,8 @@ func TestErrorsNameTheKey(t *testing.T) {
 		{env: []string{"FANOUT_RELAY_LEASE=soon"}, want: "relay.lease"},
 		{yaml: "relay:\n  batchsize: 5\n", want: `unknown config key "relay.batchsize"`},
 		{yaml: "stream:\n  name: my.events\n", want: "stream.name must be"},
+		{env: []string{"FANOUT_TRACING_EXPORTER=jaeger"}, want: `tracing.exporter must be one of none, stdout, otlp (got "jaeger")`},
+		{env: []string{"FANOUT_TRACING_EXPORTER=otlp", "FANOUT_TRACING_OTLP_ENDPOINT=otel-collector:4318"}, want: "tracing.otlp_endpoint must be an http:// or https:// URL"},
 	} {
 		path := ""
 		if tc.yaml != "" {
