@@ -187,7 +187,7 @@ func printStatus(w io.Writer, st Status) {
 	fmt.Fprintf(w, "outbox   pending %d  sending %d  sent %d (retained)  failed %d  oldest pending %s\n",
 		o.Pending, o.Sending, o.Sent, o.Failed, (time.Duration(o.OldestPendingAge * float64(time.Second))).Round(time.Millisecond))
 	if st.Stream.Missing {
-		fmt.Fprintf(w, "stream   %s  not created yet (the relay creates it at start with stream.provision auto)\n\n", st.Stream.Name)
+		fmt.Fprintf(w, "stream   %s  not created yet (the relay creates it at start unless stream.provision is verify or off)\n\n", st.Stream.Name)
 	} else {
 		fmt.Fprintf(w, "stream   %s  %d messages  %d bytes  seq %d..%d\n\n", st.Stream.Name, st.Stream.Messages, st.Stream.Bytes, st.Stream.FirstSeq, st.Stream.LastSeq)
 	}

@@ -10,6 +10,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
@@ -57,10 +58,10 @@ func Setup(ctx context.Context, cfg config.Tracing, stderr io.Writer, logger *sl
 	return tp.Shutdown, nil
 }
 
-// serviceResource names the service fanout unless OTEL_SERVICE_NAME (or
-// OTEL_RESOURCE_ATTRIBUTES) names it otherwise.
+// serviceResource names the service fanout unless OTEL_SERVICE_NAME or
+// OTEL_RESOURCE_ATTRIBUTES names it otherwise.
 func serviceResource() *resource.Resource {
-	if os.Getenv("OTEL_SERVICE_NAME") != "" {
+	if os.Getenv("OTEL_SERVICE_NAME") != "" || strings.Contains(os.Getenv("OTEL_RESOURCE_ATTRIBUTES"), "service.name=") {
 		return resource.Default()
 	}
 	r, err := resource.Merge(resource.Default(), resource.NewSchemaless(attribute.String("service.name", "fanout")))

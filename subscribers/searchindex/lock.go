@@ -21,6 +21,8 @@ const lockClass = 0x66616e // "fan"
 // loaded, and two reindexes would share the replay consumer. It holds a
 // Postgres session advisory lock on a connection of its own, so a command
 // that dies releases it with its connection. unlock closes that connection.
+// Session advisory locks need a session: behind PgBouncer in transaction
+// pooling mode, point postgres.url at Postgres itself for these commands.
 func Lock(ctx context.Context, pool *pgxpool.Pool, alias string) (unlock func(), err error) {
 	conn, err := pool.Acquire(ctx)
 	if err != nil {
@@ -32,8 +34,15 @@ func Lock(ctx context.Context, pool *pgxpool.Pool, alias string) (unlock func(),
 		return nil, fmt.Errorf("take the reindex lock: %w", err)
 	}
 	if !locked {
+		// Name the holder, so an operator can tell a running command from
+		// a session left behind (pg_stat_activity, pg_terminate_backend).
+		var holders string
+		_ = conn.QueryRow(ctx, `
+SELECT coalesce(string_agg(pid::text, ', '), 'unknown') FROM pg_locks
+WHERE locktype = 'advisory' AND granted AND classid = $1::int::oid
+  AND objid = (hashtext($2)::bigint & 4294967295)::oid AND objsubid = 2`, lockClass, alias).Scan(&holders)
 		conn.Release()
-		return nil, fmt.Errorf("%w on alias %s (it holds a Postgres advisory lock; run again once it has ended)", ErrBusy, alias)
+		return nil, fmt.Errorf("%w on alias %s: Postgres backend %s holds its advisory lock; run again once it has ended", ErrBusy, alias, holders)
 	}
 	// The connection leaves the pool: closing it is the unlock, and no
 	// other caller can be handed a connection that holds the lock.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -217,8 +218,9 @@ func TestReindexLockIsExclusive(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := searchindex.Lock(ctx, f.env.DB.Pool, f.alias); !errors.Is(err, searchindex.ErrBusy) || !strings.Contains(err.Error(), f.alias) {
-		t.Fatalf("second lock while the first is held: %v; want ErrBusy naming the alias", err)
+	if _, err := searchindex.Lock(ctx, f.env.DB.Pool, f.alias); !errors.Is(err, searchindex.ErrBusy) || !strings.Contains(err.Error(), f.alias) ||
+		!regexp.MustCompile(`backend [0-9]+ holds`).MatchString(err.Error()) {
+		t.Fatalf("second lock while the first is held: %v; want ErrBusy naming the alias and the holder's pid", err)
 	}
 	other, err := searchindex.Lock(ctx, f.env.DB.Pool, f.alias+"-other")
 	if err != nil {

@@ -20,12 +20,27 @@ import (
 // one name is enough.
 const ReplayConsumer = "searchindex_reindex"
 
-const replayFetch = 500
+const (
+	replayFetch = 500
+	// replayRestarts bounds how often one replay starts its consumer again
+	// (after a gap, or when the server lost it).
+	replayRestarts = 10
+)
+
+// consumerGone reports an error that means the replay consumer no longer
+// exists: deleted as inactive, or lost with a cluster node (it has one
+// replica, in memory).
+func consumerGone(err error) bool {
+	return errors.Is(err, jetstream.ErrConsumerNotFound) || errors.Is(err, jetstream.ErrConsumerDeleted) ||
+		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoHeartbeat)
+}
 
 // replayConsumerConfig reads the product and brand events from sequence
 // from on, without acks (the reader tracks its own position), and lives on
 // the server only while a reindex reads it: a reindex that died leaves it
-// behind for a minute at most.
+// behind for ten minutes at most. (A pull consumer is inactive while no
+// pull is waiting, which includes the time a batch is being indexed: the
+// threshold is long so that a slow engine does not delete it mid-replay.)
 func replayConsumerConfig(stream config.Stream, from uint64) jetstream.ConsumerConfig {
 	return jetstream.ConsumerConfig{
 		Name:              ReplayConsumer,
@@ -34,7 +49,7 @@ func replayConsumerConfig(stream config.Stream, from uint64) jetstream.ConsumerC
 		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
 		OptStartSeq:       from,
 		AckPolicy:         jetstream.AckNonePolicy,
-		InactiveThreshold: time.Minute,
+		InactiveThreshold: 10 * time.Minute,
 		MemoryStorage:     true,
 		Replicas:          1,
 	}
@@ -80,9 +95,28 @@ func ReadEvents(ctx context.Context, js jetstream.JetStream, stream config.Strea
 		_ = s.DeleteConsumer(dctx, ReplayConsumer) // if this fails, the inactive threshold removes it
 	}()
 	var delivered uint64 // the last consumer sequence received
+	restarts := 0
+	restart := func(cause error) error {
+		if restarts++; restarts > replayRestarts {
+			return fmt.Errorf("replay consumer %s: restarted %d times, last because of: %w", ReplayConsumer, replayRestarts, cause)
+		}
+		var err error
+		cons, err = start()
+		delivered = 0
+		return err
+	}
 	for pos < upTo {
+		if err := ctx.Err(); err != nil {
+			return read, pos, err
+		}
 		batch, err := cons.Fetch(replayFetch, jetstream.FetchMaxWait(time.Second))
 		if err != nil {
+			if consumerGone(err) {
+				if err := restart(err); err != nil {
+					return read, pos, err
+				}
+				continue
+			}
 			return read, pos, err
 		}
 		var evs []subscribers.Event
@@ -101,29 +135,47 @@ func ReadEvents(ctx context.Context, js jetstream.JetStream, stream config.Strea
 			}
 			evs = append(evs, ev)
 		}
-		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, nats.ErrTimeout) {
-			return read, pos, err
-		}
 		if len(evs) > 0 {
 			if err := fn(evs); err != nil {
-				return read, pos, err
+				return read, evs[0].StreamSeq - 1, err
 			}
 			read += len(evs)
 		}
-		if gap {
-			if cons, err = start(); err != nil {
+		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, nats.ErrTimeout) {
+			if !consumerGone(err) {
 				return read, pos, err
 			}
-			delivered = 0
+			gap = true
+		}
+		if gap {
+			if err := restart(errors.New("a gap in the consumer sequence")); err != nil {
+				return read, pos, err
+			}
 			continue
 		}
 		if received < replayFetch {
 			info, err := cons.Info(ctx)
+			if consumerGone(err) {
+				if err := restart(err); err != nil {
+					return read, pos, err
+				}
+				continue
+			}
 			if err != nil {
 				return read, pos, err
 			}
+			// Nothing left for the consumer to deliver, and everything it
+			// delivered arrived: the rest of the stream concerns no product.
+			// Messages delivered but lost on the way (a connection cut at the
+			// end of a fetch) leave no later message to reveal the gap; the
+			// delivered count does.
 			if info.NumPending == 0 {
-				break // the rest of the stream concerns no product
+				if info.Delivered.Consumer == delivered {
+					break
+				}
+				if err := restart(errors.New("messages delivered but not received")); err != nil {
+					return read, pos, err
+				}
 			}
 		}
 	}

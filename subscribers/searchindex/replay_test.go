@@ -1,0 +1,74 @@
+package searchindex_test
+
+import (
+	"context"
+	"slices"
+	"strconv"
+	"testing"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/searchindex"
+	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// The replay reads every event once, even when the server loses
+// its consumer mid-replay, and when the consumer is replaced behind its
+// back (its sequence restarts: a gap the reader must notice).
+func TestReadEventsSurvivesALostOrReplacedConsumer(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	ctx := context.Background()
+	var evs []outbox.Event
+	for i := range 1200 {
+		evs = append(evs, outbox.Event{AggregateType: "product", AggregateID: strconv.Itoa(i), Type: "product.updated",
+			Payload: map[string]int{"product_id": i}})
+	}
+	ids := env.Write(func(pgx.Tx) ([]outbox.Event, error) { return evs, nil })
+	env.WaitSent(ids...)
+	stream, err := env.JS.Stream(ctx, env.Config.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := stream.CachedInfo().State.LastSeq
+
+	var got []int64
+	calls := 0
+	read, pos, err := searchindex.ReadEvents(ctx, env.JS, env.Config.Stream, 0, last, func(batch []subscribers.Event) error {
+		calls++
+		for _, ev := range batch {
+			got = append(got, ev.ID)
+		}
+		switch calls {
+		case 1: // lost: deleted as inactive, or with its node
+			if err := stream.DeleteConsumer(ctx, searchindex.ReplayConsumer); err != nil {
+				t.Fatal(err)
+			}
+		case 2: // replaced, starting further on
+			if err := stream.DeleteConsumer(ctx, searchindex.ReplayConsumer); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := stream.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: searchindex.ReplayConsumer, AckPolicy: jetstream.AckNonePolicy,
+				DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: last - 10}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Stream order is the relay's publish order, not id order: compare
+	// the sets, duplicates included.
+	slices.Sort(got)
+	slices.Sort(ids)
+	if calls < 3 || read != len(ids) || pos != last || !slices.Equal(got, ids) {
+		t.Errorf("replay: %d calls, read %d events up to seq %d; want each of the %d events once, up to %d (got %d events, %d distinct)",
+			calls, read, pos, len(ids), last, len(got), len(slices.Compact(slices.Clone(got))))
+	}
+	if _, err := stream.Consumer(ctx, searchindex.ReplayConsumer); err == nil {
+		t.Error("the replay consumer outlived the replay")
+	}
+}
