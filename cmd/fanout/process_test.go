@@ -113,19 +113,36 @@ func (p *process) terminate(t *testing.T, within time.Duration) error {
 	}
 }
 
+// logLine is the part of a JSON log line the tests read.
+type logLine struct {
+	Msg        string `json:"msg"`
+	Addr       string `json:"addr"`
+	Subscriber string `json:"subscriber"`
+	Events     int    `json:"events"`
+}
+
+// logLines returns the process's JSON log lines so far.
+func (p *process) logLines() []logLine {
+	var lines []logLine
+	sc := bufio.NewScanner(strings.NewReader(p.output()))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var line logLine
+		if json.Unmarshal(sc.Bytes(), &line) == nil {
+			lines = append(lines, line)
+		}
+	}
+	return lines
+}
+
 // opsAddr waits for the process's "operations endpoint listening" line and
 // returns the address.
 func (p *process) opsAddr(t *testing.T) string {
 	t.Helper()
 	var addr string
 	subscribertest.WaitFor(t, 20*time.Second, "the operations endpoint of "+p.name, func() (bool, string) {
-		sc := bufio.NewScanner(strings.NewReader(p.output()))
-		for sc.Scan() {
-			var line struct {
-				Msg  string `json:"msg"`
-				Addr string `json:"addr"`
-			}
-			if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "operations endpoint listening" {
+		for _, line := range p.logLines() {
+			if line.Msg == "operations endpoint listening" {
 				addr = line.Addr
 				return true, ""
 			}
@@ -153,14 +170,8 @@ func get(t *testing.T, addr, path string) (int, string) {
 func (p *process) waitStarted(t *testing.T, subscriber string) {
 	t.Helper()
 	subscribertest.WaitFor(t, 30*time.Second, subscriber+" started in "+p.name, func() (bool, string) {
-		sc := bufio.NewScanner(strings.NewReader(p.output()))
-		sc.Buffer(make([]byte, 1<<20), 1<<20)
-		for sc.Scan() {
-			var line struct {
-				Msg        string `json:"msg"`
-				Subscriber string `json:"subscriber"`
-			}
-			if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "subscriber started" && line.Subscriber == subscriber {
+		for _, line := range p.logLines() {
+			if line.Msg == "subscriber started" && line.Subscriber == subscriber {
 				return true, ""
 			}
 		}
@@ -172,15 +183,8 @@ func (p *process) waitStarted(t *testing.T, subscriber string) {
 // for a subscriber.
 func (p *process) handled(subscriber string) int {
 	n := 0
-	sc := bufio.NewScanner(strings.NewReader(p.output()))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		var line struct {
-			Msg        string `json:"msg"`
-			Subscriber string `json:"subscriber"`
-			Events     int    `json:"events"`
-		}
-		if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "batch handled" && line.Subscriber == subscriber {
+	for _, line := range p.logLines() {
+		if line.Msg == "batch handled" && line.Subscriber == subscriber {
 			n += line.Events
 		}
 	}

@@ -23,6 +23,23 @@ func (f *fixture) reindexer() *searchindex.Reindexer {
 		Search: f.env.Config.Search, Logger: f.env.Logger, Loaders: 2}
 }
 
+// reindexUnderLoad reindexes while the demo writer changes products at
+// rate writes/s.
+func (f *fixture) reindexUnderLoad(rate int, seed uint64, mix demo.Mix) (searchindex.ReindexReport, error) {
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		d := &demo.Driver{Pool: f.env.DB.Pool, Rate: rate, Rand: rand.New(rand.NewPCG(seed, seed)), Logger: f.env.Logger, Mix: mix}
+		_ = d.Run(ctx)
+	}()
+	time.Sleep(300 * time.Millisecond)
+	rep, err := f.reindexer().Reindex(context.Background())
+	stop()
+	<-done
+	return rep, err
+}
+
 func (f *fixture) current(t *testing.T) string {
 	t.Helper()
 	cur, err := searchindex.Current(context.Background(), f.client, f.alias)
@@ -252,17 +269,7 @@ func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Changes during the reindex, so it has events to replay.
-	lctx, stop := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 200, Rand: rand.New(rand.NewPCG(9, 9)), Logger: f.env.Logger, Mix: demo.Mix{Price: 80, Stock: 20}}
-		_ = d.Run(lctx)
-	}()
-	time.Sleep(300 * time.Millisecond)
-	rep, err := f.reindexer().Reindex(ctx)
-	stop()
-	<-done
+	rep, err := f.reindexUnderLoad(200, 9, demo.Mix{Price: 80, Stock: 20})
 	if err != nil {
 		t.Fatalf("reindex with a leftover replay consumer: %v", err)
 	}
@@ -285,18 +292,7 @@ func TestReindexVerifiesHotProducts(t *testing.T) {
 	f := newFixture(t, search.OpenSearch, 5)
 	f.env.StartRunner(f.handler(), nil)
 	f.env.Settle(searchindex.Name)
-	ctx := context.Background()
-	lctx, stop := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 300, Rand: rand.New(rand.NewPCG(11, 11)), Logger: f.env.Logger, Mix: demo.Mix{Price: 50, Stock: 50}}
-		_ = d.Run(lctx)
-	}()
-	time.Sleep(300 * time.Millisecond)
-	rep, err := f.reindexer().Reindex(ctx)
-	stop()
-	<-done
+	rep, err := f.reindexUnderLoad(300, 11, demo.Mix{Price: 50, Stock: 50})
 	if err != nil {
 		t.Fatalf("reindex under hot updates: %v", err)
 	}
