@@ -51,6 +51,35 @@ type Querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
+// ProductPages calls fn with every product in id order, pageSize at a time.
+// Each page is one short statement, read whole before fn runs, so no
+// statement outlives postgres.statement_timeout however large the catalog
+// or slow the consumer; run it in a REPEATABLE READ transaction for one
+// snapshot across the pages.
+func ProductPages(ctx context.Context, q Querier, pageSize int, fn func([]Product) error) error {
+	after := int64(0)
+	for {
+		rows, err := q.Query(ctx, `SELECT `+ProductColumns+` FROM `+ProductFrom+` WHERE p.id > $1 ORDER BY p.id LIMIT $2`, after, pageSize)
+		if err != nil {
+			return fmt.Errorf("read products after id %d: %w", after, err)
+		}
+		page, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Product, error) { return ScanProduct(row) })
+		if err != nil {
+			return fmt.Errorf("read products after id %d: %w", after, err)
+		}
+		if len(page) == 0 {
+			return nil
+		}
+		if err := fn(page); err != nil {
+			return err
+		}
+		if len(page) < pageSize {
+			return nil
+		}
+		after = page[len(page)-1].ID
+	}
+}
+
 // LoadProducts returns the documents of the products that exist among ids,
 // read in one snapshot. Missing ids are simply absent.
 func LoadProducts(ctx context.Context, q Querier, ids []int64) (map[int64]Product, error) {

@@ -65,6 +65,9 @@ func head[T any](xs []T) string {
 	return "(" + strings.Join(parts, ", ") + ")"
 }
 
+// checkPage is how many products a full check reads per statement.
+const checkPage = 5000
+
 // Check compares index with SQL. With sample > 0 it compares the counts and
 // that many random products; with sample 0, the counts and every document.
 func Check(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index string, sample int) (Drift, error) {
@@ -94,26 +97,24 @@ func Check(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index stri
 	if err != nil {
 		return d, err
 	}
-	rows, err := pool.Query(ctx, `SELECT `+shop.ProductColumns+` FROM `+shop.ProductFrom+` ORDER BY p.id`)
+	// The SQL side in pages of one snapshot: no statement outlives
+	// postgres.statement_timeout on a large catalog.
+	err = pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		return shop.ProductPages(ctx, tx, checkPage, func(page []shop.Product) error {
+			for _, p := range page {
+				doc, ok := indexed[p.ID]
+				delete(indexed, p.ID)
+				switch {
+				case !ok:
+					d.Missing = append(d.Missing, p.ID)
+				case !same(doc, p):
+					d.Different = append(d.Different, p.ID)
+				}
+			}
+			return nil
+		})
+	})
 	if err != nil {
-		return d, err
-	}
-	for rows.Next() {
-		p, err := shop.ScanProduct(rows)
-		if err != nil {
-			rows.Close()
-			return d, err
-		}
-		doc, ok := indexed[p.ID]
-		delete(indexed, p.ID)
-		switch {
-		case !ok:
-			d.Missing = append(d.Missing, p.ID)
-		case !same(doc, p):
-			d.Different = append(d.Different, p.ID)
-		}
-	}
-	if err := rows.Err(); err != nil {
 		return d, err
 	}
 	for id := range indexed {

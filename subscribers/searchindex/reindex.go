@@ -38,6 +38,9 @@ type Reindexer struct {
 	Progress io.Writer
 	// Loaders is how many bulk requests are in flight during the load.
 	Loaders int
+	// PageSize is how many products the load reads per statement (0:
+	// 5000). Each page is a short statement in the load's snapshot.
+	PageSize int
 }
 
 // Failure is a document the engine refused.
@@ -244,43 +247,30 @@ func (r *Reindexer) load(ctx context.Context, index string) (total, loaded int64
 	}
 	g.Go(func() error {
 		defer close(batches)
-		// The cursor streams rows: memory holds one batch per loader.
-		rows, err := tx.Query(gctx, `SELECT `+shop.ProductColumns+` FROM `+shop.ProductFrom+` ORDER BY p.id`)
-		if err != nil {
-			return err
+		// Pages of the snapshot: memory holds one page and one batch per
+		// loader.
+		page := r.PageSize
+		if page <= 0 {
+			page = 5000
 		}
-		defer rows.Close()
-		ops := make([]search.Op, 0, r.Search.BulkSize)
-		for rows.Next() {
-			p, err := shop.ScanProduct(rows)
-			if err != nil {
-				return err
-			}
-			doc, err := Document(p)
-			if err != nil {
-				return err
-			}
-			ops = append(ops, search.Op{ID: strconv.FormatInt(p.ID, 10), Version: p.Version, Doc: doc})
-			if len(ops) == r.Search.BulkSize {
+		return shop.ProductPages(gctx, tx, page, func(page []shop.Product) error {
+			for chunk := range slices.Chunk(page, r.Search.BulkSize) {
+				ops := make([]search.Op, 0, len(chunk))
+				for _, p := range chunk {
+					doc, err := Document(p)
+					if err != nil {
+						return err
+					}
+					ops = append(ops, search.Op{ID: strconv.FormatInt(p.ID, 10), Version: p.Version, Doc: doc})
+				}
 				select {
 				case batches <- ops:
 				case <-gctx.Done():
 					return gctx.Err()
 				}
-				ops = make([]search.Op, 0, r.Search.BulkSize)
 			}
-		}
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		if len(ops) > 0 {
-			select {
-			case batches <- ops:
-			case <-gctx.Done():
-				return gctx.Err()
-			}
-		}
-		return nil
+			return nil
+		})
 	})
 	err = g.Wait()
 	if bar != nil {

@@ -15,6 +15,7 @@ import (
 	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/subscribers/searchindex"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -301,4 +302,36 @@ func TestReindexVerifiesHotProducts(t *testing.T) {
 	}
 	f.env.Settle(searchindex.Name)
 	f.noDrift(t)
+}
+
+// A load that takes longer than postgres.statement_timeout still goes
+// through: it reads its snapshot in short statements, and so does a full
+// check.
+func TestReindexOutlastsTheStatementTimeout(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 1500)
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(f.env.DB.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "100" // ms; the whole load takes longer, a page of 100 far less
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	r := f.reindexer()
+	r.Pool, r.PageSize = pool, 100
+	rep, err := r.Reindex(ctx)
+	if err != nil {
+		t.Fatalf("reindex with a 100ms statement timeout: %v", err)
+	}
+	if rep.Snapshot != 1500 || rep.Loaded != 1500 || rep.LoadTime < 100*time.Millisecond {
+		t.Errorf("reindex: %+v; want 1500 of 1500 loaded, in longer than the statement timeout", rep)
+	}
+	d, err := searchindex.Check(ctx, f.client, pool, rep.To, 0)
+	if err != nil || d.Total() != 0 {
+		t.Errorf("full check with a 100ms statement timeout: %v, drift %s", err, d)
+	}
 }
