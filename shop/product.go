@@ -3,6 +3,7 @@ package shop
 import (
 	"context"
 	"fmt"
+	"strconv"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -51,32 +52,35 @@ type Querier interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
-// ProductPages calls fn with every product in id order, pageSize at a time.
-// Each page is one short statement, read whole before fn runs, so no
-// statement outlives postgres.statement_timeout however large the catalog
-// or slow the consumer; run it in a REPEATABLE READ transaction for one
-// snapshot across the pages.
-func ProductPages(ctx context.Context, q Querier, pageSize int, fn func([]Product) error) error {
-	after := int64(0)
+// ProductPages calls fn with every product in id order, pageSize at a time,
+// through a cursor of tx: one pass over the tables, with each FETCH its own
+// short statement, read whole before fn runs, so no statement outlives
+// postgres.statement_timeout however large the catalog or slow the
+// consumer. (Keyset pages of the join cost a scan of inventory each.) Use a
+// REPEATABLE READ transaction for one snapshot across the pages.
+func ProductPages(ctx context.Context, tx pgx.Tx, pageSize int, fn func([]Product) error) error {
+	if _, err := tx.Exec(ctx, `DECLARE fanout_products NO SCROLL CURSOR FOR SELECT `+ProductColumns+` FROM `+ProductFrom+` ORDER BY p.id`); err != nil {
+		return fmt.Errorf("read products: %w", err)
+	}
+	fetch := `FETCH FORWARD ` + strconv.Itoa(pageSize) + ` FROM fanout_products`
 	for {
-		rows, err := q.Query(ctx, `SELECT `+ProductColumns+` FROM `+ProductFrom+` WHERE p.id > $1 ORDER BY p.id LIMIT $2`, after, pageSize)
+		rows, err := tx.Query(ctx, fetch)
 		if err != nil {
-			return fmt.Errorf("read products after id %d: %w", after, err)
+			return fmt.Errorf("read products: %w", err)
 		}
 		page, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Product, error) { return ScanProduct(row) })
 		if err != nil {
-			return fmt.Errorf("read products after id %d: %w", after, err)
+			return fmt.Errorf("read products: %w", err)
 		}
-		if len(page) == 0 {
-			return nil
-		}
-		if err := fn(page); err != nil {
-			return err
+		if len(page) > 0 {
+			if err := fn(page); err != nil {
+				return err
+			}
 		}
 		if len(page) < pageSize {
-			return nil
+			_, err := tx.Exec(ctx, `CLOSE fanout_products`)
+			return err
 		}
-		after = page[len(page)-1].ID
 	}
 }
 
