@@ -65,8 +65,9 @@ func head[T any](xs []T) string {
 	return "(" + strings.Join(parts, ", ") + ")"
 }
 
-// checkPage is how many products a full check reads per statement.
-const checkPage = 5000
+// productPage is how many products the load and a full check read per
+// statement.
+const productPage = 5000
 
 // Check compares index with SQL. With sample > 0 it compares the counts and
 // that many random products; with sample 0, the counts and every document.
@@ -100,7 +101,7 @@ func Check(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index stri
 	// The SQL side in pages of one snapshot: no statement outlives
 	// postgres.statement_timeout on a large catalog.
 	err = pgx.BeginTxFunc(ctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
-		return shop.ProductPages(ctx, tx, checkPage, func(page []shop.Product) error {
+		return shop.ProductPages(ctx, tx, productPage, func(page []shop.Product) error {
 			for _, p := range page {
 				doc, ok := indexed[p.ID]
 				delete(indexed, p.ID)

@@ -39,7 +39,7 @@ type Reindexer struct {
 	// Loaders is how many bulk requests are in flight during the load.
 	Loaders int
 	// PageSize is how many products the load reads per statement (0:
-	// 5000). Each page is a short statement in the load's snapshot.
+	// productPage). Each page is a short statement in the load's snapshot.
 	PageSize int
 }
 
@@ -251,7 +251,7 @@ func (r *Reindexer) load(ctx context.Context, index string) (total, loaded int64
 		// loader.
 		page := r.PageSize
 		if page <= 0 {
-			page = 5000
+			page = productPage
 		}
 		return shop.ProductPages(gctx, tx, page, func(page []shop.Product) error {
 			for chunk := range slices.Chunk(page, r.Search.BulkSize) {
