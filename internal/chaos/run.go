@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/demo"
+	"github.com/fanout/fanout/internal/faultproxy"
 	"github.com/fanout/fanout/internal/natstest"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/internal/redistest"
@@ -58,8 +59,8 @@ type run struct {
 	pg        *pgtest.Server
 	db        *pgtest.DB
 	nats      []*natstest.Server
-	nproxy    []*Proxy
-	sproxy    *Proxy
+	nproxy    []*faultproxy.Proxy
+	sproxy    *faultproxy.Proxy
 	rdb       *redis.Client
 	search    *search.Client
 	alias     string
@@ -142,7 +143,7 @@ func (r *run) setup() {
 	}
 	var urls []string
 	for _, s := range r.nats {
-		p, err := NewProxy(strings.TrimPrefix(s.URL, "nats://"))
+		p, err := faultproxy.New(strings.TrimPrefix(s.URL, "nats://"))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -153,7 +154,7 @@ func (r *run) setup() {
 	r.rdb = redisSrv.Client(t)
 	r.search = searchtest.Client(t, search.OpenSearch)
 	r.alias = searchtest.Alias(t, r.search)
-	sp, err := NewProxy(strings.TrimPrefix(searchtest.URL(), "http://"))
+	sp, err := faultproxy.New(strings.TrimPrefix(searchtest.URL(), "http://"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,8 @@
-package chaos
+// Package faultproxy is a TCP proxy on 127.0.0.1 that tests put between a
+// process and a real server, to cut or slow the network between them
+// without touching either: the network faults of the fault run, and the
+// outages of the runtime tests.
+package faultproxy
 
 import (
 	"io"
@@ -8,8 +12,8 @@ import (
 	"time"
 )
 
-// Proxy is a TCP proxy on 127.0.0.1 that can slow down or cut the
-// connections it carries: the network faults of the run.
+// Proxy is a TCP proxy that can slow down or cut the connections it
+// carries.
 type Proxy struct {
 	Addr   string
 	target string
@@ -21,8 +25,8 @@ type Proxy struct {
 	wg     sync.WaitGroup
 }
 
-// NewProxy forwards a new local port to target.
-func NewProxy(target string) (*Proxy, error) {
+// New forwards a new local port to target.
+func New(target string) (*Proxy, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
