@@ -61,7 +61,7 @@ func loadCompose(t *testing.T) *types.Project {
 
 func TestComposeParses(t *testing.T) {
 	p := loadCompose(t)
-	for _, want := range []string{"postgres", "nats", "redis", "elasticsearch", "migrate", "relay", "invoicing", "cacheinval", "searchindex"} {
+	for _, want := range []string{"postgres", "nats", "redis", "elasticsearch", "migrate", "relay", "invoicing", "cacheinval", "searchindex", "salesledger"} {
 		if _, err := p.GetService(want); err != nil {
 			t.Errorf("service %s: %v", want, err)
 		}

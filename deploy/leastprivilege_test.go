@@ -11,7 +11,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -39,6 +38,7 @@ import (
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
 	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/fanout/fanout/subscribers/salesledger"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -56,7 +56,7 @@ func TestMain(m *testing.M) {
 // nats-server under deploy/nats/nats-server.conf
 
 // natsUsers are the users of the configuration file.
-var natsUsers = []string{"relay", "invoicing", "cacheinval", "searchindex", "admin"}
+var natsUsers = []string{"relay", "invoicing", "cacheinval", "searchindex", "salesledger", "admin"}
 
 type natsServer struct {
 	url       string
@@ -394,8 +394,7 @@ func asRole(t *testing.T, pool *pgxpool.Pool, role string, fn func(tx pgx.Tx)) {
 // fanout_relay and NATS user relay) and the invoicing subscriber (as
 // fanout_invoicing and NATS user invoicing), all through the production
 // connection code, and checks that the events flow, are acked, and that a bad
-// one and a max-deliveries advisory reach the dead letters; and that nothing
-// any of them did was refused.
+// one reaches the dead letters; and that nothing any of them did was refused.
 func TestLeastPrivilegePipeline(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -558,32 +557,20 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	}
 	scancel()
 
-	// A second start updates the existing consumer. JetStream's advisory
-	// that an event ran out of deliveries (published here by the operator,
-	// as the server would) makes it read the event by sequence and
-	// dead-letter it.
+	// A second start updates the existing consumer.
 	startInvoicing()
-	if err := invNC.Flush(); err != nil { // its advisory subscription is in place
-		t.Fatal(err)
+
+	// The runtime's memory of failed and redelivered events, as
+	// fanout_invoicing: its own rows only.
+	if _, err := invPool.Exec(ctx, `INSERT INTO subscriber_attempts (subscriber, event_id, failures) VALUES ('invoicing', 1, 1)
+ON CONFLICT (subscriber, event_id) DO UPDATE SET failures = subscriber_attempts.failures + 1`); err != nil {
+		t.Errorf("fanout_invoicing records an attempt: %v", err)
 	}
-	adv, _ := json.Marshal(map[string]any{
-		"type": "io.nats.jetstream.advisory.v1.max_deliver", "stream": cfg.Stream.Name, "consumer": invoicing.Name,
-		"stream_seq": seqOf[goodEvent], "deliveries": 11,
-	})
-	if err := admin.nc.Publish(fmt.Sprintf("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.%s.%s", cfg.Stream.Name, invoicing.Name), adv); err != nil {
-		t.Fatal(err)
+	if _, err := invPool.Exec(ctx, `DELETE FROM subscriber_attempts WHERE subscriber = 'invoicing' AND event_id = 1`); err != nil {
+		t.Errorf("fanout_invoicing forgets an attempt: %v", err)
 	}
-	waitFor(t, "the advisory's dead letter", func() bool {
-		info, err := dl.Info(ctx)
-		return err == nil && info.State.Msgs == 2
-	})
-	second, err := dl.GetMsg(ctx, 2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if second.Header.Get(subscribers.DeadStreamSeqHeader) != strconv.FormatUint(seqOf[goodEvent], 10) ||
-		!strings.Contains(second.Header.Get(subscribers.DeadReasonHeader), "no outcome after 11 deliveries") {
-		t.Errorf("advisory dead letter: headers %v", second.Header)
+	if _, err := invPool.Exec(ctx, `INSERT INTO subscriber_attempts (subscriber, event_id, failures) VALUES ('cacheinval', 1, 99)`); err == nil {
+		t.Error("fanout_invoicing wrote another subscriber's attempts")
 	}
 
 	// What these identities cannot do in Postgres.
@@ -756,24 +743,23 @@ func TestNATSPermissions(t *testing.T) {
 			if err := got[0].DoubleAck(ctx); err != nil {
 				t.Fatalf("%s acks: %v", tc.name, err)
 			}
-			raw, err := events.GetMsg(ctx, tc.seq)
-			if err != nil || raw.Subject != "events."+tc.typ {
-				t.Fatalf("%s reads event %d by sequence: %v", tc.name, tc.seq, err)
-			}
 			ack, err := tc.c.js.Publish(ctx, "deadletter."+tc.name+"."+tc.typ, []byte("{}"))
 			if err != nil || ack.Stream != cfg.Subscribers.DeadLetterStream {
 				t.Fatalf("%s publishes its dead letter: %v", tc.name, err)
-			}
-			sub, err := tc.c.nc.Subscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.EVENTS."+tc.name, func(*nats.Msg) {})
-			if err != nil {
-				t.Fatal(err)
 			}
 			info, err := c.Info(ctx)
 			if err != nil || info.AckFloor.Stream != tc.seq || info.NumAckPending != 0 {
 				t.Fatalf("%s consumer after the ack: %+v (%v)", tc.name, info, err)
 			}
 			tc.c.checkClean(t) // none of the above was refused
-			_ = sub.Unsubscribe()
+			// It reads only what its consumer delivers: no event by
+			// sequence (the cache invalidator has no business reading
+			// orders).
+			tc.c.deniedRequest(t, "$JS.API.STREAM.MSG.GET.EVENTS", func(ctx context.Context) error {
+				_, err := events.GetMsg(ctx, tc.seq)
+				return err
+			})
+			tc.c.checkClean(t)
 		}
 	})
 
@@ -968,7 +954,7 @@ func TestNATSPermissions(t *testing.T) {
 	})
 
 	t.Run("the relay cannot consume", func(t *testing.T) {
-		for _, name := range []string{invoicing.Name, cacheinval.Name, searchindex.Name} {
+		for _, name := range []string{invoicing.Name, cacheinval.Name, searchindex.Name, salesledger.Name} {
 			rel.deniedRequest(t, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, func(ctx context.Context) error {
 				_, err := rel.nc.RequestWithContext(ctx, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, []byte(`{"batch":1}`))
 				return err
@@ -1218,6 +1204,33 @@ SELECT id FROM p`).Scan(&productID)
 		denied(t, pool, "fanout_invoicing", `UPDATE invoices SET total = 0`)
 		denied(t, pool, "fanout_invoicing", `DELETE FROM invoices`)
 		denied(t, pool, "fanout_invoicing", `SELECT total FROM invoices`)
+	})
+
+	t.Run("fanout_salesledger", func(t *testing.T) {
+		pool := rolePool(t, cfg, db.URL, "fanout_salesledger")
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			ev := subscribers.Event{ID: 101, Type: shop.OrderCreated, Payload: []byte(fmt.Sprintf(`{"order_id": %d}`, orderID))}
+			if _, err := tx.Exec(ctx, `INSERT INTO processed_events (subscriber, event_id) VALUES ('salesledger', 101)`); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO subscriber_attempts (subscriber, event_id, failures) VALUES ('salesledger', 101, 1)`); err != nil {
+				return err
+			}
+			return salesledger.New().HandleTx(ctx, tx, ev)
+		})
+		if err != nil {
+			t.Fatalf("the sales ledger's work as fanout_salesledger: %v", err)
+		}
+		var units int64
+		if err := db.Pool.QueryRow(ctx, `SELECT units FROM product_sales WHERE product_id = $1`, productID).Scan(&units); err != nil || units != 1 {
+			t.Fatalf("ledger of product %d: %d units (%v), want 1", productID, units, err)
+		}
+		denied(t, pool, "fanout_salesledger", `INSERT INTO processed_events (subscriber, event_id) VALUES ('invoicing', 9)`)
+		denied(t, pool, "fanout_salesledger", `INSERT INTO subscriber_attempts (subscriber, event_id) VALUES ('invoicing', 9)`)
+		denied(t, pool, "fanout_salesledger", `DELETE FROM product_sales`)
+		denied(t, pool, "fanout_salesledger", `SELECT * FROM products`)
+		denied(t, pool, "fanout_salesledger", `SELECT * FROM outbox`)
+		denied(t, pool, "fanout_salesledger", `INSERT INTO invoices (order_id, number, total) VALUES (1, 'x', 0)`)
 	})
 
 	for _, role := range []string{"fanout_cacheinval", "fanout_searchindex"} {

@@ -50,5 +50,10 @@ func (r *Runner) Prune(ctx context.Context) (int64, error) {
 			break
 		}
 	}
+	// Attempt rows of events long gone from the stream (one whose event was
+	// neither handled nor dead-lettered: its consumer was reset).
+	if _, err := r.opts.Pool.Exec(ctx, pruneAttemptsSQL, r.name, r.opts.Stream.MaxAge.Seconds()); err != nil {
+		return total, err
+	}
 	return total, ctx.Err()
 }

@@ -24,9 +24,12 @@ func ConsumerConfig(h Handler, cfg config.Subscribers, stream config.Stream) jet
 		FilterSubjects: filters,
 		AckPolicy:      jetstream.AckExplicitPolicy,
 		AckWait:        cfg.AckWait,
-		// One delivery more than the runtime's limit: the runtime dead-letters
-		// an event that arrives past max_deliver (its last attempt hung).
-		MaxDeliver:    cfg.MaxDeliver + 1,
+		// Unlimited: the server's delivery count also counts deliveries lost
+		// to an outage (or a crash), which must never push an event out.
+		// The runtime decides when an event has had enough, from its own
+		// count of the handler's failures (subscribers.max_failures) and of
+		// the processes that died handling it (subscribers.max_crashes).
+		MaxDeliver:    -1,
 		MaxAckPending: cfg.MaxAckPending,
 		Replicas:      stream.Replicas,
 		Metadata:      map[string]string{"fanout.subscriber": h.Name()},

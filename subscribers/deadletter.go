@@ -2,7 +2,6 @@ package subscribers
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
@@ -54,20 +53,26 @@ func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg con
 	return nil
 }
 
-// deadLetter publishes the delivery to the dead letters, then terminates
-// it. If the publish fails, the event is naked instead: it must not vanish.
-func (r *Runner) deadLetter(ctx context.Context, d delivery, reason string) {
-	if err := r.publishDeadLetter(ctx, d.msg.Data(), d.msg.Headers(), d.msg.Subject(), d.ev.StreamSeq, d.ev.Delivery, reason); err != nil {
-		r.logger.Error("publish dead letter; the event will be redelivered", "event_id", d.ev.ID, "error", err)
-		_ = d.msg.NakWithDelay(r.cfg.RetryMin)
-		r.obs.Retried(r.name, 1)
-		return
+// deadLetter publishes the delivery to the dead letters with its
+// deadReason, then terminates it, and reports whether it did. If the
+// publish fails, the dead-letter stream counts as a dependency that is down:
+// the event stays in hand, unacked, and is tried again when it answers.
+// Nothing is termed before its dead letter has a PubAck.
+func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
+	if err := r.publishDeadLetter(ctx, d.msg.Data(), d.msg.Headers(), d.msg.Subject(), d.ev.StreamSeq, d.ev.Delivery, d.deadReason); err != nil {
+		r.health.markDown(DependencyDeadLetters, fmt.Errorf("publish a dead letter to stream %s: %w", r.cfg.DeadLetterStream, err))
+		return false
 	}
-	if err := d.msg.TermWithReason(truncate(reason, 200)); err != nil {
+	if err := d.msg.TermWithReason(truncate(d.deadReason, 200)); err != nil {
+		// The dead letter is stored; a redelivery publishes it again,
+		// deduplicated by its message id, and terms it then.
 		r.logger.Warn("term", "event_id", d.ev.ID, "error", err)
 	}
+	d.settled.Store(true)
+	r.forgetAttempts(ctx, []*delivery{d})
 	r.obs.DeadLettered(r.name, 1)
-	r.logger.Error("event dead-lettered", "event_id", d.ev.ID, "event_type", d.ev.Type, "delivery", d.ev.Delivery, "reason", reason)
+	r.logger.Error("event dead-lettered", "event_id", d.ev.ID, "event_type", d.ev.Type, "delivery", d.ev.Delivery, "reason", d.deadReason)
+	return true
 }
 
 func (r *Runner) publishDeadLetter(ctx context.Context, data []byte, headers nats.Header, subject string, seq, deliveries uint64, reason string) error {
@@ -94,33 +99,6 @@ func (r *Runner) publishDeadLetter(ctx context.Context, data []byte, headers nat
 		jetstream.WithMsgID(r.name+"."+strconv.FormatUint(seq, 10)),
 		jetstream.WithExpectStream(r.cfg.DeadLetterStream))
 	return err
-}
-
-// onMaxDeliveries dead-letters an event that JetStream stopped delivering
-// without any outcome (its last delivery timed out).
-func (r *Runner) onMaxDeliveries(m *nats.Msg) {
-	var adv struct {
-		StreamSeq  uint64 `json:"stream_seq"`
-		Deliveries uint64 `json:"deliveries"`
-	}
-	if err := json.Unmarshal(m.Data, &adv); err != nil || adv.StreamSeq == 0 {
-		r.logger.Warn("unreadable max-deliveries advisory", "error", err)
-		return
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	raw, err := r.stream.GetMsg(ctx, adv.StreamSeq)
-	if err != nil {
-		r.logger.Error("max deliveries reached but the event cannot be read", "stream_seq", adv.StreamSeq, "error", err)
-		return
-	}
-	reason := fmt.Sprintf("no outcome after %d deliveries (the last one timed out)", adv.Deliveries)
-	if err := r.publishDeadLetter(ctx, raw.Data, raw.Header, raw.Subject, adv.StreamSeq, adv.Deliveries, reason); err != nil {
-		r.logger.Error("publish dead letter after max deliveries", "stream_seq", adv.StreamSeq, "error", err)
-		return
-	}
-	r.obs.DeadLettered(r.name, 1)
-	r.logger.Error("event dead-lettered", "stream_seq", adv.StreamSeq, "reason", reason)
 }
 
 func truncate(s string, n int) string {

@@ -83,7 +83,9 @@ func (r *retryAfter) Error() string {
 
 func (r *retryAfter) Unwrap() error { return r.err }
 
-// RetryAfter returns an error that naks the event with the given delay.
+// RetryAfter returns an error that naks the event with the given delay. It
+// is the handler's own decision ("not yet"), like river's JobSnooze: it does
+// not count as a failure, so an event may be snoozed any number of times.
 func RetryAfter(delay time.Duration, err error) error {
 	return &retryAfter{delay: delay, err: err}
 }
@@ -108,6 +110,57 @@ func Permanent(err error) error {
 func IsPermanent(err error) bool {
 	var p *permanent
 	return errors.As(err, &p)
+}
+
+// unavailable marks an error caused by a dependency being down.
+type unavailable struct {
+	dependency string
+	err        error
+}
+
+func (u *unavailable) Error() string { return u.dependency + " unavailable: " + u.err.Error() }
+func (u *unavailable) Unwrap() error { return u.err }
+
+// Unavailable returns an error saying that dependency (a name the handler
+// declares in Dependencies, such as "redis" or "search") is down: the event
+// is not at fault. The runtime stops taking new work, keeps the events in
+// hand, and retries them once the dependency answers again; the attempt
+// never counts towards subscribers.max_failures, however long the outage.
+func Unavailable(dependency string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return &unavailable{dependency: dependency, err: err}
+}
+
+// IsUnavailable reports whether err (or an error it wraps) is Unavailable,
+// and names the dependency.
+func IsUnavailable(err error) (dependency string, ok bool) {
+	var u *unavailable
+	if errors.As(err, &u) {
+		return u.dependency, true
+	}
+	return "", false
+}
+
+// Dependency is something outside the event a handler needs in order to
+// work: a database, a cache, a search engine.
+type Dependency struct {
+	// Name appears in logs, metrics and readiness ("redis", "search").
+	Name string
+	// Probe answers nil when the dependency works. It is called with a
+	// short deadline, while the dependency is thought down (to learn when
+	// it is back) and when a handler failed without saying why (to tell an
+	// outage from a bad event). It must be cheap and must not depend on an
+	// event.
+	Probe func(ctx context.Context) error
+}
+
+// DependentHandler is a Handler that names what it depends on besides
+// Postgres (the runtime's own checkpoint store, always probed).
+type DependentHandler interface {
+	Handler
+	Dependencies() []Dependency
 }
 
 // retryDelay reports the delay RetryAfter asked for.

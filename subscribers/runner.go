@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
@@ -35,15 +36,23 @@ type Observer interface {
 	Retried(subscriber string, n int)
 	// DeadLettered reports events sent to the dead letters.
 	DeadLettered(subscriber string, n int)
+	// DependencyDown reports that a dependency stopped answering: the
+	// subscriber holds its events and takes no new ones.
+	DependencyDown(subscriber, dependency string)
+	// DependencyUp reports that a dependency answers (again, after down;
+	// 0 when it is first known).
+	DependencyUp(subscriber, dependency string, down time.Duration)
 }
 
 // NopObserver ignores everything.
 type NopObserver struct{}
 
-func (NopObserver) Handled(string, int, time.Duration) {}
-func (NopObserver) Skipped(string, int)                {}
-func (NopObserver) Retried(string, int)                {}
-func (NopObserver) DeadLettered(string, int)           {}
+func (NopObserver) Handled(string, int, time.Duration)         {}
+func (NopObserver) Skipped(string, int)                        {}
+func (NopObserver) Retried(string, int)                        {}
+func (NopObserver) DeadLettered(string, int)                   {}
+func (NopObserver) DependencyDown(string, string)              {}
+func (NopObserver) DependencyUp(string, string, time.Duration) {}
 
 // Options are a runner's collaborators.
 type Options struct {
@@ -58,6 +67,18 @@ type Options struct {
 	// recorded and before its messages are acked. Fault-injection tests use
 	// it to die at the worst moment.
 	BeforeAck func(ctx context.Context, ids []int64)
+	// Sabotage is deliberately broken behaviour, for the fault run's
+	// self-test only (it proves the checker catches it). Never set it in
+	// production: only a binary built with the fanout_sabotage tag does.
+	Sabotage Sabotage
+}
+
+// Sabotage breaks the runtime's guarantees on purpose.
+type Sabotage struct {
+	// AckBeforeCommit acks a TxHandler's batch before its transaction
+	// commits, and waits this long in between: a crash in that window
+	// loses the events.
+	AckBeforeCommit time.Duration
 }
 
 // Runner runs one subscriber: its consumer, its workers, its dead letters.
@@ -73,9 +94,16 @@ type Runner struct {
 	stream  jetstream.Stream
 	cons    jetstream.Consumer
 	iter    jetstream.MessagesContext
-	advSub  *nats.Subscription
+	health  *health
 	workers sync.WaitGroup
 	loops   sync.WaitGroup
+	// exclusive: a suspect (an event whose earlier attempt died with its
+	// process) is handled with every other worker paused, so that a crash
+	// it causes is charged to it alone.
+	exclusive sync.RWMutex
+	// crashed simulates the process dying (tests): from then on the runner
+	// writes no bookkeeping, as a killed process would not.
+	crashed atomic.Bool
 
 	startOnce, stopOnce    sync.Once
 	cancelSoft, cancelHard context.CancelFunc
@@ -155,34 +183,17 @@ func (r *Runner) start(ctx context.Context) error {
 		return fmt.Errorf("subscriber %s: consume: %w", r.name, err)
 	}
 	r.iter = iter
-	advisories := fmt.Sprintf("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.%s.%s", r.opts.Stream.Name, r.name)
-	r.advSub, err = r.opts.Conn.QueueSubscribe(advisories, "fanout-"+r.name+"-advisories", r.onMaxDeliveries)
-	if err == nil {
-		// A subscription the server refuses (permissions) fails only
-		// asynchronously: flush, then look, so Start says so.
-		if err = r.opts.Conn.FlushTimeout(5 * time.Second); err == nil {
-			if last := r.opts.Conn.LastError(); last != nil && strings.Contains(last.Error(), advisories) {
-				err = last
-			}
-		}
-	}
-	if err != nil {
-		iter.Stop()
-		if r.advSub != nil {
-			_ = r.advSub.Unsubscribe()
-		}
-		return fmt.Errorf("subscriber %s: subscribe to max-delivery advisories: %w", r.name, err)
-	}
 
 	hardCtx, cancelHard := context.WithCancel(context.WithoutCancel(ctx))
 	softCtx, cancelSoft := context.WithCancel(hardCtx)
 	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
+	r.health = newHealth(hardCtx, r.name, r.logger, r.obs, r.dependencies())
 
 	batches := make(chan []jetstream.Msg)
 	r.loops.Add(2)
 	go func() {
 		defer r.loops.Done()
-		r.dispatch(hardCtx, batches)
+		r.dispatch(softCtx, hardCtx, batches)
 	}()
 	go func() {
 		defer r.loops.Done()
@@ -193,14 +204,42 @@ func (r *Runner) start(ctx context.Context) error {
 		go func() {
 			defer r.workers.Done()
 			for batch := range batches {
-				r.process(hardCtx, batch)
+				r.process(softCtx, hardCtx, batch)
 			}
 		}()
 	}
 	info := cons.CachedInfo()
 	r.logger.Info("subscriber started", "consumer", info.Name, "filter_subjects", info.Config.FilterSubjects,
-		"pending", info.NumPending, "concurrency", r.cfg.Concurrency, "batch_size", r.cfg.BatchSize)
+		"pending", info.NumPending, "concurrency", r.cfg.Concurrency, "batch_size", r.cfg.BatchSize,
+		"max_failures", r.cfg.MaxFailures, "max_crashes", r.cfg.MaxCrashes)
 	return nil
+}
+
+// dependencies are Postgres (the checkpoint, always) and what the handler
+// declares.
+func (r *Runner) dependencies() []Dependency {
+	deps := []Dependency{{Name: DependencyPostgres, Probe: r.opts.Pool.Ping}}
+	if dh, ok := r.opts.Handler.(DependentHandler); ok {
+		deps = append(deps, dh.Dependencies()...)
+	}
+	// The dead-letter stream has no probe: after the backoff, the held dead
+	// letter's own publish is the probe.
+	return append(deps, Dependency{Name: DependencyDeadLetters})
+}
+
+// Names of the dependencies the runtime itself has.
+const (
+	DependencyPostgres    = "postgres"
+	DependencyDeadLetters = "deadletter"
+)
+
+// Ready reports why this subscriber cannot do its work right now (a
+// dependency it needs is down), or nil. Readiness probes use it.
+func (r *Runner) Ready() error {
+	if r.health == nil {
+		return fmt.Errorf("subscriber %s: not started", r.name)
+	}
+	return r.health.ready()
 }
 
 // waitForStream returns the events stream, waiting (as long as ctx allows)
@@ -226,16 +265,17 @@ func (r *Runner) waitForStream(ctx context.Context) (jetstream.Stream, error) {
 	}
 }
 
-// Stop drains: no new messages are pulled, the ones already received are
-// handled and acked, then it returns. If ctx ends first, the handlers' context
-// is cancelled (their events are redelivered after the ack wait) and Stop
-// returns ctx's error. Stop is idempotent.
+// Stop drains: no new messages are pulled, the ones being handled finish
+// and are acked, then it returns. Events held for an outage (a dependency
+// is down) are let go at once, unacked: JetStream redelivers them after the
+// ack wait, to this subscriber's other instances or its next start. If ctx
+// ends first, the handlers' context is cancelled (their events are
+// redelivered likewise) and Stop returns ctx's error. Stop is idempotent.
 func (r *Runner) Stop(ctx context.Context) error {
 	r.stopOnce.Do(func() {
 		if r.cancelSoft == nil {
 			return
 		}
-		_ = r.advSub.Unsubscribe()
 		r.iter.Drain()
 		r.cancelSoft()
 		done := make(chan struct{})
@@ -253,6 +293,7 @@ func (r *Runner) Stop(ctx context.Context) error {
 			<-done
 		}
 		r.cancelHard()
+		r.health.wait()
 		r.logger.Info("subscriber stopped")
 	})
 	return r.stopErr
@@ -263,13 +304,17 @@ func (r *Runner) Stop(ctx context.Context) error {
 const gatherWait = 2 * time.Millisecond
 
 // dispatch groups received messages into batches for the workers, until
-// the iterator is drained or stopped.
-func (r *Runner) dispatch(ctx context.Context, batches chan<- []jetstream.Msg) {
+// the iterator is drained or stopped. While a dependency is down it pulls
+// nothing: the events in hand wait for it, and new ones would only wait too.
+func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- []jetstream.Msg) {
 	defer close(batches)
 	for {
-		msg, err := r.iter.Next(jetstream.NextContext(ctx))
+		if !r.health.waitUp(softCtx) {
+			return
+		}
+		msg, err := r.iter.Next(jetstream.NextContext(hardCtx))
 		if err != nil {
-			if errors.Is(err, jetstream.ErrMsgIteratorClosed) || ctx.Err() != nil {
+			if errors.Is(err, jetstream.ErrMsgIteratorClosed) || hardCtx.Err() != nil {
 				return
 			}
 			r.logger.Warn("receive", "error", err)
@@ -287,7 +332,7 @@ func (r *Runner) dispatch(ctx context.Context, batches chan<- []jetstream.Msg) {
 		}
 		select {
 		case batches <- batch:
-		case <-ctx.Done():
+		case <-hardCtx.Done():
 			return
 		}
 		if closed {
@@ -296,45 +341,70 @@ func (r *Runner) dispatch(ctx context.Context, batches chan<- []jetstream.Msg) {
 	}
 }
 
-// delivery is one received message and the event it carries.
+// delivery is one received message and the event it carries, with what the
+// runtime has learned about it so far.
 type delivery struct {
 	msg jetstream.Msg
 	ev  Event
+	// deadReason, once set, is the event's fate: the dead letters. It is
+	// kept while the dead-letter stream is unavailable, so the handler does
+	// not run again meanwhile.
+	deadReason string
+	// opened: an attempt is open in subscriber_attempts for this delivery.
+	opened bool
+	// hasRow: subscriber_attempts may hold a row for the event.
+	hasRow  bool
+	settled atomic.Bool // acked, naked or termed
 }
 
-func (r *Runner) process(ctx context.Context, msgs []jetstream.Msg) {
-	start := time.Now()
-	ds := make([]delivery, 0, len(msgs))
+// result is what became of one delivery's attempt.
+type result struct {
+	kind  resultKind
+	err   error
+	delay time.Duration // for resultSnooze
+}
+
+type resultKind int
+
+const (
+	resultDone      resultKind = iota // effect and checkpoint committed, acked
+	resultFailed                      // the handler failed on the event: counted
+	resultPermanent                   // the handler says never: dead letter
+	resultSnooze                      // RetryAfter: nak with its delay, not counted
+	resultRetry                       // a connection broke or a transaction conflicted: nak, not counted
+	resultOutage                      // a dependency is down: hold the event
+	resultAbandoned                   // the runner stops: leave it unacked
+)
+
+// process takes a batch from delivery to its outcome. Events held by an
+// outage stay in hand (kept alive with in-progress signals) and are tried
+// again when every dependency answers; their deliveries cost them nothing.
+func (r *Runner) process(softCtx, hardCtx context.Context, msgs []jetstream.Msg) {
+	ds := make([]*delivery, 0, len(msgs))
 	for _, m := range msgs {
 		ev, err := r.parse(m)
+		d := &delivery{msg: m, ev: ev}
 		if err != nil {
-			r.fail(ctx, delivery{msg: m, ev: ev}, Permanent(err))
-			continue
+			d.deadReason = err.Error()
 		}
-		// Delivered once more than max_deliver: the last attempt ended with
-		// no outcome at all (the handler hung, or its process died).
-		if ev.Delivery > uint64(r.cfg.MaxDeliver) {
-			r.deadLetter(ctx, delivery{msg: m, ev: ev},
-				fmt.Sprintf("no outcome after %d deliveries (the handler hung or its process died each time)", r.cfg.MaxDeliver))
-			continue
-		}
-		ds = append(ds, delivery{msg: m, ev: ev})
-	}
-	if len(ds) == 0 {
-		return
+		ds = append(ds, d)
 	}
 	stop := r.keepAlive(ds)
 	defer stop()
-	if r.txH != nil {
-		r.processTx(ctx, ds, start)
-	} else {
-		r.processEach(ctx, ds, start)
+	for len(ds) > 0 {
+		if !r.health.waitUp(softCtx) {
+			// Stopping during an outage: let the events go; another
+			// instance (or the next start) gets them after the ack wait.
+			r.closeAttempts(ds)
+			return
+		}
+		ds = r.attempt(hardCtx, ds)
 	}
 }
 
-// keepAlive tells JetStream the batch is still being worked on, so long
-// work is not redelivered to another instance mid-way.
-func (r *Runner) keepAlive(ds []delivery) (stop func()) {
+// keepAlive tells JetStream the batch is still being worked on (or held
+// for an outage), so it is not redelivered to another instance meanwhile.
+func (r *Runner) keepAlive(ds []*delivery) (stop func()) {
 	done := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -348,7 +418,9 @@ func (r *Runner) keepAlive(ds []delivery) (stop func()) {
 				return
 			case <-t.C:
 				for _, d := range ds {
-					_ = d.msg.InProgress()
+					if !d.settled.Load() {
+						_ = d.msg.InProgress()
+					}
 				}
 			}
 		}
@@ -407,82 +479,305 @@ RETURNING event_id`
 	processedSQL = `SELECT event_id FROM processed_events WHERE subscriber = $1 AND event_id = ANY($2)`
 )
 
-// processTx handles a batch in one transaction with its checkpoint rows; if
-// any event fails, the batch rolls back and each event is handled alone.
-func (r *Runner) processTx(ctx context.Context, ds []delivery, start time.Time) {
+// attempt tries the deliveries once and returns those held by an outage.
+func (r *Runner) attempt(ctx context.Context, ds []*delivery) (held []*delivery) {
+	var todo []*delivery
+	for _, d := range ds {
+		if d.deadReason == "" {
+			todo = append(todo, d)
+		} else if !r.deadLetter(ctx, d) {
+			held = append(held, d)
+		}
+	}
+	normal, suspects, waiting := r.triage(ctx, todo)
+	held = append(held, waiting...)
+	if len(normal) > 0 {
+		r.exclusive.RLock()
+		results := r.handle(ctx, normal)
+		r.exclusive.RUnlock()
+		held = append(held, r.settle(ctx, normal, results)...)
+	}
+	for _, d := range suspects {
+		held = append(held, r.attemptSuspect(ctx, d)...)
+	}
+	return held
+}
+
+// triage sorts the deliveries by what the runtime knows of their events.
+// First deliveries go straight to the handler. A redelivered event may be
+// in the checkpoint already (acked and skipped), may have worn out its
+// crashes (dead letter), may be a suspect (an earlier attempt never ended:
+// handled alone), or else is handled with the others, under an open attempt.
+func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, held []*delivery) {
+	var redelivered []int64
+	for _, d := range ds {
+		if d.ev.Delivery > 1 {
+			redelivered = append(redelivered, d.ev.ID)
+		}
+	}
+	if len(redelivered) == 0 {
+		return ds, nil, nil
+	}
+	states, err := r.lookupAttempts(ctx, redelivered)
+	if err != nil {
+		if r.judge(ctx, err).kind == resultAbandoned {
+			return nil, nil, nil
+		}
+		r.health.markDown(DependencyPostgres, err)
+		return nil, nil, ds
+	}
+	var skipped, marked []*delivery
+	for _, d := range ds {
+		if d.ev.Delivery <= 1 {
+			normal = append(normal, d)
+			continue
+		}
+		st := states[d.ev.ID]
+		d.hasRow = st.hasRow
+		switch {
+		case st.done:
+			skipped = append(skipped, d)
+		case st.openAttempts >= r.cfg.MaxCrashes:
+			d.deadReason = fmt.Sprintf("its handling never ended %d times: the process died each time (killed, out of memory, or a crash outside the handler), so it was not tried again (subscribers.max_crashes)", st.openAttempts)
+			if !r.deadLetter(ctx, d) {
+				held = append(held, d)
+			}
+		case st.openAttempts > 0:
+			suspects = append(suspects, d)
+		default:
+			marked = append(marked, d)
+		}
+	}
+	if len(skipped) > 0 {
+		r.ack(ctx, skipped, false)
+		r.forgetAttempts(ctx, skipped)
+		r.obs.Skipped(r.name, len(skipped))
+	}
+	if len(marked) > 0 {
+		if err := r.openAttempts(ctx, marked); err != nil {
+			r.health.markDown(DependencyPostgres, err)
+			return nil, nil, append(held, append(normal, append(marked, suspects...)...)...)
+		}
+		normal = append(normal, marked...)
+	}
+	return normal, suspects, held
+}
+
+// attemptSuspect handles one suspect alone, every other worker paused.
+func (r *Runner) attemptSuspect(ctx context.Context, d *delivery) (held []*delivery) {
+	r.exclusive.Lock()
+	defer r.exclusive.Unlock()
+	one := []*delivery{d}
+	if err := r.openAttempts(ctx, one); err != nil {
+		r.health.markDown(DependencyPostgres, err)
+		return one
+	}
+	r.logger.Warn("handling an event alone: an earlier attempt on it never ended (its process died)", "event_id", d.ev.ID, "event_type", d.ev.Type, "delivery", d.ev.Delivery)
+	return r.settle(ctx, one, r.handle(ctx, one))
+}
+
+// handle runs the handler on the deliveries and records the successes.
+func (r *Runner) handle(ctx context.Context, ds []*delivery) []result {
+	if r.txH != nil {
+		return r.handleTx(ctx, ds)
+	}
+	return r.handleEach(ctx, ds)
+}
+
+// judge classifies a failed attempt. A dependency that is down is never
+// the event's fault: if the handler did not name one (Unavailable), the
+// dependencies are probed before the failure is charged to the event.
+func (r *Runner) judge(ctx context.Context, err error) result {
+	if ctx.Err() != nil {
+		return result{kind: resultAbandoned, err: err}
+	}
+	if IsPermanent(err) {
+		return result{kind: resultPermanent, err: err}
+	}
+	if dep, ok := IsUnavailable(err); ok {
+		r.health.markDown(dep, err)
+		return result{kind: resultOutage, err: err}
+	}
+	if delay, ok := retryDelay(err); ok {
+		return result{kind: resultSnooze, err: err, delay: delay}
+	}
+	if r.health.probeAll(ctx) {
+		return result{kind: resultOutage, err: err}
+	}
+	if connectivity(err) || conflict(err) {
+		return result{kind: resultRetry, err: err}
+	}
+	return result{kind: resultFailed, err: err}
+}
+
+// settle gives each failed delivery its fate and returns those held.
+func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (held []*delivery) {
+	var closing []*delivery
+	for i, d := range ds {
+		res := results[i]
+		switch res.kind {
+		case resultDone:
+		case resultPermanent:
+			d.deadReason = res.err.Error()
+			if !r.deadLetter(ctx, d) {
+				held = append(held, d)
+			}
+		case resultFailed:
+			failures, err := r.recordFailure(ctx, d, res.err)
+			if err != nil {
+				// The failure cannot be counted: the store is down.
+				r.health.markDown(DependencyPostgres, err)
+				held = append(held, d)
+				continue
+			}
+			if failures >= r.cfg.MaxFailures {
+				d.deadReason = fmt.Sprintf("gave up after %d failures (subscribers.max_failures): %v", failures, res.err)
+				if !r.deadLetter(ctx, d) {
+					held = append(held, d)
+				}
+				continue
+			}
+			delay := r.backoff(uint64(failures))
+			r.nak(d, delay)
+			r.logger.Warn("event failed, will retry", "event_id", d.ev.ID, "event_type", d.ev.Type,
+				"failures", failures, "max_failures", r.cfg.MaxFailures, "retry_in", delay, "error", res.err)
+		case resultSnooze:
+			closing = append(closing, d)
+			r.nak(d, res.delay)
+		case resultRetry:
+			closing = append(closing, d)
+			delay := r.backoff(d.ev.Delivery)
+			r.nak(d, delay)
+			r.logger.Warn("event failed on a broken connection or a conflict with another transaction; retrying without counting it against the event",
+				"event_id", d.ev.ID, "event_type", d.ev.Type, "retry_in", delay, "error", res.err)
+		case resultOutage:
+			closing = append(closing, d)
+			held = append(held, d)
+		case resultAbandoned:
+			// Hard stop: the failure is ours, not the event's. Left
+			// unacked, it is redelivered after the ack wait.
+			closing = append(closing, d)
+		}
+	}
+	r.closeAttempts(closing)
+	return held
+}
+
+func (r *Runner) nak(d *delivery, delay time.Duration) {
+	if err := d.msg.NakWithDelay(delay); err != nil {
+		r.logger.Warn("nak", "event_id", d.ev.ID, "error", err)
+	}
+	d.settled.Store(true)
+	r.obs.Retried(r.name, 1)
+}
+
+// handleTx handles a batch in one transaction with its checkpoint rows; if
+// the batch fails for anything but an outage, it rolls back and each event
+// is handled alone, so one bad event never holds up the others.
+func (r *Runner) handleTx(ctx context.Context, ds []*delivery) []result {
+	results := make([]result, len(ds))
+	start := time.Now()
 	fresh, err := r.txBatch(ctx, ds)
 	if err == nil {
 		r.succeeded(ctx, ds, fresh, start)
-		return
+		return results
 	}
-	if len(ds) == 1 {
-		r.fail(ctx, ds[0], err)
-		return
+	verdict := r.judge(ctx, err)
+	if len(ds) == 1 || verdict.kind == resultOutage || verdict.kind == resultAbandoned {
+		for i := range results {
+			results[i] = verdict
+		}
+		return results
 	}
 	r.logger.Debug("batch failed, handling its events one by one", "events", len(ds), "error", err)
-	for _, d := range ds {
-		one := []delivery{d}
+	for i, d := range ds {
+		one := []*delivery{d}
 		fresh, err := r.txBatch(ctx, one)
 		if err != nil {
-			r.fail(ctx, d, err)
+			results[i] = r.judge(ctx, err)
+			if k := results[i].kind; k == resultOutage || k == resultAbandoned {
+				for j := i + 1; j < len(ds); j++ {
+					results[j] = results[i]
+				}
+				break
+			}
 			continue
 		}
 		r.succeeded(ctx, one, fresh, time.Now())
 	}
+	return results
 }
 
 // txBatch runs the handler on the batch's new events in one transaction and
 // returns how many were new.
-func (r *Runner) txBatch(ctx context.Context, ds []delivery) (fresh int, err error) {
-	ids := make([]int64, len(ds))
-	for i, d := range ds {
-		ids[i] = d.ev.ID
-	}
-	slices.Sort(ids)
-	ids = slices.Compact(ids)
+func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh int, err error) {
+	ids := eventIDs(ds)
+	forget := rowIDs(ds)
 	// A hung handler must not hold its events forever (the in-progress
 	// signals would keep them from being redelivered): bound the attempt.
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout)
+	actx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout)
 	defer cancel()
-	err = pgx.BeginFunc(ctx, r.opts.Pool, func(tx pgx.Tx) error {
-		rows, err := tx.Query(ctx, checkpointSQL, r.name, ids)
-		if err != nil {
-			return fmt.Errorf("checkpoint: %w", err)
+	tx, err := r.opts.Pool.Begin(actx)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
+	fresh, err = r.inTx(actx, tx, ds, ids, forget)
+	if err == nil {
+		if r.opts.Sabotage.AckBeforeCommit > 0 {
+			r.ack(ctx, ds, false)
+			time.Sleep(r.opts.Sabotage.AckBeforeCommit)
 		}
-		newIDs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-		if err != nil {
-			return fmt.Errorf("checkpoint: %w", err)
-		}
-		todo := make(map[int64]bool, len(newIDs))
-		for _, id := range newIDs {
-			todo[id] = true
-		}
-		fresh = len(newIDs)
-		var evs []Event
-		for _, d := range ds {
-			if todo[d.ev.ID] {
-				delete(todo, d.ev.ID) // a duplicate in the same batch runs once
-				evs = append(evs, d.ev)
-			}
-		}
-		if bh, ok := r.txH.(BatchTxHandler); ok && len(evs) > 1 {
-			if err := r.callBatchTx(ctx, bh, tx, evs); err != nil {
-				return fmt.Errorf("batch of %d events: %w", len(evs), err)
-			}
-			return nil
-		}
-		for _, ev := range evs {
-			if err := r.callTx(ctx, tx, ev); err != nil {
-				return &eventError{id: ev.ID, err: err}
-			}
-		}
-		return nil
-	})
+		err = tx.Commit(actx)
+	}
+	err = r.timedOut(ctx, actx, err)
 	var ee *eventError
 	if errors.As(err, &ee) {
-		return 0, ee.err
+		err = ee.err
 	}
-	return fresh, err
+	if err != nil {
+		return 0, err
+	}
+	return fresh, nil
+}
+
+func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forget []int64) (fresh int, err error) {
+	rows, err := tx.Query(ctx, checkpointSQL, r.name, ids)
+	if err != nil {
+		return 0, fmt.Errorf("checkpoint: %w", err)
+	}
+	newIDs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return 0, fmt.Errorf("checkpoint: %w", err)
+	}
+	todo := make(map[int64]bool, len(newIDs))
+	for _, id := range newIDs {
+		todo[id] = true
+	}
+	var evs []Event
+	for _, d := range ds {
+		if todo[d.ev.ID] {
+			delete(todo, d.ev.ID) // a duplicate in the same batch runs once
+			evs = append(evs, d.ev)
+		}
+	}
+	if bh, ok := r.txH.(BatchTxHandler); ok && len(evs) > 1 {
+		if err := r.callBatchTx(ctx, bh, tx, evs); err != nil {
+			return 0, fmt.Errorf("batch of %d events: %w", len(evs), err)
+		}
+	} else {
+		for _, ev := range evs {
+			if err := r.callTx(ctx, tx, ev); err != nil {
+				return 0, &eventError{id: ev.ID, err: err}
+			}
+		}
+	}
+	if len(forget) > 0 {
+		if _, err := tx.Exec(ctx, forgetAttemptsSQL, r.name, forget); err != nil {
+			return 0, fmt.Errorf("forget attempts: %w", err)
+		}
+	}
+	return len(newIDs), nil
 }
 
 // eventError carries a handler's error out of the transaction unchanged.
@@ -509,7 +804,7 @@ func (r *Runner) callBatchTx(ctx context.Context, bh BatchTxHandler, tx pgx.Tx, 
 
 // callEach runs the handler on each event: in one call for a
 // BatchEventHandler, else one by one.
-func (r *Runner) callEach(ctx context.Context, ds []delivery) []error {
+func (r *Runner) callEach(ctx context.Context, ds []*delivery) []error {
 	errs := make([]error, len(ds))
 	if len(ds) == 0 {
 		return errs
@@ -529,9 +824,12 @@ func (r *Runner) callEach(ctx context.Context, ds []delivery) []error {
 			}()
 			hctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
 			defer cancel()
-			hctx, span := r.batchContext(hctx, evs)
+			sctx, span := r.batchContext(hctx, evs)
 			defer span.End()
-			got := bh.HandleBatch(hctx, evs)
+			got := bh.HandleBatch(sctx, evs)
+			for i := range got {
+				got[i] = r.timedOut(ctx, hctx, got[i])
+			}
 			if len(got) != len(errs) {
 				err := fmt.Errorf("handler returned %d outcomes for %d events", len(got), len(errs))
 				for i := range errs {
@@ -551,11 +849,20 @@ func (r *Runner) callEach(ctx context.Context, ds []delivery) []error {
 
 func (r *Runner) call(ctx context.Context, ev Event) (err error) {
 	defer recoverHandler(ev, &err)
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
+	hctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
 	defer cancel()
-	ctx, span := r.eventContext(ctx, ev)
+	hctx, span := r.eventContext(hctx, ev)
 	defer span.End()
-	return r.eventH.Handle(ctx, ev)
+	return r.timedOut(ctx, hctx, r.eventH.Handle(hctx, ev))
+}
+
+// timedOut says so when a handler's error comes from its own deadline
+// (subscribers.handler_timeout) rather than from a stop.
+func (r *Runner) timedOut(ctx, hctx context.Context, err error) error {
+	if err != nil && ctx.Err() == nil && errors.Is(hctx.Err(), context.DeadlineExceeded) {
+		return fmt.Errorf("handler did not finish within subscribers.handler_timeout (%s): %w", r.cfg.HandlerTimeout, err)
+	}
+	return err
 }
 
 func recoverHandler(ev Event, err *error) {
@@ -564,89 +871,123 @@ func recoverHandler(ev Event, err *error) {
 	}
 }
 
-// processEach handles the batch's events one at a time (their effects are
-// outside Postgres), then checkpoints the ones that succeeded.
-func (r *Runner) processEach(ctx context.Context, ds []delivery, start time.Time) {
-	ids := make([]int64, len(ds))
-	for i, d := range ds {
-		ids[i] = d.ev.ID
-	}
-	rows, err := r.opts.Pool.Query(ctx, processedSQL, r.name, ids)
+// handleEach handles the batch's events (their effects are outside
+// Postgres), then checkpoints the ones that succeeded.
+func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
+	start := time.Now()
+	results := make([]result, len(ds))
+	rows, err := r.opts.Pool.Query(ctx, processedSQL, r.name, eventIDs(ds))
 	var done []int64
 	if err == nil {
 		done, err = pgx.CollectRows(rows, pgx.RowTo[int64])
 	}
 	if err != nil {
-		r.logger.Warn("read checkpoint; the batch will be redelivered", "error", err)
-		for _, d := range ds {
-			_ = d.msg.NakWithDelay(r.cfg.RetryMin)
+		verdict := r.judge(ctx, fmt.Errorf("read the checkpoint: %w", err))
+		if verdict.kind != resultAbandoned {
+			r.health.markDown(DependencyPostgres, err)
+			verdict.kind = resultOutage
 		}
-		r.obs.Retried(r.name, len(ds))
-		return
+		for i := range results {
+			results[i] = verdict
+		}
+		return results
 	}
 	seen := make(map[int64]bool, len(ds))
 	for _, id := range done {
 		seen[id] = true
 	}
-	var ok, todo []delivery
-	var handled []int64
-	skipped := 0
-	for _, d := range ds {
+	var ok, todo, skipped []*delivery
+	var todoAt []int
+	for i, d := range ds {
 		if seen[d.ev.ID] {
 			ok = append(ok, d)
-			skipped++
+			skipped = append(skipped, d)
 			continue
 		}
 		// A second copy of the event in this batch is acked as a duplicate;
 		// if the first copy fails, it is the one redelivered.
 		seen[d.ev.ID] = true
 		todo = append(todo, d)
+		todoAt = append(todoAt, i)
 	}
 	errs := r.callEach(ctx, todo)
-	for i, d := range todo {
-		if errs[i] != nil {
-			r.fail(ctx, d, errs[i])
+	var handled []*delivery
+	for j, d := range todo {
+		if errs[j] != nil {
+			results[todoAt[j]] = r.judge(ctx, errs[j])
 			continue
 		}
 		ok = append(ok, d)
-		handled = append(handled, d.ev.ID)
+		handled = append(handled, d)
 	}
-	if len(handled) > 0 {
-		slices.Sort(handled)
-		if _, err := r.opts.Pool.Exec(ctx, `
-INSERT INTO processed_events (subscriber, event_id)
-SELECT $1, id FROM unnest($2::bigint[]) AS id
-ON CONFLICT DO NOTHING`, r.name, handled); err != nil {
-			// The effects happened; without the checkpoint, a redelivery
-			// runs the (idempotent) handler again.
-			r.logger.Warn("record checkpoint; the batch will be redelivered", "error", err)
-			for _, d := range ok {
-				_ = d.msg.NakWithDelay(r.cfg.RetryMin)
+	if len(handled) > 0 || len(skipped) > 0 {
+		if err := r.checkpoint(ctx, handled, rowIDs(ok)); err != nil {
+			// The effects happened; held, the (idempotent) handler runs
+			// again once Postgres answers, and the checkpoint follows.
+			if ctx.Err() == nil {
+				r.health.markDown(DependencyPostgres, err)
 			}
-			r.obs.Retried(r.name, len(ok))
-			return
+			for i, d := range ds {
+				if slices.Contains(ok, d) {
+					results[i] = result{kind: resultOutage, err: err}
+					if ctx.Err() != nil {
+						results[i].kind = resultAbandoned
+					}
+				}
+			}
+			return results
 		}
 	}
 	r.beforeAck(ctx, ok)
 	if ctx.Err() != nil {
-		return // hard stop: the events come back after the ack wait
+		for i, d := range ds {
+			if slices.Contains(ok, d) {
+				results[i] = result{kind: resultAbandoned}
+			}
+		}
+		return results // hard stop: the events come back after the ack wait
 	}
 	r.ack(ctx, ok, false)
 	r.obs.Handled(r.name, len(handled), time.Since(start))
-	r.logger.Debug("batch handled", "events", len(handled), "skipped", skipped, "redelivered", redelivered(ds), "took", time.Since(start))
-	if skipped > 0 {
-		r.obs.Skipped(r.name, skipped)
+	r.logger.Debug("batch handled", "events", len(handled), "skipped", len(skipped), "redelivered", redelivered(ds), "took", time.Since(start))
+	if len(skipped) > 0 {
+		r.obs.Skipped(r.name, len(skipped))
 	}
+	return results
+}
+
+// checkpoint records handled events and forgets the attempts of every
+// event done with, in one transaction.
+func (r *Runner) checkpoint(ctx context.Context, handled []*delivery, forget []int64) error {
+	ids := eventIDs(handled)
+	return pgx.BeginFunc(ctx, r.opts.Pool, func(tx pgx.Tx) error {
+		b := &pgx.Batch{}
+		if len(ids) > 0 {
+			b.Queue(`
+INSERT INTO processed_events (subscriber, event_id)
+SELECT $1, id FROM unnest($2::bigint[]) AS id
+ON CONFLICT DO NOTHING`, r.name, ids)
+		}
+		if len(forget) > 0 {
+			b.Queue(forgetAttemptsSQL, r.name, forget)
+		}
+		if b.Len() == 0 {
+			return nil
+		}
+		return tx.SendBatch(ctx, b).Close()
+	})
 }
 
 // succeeded acks a committed batch (double ack: the server confirms, so a
 // lost ack cannot make JetStream redeliver behind our back unnoticed).
-func (r *Runner) succeeded(ctx context.Context, ds []delivery, fresh int, start time.Time) {
+func (r *Runner) succeeded(ctx context.Context, ds []*delivery, fresh int, start time.Time) {
 	r.beforeAck(ctx, ds)
 	if ctx.Err() != nil {
 		return // hard stop: the events come back after the ack wait, and are skipped
 	}
-	r.ack(ctx, ds, true)
+	if r.opts.Sabotage.AckBeforeCommit == 0 {
+		r.ack(ctx, ds, true)
+	}
 	r.obs.Handled(r.name, fresh, time.Since(start))
 	r.logger.Debug("batch handled", "events", fresh, "skipped", len(ds)-fresh, "redelivered", redelivered(ds), "first_event_id", ds[0].ev.ID, "took", time.Since(start))
 	if skipped := len(ds) - fresh; skipped > 0 {
@@ -655,7 +996,7 @@ func (r *Runner) succeeded(ctx context.Context, ds []delivery, fresh int, start 
 }
 
 // redelivered counts the deliveries that were not an event's first.
-func redelivered(ds []delivery) int {
+func redelivered(ds []*delivery) int {
 	n := 0
 	for _, d := range ds {
 		if d.ev.Delivery > 1 {
@@ -665,7 +1006,7 @@ func redelivered(ds []delivery) int {
 	return n
 }
 
-func (r *Runner) beforeAck(ctx context.Context, ds []delivery) {
+func (r *Runner) beforeAck(ctx context.Context, ds []*delivery) {
 	if r.opts.BeforeAck == nil || len(ds) == 0 {
 		return
 	}
@@ -679,7 +1020,12 @@ func (r *Runner) beforeAck(ctx context.Context, ds []delivery) {
 // ackParallelism bounds concurrent double acks: each is a round trip.
 const ackParallelism = 64
 
-func (r *Runner) ack(ctx context.Context, ds []delivery, double bool) {
+func (r *Runner) ack(ctx context.Context, ds []*delivery, double bool) {
+	defer func() {
+		for _, d := range ds {
+			d.settled.Store(true)
+		}
+	}()
 	if !double {
 		for _, d := range ds {
 			if err := d.msg.Ack(); err != nil {
@@ -705,39 +1051,14 @@ func (r *Runner) ack(ctx context.Context, ds []delivery, double bool) {
 	_ = g.Wait()
 }
 
-// fail decides a failed event's fate: dead letter, or a nak with a delay.
-func (r *Runner) fail(ctx context.Context, d delivery, err error) {
-	if ctx.Err() != nil {
-		// Hard stop: the failure is ours, not the event's. Leave it
-		// unacked; JetStream redelivers it after the ack wait.
-		return
-	}
-	switch {
-	case IsPermanent(err):
-		r.deadLetter(ctx, d, err.Error())
-	case d.ev.Delivery >= uint64(r.cfg.MaxDeliver):
-		r.deadLetter(ctx, d, fmt.Sprintf("gave up after %d deliveries: %v", d.ev.Delivery, err))
-	default:
-		delay, asked := retryDelay(err)
-		if !asked {
-			delay = r.backoff(d.ev.Delivery)
-		}
-		if nerr := d.msg.NakWithDelay(delay); nerr != nil {
-			r.logger.Warn("nak", "event_id", d.ev.ID, "error", nerr)
-		}
-		r.obs.Retried(r.name, 1)
-		r.logger.Warn("event failed, will retry", "event_id", d.ev.ID, "event_type", d.ev.Type,
-			"delivery", d.ev.Delivery, "retry_in", delay, "error", err)
-	}
-}
-
 // HandleOnce runs the subscriber's handler on one event outside the
 // consumer, with the same checkpoint semantics (operators redriving a dead
 // letter use it): an event already in the checkpoint is not handled again
 // and handled is false.
 func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err error) {
+	d := &delivery{ev: ev, hasRow: true}
 	if r.txH != nil {
-		fresh, err := r.txBatch(ctx, []delivery{{ev: ev}})
+		fresh, err := r.txBatch(ctx, []*delivery{d})
 		return fresh == 1, err
 	}
 	var done bool
@@ -750,14 +1071,15 @@ func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err er
 	if err := r.call(ctx, ev); err != nil {
 		return false, err
 	}
-	_, err = r.opts.Pool.Exec(ctx, `INSERT INTO processed_events (subscriber, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING`, r.name, ev.ID)
+	err = r.checkpoint(ctx, []*delivery{d}, []int64{ev.ID})
 	return err == nil, err
 }
 
-// backoff is retry_min doubled per delivery so far, capped at retry_max.
-func (r *Runner) backoff(delivery uint64) time.Duration {
+// backoff is retry_min doubled per failure (or delivery) after the first,
+// capped at retry_max.
+func (r *Runner) backoff(n uint64) time.Duration {
 	d := r.cfg.RetryMin
-	for i := uint64(1); i < delivery && d < r.cfg.RetryMax; i++ {
+	for i := uint64(1); i < n && d < r.cfg.RetryMax; i++ {
 		d *= 2
 	}
 	return min(d, r.cfg.RetryMax)

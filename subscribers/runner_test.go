@@ -122,7 +122,7 @@ func TestOutcomes(t *testing.T) {
 	ids := write(env,
 		testEvent("fail", 2),      // nak twice, then ack
 		testEvent("retry", 0),     // RetryAfter 700ms, then ack
-		testEvent("fail", 99),     // fails every time: dead letter after max_deliver (5)
+		testEvent("fail", 99),     // fails every time: dead letter after max_failures (5)
 		testEvent("permanent", 0), // dead letter at once
 		testEvent("ok", 0),        // behind the others, and not held up by them
 	)
@@ -147,7 +147,7 @@ func TestOutcomes(t *testing.T) {
 		t.Errorf("RetryAfter(700ms): deliveries at %v, want 2, 700ms apart", retryAt)
 	}
 	if d := h.deliveries(ids[2]); len(d) != 5 {
-		t.Errorf("always-failing event delivered %d times, want max_deliver = 5", len(d))
+		t.Errorf("always-failing event handled %d times, want max_failures = 5", len(d))
 	}
 	if d := h.deliveries(ids[3]); len(d) != 1 {
 		t.Errorf("permanent failure delivered %d times, want 1", len(d))
@@ -156,7 +156,7 @@ func TestOutcomes(t *testing.T) {
 	for _, m := range env.DeadLetters(h.name) {
 		reasons[m.Header.Get(outbox.EventIDHeader)] = m.Header.Get(subscribers.DeadReasonHeader) + " / deliveries " + m.Header.Get(subscribers.DeadDeliveriesHeader)
 	}
-	if r := reasons[strconv.FormatInt(ids[2], 10)]; !strings.Contains(r, "gave up after 5 deliveries: transient trouble") || !strings.HasSuffix(r, "deliveries 5") {
+	if r := reasons[strconv.FormatInt(ids[2], 10)]; !strings.Contains(r, "gave up after 5 failures (subscribers.max_failures): transient trouble") || !strings.HasSuffix(r, "deliveries 5") {
 		t.Errorf("exhausted event's dead letter: %q", r)
 	}
 	if r := reasons[strconv.FormatInt(ids[3], 10)]; !strings.Contains(r, "this event is nonsense") {
@@ -170,11 +170,11 @@ func TestOutcomes(t *testing.T) {
 }
 
 // A handler that never returns is cut off by subscribers.handler_timeout;
-// after max_deliver such attempts the event is in the dead letters.
+// after max_failures such attempts the event is in the dead letters.
 func TestHungHandlerIsCutOffAndDeadLettered(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
-	env.Config.Subscribers.MaxDeliver = 2
+	env.Config.Subscribers.MaxFailures = 2
 	env.Config.Subscribers.HandlerTimeout = 300 * time.Millisecond
 	h := newScripted("hung")
 	env.StartRunner(h, nil)
@@ -182,38 +182,76 @@ func TestHungHandlerIsCutOffAndDeadLettered(t *testing.T) {
 	subscribertest.WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) {
 		return len(env.DeadLetters(h.name)) == 1, strconv.Itoa(len(h.deliveries(id))) + " deliveries"
 	})
-	if r := env.DeadLetters(h.name)[0].Header.Get(subscribers.DeadReasonHeader); !strings.Contains(r, "gave up after 2 deliveries: context deadline exceeded") {
+	if r := env.DeadLetters(h.name)[0].Header.Get(subscribers.DeadReasonHeader); !strings.Contains(r, "gave up after 2 failures (subscribers.max_failures): handler did not finish within subscribers.handler_timeout (300ms): context deadline exceeded") {
 		t.Errorf("reason %q", r)
 	}
 }
 
-// An event whose handling kills its process every time (a crash loop): each
-// delivery ends with no outcome; the delivery past max_deliver goes to the
-// dead letters on arrival, so the event neither loops forever nor vanishes.
+// An event whose handling kills its process every time (a crash loop):
+// each attempt ends with no outcome at all. With max_crashes 2 it is tried
+// three times (the first attempt was not yet known to be dangerous: it ran
+// in a batch of first deliveries, unrecorded), then dead-lettered on
+// arrival, so it neither loops forever nor vanishes.
 func TestCrashLoopEventEndsInDeadLetters(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
-	env.Config.Subscribers.MaxDeliver = 2
+	env.Config.Subscribers.MaxCrashes = 2
 	var id int64
-	for i := range 2 {
+	crashes := 0
+	for crashes < 3 && len(env.DeadLetters("crashloop")) == 0 {
 		h := newScripted("crashloop")
 		r := env.StartRunner(h, nil)
-		if i == 0 {
+		if id == 0 {
 			id = write(env, testEvent("hang", 0))[0]
 		}
 		subscribertest.WaitFor(t, 10*time.Second, "a delivery", func() (bool, string) { return len(h.deliveries(id)) == 1, "" })
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
-		_ = r.Stop(ctx) // the process dies mid-handling
-		cancel()
+		subscribers.Crash(r) // the process dies mid-handling
+		crashes++
 	}
 	survivor := newScripted("crashloop")
 	env.StartRunner(survivor, nil)
 	subscribertest.WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) { return len(env.DeadLetters("crashloop")) == 1, "" })
-	if r := env.DeadLetters("crashloop")[0].Header.Get(subscribers.DeadReasonHeader); !strings.Contains(r, "no outcome after 2 deliveries") {
+	if r := env.DeadLetters("crashloop")[0].Header.Get(subscribers.DeadReasonHeader); !strings.Contains(r, "its handling never ended 2 times") {
 		t.Errorf("reason %q", r)
 	}
-	if len(survivor.deliveries(id)) != 0 {
-		t.Error("the handler ran a third time on an event past max_deliver")
+	if crashes != 3 || len(survivor.deliveries(id)) != 0 {
+		t.Errorf("the handler ran %d times before the dead letter and %d times after; want 3 and 0", crashes, len(survivor.deliveries(id)))
+	}
+	env.WaitIdle("crashloop", 10*time.Second)
+}
+
+// The events in flight beside a crash-looping one die with it every time
+// until it is isolated; they are handled, once, and never dead-lettered.
+func TestCrashLoopSparesItsBatchMates(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	env.Config.Subscribers.MaxCrashes = 2
+	env.Config.Subscribers.Concurrency = 1
+	events := []outbox.Event{testEvent("ok", 0), testEvent("ok", 0), testEvent("hang", 0), testEvent("ok", 0), testEvent("ok", 0)}
+	ids := write(env, events...)
+	poison := ids[2]
+	// The process dies whenever the poison is in hand; once the poison is
+	// dead-lettered, the last instance runs on undisturbed.
+	for restart := 0; restart < 10; restart++ {
+		h := newScripted("mates")
+		r := env.StartRunner(h, nil)
+		subscribertest.WaitFor(t, 15*time.Second, "the poison or the dead letter", func() (bool, string) {
+			return len(h.deliveries(poison)) > 0 || len(env.DeadLetters("mates")) > 0, ""
+		})
+		if len(h.deliveries(poison)) == 0 {
+			break
+		}
+		subscribers.Crash(r)
+	}
+	env.WaitIdle("mates", 15*time.Second)
+	dead := env.DeadLetters("mates")
+	if len(dead) != 1 || dead[0].Header.Get(outbox.EventIDHeader) != strconv.FormatInt(poison, 10) {
+		t.Fatalf("%d dead letters, want exactly the poison event %d", len(dead), poison)
+	}
+	for _, id := range ids {
+		if id != poison && !env.Checkpointed("mates", id) {
+			t.Errorf("batch-mate %d was never handled", id)
+		}
 	}
 }
 
@@ -370,7 +408,7 @@ func TestConsumerConfiguration(t *testing.T) {
 		t.Fatal(err)
 	}
 	cc := c.CachedInfo().Config
-	if cc.AckPolicy != jetstream.AckExplicitPolicy || cc.AckWait != time.Second || cc.MaxDeliver != 6 ||
+	if cc.AckPolicy != jetstream.AckExplicitPolicy || cc.AckWait != time.Second || cc.MaxDeliver != -1 ||
 		cc.MaxAckPending != env.Config.Subscribers.MaxAckPending || cc.Description == "" ||
 		strings.Join(cc.FilterSubjects, ",") != "events.test.a,events.test.b.>" || cc.Durable != "configured" {
 		t.Errorf("consumer config: %+v", cc)

@@ -338,8 +338,10 @@ func TestUnknownSubscriberAndBadConfigAreClearErrors(t *testing.T) {
 		args []string
 		want string
 	}{
-		{nil, []string{"subscribe", "billing"}, `unknown subscriber "billing" (known: cacheinval, invoicing, searchindex)`},
-		{[]string{"FANOUT_SUBSCRIBERS_MAX_DELIVER=1"}, []string{"subscribe", "invoicing"}, "subscribers.max_deliver must be between 2 and 1000 (got 1)"},
+		{nil, []string{"subscribe", "billing"}, `unknown subscriber "billing" (known: cacheinval, invoicing, salesledger, searchindex)`},
+		{[]string{"FANOUT_SUBSCRIBERS_MAX_FAILURES=0"}, []string{"subscribe", "invoicing"}, "subscribers.max_failures must be between 1 and 1000 (got 0)"},
+		{[]string{"FANOUT_SUBSCRIBERS_MAX_DELIVER=10"}, []string{"subscribe", "invoicing"}, `config key "subscribers.max_deliver" is gone: replaced by subscribers.max_failures`},
+		{[]string{"FANOUT_RELAY_MAX_IN_FLIGHT=600", "FANOUT_RELAY_BATCH_SIZE=1000"}, []string{"relay"}, "relay.max_in_flight (600) must be at least relay.batch_size (1000)"},
 		{[]string{"FANOUT_RELAY_BATCH_SIZE=abc"}, []string{"relay"}, "relay.batch_size"},
 		{nil, []string{"subscribe", "invoicing", "--start", "yesterday"}, "subscribers.start must be one of all, new, time"},
 	} {

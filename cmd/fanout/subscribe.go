@@ -129,6 +129,9 @@ func startSubscribers(ctx context.Context, a *app, d *deps, names []string, nc *
 			return nil, err
 		}
 		runners = append(runners, r)
+		// Not ready while a dependency the subscriber needs is down (it
+		// holds its events meanwhile).
+		d.checks = append(d.checks, opsserver.Check{Name: "subscriber " + name, Fn: func(context.Context) error { return r.Ready() }})
 	}
 	return stopAll, nil
 }

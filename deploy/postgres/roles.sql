@@ -36,22 +36,27 @@
 --                       INSERT on invoices, invoice_lines; SELECT (id,
 --                       order_id) on invoices (ON CONFLICT (order_id) and
 --                       RETURNING need it); USAGE on invoice_number_seq;
---                       its own checkpoint rows in processed_events.
+--                       its own checkpoint rows in processed_events and
+--                       its own rows in subscriber_attempts.
 --   fanout_cacheinval   LOGIN. SELECT on products, brands, categories,
 --                       inventory; its own checkpoint rows.
 --   fanout_searchindex  LOGIN. Same as fanout_cacheinval.
+--   fanout_salesledger  LOGIN. SELECT on orders, order_lines; SELECT,
+--                       INSERT, UPDATE on product_sales (it adds each
+--                       order to its products' totals); its own checkpoint
+--                       and attempts rows.
 --
--- processed_events has row-level security: each subscriber role sees,
--- inserts and deletes only the rows of its own subscriber name (invoicing,
--- cacheinval, searchindex), so one subscriber cannot skip or replay
--- another's events. The table owner (fanout_migrate) and superusers bypass
--- it.
+-- processed_events and subscriber_attempts have row-level security: each
+-- subscriber role sees and writes only the rows of its own subscriber name
+-- (invoicing, cacheinval, searchindex, salesledger), so one subscriber cannot skip,
+-- replay or dead-letter another's events. The table owner (fanout_migrate)
+-- and superusers bypass it.
 --
 -- Passwords are not in this file. For each LOGIN role, if the matching
 -- variable is set in psql's environment, the role's password is set from it:
 --   FANOUT_PG_MIGRATE_PASSWORD, FANOUT_PG_RELAY_PASSWORD,
 --   FANOUT_PG_INVOICING_PASSWORD, FANOUT_PG_CACHEINVAL_PASSWORD,
---   FANOUT_PG_SEARCHINDEX_PASSWORD.
+--   FANOUT_PG_SEARCHINDEX_PASSWORD, FANOUT_PG_SALESLEDGER_PASSWORD.
 -- The value may be a SCRAM-SHA-256 verifier (SCRAM-SHA-256$4096:...), which
 -- PostgreSQL stores as is; a plain password travels to the server in the
 -- ALTER ROLE statement, so make sure log_statement does not log DDL then, or
@@ -67,7 +72,8 @@ BEGIN;
 
 SELECT format('CREATE ROLE %I', r)
 FROM unnest(ARRAY['fanout_migrate', 'fanout_relay', 'fanout_writer',
-                  'fanout_invoicing', 'fanout_cacheinval', 'fanout_searchindex']) AS r
+                  'fanout_invoicing', 'fanout_cacheinval', 'fanout_searchindex',
+                  'fanout_salesledger']) AS r
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = r) \gexec
 
 ALTER ROLE fanout_migrate     LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
@@ -76,6 +82,7 @@ ALTER ROLE fanout_writer      NOLOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPL
 ALTER ROLE fanout_invoicing   LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_cacheinval  LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_searchindex LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_salesledger LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 
 -- Passwords, from psql's environment when set.
 \unset fanout_password
@@ -104,23 +111,28 @@ ALTER ROLE fanout_cacheinval PASSWORD :'fanout_password';
 ALTER ROLE fanout_searchindex PASSWORD :'fanout_password';
 \unset fanout_password
 \endif
+\getenv fanout_password FANOUT_PG_SALESLEDGER_PASSWORD
+\if :{?fanout_password}
+ALTER ROLE fanout_salesledger PASSWORD :'fanout_password';
+\unset fanout_password
+\endif
 
 -- Database and schema ---------------------------------------------------------
 
 SELECT current_database() AS fanout_database \gset
 GRANT CONNECT ON DATABASE :"fanout_database"
-    TO fanout_migrate, fanout_relay, fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+    TO fanout_migrate, fanout_relay, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
 
 GRANT USAGE, CREATE ON SCHEMA public TO fanout_migrate;
 GRANT USAGE ON SCHEMA public
-    TO fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+    TO fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
 
 -- Tables (once migrated) --------------------------------------------------------
 
 SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migrated
-FROM unnest(ARRAY['outbox', 'processed_events', 'brands', 'categories', 'products',
-                  'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
-                  'invoice_number_seq']) AS t \gset
+FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands', 'categories',
+                  'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
+                  'invoice_number_seq', 'product_sales']) AS t \gset
 
 \if :fanout_migrated
 
@@ -130,9 +142,9 @@ SELECT format('ALTER TABLE public.%I OWNER TO fanout_migrate', c.relname)
 FROM pg_class c
 WHERE c.relnamespace = 'public'::regnamespace
   AND c.relkind IN ('r', 'p')
-  AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'brands',
-                    'categories', 'products', 'inventory', 'orders', 'order_lines',
-                    'invoices', 'invoice_lines', 'dead_letter_actions')
+  AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'subscriber_attempts',
+                    'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
+                    'invoices', 'invoice_lines', 'dead_letter_actions', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
 WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
@@ -140,9 +152,9 @@ WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::re
 
 -- Start from nothing, so that a run converges on the lists below.
 REVOKE ALL ON ALL TABLES IN SCHEMA public
-    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
-    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
 
 -- The relay.
 GRANT SELECT, DELETE ON outbox TO fanout_relay;
@@ -155,7 +167,7 @@ GRANT SELECT (id) ON outbox TO fanout_writer;
 
 -- Subscribers: the checkpoint (insert, read, prune), restricted to their rows.
 GRANT SELECT, INSERT, DELETE ON processed_events
-    TO fanout_invoicing, fanout_cacheinval, fanout_searchindex;
+    TO fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
 ALTER TABLE processed_events ENABLE ROW LEVEL SECURITY;
 DROP POLICY IF EXISTS fanout_invoicing_checkpoints ON processed_events;
 CREATE POLICY fanout_invoicing_checkpoints ON processed_events TO fanout_invoicing
@@ -166,12 +178,37 @@ CREATE POLICY fanout_cacheinval_checkpoints ON processed_events TO fanout_cachei
 DROP POLICY IF EXISTS fanout_searchindex_checkpoints ON processed_events;
 CREATE POLICY fanout_searchindex_checkpoints ON processed_events TO fanout_searchindex
     USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
+DROP POLICY IF EXISTS fanout_salesledger_checkpoints ON processed_events;
+CREATE POLICY fanout_salesledger_checkpoints ON processed_events TO fanout_salesledger
+    USING (subscriber = 'salesledger') WITH CHECK (subscriber = 'salesledger');
+
+-- Subscribers: what the runtime remembers of failed and redelivered events
+-- (failures, attempts whose process died), restricted to their rows.
+GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_attempts
+    TO fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
+ALTER TABLE subscriber_attempts ENABLE ROW LEVEL SECURITY;
+DROP POLICY IF EXISTS fanout_invoicing_attempts ON subscriber_attempts;
+CREATE POLICY fanout_invoicing_attempts ON subscriber_attempts TO fanout_invoicing
+    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+DROP POLICY IF EXISTS fanout_cacheinval_attempts ON subscriber_attempts;
+CREATE POLICY fanout_cacheinval_attempts ON subscriber_attempts TO fanout_cacheinval
+    USING (subscriber = 'cacheinval') WITH CHECK (subscriber = 'cacheinval');
+DROP POLICY IF EXISTS fanout_searchindex_attempts ON subscriber_attempts;
+CREATE POLICY fanout_searchindex_attempts ON subscriber_attempts TO fanout_searchindex
+    USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
+DROP POLICY IF EXISTS fanout_salesledger_attempts ON subscriber_attempts;
+CREATE POLICY fanout_salesledger_attempts ON subscriber_attempts TO fanout_salesledger
+    USING (subscriber = 'salesledger') WITH CHECK (subscriber = 'salesledger');
 
 -- Invoicing.
 GRANT SELECT ON orders, order_lines, products TO fanout_invoicing;
 GRANT INSERT ON invoices, invoice_lines TO fanout_invoicing;
 GRANT SELECT (id, order_id) ON invoices TO fanout_invoicing;
 GRANT USAGE ON SEQUENCE invoice_number_seq TO fanout_invoicing;
+
+-- The sales ledger.
+GRANT SELECT ON orders, order_lines TO fanout_salesledger;
+GRANT SELECT, INSERT, UPDATE ON product_sales TO fanout_salesledger;
 
 -- The cache invalidator and the search indexer read the catalog.
 GRANT SELECT ON products, brands, categories, inventory TO fanout_cacheinval, fanout_searchindex;

@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 umask 077
-for name in pg_superuser pg_migrate pg_relay pg_invoicing pg_cacheinval pg_searchindex \
-            nats_relay nats_invoicing nats_cacheinval nats_searchindex nats_admin redis es; do
+for name in pg_superuser pg_migrate pg_relay pg_invoicing pg_cacheinval pg_searchindex pg_salesledger \
+            nats_relay nats_invoicing nats_cacheinval nats_searchindex nats_salesledger nats_admin redis es; do
   f=${name}_password
   [[ -s $f ]] && continue
   printf 'p%s' "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')" >"$f"

@@ -92,7 +92,9 @@ type Stream struct {
 	// MaxBytes caps the stream's size; -1 is unlimited. Default -1.
 	MaxBytes int64 `koanf:"max_bytes"`
 	// DuplicateWindow is how long JetStream remembers Nats-Msg-Ids. It must
-	// exceed relay.lease + relay.publish_timeout. Default 10m.
+	// exceed relay.lease + relay.publish_timeout + relay.reap_interval +
+	// relay.retry_max (the longest a row's second publish can follow its
+	// first), and not exceed MaxAge. Default 10m.
 	DuplicateWindow time.Duration `koanf:"duplicate_window"`
 	// Provision is auto (create or update the stream), verify (refuse to start
 	// unless it exists and fits), or off (trust other tooling). Default auto.
@@ -148,16 +150,23 @@ type Subscribers struct {
 	AckWait time.Duration `koanf:"ack_wait"`
 	// HandlerTimeout bounds one handler call (one batch, for subscribers
 	// whose effect is in Postgres); past it the handler's context is
-	// cancelled and the attempt counts as failed. Default 1m, >= 100ms.
+	// cancelled and the attempt counts as failed (unless a dependency is
+	// down). Default 20s, >= 100ms, and shorter than AckWait.
 	HandlerTimeout time.Duration `koanf:"handler_timeout"`
-	// MaxDeliver is how many deliveries an event gets before it goes to the
-	// dead letters. Default 10, 2..1000.
-	MaxDeliver int `koanf:"max_deliver"`
+	// MaxFailures is how many times the handler may fail on an event (by
+	// its own verdict, while every dependency answers) before the event
+	// goes to the dead letters. Deliveries lost to an outage or a crash do
+	// not count. Default 10, 1..1000.
+	MaxFailures int `koanf:"max_failures"`
+	// MaxCrashes is how many times the process may die while handling an
+	// event (an attempt begun and never ended) before the event goes to the
+	// dead letters unhandled. Default 3, 1..100.
+	MaxCrashes int `koanf:"max_crashes"`
 	// MaxAckPending bounds unacknowledged events per consumer, across
 	// instances. Default 1000, 1..100000.
 	MaxAckPending int `koanf:"max_ack_pending"`
 	// RetryMin and RetryMax bound the delay of a nak after a failed attempt,
-	// which doubles with each delivery. Defaults 1s and 1m.
+	// which doubles with each failure. Defaults 1s and 1m.
 	RetryMin time.Duration `koanf:"retry_min"`
 	RetryMax time.Duration `koanf:"retry_max"`
 	// Start is where a new subscriber's consumer begins: all (the stream's
@@ -326,8 +335,9 @@ func defaults() map[string]any {
 		"subscribers.concurrency":                4,
 		"subscribers.batch_size":                 100,
 		"subscribers.ack_wait":                   "30s",
-		"subscribers.handler_timeout":            "1m",
-		"subscribers.max_deliver":                10,
+		"subscribers.handler_timeout":            "20s",
+		"subscribers.max_failures":               10,
+		"subscribers.max_crashes":                3,
 		"subscribers.max_ack_pending":            1000,
 		"subscribers.retry_min":                  "1s",
 		"subscribers.retry_max":                  "1m",
@@ -370,6 +380,14 @@ func defaults() map[string]any {
 		"demo.products":          1000,
 		"demo.progress_interval": "5s",
 	}
+}
+
+// replacedKeys are keys of earlier versions, with what replaced them: an
+// old file or variable is refused with this, not silently ignored.
+var replacedKeys = map[string]string{
+	"subscribers.max_deliver": "replaced by subscribers.max_failures (handler failures before the dead letters; " +
+		"JetStream now redelivers without limit, and deliveries lost to an outage or a crash no longer count) " +
+		"and subscribers.max_crashes",
 }
 
 // Keys returns every configuration key, sorted.
@@ -418,6 +436,9 @@ func Load(path string, environ []string) (*Config, error) {
 
 	known := defaults()
 	for _, key := range k.Keys() {
+		if why, ok := replacedKeys[key]; ok {
+			return nil, fmt.Errorf("config key %q is gone: %s", key, why)
+		}
 		if _, ok := known[key]; !ok {
 			return nil, fmt.Errorf("unknown config key %q (see `fanout config keys`)", key)
 		}
@@ -463,6 +484,11 @@ func envValues(environ []string) (map[string]any, error) {
 			continue
 		}
 		key, ok := byEnv[name]
+		for old, why := range replacedKeys {
+			if name == EnvName(old) {
+				return nil, fmt.Errorf("environment variable %s: config key %q is gone: %s", name, old, why)
+			}
+		}
 		if !ok {
 			return nil, fmt.Errorf("environment variable %s names no config key (see `fanout config keys`)", name)
 		}
@@ -556,13 +582,8 @@ func (c *Config) Validate() error {
 	between("relay.batch_size", int64(c.Relay.BatchSize), 1, 10000)
 	between("relay.max_in_flight", int64(c.Relay.MaxInFlight), 1, 100000)
 	positive("relay.publish_timeout", c.Relay.PublishTimeout)
-	if need := c.Relay.Lease + c.Relay.PublishTimeout; c.Stream.DuplicateWindow <= need {
-		bad("stream.duplicate_window", "must be longer than relay.lease (%s) + relay.publish_timeout (%s), or a row re-published after its lease expired could be stored twice (got %s)", c.Relay.Lease, c.Relay.PublishTimeout, c.Stream.DuplicateWindow)
-	}
 	if c.Relay.Lease < time.Second {
 		bad("relay.lease", "must be at least 1s (got %s)", c.Relay.Lease)
-	} else if c.Relay.Lease <= c.Relay.PublishTimeout {
-		bad("relay.lease", "must be longer than relay.publish_timeout (%s), or every slow publish would be reaped (got %s)", c.Relay.PublishTimeout, c.Relay.Lease)
 	}
 	if c.Relay.PollInterval < time.Millisecond || c.Relay.PollInterval > time.Minute {
 		bad("relay.poll_interval", "must be between 1ms and 1m (got %s)", c.Relay.PollInterval)
@@ -587,7 +608,8 @@ func (c *Config) Validate() error {
 	if c.Subscribers.HandlerTimeout < 100*time.Millisecond {
 		bad("subscribers.handler_timeout", "must be at least 100ms (got %s)", c.Subscribers.HandlerTimeout)
 	}
-	between("subscribers.max_deliver", int64(c.Subscribers.MaxDeliver), 2, 1000)
+	between("subscribers.max_failures", int64(c.Subscribers.MaxFailures), 1, 1000)
+	between("subscribers.max_crashes", int64(c.Subscribers.MaxCrashes), 1, 100)
 	between("subscribers.max_ack_pending", int64(c.Subscribers.MaxAckPending), 1, 100000)
 	positive("subscribers.retry_min", c.Subscribers.RetryMin)
 	if c.Subscribers.RetryMax < c.Subscribers.RetryMin {
@@ -599,11 +621,11 @@ func (c *Config) Validate() error {
 			bad("subscribers.start_time", "must be an RFC 3339 time such as 2026-01-02T15:04:05Z when subscribers.start is time (got %q)", c.Subscribers.StartTime)
 		}
 	}
-	if !validStreamName(c.Subscribers.DeadLetterStream) || c.Subscribers.DeadLetterStream == c.Stream.Name {
-		bad("subscribers.dead_letter_stream", "must be a stream name other than stream.name (got %q)", c.Subscribers.DeadLetterStream)
+	if !validStreamName(c.Subscribers.DeadLetterStream) {
+		bad("subscribers.dead_letter_stream", "must be a non-empty name without spaces, '.', '*', '>' or path separators (got %q)", c.Subscribers.DeadLetterStream)
 	}
-	if !outbox.ValidSubjectToken(c.Subscribers.DeadLetterSubjectPrefix) || c.Subscribers.DeadLetterSubjectPrefix == c.Stream.SubjectPrefix {
-		bad("subscribers.dead_letter_subject_prefix", "must be one subject token other than stream.subject_prefix (got %q)", c.Subscribers.DeadLetterSubjectPrefix)
+	if !outbox.ValidSubjectToken(c.Subscribers.DeadLetterSubjectPrefix) {
+		bad("subscribers.dead_letter_subject_prefix", "must be one subject token without '.', '*', '>' or spaces (got %q)", c.Subscribers.DeadLetterSubjectPrefix)
 	}
 	positive("subscribers.dead_letter_max_age", c.Subscribers.DeadLetterMaxAge)
 	positive("subscribers.shutdown_timeout", c.Subscribers.ShutdownTimeout)
@@ -612,9 +634,6 @@ func (c *Config) Validate() error {
 		bad("redis.url", "must be a redis:// or rediss:// URL (got %q)", RedactURL(c.Redis.URL))
 	}
 	positive("redis.timeout", c.Redis.Timeout)
-	if c.Redis.TombstoneTTL <= 2*c.Redis.Timeout {
-		bad("redis.tombstone_ttl", "must be longer than twice redis.timeout (%s), the longest a cache fill can take (got %s)", c.Redis.Timeout, c.Redis.TombstoneTTL)
-	}
 
 	oneOf("search.engine", c.Search.Engine, "elasticsearch", "opensearch")
 	for _, raw := range strings.Split(c.Search.URL, ",") {
@@ -653,7 +672,133 @@ func (c *Config) Validate() error {
 	between("demo.products", int64(c.Demo.Products), 1, 10000000)
 	positive("demo.progress_interval", c.Demo.ProgressInterval)
 
+	errs = append(errs, c.crossKeyErrors()...)
 	return errors.Join(errs...)
+}
+
+// crossKeyErrors checks the settings that are each valid alone but cannot
+// work together; each error names every key involved.
+func (c *Config) crossKeyErrors() []error {
+	var errs []error
+	for _, rule := range crossKeyRules {
+		if msg := rule.check(c); msg != "" {
+			errs = append(errs, errors.New(msg))
+		}
+	}
+	return errs
+}
+
+// CrossKeyRule is one rule tying keys together.
+type CrossKeyRule struct {
+	// Keys are every key the rule involves; its error names them all.
+	Keys  []string
+	check func(*Config) string
+}
+
+// CrossKeyRules lists the rules, for documentation and tests.
+func CrossKeyRules() []CrossKeyRule { return crossKeyRules }
+
+var crossKeyRules = []CrossKeyRule{
+	{
+		// The relay claims a whole batch only when that many rows fit in
+		// flight: below it, it waits forever and publishes nothing.
+		Keys: []string{"relay.max_in_flight", "relay.batch_size"},
+		check: func(c *Config) string {
+			if c.Relay.MaxInFlight < c.Relay.BatchSize {
+				return fmt.Sprintf("relay.max_in_flight (%d) must be at least relay.batch_size (%d): the relay claims a batch only when all of it fits in flight, so it would never publish", c.Relay.MaxInFlight, c.Relay.BatchSize)
+			}
+			return ""
+		},
+	},
+	{
+		// A row whose publish JetStream stored but whose PubAck or mark was
+		// lost is published again: after its lease expires and the reaper
+		// returns it, or after its retry backoff. The second publish must
+		// still fall inside the duplicates window, or the stream stores
+		// the event twice.
+		Keys: []string{"stream.duplicate_window", "relay.lease", "relay.publish_timeout", "relay.reap_interval", "relay.retry_max"},
+		check: func(c *Config) string {
+			if need := RepublishDelay(c.Relay); c.Stream.DuplicateWindow <= need {
+				return fmt.Sprintf("stream.duplicate_window (%s) must be longer than relay.lease (%s) + relay.publish_timeout (%s) + relay.reap_interval (%s) + relay.retry_max (%s) = %s, the longest a row's second publish can follow its first; a shorter window lets the stream store an event twice",
+					c.Stream.DuplicateWindow, c.Relay.Lease, c.Relay.PublishTimeout, c.Relay.ReapInterval, c.Relay.RetryMax, need)
+			}
+			return ""
+		},
+	},
+	{
+		// JetStream refuses a duplicates window longer than the max age.
+		Keys: []string{"stream.duplicate_window", "stream.max_age"},
+		check: func(c *Config) string {
+			if c.Stream.MaxAge > 0 && c.Stream.DuplicateWindow > c.Stream.MaxAge {
+				return fmt.Sprintf("stream.duplicate_window (%s) must not be longer than stream.max_age (%s): JetStream refuses such a stream", c.Stream.DuplicateWindow, c.Stream.MaxAge)
+			}
+			return ""
+		},
+	},
+	{
+		// A claim's lease must outlast the wait for its PubAcks, or every
+		// slow publish is reaped and published again.
+		Keys: []string{"relay.lease", "relay.publish_timeout"},
+		check: func(c *Config) string {
+			if c.Relay.Lease >= time.Second && c.Relay.Lease <= c.Relay.PublishTimeout {
+				return fmt.Sprintf("relay.lease (%s) must be longer than relay.publish_timeout (%s), or every slow publish would be reaped and published again", c.Relay.Lease, c.Relay.PublishTimeout)
+			}
+			return ""
+		},
+	},
+	{
+		// A handler cut off by its timeout has stopped before JetStream
+		// would redeliver its event, even if the in-progress signals that
+		// extend the ack wait were lost (a reconnect): otherwise another
+		// instance could handle the event while the first still runs.
+		Keys: []string{"subscribers.ack_wait", "subscribers.handler_timeout"},
+		check: func(c *Config) string {
+			if c.Subscribers.HandlerTimeout >= c.Subscribers.AckWait {
+				return fmt.Sprintf("subscribers.handler_timeout (%s) must be shorter than subscribers.ack_wait (%s): a handler must be cut off before JetStream may redeliver its event to another instance", c.Subscribers.HandlerTimeout, c.Subscribers.AckWait)
+			}
+			return ""
+		},
+	},
+	{
+		// A cache fill that read a row before an invalidation may write it
+		// after; the tombstone must outlive the slowest fill (a read and a
+		// write, each bounded by redis.timeout).
+		Keys: []string{"redis.tombstone_ttl", "redis.timeout"},
+		check: func(c *Config) string {
+			if c.Redis.TombstoneTTL <= 2*c.Redis.Timeout {
+				return fmt.Sprintf("redis.tombstone_ttl (%s) must be longer than twice redis.timeout (%s), the longest a cache fill can take, or a stale fill could overwrite an invalidation", c.Redis.TombstoneTTL, c.Redis.Timeout)
+			}
+			return ""
+		},
+	},
+	{
+		// The stream's prefix and the dead letters' must differ: dead
+		// letters would otherwise land in the events stream.
+		Keys: []string{"subscribers.dead_letter_subject_prefix", "stream.subject_prefix"},
+		check: func(c *Config) string {
+			if c.Subscribers.DeadLetterSubjectPrefix == c.Stream.SubjectPrefix {
+				return fmt.Sprintf("subscribers.dead_letter_subject_prefix (%q) must differ from stream.subject_prefix (%q): dead letters would be published as events", c.Subscribers.DeadLetterSubjectPrefix, c.Stream.SubjectPrefix)
+			}
+			return ""
+		},
+	},
+	{
+		Keys: []string{"subscribers.dead_letter_stream", "stream.name"},
+		check: func(c *Config) string {
+			if c.Subscribers.DeadLetterStream == c.Stream.Name {
+				return fmt.Sprintf("subscribers.dead_letter_stream (%q) must differ from stream.name (%q)", c.Subscribers.DeadLetterStream, c.Stream.Name)
+			}
+			return ""
+		},
+	},
+}
+
+// RepublishDelay is the longest a row's second publish can follow its
+// first: a lost PubAck or mark leaves it to the reaper (lease, then up to a
+// reap interval) or to its retry backoff (after the publish timeout, up to
+// retry_max). The stream's duplicates window must be longer.
+func RepublishDelay(r Relay) time.Duration {
+	return r.Lease + r.PublishTimeout + r.ReapInterval + r.RetryMax
 }
 
 func validStreamName(s string) bool {

@@ -52,8 +52,8 @@ func TestErrorsNameTheKey(t *testing.T) {
 		{env: []string{"FANOUT_RELAY_BATCH_SIZE=0"}, want: "relay.batch_size must be between 1 and 10000 (got 0)"},
 		{env: []string{"FANOUT_STREAM_PROVISION=sometimes"}, want: `stream.provision must be one of auto, verify, off (got "sometimes")`},
 		{env: []string{"FANOUT_RELAY_LEASE=500ms"}, want: "relay.lease must be at least 1s"},
-		{env: []string{"FANOUT_RELAY_LEASE=5s", "FANOUT_RELAY_PUBLISH_TIMEOUT=10s"}, want: "relay.lease must be longer than relay.publish_timeout"},
-		{env: []string{"FANOUT_STREAM_DUPLICATE_WINDOW=1m"}, want: "stream.duplicate_window must be longer than relay.lease (2m0s) + relay.publish_timeout (10s)"},
+		{env: []string{"FANOUT_SUBSCRIBERS_MAX_DELIVER=5"}, want: `FANOUT_SUBSCRIBERS_MAX_DELIVER: config key "subscribers.max_deliver" is gone: replaced by subscribers.max_failures`},
+		{yaml: "subscribers:\n  max_deliver: 5\n", want: `config key "subscribers.max_deliver" is gone: replaced by subscribers.max_failures`},
 		{env: []string{"FANOUT_RELAY_BATCHSIZE=5"}, want: "FANOUT_RELAY_BATCHSIZE names no config key"},
 		{env: []string{"FANOUT_POSTGRES_URL=mysql://x"}, want: "postgres.url must be a postgres:// URL"},
 		{env: []string{"FANOUT_LOG_LEVEL=loud"}, want: "log.level must be one of debug, info, warn, error"},
@@ -140,5 +140,47 @@ func TestRedactedHidesSecrets(t *testing.T) {
 	printed := fmt.Sprint(cfg.Redacted())
 	if strings.Contains(printed, "s3cret") || !strings.Contains(printed, "<redacted>") {
 		t.Errorf("redacted config shows a secret: %s", printed)
+	}
+}
+
+// TestCrossKeyRules breaks each rule that ties keys together, alone, and
+// checks that the configuration is refused with an error naming every key
+// involved; and that every rule has a case here.
+func TestCrossKeyRules(t *testing.T) {
+	cases := map[string][]string{ // the rule's first two keys -> variables that break it alone
+		"relay.max_in_flight relay.batch_size":                         {"FANOUT_RELAY_MAX_IN_FLIGHT=600", "FANOUT_RELAY_BATCH_SIZE=1000"},
+		"stream.duplicate_window relay.lease":                          {"FANOUT_STREAM_DUPLICATE_WINDOW=7m"}, // 2m + 10s + 10s + 5m = 7m20s
+		"stream.duplicate_window stream.max_age":                       {"FANOUT_STREAM_MAX_AGE=5m", "FANOUT_STREAM_DUPLICATE_WINDOW=8m", "FANOUT_RELAY_RETRY_MAX=10s"},
+		"relay.lease relay.publish_timeout":                            {"FANOUT_RELAY_LEASE=5s", "FANOUT_RELAY_PUBLISH_TIMEOUT=10s"},
+		"subscribers.ack_wait subscribers.handler_timeout":             {"FANOUT_SUBSCRIBERS_ACK_WAIT=30s", "FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=1m"},
+		"redis.tombstone_ttl redis.timeout":                            {"FANOUT_REDIS_TOMBSTONE_TTL=3s", "FANOUT_REDIS_TIMEOUT=2s"},
+		"subscribers.dead_letter_subject_prefix stream.subject_prefix": {"FANOUT_SUBSCRIBERS_DEAD_LETTER_SUBJECT_PREFIX=events"},
+		"subscribers.dead_letter_stream stream.name":                   {"FANOUT_SUBSCRIBERS_DEAD_LETTER_STREAM=EVENTS"},
+	}
+	for _, rule := range CrossKeyRules() {
+		id := rule.Keys[0] + " " + rule.Keys[1]
+		env, ok := cases[id]
+		if !ok {
+			t.Errorf("rule over %v has no case in this test", rule.Keys)
+			continue
+		}
+		delete(cases, id)
+		_, err := Load("", env)
+		if err == nil {
+			t.Errorf("%v: accepted, want the rule over %v to refuse it", env, rule.Keys)
+			continue
+		}
+		for _, key := range rule.Keys {
+			if !strings.Contains(err.Error(), key) {
+				t.Errorf("%v: error %q does not name %s", env, err, key)
+			}
+		}
+		// Only this rule: every other rule holds for these settings.
+		if n := strings.Count(err.Error(), "\n") + 1; n != 1 {
+			t.Errorf("%v: %d errors, want only the rule's own: %v", env, n, err)
+		}
+	}
+	for id := range cases {
+		t.Errorf("case %q matches no rule", id)
 	}
 }

@@ -84,6 +84,8 @@ func (m *Relay) Deleted(n int) { m.deleted.Add(float64(n)) }
 type Subscribers struct {
 	handled, skipped, retried, dead *prometheus.CounterVec
 	seconds                         *prometheus.HistogramVec
+	dependencyUp                    *prometheus.GaugeVec
+	outages, outageSeconds          *prometheus.CounterVec
 }
 
 var _ subscribers.Observer = (*Subscribers)(nil)
@@ -103,7 +105,14 @@ func NewSubscribers(reg prometheus.Registerer) *Subscribers {
 		seconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "batch_seconds",
 			Help: "Time to handle one batch, checkpoint included.", Buckets: latencyBuckets}, []string{"subscriber"}),
 	}
-	reg.MustRegister(m.seconds)
+	m.dependencyUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "dependency_up",
+		Help: "1 while the subscriber's dependency answers, 0 while it is down (the subscriber then holds its events and takes no new ones)."},
+		[]string{"subscriber", "dependency"})
+	m.outages = prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "dependency_outages_total",
+		Help: "Times a dependency of the subscriber went down."}, []string{"subscriber", "dependency"})
+	m.outageSeconds = prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "dependency_outage_seconds_total",
+		Help: "Time the subscriber spent waiting for a dependency that was down (counted when it comes back)."}, []string{"subscriber", "dependency"})
+	reg.MustRegister(m.seconds, m.dependencyUp, m.outages, m.outageSeconds)
 	return m
 }
 
@@ -114,6 +123,16 @@ func (m *Subscribers) Handled(s string, n int, took time.Duration) {
 func (m *Subscribers) Skipped(s string, n int)      { m.skipped.WithLabelValues(s).Add(float64(n)) }
 func (m *Subscribers) Retried(s string, n int)      { m.retried.WithLabelValues(s).Add(float64(n)) }
 func (m *Subscribers) DeadLettered(s string, n int) { m.dead.WithLabelValues(s).Add(float64(n)) }
+
+func (m *Subscribers) DependencyDown(s, dep string) {
+	m.dependencyUp.WithLabelValues(s, dep).Set(0)
+	m.outages.WithLabelValues(s, dep).Inc()
+}
+
+func (m *Subscribers) DependencyUp(s, dep string, down time.Duration) {
+	m.dependencyUp.WithLabelValues(s, dep).Set(1)
+	m.outageSeconds.WithLabelValues(s, dep).Add(down.Seconds())
+}
 
 // BulkItems counts search bulk item outcomes (ok, conflict, not_found,
 // retry, rejected).

@@ -91,6 +91,13 @@ func (c *Cache) fill(ctx context.Context, p shop.Product) (bool, error) {
 	return n == 1, err
 }
 
+// Ping checks that Redis answers, within redis.timeout.
+func (c *Cache) Ping(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, c.timeout)
+	defer cancel()
+	return c.rdb.Ping(ctx).Err()
+}
+
 // Invalidate replaces the products' keys with tombstones.
 func (c *Cache) Invalidate(ctx context.Context, ids ...int64) error {
 	if len(ids) == 0 {

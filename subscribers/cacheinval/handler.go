@@ -26,6 +26,14 @@ func New(cache *Cache, pool *pgxpool.Pool) *Handler { return &Handler{cache: cac
 
 func (h *Handler) Name() string { return Name }
 
+// Dependency is Redis's name among the invalidator's dependencies.
+const Dependency = "redis"
+
+// Dependencies: Redis, probed with PING.
+func (h *Handler) Dependencies() []subscribers.Dependency {
+	return []subscribers.Dependency{{Name: Dependency, Probe: h.cache.Ping}}
+}
+
 // EventTypes: every product change, and brand renames (the brand name is in
 // each of its products' documents).
 func (h *Handler) EventTypes() []string { return []string{"product.>", shop.BrandUpdated} }
@@ -46,7 +54,7 @@ func (h *Handler) Handle(ctx context.Context, ev subscribers.Event) error {
 		if err != nil {
 			return fmt.Errorf("products of brand %d: %w", p.BrandID, err)
 		}
-		return h.cache.Invalidate(ctx, ids...)
+		return invalidate(ctx, h.cache, ids...)
 	default:
 		var p shop.ProductEvent
 		if err := json.Unmarshal(ev.Payload, &p); err != nil {
@@ -60,6 +68,12 @@ func (h *Handler) Handle(ctx context.Context, ev subscribers.Event) error {
 		if id <= 0 {
 			return subscribers.Permanent(fmt.Errorf("%s event names no product (payload %q, aggregate %q)", ev.Type, ev.Payload, ev.AggregateID))
 		}
-		return h.cache.Invalidate(ctx, id)
+		return invalidate(ctx, h.cache, id)
 	}
+}
+
+// invalidate writes the tombstones. Whatever fails there is Redis's state,
+// not the event's (a SET cannot fail on its value).
+func invalidate(ctx context.Context, c *Cache, ids ...int64) error {
+	return subscribers.Unavailable(Dependency, c.Invalidate(ctx, ids...))
 }

@@ -41,6 +41,14 @@ func (h *Handler) ObserveBulkItems(f func(outcome string)) { h.items = f }
 
 func (h *Handler) Name() string { return Name }
 
+// Dependencies: the search engine, probed with its info endpoint.
+func (h *Handler) Dependencies() []subscribers.Dependency {
+	return []subscribers.Dependency{{Name: Dependency, Probe: func(ctx context.Context) error {
+		_, err := h.client.Info(ctx)
+		return err
+	}}}
+}
+
 // EventTypes: every product change, and brand renames (the brand name is in
 // the documents of all its products).
 func (h *Handler) EventTypes() []string { return []string{"product.>", shop.BrandUpdated} }

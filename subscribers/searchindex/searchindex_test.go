@@ -302,9 +302,9 @@ func TestThrottledWritesAreRetriedUntilTheyPass(t *testing.T) {
 	f := newFixture(t, search.OpenSearch, 3)
 	ctx := context.Background()
 	cur, _ := searchindex.Current(ctx, f.client, f.alias)
-	// Deliveries enough to outlast the block, however slowly it is lifted
-	// on a loaded engine: each one retries in place for about a second.
-	f.env.Config.Subscribers.MaxDeliver = 50
+	// A throttled engine is an outage, not the event's failure: with
+	// max_failures 1, one counted failure would dead-letter the event.
+	f.env.Config.Subscribers.MaxFailures = 1
 	f.env.StartRunner(f.handler(), nil)
 	f.env.Settle(searchindex.Name)
 	id := firstProduct(t, f)

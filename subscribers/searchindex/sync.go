@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net/http"
 	"slices"
 	"strconv"
 	"time"
 
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -99,7 +101,7 @@ func (s *syncer) bulk(ctx context.Context, index string, ops []search.Op, out ma
 	for attempt := 0; ; attempt++ {
 		results, err := s.client.Bulk(ctx, index, ops)
 		if err != nil {
-			return err
+			return engineError(err)
 		}
 		var again []search.Op
 		for i, r := range results {
@@ -111,7 +113,10 @@ func (s *syncer) bulk(ctx context.Context, index string, ops []search.Op, out ma
 			case r.OK():
 				out[id] = docOutcome{}
 			case r.Retryable():
-				out[id] = docOutcome{transient: fmt.Errorf("document %s: engine answered %d %s: %s", r.ID, r.Status, r.Type, r.Reason)}
+				// Throttled (429) or in trouble (5xx): the engine's state,
+				// not the document's.
+				out[id] = docOutcome{transient: subscribers.Unavailable(Dependency,
+					fmt.Errorf("document %s: engine answered %d %s: %s", r.ID, r.Status, r.Type, r.Reason))}
 				again = append(again, ops[i])
 			default:
 				out[id] = docOutcome{permanent: fmt.Errorf("document %s rejected by index %s: %d %s: %s", r.ID, index, r.Status, r.Type, r.Reason)}
@@ -131,3 +136,20 @@ func (s *syncer) bulk(ctx context.Context, index string, ops []search.Op, out ma
 }
 
 func asError(err error, target **search.Error) bool { return errors.As(err, target) }
+
+// Dependency is the search engine's name among the indexer's dependencies.
+const Dependency = "search"
+
+// engineError marks a failed request as the engine being unavailable
+// (unreachable, timing out, throttling, 5xx), unless the engine refused the
+// request itself (a 4xx other than 429), which says something about it.
+func engineError(err error) error {
+	var e *search.Error
+	if asError(err, &e) && e.Status >= 400 && e.Status < 500 && e.Status != http.StatusTooManyRequests {
+		return err
+	}
+	if errors.Is(err, context.Canceled) {
+		return err
+	}
+	return subscribers.Unavailable(Dependency, err)
+}

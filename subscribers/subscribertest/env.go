@@ -9,18 +9,21 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"net/url"
 	"os"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/faultproxy"
 	"github.com/fanout/fanout/internal/natstest"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -49,7 +52,7 @@ func NewEnv(t *testing.T) *Env {
 	cfg.Subscribers.AckWait = time.Second
 	cfg.Subscribers.RetryMin = 100 * time.Millisecond
 	cfg.Subscribers.RetryMax = time.Second
-	cfg.Subscribers.MaxDeliver = 5
+	cfg.Subscribers.MaxFailures = 5
 	cfg.Subscribers.BatchSize = 50
 	cfg.Subscribers.Concurrency = 2
 	e := &Env{T: t, DB: pgtest.NewDB(t), NATS: natstest.Start(t), Config: cfg, Logger: Logger(t)}
@@ -72,6 +75,34 @@ func NewEnv(t *testing.T) *Env {
 		_ = r.Stop(ctx)
 	})
 	return e
+}
+
+// ProxiedPool returns a pool to the env's database through a proxy the
+// test can cut: an outage of Postgres for whoever uses this pool (a runner
+// under test), while the relay and the test's own pool keep working.
+func (e *Env) ProxiedPool() (*pgxpool.Pool, *faultproxy.Proxy) {
+	e.T.Helper()
+	u, err := url.Parse(e.DB.URL)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	p, err := faultproxy.New(u.Host)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	e.T.Cleanup(p.Close)
+	u.Host = p.Addr
+	cfg, err := pgxpool.ParseConfig(u.String())
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	cfg.ConnConfig.ConnectTimeout = 2 * time.Second
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	e.T.Cleanup(pool.Close)
+	return pool, p
 }
 
 // Logger logs to stderr under -v, else nowhere.

@@ -25,6 +25,13 @@ type Case struct {
 	// Invalid returns an event the handler must send to the dead letters,
 	// and a substring of the reason it must give.
 	Invalid func(env *Env, tx pgx.Tx) (ev outbox.Event, reason string, err error)
+	// CheckpointOnly declares an effect that is exactly once only through
+	// the checkpoint committed in its transaction (a TxHandler whose effect
+	// adds up, like a ledger), not idempotent by itself. The suite then
+	// checks that the handler is a TxHandler and that, with the checkpoint
+	// deleted, a redelivery does take effect again: proof that the
+	// idempotence check would catch a second handling.
+	CheckpointOnly bool
 }
 
 // Run is the conformance suite. Each subtest has its own database,
@@ -116,8 +123,14 @@ func Run(t *testing.T, c Case) {
 		env.Republish(id)
 		WaitFor(t, 10*time.Second, "the handler to run again", func() (bool, string) { return calls.of(id) == 1, "" })
 		env.WaitIdle(base.Name(), 10*time.Second)
-		if n := c.Effects(env, ev); n != 1 {
+		switch n := c.Effects(env, ev); {
+		case c.CheckpointOnly && n != 2:
+			t.Errorf("effects = %d after handling the event again without its checkpoint, want 2: the suite cannot see a second handling of this subscriber", n)
+		case !c.CheckpointOnly && n != 1:
 			t.Errorf("effects = %d after handling the event again, want 1 (the handler must be idempotent)", n)
+		}
+		if _, ok := base.(subscribers.TxHandler); c.CheckpointOnly && !ok {
+			t.Error("CheckpointOnly needs a TxHandler: only a checkpoint in the effect's own transaction makes it exactly once")
 		}
 	})
 

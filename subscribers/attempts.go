@@ -1,0 +1,188 @@
+package subscribers
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The runtime's memory of events that did not go well the first time
+// (table subscriber_attempts, see its migration). JetStream redelivers
+// without limit (the consumer's max_deliver is -1), because its delivery
+// count also counts deliveries lost to outages; the runtime decides from
+// these rows when an event has had enough:
+//
+//   - failures: the handler failed on the event while every dependency
+//     answered. At subscribers.max_failures the event is dead-lettered.
+//   - open_attempts: each attempt on a redelivered event opens one before
+//     the handler runs and closes it with the outcome. One still open when
+//     the event arrives again belongs to a process that died handling it.
+//     Such a suspect is handled alone, with every other worker of the
+//     instance paused, so that a crash it causes is charged to it and not to
+//     the events that happened to be in flight beside it. At
+//     subscribers.max_crashes open attempts it is dead-lettered unhandled.
+//
+// First deliveries write nothing here, so the common path costs nothing:
+// only failures and redeliveries do.
+const (
+	lookupAttemptsSQL = `
+SELECT q.id, p.event_id IS NOT NULL, a.event_id IS NOT NULL, coalesce(a.failures, 0), coalesce(a.open_attempts, 0)
+FROM unnest($2::bigint[]) AS q(id)
+LEFT JOIN processed_events p ON p.subscriber = $1 AND p.event_id = q.id
+LEFT JOIN subscriber_attempts a ON a.subscriber = $1 AND a.event_id = q.id`
+
+	// The ids are sorted, so concurrent upserts lock rows in one order.
+	openAttemptsSQL = `
+INSERT INTO subscriber_attempts (subscriber, event_id, open_attempts)
+SELECT $1, id, 1 FROM unnest($2::bigint[]) AS id ORDER BY id
+ON CONFLICT (subscriber, event_id) DO UPDATE
+SET open_attempts = subscriber_attempts.open_attempts + 1, updated_at = now()`
+
+	closeAttemptsSQL = `
+UPDATE subscriber_attempts
+SET open_attempts = greatest(open_attempts - 1, 0), updated_at = now()
+WHERE subscriber = $1 AND event_id = ANY($2)`
+
+	// $4 is 1 when this attempt was opened (it closes here), else 0.
+	recordFailureSQL = `
+INSERT INTO subscriber_attempts (subscriber, event_id, failures, last_error)
+VALUES ($1, $2, 1, $3)
+ON CONFLICT (subscriber, event_id) DO UPDATE
+SET failures = subscriber_attempts.failures + 1,
+    open_attempts = greatest(subscriber_attempts.open_attempts - $4, 0),
+    last_error = excluded.last_error,
+    updated_at = now()
+RETURNING failures`
+
+	forgetAttemptsSQL = `DELETE FROM subscriber_attempts WHERE subscriber = $1 AND event_id = ANY($2)`
+
+	pruneAttemptsSQL = `
+DELETE FROM subscriber_attempts
+WHERE ctid IN (
+    SELECT ctid FROM subscriber_attempts
+    WHERE subscriber = $1 AND updated_at < now() - make_interval(secs => $2::float8)
+    LIMIT 10000
+)`
+)
+
+// attemptState is what the runtime knows of a redelivered event.
+type attemptState struct {
+	done         bool // in the checkpoint
+	hasRow       bool
+	failures     int
+	openAttempts int
+}
+
+func (r *Runner) lookupAttempts(ctx context.Context, ids []int64) (map[int64]attemptState, error) {
+	rows, err := r.opts.Pool.Query(ctx, lookupAttemptsSQL, r.name, ids)
+	if err != nil {
+		return nil, fmt.Errorf("read the checkpoint and attempts: %w", err)
+	}
+	out := make(map[int64]attemptState, len(ids))
+	var id int64
+	var st attemptState
+	_, err = pgx.ForEachRow(rows, []any{&id, &st.done, &st.hasRow, &st.failures, &st.openAttempts}, func() error {
+		out[id] = st
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read the checkpoint and attempts: %w", err)
+	}
+	return out, nil
+}
+
+// openAttempts records that the deliveries' handling begins.
+func (r *Runner) openAttempts(ctx context.Context, ds []*delivery) error {
+	ids := eventIDs(ds)
+	if _, err := r.opts.Pool.Exec(ctx, openAttemptsSQL, r.name, ids); err != nil {
+		return fmt.Errorf("record attempts: %w", err)
+	}
+	for _, d := range ds {
+		d.opened, d.hasRow = true, true
+	}
+	return nil
+}
+
+// closeAttempts records that the open attempts of ds ended without an
+// outcome worth counting (an outage, a snooze, a stop). Best effort: if it
+// cannot be written, the attempt stays open, and counts as one crash.
+func (r *Runner) closeAttempts(ds []*delivery) {
+	if r.crashed.Load() {
+		return
+	}
+	var open []*delivery
+	for _, d := range ds {
+		if d.opened {
+			open = append(open, d)
+		}
+	}
+	if len(open) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if _, err := r.opts.Pool.Exec(ctx, closeAttemptsSQL, r.name, eventIDs(open)); err != nil {
+		r.logger.Debug("close attempts (they stay open and count as a crash if the process dies before handling them)", "error", err)
+		return
+	}
+	for _, d := range open {
+		d.opened = false
+	}
+}
+
+// recordFailure counts a failure of the handler on d's event and returns
+// the failures so far.
+func (r *Runner) recordFailure(ctx context.Context, d *delivery, cause error) (int, error) {
+	closing := 0
+	if d.opened {
+		closing = 1
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	var failures int
+	if err := r.opts.Pool.QueryRow(ctx, recordFailureSQL, r.name, d.ev.ID, truncate(cause.Error(), 2000), closing).Scan(&failures); err != nil {
+		return 0, fmt.Errorf("record the failure: %w", err)
+	}
+	d.opened, d.hasRow = false, true
+	return failures, nil
+}
+
+// forgetAttempts deletes the rows of events that are done with (handled,
+// skipped or dead-lettered), best effort: pruning removes what is left.
+func (r *Runner) forgetAttempts(ctx context.Context, ds []*delivery) {
+	ids := rowIDs(ds)
+	if len(ids) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if _, err := r.opts.Pool.Exec(ctx, forgetAttemptsSQL, r.name, ids); err != nil {
+		r.logger.Debug("forget attempts (pruning will)", "error", err)
+	}
+}
+
+// rowIDs are the sorted event ids of the deliveries that may have an
+// attempts row.
+func rowIDs(ds []*delivery) []int64 {
+	var ids []int64
+	for _, d := range ds {
+		if d.hasRow {
+			ids = append(ids, d.ev.ID)
+		}
+	}
+	slices.Sort(ids)
+	return slices.Compact(ids)
+}
+
+// eventIDs are the sorted, distinct event ids of ds.
+func eventIDs(ds []*delivery) []int64 {
+	ids := make([]int64, len(ds))
+	for i, d := range ds {
+		ids[i] = d.ev.ID
+	}
+	slices.Sort(ids)
+	return slices.Compact(ids)
+}

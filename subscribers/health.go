@@ -1,0 +1,249 @@
+package subscribers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Timings of the dependency breakers.
+const (
+	// probeTimeout bounds one probe: a dependency slower than this to answer
+	// a ping is as good as down for the events waiting on it.
+	probeTimeout = 2 * time.Second
+	// probeMin and probeMax bound the wait between probes of a dependency
+	// that is down; it doubles after every failed probe.
+	probeMin = 100 * time.Millisecond
+	probeMax = 5 * time.Second
+	// flapWindow: a dependency that goes down again this soon after coming
+	// back resumes its previous backoff instead of starting over, so one
+	// that answers probes but still fails real work (an engine that pings
+	// but refuses writes) is not hammered.
+	flapWindow = 30 * time.Second
+	// probeCacheFor: when many events fail at once, their dependencies are
+	// probed once, not once per event.
+	probeCacheFor = time.Second
+	// stillDownEvery is how often a long outage is logged again.
+	stillDownEvery = 30 * time.Second
+)
+
+// health is a breaker per dependency of one runner. While any dependency
+// is down the runner takes no new work and holds the events it has; a
+// prober per down dependency learns when it is back.
+type health struct {
+	subscriber string
+	logger     *slog.Logger
+	obs        Observer
+
+	mu       sync.Mutex
+	deps     map[string]*dependencyState
+	changed  chan struct{} // closed (and replaced) when a dependency comes back
+	probedAt time.Time     // of the last probeAll
+	probeErr map[string]error
+
+	ctx    context.Context // probers stop with it
+	probes sync.WaitGroup
+}
+
+type dependencyState struct {
+	probe   func(context.Context) error
+	down    bool
+	since   time.Time // down since
+	upAt    time.Time // last came back
+	backoff time.Duration
+	lastErr error
+}
+
+func newHealth(ctx context.Context, subscriber string, logger *slog.Logger, obs Observer, deps []Dependency) *health {
+	h := &health{subscriber: subscriber, logger: logger, obs: obs, deps: map[string]*dependencyState{},
+		changed: make(chan struct{}), ctx: ctx}
+	for _, d := range deps {
+		h.deps[d.Name] = &dependencyState{probe: d.Probe}
+		obs.DependencyUp(subscriber, d.Name, 0)
+	}
+	return h
+}
+
+// markDown opens the dependency's breaker (if it is not open already) and
+// starts probing it.
+func (h *health) markDown(name string, err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d := h.deps[name]
+	if d == nil {
+		// A dependency the handler did not declare: no probe, so it is
+		// tried again after the backoff (the next real attempt decides).
+		d = &dependencyState{}
+		h.deps[name] = d
+	}
+	d.lastErr = err
+	if d.down {
+		return
+	}
+	now := time.Now()
+	d.down, d.since = true, now
+	if !d.upAt.IsZero() && now.Sub(d.upAt) < flapWindow && d.backoff > 0 {
+		d.backoff = min(2*d.backoff, probeMax)
+	} else {
+		d.backoff = probeMin
+	}
+	h.logger.Warn("dependency unavailable: holding the events in hand and taking no new ones until it answers",
+		"dependency", name, "error", err, "retry_in", d.backoff)
+	h.obs.DependencyDown(h.subscriber, name)
+	h.probes.Add(1)
+	go h.probeUntilUp(name, d)
+}
+
+func (h *health) probeUntilUp(name string, d *dependencyState) {
+	defer h.probes.Done()
+	h.mu.Lock()
+	wait := d.backoff
+	h.mu.Unlock()
+	logged := time.Now()
+	for {
+		// Jitter, so instances of a subscriber do not probe in step.
+		t := time.NewTimer(wait + rand.N(wait/5+1))
+		select {
+		case <-h.ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		var err error
+		if d.probe != nil {
+			ctx, cancel := context.WithTimeout(h.ctx, probeTimeout)
+			err = d.probe(ctx)
+			cancel()
+		}
+		if h.ctx.Err() != nil {
+			return
+		}
+		h.mu.Lock()
+		if err == nil {
+			downFor := time.Since(d.since)
+			d.down, d.upAt, d.backoff = false, time.Now(), wait
+			close(h.changed)
+			h.changed = make(chan struct{})
+			h.mu.Unlock()
+			h.logger.Info("dependency answers again: resuming", "dependency", name, "down_for", downFor.Round(time.Millisecond))
+			h.obs.DependencyUp(h.subscriber, name, downFor)
+			return
+		}
+		d.lastErr = err
+		wait = min(2*wait, probeMax)
+		d.backoff = wait
+		since := d.since
+		h.mu.Unlock()
+		if time.Since(logged) >= stillDownEvery {
+			h.logger.Warn("dependency still unavailable", "dependency", name, "down_for", time.Since(since).Round(time.Second), "error", err)
+			logged = time.Now()
+		}
+	}
+}
+
+// waitUp blocks until no dependency is down; it returns false if ctx ends
+// while one is. With every dependency up it returns true at once, even if
+// ctx has ended (a draining runner finishes what it has).
+func (h *health) waitUp(ctx context.Context) bool {
+	for {
+		h.mu.Lock()
+		anyDown := false
+		for _, d := range h.deps {
+			anyDown = anyDown || d.down
+		}
+		changed := h.changed
+		h.mu.Unlock()
+		if !anyDown {
+			return true
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return false
+		}
+	}
+}
+
+// probeAll probes every dependency that has a probe (at most once per
+// probeCacheFor), opens the breaker of each that fails, and reports whether
+// any is down.
+func (h *health) probeAll(ctx context.Context) bool {
+	h.mu.Lock()
+	if time.Since(h.probedAt) < probeCacheFor && h.probeErr != nil {
+		anyDown := false
+		for _, d := range h.deps {
+			anyDown = anyDown || d.down
+		}
+		h.mu.Unlock()
+		return anyDown
+	}
+	probes := map[string]func(context.Context) error{}
+	for name, d := range h.deps {
+		if d.probe != nil && !d.down {
+			probes[name] = d.probe
+		}
+	}
+	h.mu.Unlock()
+
+	errs := make(map[string]error, len(probes))
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for name, probe := range probes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), probeTimeout)
+			defer cancel()
+			err := probe(pctx)
+			mu.Lock()
+			errs[name] = err
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	h.mu.Lock()
+	h.probedAt, h.probeErr = time.Now(), errs
+	h.mu.Unlock()
+	for name, err := range errs {
+		if err != nil {
+			h.markDown(name, err)
+		}
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, d := range h.deps {
+		if d.down {
+			return true
+		}
+	}
+	return false
+}
+
+// errNotReady is wrapped by ready's error.
+var errNotReady = errors.New("dependencies unavailable")
+
+// ready names the dependencies that are down, or returns nil.
+func (h *health) ready() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var down []string
+	for name, d := range h.deps {
+		if d.down {
+			down = append(down, fmt.Sprintf("%s (down for %s: %v)", name, time.Since(d.since).Round(time.Second), d.lastErr))
+		}
+	}
+	if len(down) == 0 {
+		return nil
+	}
+	slices.Sort(down)
+	return fmt.Errorf("subscriber %s: %w: %s", h.subscriber, errNotReady, strings.Join(down, "; "))
+}
+
+// wait returns once every prober has stopped (after ctx ended).
+func (h *health) wait() { h.probes.Wait() }
