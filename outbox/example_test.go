@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -71,4 +72,23 @@ func Example() {
 	// events.product.updated {"product_id": 42, "price_cents": 1999}
 	// Nats-Msg-Id is the event id: true
 	// events in the stream: 1
+}
+
+// Headers must reach subscribers as written and must not change what
+// JetStream does with the event: names starting with Nats- or Fanout- are
+// reserved, and a value cannot hold a line break. The writer refuses such an
+// event; the relay marks such a row, inserted by other means, failed.
+func ExampleValidateHeaders() {
+	for _, h := range []map[string]string{
+		{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"},
+		{"Nats-TTL": "1s"},
+		{"x-note": "two\nlines"},
+	} {
+		err := outbox.ValidateHeaders(h)
+		fmt.Println(errors.Is(err, outbox.ErrInvalidEvent), err)
+	}
+	// Output:
+	// false <nil>
+	// true invalid outbox event: header name "Nats-TTL": the Nats- prefix is reserved for NATS and JetStream, which act on such headers
+	// true invalid outbox event: header "x-note": value "two\nlines": control character '\n' at offset 3 (only tab is allowed: CR or LF would end the header line)
 }

@@ -1,11 +1,11 @@
 package outbox
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -15,18 +15,22 @@ import (
 // Event is one domain event, as a writer describes it.
 type Event struct {
 	// AggregateType and AggregateID name the entity the event is about,
-	// for example "product" and "42".
+	// for example "product" and "42". Both are required and travel as
+	// header values (see ValidateAggregate).
 	AggregateType string
 	AggregateID   string
 	// Type is the event type, for example "product.updated". It becomes the
 	// subject <prefix>.<Type>, so each dot-separated token must be a valid
-	// NATS subject token (see ValidEventType).
+	// NATS subject token, and it is at most MaxEventTypeLen bytes long (see
+	// ValidEventType).
 	Type string
 	// Payload is the message body. []byte and json.RawMessage must hold
 	// valid JSON and are stored as given; anything else is marshaled.
 	Payload any
 	// Headers travel as NATS message headers, for example the W3C
-	// "traceparent". Optional.
+	// "traceparent". Optional. Names starting with Nats- or Fanout- are
+	// reserved, and names and values must survive the wire unchanged (see
+	// ValidateHeaders).
 	Headers map[string]string
 }
 
@@ -44,8 +48,8 @@ const (
 // WakeChannel is the Postgres NOTIFY channel on which writers wake the relay.
 const WakeChannel = "fanout_outbox"
 
-// ErrInvalidEvent is wrapped by every error Write returns for an event that
-// can never be published.
+// ErrInvalidEvent is wrapped by every error Write or Queue returns for an
+// event that can never be published, and by the validators' errors.
 var ErrInvalidEvent = errors.New("invalid outbox event")
 
 // DefaultWakeInterval is the default for Writer.WakeInterval.
@@ -101,8 +105,11 @@ SELECT id, pg_notify('` + WakeChannel + `', '') FROM inserted`
 
 // Write inserts e into the outbox inside tx and returns the event id. The
 // event is published only if tx commits. An event that could never be
-// published (bad type, invalid JSON) is refused with an error wrapping
-// ErrInvalidEvent, and tx is left as it was.
+// published (see ValidEventType, ValidateAggregate, ValidateHeaders; a
+// payload that is not valid JSON or that jsonb cannot hold) is refused with
+// an error wrapping ErrInvalidEvent before anything is sent to Postgres, and
+// tx is left as it was. The relay marks a row `failed` by the same rules when
+// it was inserted some other way.
 func (w *Writer) Write(ctx context.Context, tx pgx.Tx, e Event) (int64, error) {
 	e.Headers = TraceHeaders(ctx, e.Headers)
 	payload, headers, err := e.encode()
@@ -175,8 +182,8 @@ func (e Event) encode() (payload, headers []byte, err error) {
 	if err := ValidEventType(e.Type); err != nil {
 		return nil, nil, err
 	}
-	if e.AggregateType == "" || e.AggregateID == "" {
-		return nil, nil, fmt.Errorf("%w: event %s needs an aggregate type and id", ErrInvalidEvent, e.Type)
+	if err := ValidateAggregate(e.AggregateType, e.AggregateID); err != nil {
+		return nil, nil, fmt.Errorf("event %s: %w", e.Type, err)
 	}
 	switch p := e.Payload.(type) {
 	case nil:
@@ -193,26 +200,47 @@ func (e Event) encode() (payload, headers []byte, err error) {
 	if !json.Valid(payload) {
 		return nil, nil, fmt.Errorf("%w: payload of %s is not valid JSON", ErrInvalidEvent, e.Type)
 	}
-	if e.Headers == nil {
-		headers = []byte("{}")
-	} else if headers, err = json.Marshal(e.Headers); err != nil {
+	if hasNULEscape(payload) {
+		// Postgres refuses the insert, which would abort the caller's
+		// transaction; refusing here leaves it usable.
+		return nil, nil, fmt.Errorf("%w: payload of %s contains \\u0000, which a Postgres jsonb value cannot hold", ErrInvalidEvent, e.Type)
+	}
+	if len(e.Headers) == 0 {
+		return payload, emptyHeaders, nil
+	}
+	if err := ValidateHeaders(e.Headers); err != nil {
+		return nil, nil, fmt.Errorf("event %s: %w", e.Type, err)
+	}
+	if headers, err = json.Marshal(e.Headers); err != nil {
 		return nil, nil, fmt.Errorf("%w: marshal headers of %s: %v", ErrInvalidEvent, e.Type, err)
 	}
 	return payload, headers, nil
 }
 
-// ValidEventType returns an error wrapping ErrInvalidEvent unless t is one or
-// more dot-separated valid subject tokens ("product.updated").
-func ValidEventType(t string) error {
-	if t == "" {
-		return fmt.Errorf("%w: empty event type", ErrInvalidEvent)
-	}
-	for tok := range strings.SplitSeq(t, ".") {
-		if !ValidSubjectToken(tok) {
-			return fmt.Errorf("%w: event type %q: each dot-separated token must be non-empty, printable, without spaces, '*' or '>'", ErrInvalidEvent, t)
+// emptyHeaders is the headers column of most events, shared so that they
+// cost no allocation. Never modified: pgx only reads a parameter.
+var emptyHeaders = []byte("{}")
+
+// hasNULEscape reports whether the JSON text p holds the escape \u0000 (a
+// NUL character in a string), which jsonb rejects. Its backslash must not
+// itself be escaped: "\\u0000" is a backslash followed by "u0000".
+func hasNULEscape(p []byte) bool {
+	const esc = `\u0000`
+	for i := 0; ; {
+		j := bytes.Index(p[i:], []byte(esc))
+		if j < 0 {
+			return false
 		}
+		j += i
+		backslashes := 0
+		for k := j - 1; k >= 0 && p[k] == '\\'; k-- {
+			backslashes++
+		}
+		if backslashes%2 == 0 {
+			return true
+		}
+		i = j + len(esc)
 	}
-	return nil
 }
 
 // ValidSubjectToken reports whether s can be one token of a subject that a

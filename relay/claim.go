@@ -2,7 +2,6 @@ package relay
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"time"
 
@@ -56,19 +55,16 @@ func (r *Relay) claim(ctx context.Context) ([]row, pgtype.UUID, error) {
 	if err != nil {
 		return nil, token, fmt.Errorf("claim outbox batch: %w", err)
 	}
+	// Every column is read into a type that holds any value the schema
+	// allows (jsonb as raw bytes, created_at with its infinities), and
+	// nothing is decoded here. The rows are `sending` already: a row that
+	// failed to decode would fail the whole claim, come back after its
+	// lease, and be claimed again with the same neighbours, forever.
+	// message() judges each row on its own, and a bad row becomes `failed`.
 	claimed, err := pgx.CollectRows(rows, func(rows pgx.CollectableRow) (row, error) {
 		var rw row
-		var headers []byte
-		if err := rows.Scan(&rw.id, &rw.aggregateType, &rw.aggregateID, &rw.eventType, &rw.payload, &headers, &rw.createdAt); err != nil {
-			return rw, err
-		}
-		// Most rows carry no headers ("{}"); skip the JSON decoder for them.
-		if len(headers) > 2 {
-			if err := json.Unmarshal(headers, &rw.headers); err != nil {
-				return rw, fmt.Errorf("outbox row %d: headers: %w", rw.id, err)
-			}
-		}
-		return rw, nil
+		err := rows.Scan(&rw.id, &rw.aggregateType, &rw.aggregateID, &rw.eventType, &rw.payload, &rw.headers, &rw.createdAt)
+		return rw, err
 	})
 	if err != nil {
 		return nil, token, fmt.Errorf("claim outbox batch: %w", err)
@@ -118,7 +114,7 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 		switch {
 		case res.acked:
 			sentIDs = append(sentIDs, id)
-			published = append(published, Published{ID: id, CreatedAt: rows[i].createdAt, AckedAt: res.ackedAt, Duplicate: res.duplicate})
+			published = append(published, Published{ID: id, CreatedAt: rows[i].createdAt.Time, AckedAt: res.ackedAt, Duplicate: res.duplicate})
 		case res.permanent:
 			failedIDs = append(failedIDs, id)
 			failedReasons = append(failedReasons, res.err)

@@ -266,3 +266,18 @@ func TestGracefulStopFinishesBatchInFlight(t *testing.T) {
 		t.Errorf("after graceful stop: %s, want the batch in flight recorded (50 sent)", formatCounts(c))
 	}
 }
+
+// A relay whose max_in_flight is below its batch size would claim nothing
+// and publish nothing while reporting itself started (reproduced before the
+// fix: a row stayed pending with the relay running). It is refused, naming
+// both keys.
+func TestMaxInFlightBelowBatchSizeIsRefused(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	rc := h.cfg.Relay
+	rc.MaxInFlight, rc.BatchSize = 600, 1000
+	_, err := New(Options{Relay: rc, Stream: h.cfg.Stream, Pool: h.db.Pool, Conn: h.connect(), Logger: testLogger(t)})
+	if err == nil || !strings.Contains(err.Error(), "relay.max_in_flight (600) must be at least relay.batch_size (1000)") {
+		t.Fatalf("New with max_in_flight 600 and batch_size 1000: %v", err)
+	}
+}

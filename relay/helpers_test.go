@@ -22,13 +22,13 @@ import (
 
 // harness is one test's real Postgres database and real nats-server.
 type harness struct {
-	t    *testing.T
+	t    testing.TB
 	db   *pgtest.DB
 	nats *natstest.Server
 	cfg  *config.Config
 }
 
-func newHarness(t *testing.T) *harness {
+func newHarness(t testing.TB, opts ...natstest.Option) *harness {
 	t.Helper()
 	cfg, err := config.Load("", nil)
 	if err != nil {
@@ -38,10 +38,10 @@ func newHarness(t *testing.T) *harness {
 	cfg.Relay.RetryMin = 50 * time.Millisecond
 	cfg.Relay.RetryMax = 500 * time.Millisecond
 	cfg.Relay.PublishTimeout = 2 * time.Second
-	return &harness{t: t, db: pgtest.NewDB(t), nats: natstest.Start(t), cfg: cfg}
+	return &harness{t: t, db: pgtest.NewDB(t), nats: natstest.Start(t, opts...), cfg: cfg}
 }
 
-func testLogger(t *testing.T) *slog.Logger {
+func testLogger(t testing.TB) *slog.Logger {
 	if testing.Verbose() {
 		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug})).With("test", t.Name())
 	}
@@ -141,7 +141,7 @@ func writeMany(t *testing.T, pool *pgxpool.Pool, n int) {
 }
 
 // waitFor polls cond until it holds or the deadline passes.
-func waitFor(t *testing.T, timeout time.Duration, what string, cond func() (bool, string)) {
+func waitFor(t testing.TB, timeout time.Duration, what string, cond func() (bool, string)) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	var last string
@@ -159,7 +159,7 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func() (bool
 }
 
 // statusCounts returns how many outbox rows are in each status.
-func statusCounts(t *testing.T, pool *pgxpool.Pool) map[string]int {
+func statusCounts(t testing.TB, pool *pgxpool.Pool) map[string]int {
 	t.Helper()
 	rows, err := pool.Query(context.Background(), `SELECT status, count(*) FROM outbox GROUP BY status`)
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"slices"
 	"strconv"
 	"sync"
@@ -65,6 +66,9 @@ type Options struct {
 	Conn     *nats.Conn
 	Logger   *slog.Logger
 	Observer Observer // optional
+	// Sabotage is deliberately broken behaviour for the fault run's
+	// self-test; never set in production (see Sabotage).
+	Sabotage Sabotage
 }
 
 // Relay publishes outbox rows. Start it with Start, stop it with Stop.
@@ -76,6 +80,8 @@ type Relay struct {
 	js     jetstream.JetStream
 	logger *slog.Logger
 	obs    Observer
+
+	sabotage Sabotage
 
 	wake    chan struct{}
 	slots   *semaphore.Weighted // rows claimed and not yet recorded
@@ -96,6 +102,13 @@ type Relay struct {
 
 // New returns a relay; nothing runs until Start.
 func New(opts Options) (*Relay, error) {
+	// config.Validate refuses this too; a relay embedded in another program
+	// may not have gone through it. Below a batch, the claimer waits for
+	// room that never comes and the relay publishes nothing.
+	if opts.Relay.MaxInFlight < opts.Relay.BatchSize {
+		return nil, fmt.Errorf("relay.max_in_flight (%d) must be at least relay.batch_size (%d): the relay claims a batch only when all of it fits in flight, so it would never publish",
+			opts.Relay.MaxInFlight, opts.Relay.BatchSize)
+	}
 	js, err := jetstream.New(opts.Conn,
 		jetstream.WithPublishAsyncMaxPending(opts.Relay.MaxInFlight),
 		jetstream.WithPublishAsyncTimeout(opts.Relay.PublishTimeout),
@@ -115,6 +128,7 @@ func New(opts Options) (*Relay, error) {
 		js:       js,
 		logger:   opts.Logger,
 		obs:      obs,
+		sabotage: opts.Sabotage,
 		wake:     make(chan struct{}, 1),
 		slots:    semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
 		stopping: make(chan struct{}),
@@ -133,7 +147,7 @@ func (r *Relay) Start(ctx context.Context) error {
 
 func (r *Relay) start(ctx context.Context) error {
 	if err := jsretry.Do(ctx, r.logger, "provision the stream", func() error {
-		return EnsureStream(ctx, r.js, r.stream, r.cfg.Lease+r.cfg.PublishTimeout, r.logger)
+		return EnsureStream(ctx, r.js, r.stream, config.RepublishDelay(r.cfg), r.logger)
 	}); err != nil {
 		return err
 	}
@@ -294,8 +308,8 @@ type row struct {
 	aggregateID   string
 	eventType     string
 	payload       []byte
-	headers       map[string]string
-	createdAt     time.Time
+	headers       []byte // the jsonb column as text; message() decodes it
+	createdAt     pgtype.Timestamptz
 }
 
 // outcome of one row's publish.
@@ -319,16 +333,20 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 	futures := make([]jetstream.PubAckFuture, len(rows))
 	maxPayload := r.nc.MaxPayload()
 	for i, rw := range rows {
-		msg, reason := r.message(rw, maxPayload)
-		if reason != "" {
-			results[i] = outcome{permanent: true, err: reason}
+		msg, err := r.message(rw, maxPayload)
+		if err != nil {
+			results[i] = outcome{permanent: true, err: rowReason(rw.id, err)}
+			continue
+		}
+		if r.sabotage.SkipPublish != nil && r.sabotage.SkipPublish(rw.id) {
+			results[i] = outcome{acked: true, ackedAt: time.Now()} // a lie
 			continue
 		}
 		f, err := r.js.PublishMsgAsync(msg,
 			jetstream.WithMsgID(msg.Header[outbox.EventIDHeader][0]),
 			jetstream.WithExpectStream(r.stream.Name))
 		if err != nil {
-			results[i] = classify(err)
+			results[i] = classify(rw.id, err)
 			continue
 		}
 		futures[i] = f
@@ -350,7 +368,7 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 		case ack := <-f.Ok():
 			results[i] = outcome{acked: true, duplicate: ack.Duplicate, ackedAt: time.Now()}
 		case err := <-f.Err():
-			results[i] = classify(err)
+			results[i] = classify(rows[i].id, err)
 		case <-deadline.C:
 			timedOut = true
 			results[i] = outcome{err: "no PubAck within relay.publish_timeout"}
@@ -370,55 +388,92 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 }
 
 // message builds the NATS message for a row, or says why it can never be
-// published.
-func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, string) {
+// published. Rows are not only written through package outbox (other
+// languages, plain SQL), so its rules are applied again here: whatever a row
+// holds, what passes is carried by nats.go and nats-server unchanged, and
+// nothing the relay sends can make the server drop its connection (which
+// would stall every row, not just this one).
+func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
 	if err := outbox.ValidEventType(rw.eventType); err != nil {
-		return nil, err.Error()
+		return nil, err
+	}
+	if err := outbox.ValidateAggregate(rw.aggregateType, rw.aggregateID); err != nil {
+		return nil, err
+	}
+	if rw.createdAt.InfinityModifier != pgtype.Finite {
+		return nil, fmt.Errorf("%w: created_at is %s, not a point in time", outbox.ErrInvalidEvent, rw.createdAt.InfinityModifier)
+	}
+	headers, err := decodeHeaders(rw.headers)
+	if err != nil {
+		return nil, err
 	}
 	msg := &nats.Msg{
 		Subject: outbox.Subject(r.stream.SubjectPrefix, rw.eventType),
 		Data:    rw.payload,
-		Header:  make(nats.Header, len(rw.headers)+7),
+		Header:  make(nats.Header, len(headers)+7),
 	}
-	for k, v := range rw.headers {
-		msg.Header.Set(k, v)
+	// ValidateHeaders refused the names the relay sets below, so a
+	// writer's header never replaces one of them.
+	for k, v := range headers {
+		msg.Header[k] = []string{v}
 	}
+	id := strconv.FormatInt(rw.id, 10)
 	// The keys are constants already in canonical form: no Set needed.
-	msg.Header[outbox.EventIDHeader] = []string{strconv.FormatInt(rw.id, 10)}
+	msg.Header[outbox.EventIDHeader] = []string{id}
 	msg.Header[outbox.EventTypeHeader] = []string{rw.eventType}
 	msg.Header[outbox.AggregateTypeHeader] = []string{rw.aggregateType}
 	msg.Header[outbox.AggregateIDHeader] = []string{rw.aggregateID}
-	msg.Header[outbox.CreatedAtHeader] = []string{rw.createdAt.UTC().Format(time.RFC3339Nano)}
-	// Header bytes count towards max_payload: estimate them generously.
-	size := int64(len(msg.Data)) + int64(len(msg.Subject)) + 64
-	for k, vs := range msg.Header {
-		for _, v := range vs {
-			size += int64(len(k) + len(v) + 4)
-		}
+	msg.Header[outbox.CreatedAtHeader] = []string{rw.createdAt.Time.UTC().Format(time.RFC3339Nano)}
+
+	// The publish options set these two as well, to the same values.
+	// Setting them here lets msg.Size count the header block exactly as
+	// nats.go will encode it.
+	msg.Header[jetstream.MsgIDHeader] = []string{id}
+	msg.Header[jetstream.ExpectedStreamHeader] = []string{r.stream.Name}
+	hdr := msg.Size() - len(msg.Subject) - len(msg.Data)
+	if hdr > math.MaxUint16 {
+		// JetStream refuses a larger header block (error 10097). The
+		// outbox limits keep rows far below it; this guards the sum.
+		return nil, fmt.Errorf("%w: the headers are %d bytes, over JetStream's limit of %d", ErrEventTooLarge, hdr, math.MaxUint16)
 	}
-	if maxPayload > 0 && size > maxPayload {
-		return nil, fmt.Sprintf("%v: event is about %d bytes with headers, over the server's max_payload of %d bytes", ErrEventTooLarge, size, maxPayload)
+	if size := int64(hdr + len(msg.Data)); maxPayload > 0 && size > maxPayload {
+		return nil, fmt.Errorf("%w: event is %d bytes with headers, over the server's max_payload of %d bytes", ErrEventTooLarge, size, maxPayload)
 	}
-	return msg, ""
+	return msg, nil
 }
 
-// ErrEventTooLarge is the reason given for rows over the server's max_payload.
+// ErrEventTooLarge is the reason given for rows over the server's max_payload
+// or JetStream's limit on headers.
 var ErrEventTooLarge = errors.New("event too large")
+
+// jsErrCodeHeaderTooLarge is JetStream's "header size exceeds maximum
+// allowed of 64k"; nats.go has no constant for it.
+const jsErrCodeHeaderTooLarge jetstream.ErrorCode = 10097
 
 // classify turns a publish error into an outcome: permanent errors are about
 // the row itself and will never succeed; the rest are retried with backoff.
-func classify(err error) outcome {
+// message() should have refused every row that fails permanently; these
+// cases catch a rule it misses, which would otherwise retry forever.
+func classify(id int64, err error) outcome {
 	var apiErr *jetstream.APIError
 	switch {
 	case errors.Is(err, nats.ErrMaxPayload):
-		return outcome{permanent: true, err: fmt.Sprintf("%v: %v", ErrEventTooLarge, err)}
-	case errors.Is(err, nats.ErrBadSubject):
-		return outcome{permanent: true, err: err.Error()}
+		return outcome{permanent: true, err: rowReason(id, fmt.Errorf("%w: %v", ErrEventTooLarge, err))}
+	case errors.Is(err, nats.ErrBadSubject), errors.Is(err, nats.ErrBadHeaderMsg):
+		return outcome{permanent: true, err: rowReason(id, err)}
 	case errors.As(err, &apiErr) && apiErr.ErrorCode == jetstream.JSErrCodeStreamMessageExceedsMaximum:
-		return outcome{permanent: true, err: fmt.Sprintf("%v: %v", ErrEventTooLarge, apiErr)}
+		return outcome{permanent: true, err: rowReason(id, fmt.Errorf("%w: %v", ErrEventTooLarge, apiErr))}
+	case errors.As(err, &apiErr) && apiErr.ErrorCode == jsErrCodeHeaderTooLarge:
+		return outcome{permanent: true, err: rowReason(id, fmt.Errorf("%w: %v", ErrEventTooLarge, apiErr))}
 	default:
 		return outcome{err: err.Error()}
 	}
+}
+
+// rowReason is the last_error of a row marked failed: it names the row, so
+// that the reason stands alone in a log line or an operator's query.
+func rowReason(id int64, err error) string {
+	return fmt.Sprintf("outbox row %d: %v", id, err)
 }
 
 // sortRows orders a claimed batch by id, so one relay publishes in id order.

@@ -42,9 +42,9 @@ var ErrStreamUnfit = errors.New("stream unfit for fanout")
 
 // EnsureStream creates or updates the stream (provision auto), checks it
 // (verify), or does nothing (off). In auto and verify it refuses a stream
-// whose duplicates window is not longer than minDuplicates (the relay's lease
-// plus its publish timeout): a row re-published after its lease expired
-// would then be stored twice.
+// whose duplicates window is not longer than minDuplicates (the longest a
+// row's second publish can follow its first, config.RepublishDelay): the
+// stream would then store that row twice.
 func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg config.Stream, minDuplicates time.Duration, logger *slog.Logger) error {
 	want := StreamConfig(cfg)
 	var info *jetstream.StreamInfo
@@ -75,7 +75,7 @@ func checkStream(info *jetstream.StreamInfo, cfg config.Stream, minDuplicates ti
 	c := info.Config
 	var errs []error
 	if need := minDuplicates; c.Duplicates <= need {
-		errs = append(errs, fmt.Errorf("%w: stream %s has a duplicates window of %s, which must be longer than relay.lease + relay.publish_timeout = %s",
+		errs = append(errs, fmt.Errorf("%w: stream %s has a duplicates window of %s, which must be longer than relay.lease + relay.publish_timeout + relay.reap_interval + relay.retry_max = %s",
 			ErrStreamUnfit, c.Name, c.Duplicates, need))
 	}
 	wantSubject := cfg.SubjectPrefix + ".>"

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/config"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -20,7 +21,7 @@ func TestStreamProvisioning(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	logger := testLogger(t)
-	minDup := h.cfg.Relay.Lease + h.cfg.Relay.PublishTimeout
+	minDup := config.RepublishDelay(h.cfg.Relay)
 
 	verify := h.cfg.Stream
 	verify.Provision = "verify"
