@@ -63,6 +63,7 @@ func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
 		r.health.markDown(DependencyDeadLetters, fmt.Errorf("publish a dead letter to stream %s: %w", r.cfg.DeadLetterStream, err))
 		return false
 	}
+	r.health.markUp(DependencyDeadLetters)
 	if err := d.msg.TermWithReason(truncate(d.deadReason, 200)); err != nil {
 		// The dead letter is stored; a redelivery publishes it again,
 		// deduplicated by its message id, and terms it then.

@@ -52,8 +52,11 @@ type health struct {
 }
 
 type dependencyState struct {
-	probe   func(context.Context) error
-	down    bool
+	probe func(context.Context) error
+	down  bool
+	// trial: a dependency without a probe, let through after its backoff;
+	// the next real use decides (markUp or markDown). Still not ready.
+	trial   bool
 	since   time.Time // down since
 	upAt    time.Time // last came back
 	backoff time.Duration
@@ -86,6 +89,14 @@ func (h *health) markDown(name string, err error) {
 	if d.down {
 		return
 	}
+	if d.trial {
+		// The same outage: the trial use failed. Back off further, quietly.
+		d.trial, d.down = false, true
+		d.backoff = min(2*d.backoff, probeMax)
+		h.probes.Add(1)
+		go h.probeUntilUp(name, d)
+		return
+	}
 	now := time.Now()
 	d.down, d.since = true, now
 	if !d.upAt.IsZero() && now.Sub(d.upAt) < flapWindow && d.backoff > 0 {
@@ -115,12 +126,18 @@ func (h *health) probeUntilUp(name string, d *dependencyState) {
 			return
 		case <-t.C:
 		}
-		var err error
-		if d.probe != nil {
-			ctx, cancel := context.WithTimeout(h.ctx, probeTimeout)
-			err = d.probe(ctx)
-			cancel()
+		if d.probe == nil {
+			h.mu.Lock()
+			d.down, d.trial = false, true
+			close(h.changed)
+			h.changed = make(chan struct{})
+			h.mu.Unlock()
+			h.logger.Debug("trying the dependency again", "dependency", name)
+			return
 		}
+		ctx, cancel := context.WithTimeout(h.ctx, probeTimeout)
+		err := d.probe(ctx)
+		cancel()
 		if h.ctx.Err() != nil {
 			return
 		}
@@ -144,6 +161,38 @@ func (h *health) probeUntilUp(name string, d *dependencyState) {
 			h.logger.Warn("dependency still unavailable", "dependency", name, "down_for", time.Since(since).Round(time.Second), "error", err)
 			logged = time.Now()
 		}
+	}
+}
+
+// markUp records that a real use of a dependency without a probe worked:
+// an outage on trial is over.
+func (h *health) markUp(name string) {
+	h.mu.Lock()
+	d := h.deps[name]
+	if d == nil || !d.trial {
+		h.mu.Unlock()
+		return
+	}
+	d.trial, d.upAt = false, time.Now()
+	downFor := time.Since(d.since)
+	h.mu.Unlock()
+	h.logger.Info("dependency answers again: resuming", "dependency", name, "down_for", downFor.Round(time.Millisecond))
+	h.obs.DependencyUp(h.subscriber, name, downFor)
+}
+
+// handlerWorked records that the handler just succeeded: an undeclared
+// dependency it named on trial (no probe) evidently works again.
+func (h *health) handlerWorked() {
+	h.mu.Lock()
+	var trials []string
+	for name, d := range h.deps {
+		if d.trial && name != DependencyDeadLetters {
+			trials = append(trials, name)
+		}
+	}
+	h.mu.Unlock()
+	for _, name := range trials {
+		h.markUp(name)
 	}
 }
 
@@ -234,7 +283,7 @@ func (h *health) ready() error {
 	defer h.mu.Unlock()
 	var down []string
 	for name, d := range h.deps {
-		if d.down {
+		if d.down || d.trial {
 			down = append(down, fmt.Sprintf("%s (down for %s: %v)", name, time.Since(d.since).Round(time.Second), d.lastErr))
 		}
 	}

@@ -291,3 +291,46 @@ func TestHeldEventsAreNotRedelivered(t *testing.T) {
 		t.Error("the held event was never handled")
 	}
 }
+
+// undeclared fails with Unavailable naming a dependency it never declared
+// (so there is no probe): the runtime retries after a backoff, and once the
+// handler works again the dependency counts as back.
+type undeclared struct {
+	*scripted
+	down atomic.Bool
+}
+
+func (u *undeclared) Handle(ctx context.Context, ev subscribers.Event) error {
+	if u.down.Load() {
+		return subscribers.Unavailable("mystery", errors.New("no answer"))
+	}
+	return u.scripted.Handle(ctx, ev)
+}
+
+func TestUndeclaredDependencyOutage(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	env.Config.Subscribers.MaxFailures = 1
+	h := &undeclared{scripted: newScripted("mystery")}
+	h.down.Store(true)
+	r := env.StartRunner(h, nil)
+	ids := write(env, testEvent("ok", 0), testEvent("ok", 0))
+	subscribertest.WaitFor(t, 10*time.Second, "readiness to name the dependency", func() (bool, string) {
+		err := r.Ready()
+		return err != nil && strings.Contains(err.Error(), "mystery"), errString(err)
+	})
+	time.Sleep(2 * time.Second)
+	h.down.Store(false)
+	env.WaitIdle("mystery", 20*time.Second)
+	for _, id := range ids {
+		if !h.isDone(id) {
+			t.Fatalf("event %d never handled", id)
+		}
+	}
+	if n := len(env.DeadLetters("mystery")); n != 0 {
+		t.Errorf("%d dead letters, want 0", n)
+	}
+	if err := r.Ready(); err != nil {
+		t.Errorf("not ready after the handler works again: %v", err)
+	}
+}

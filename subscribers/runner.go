@@ -948,6 +948,9 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 		return results // hard stop: the events come back after the ack wait
 	}
 	r.ack(ctx, ok, false)
+	if len(handled) > 0 {
+		r.health.handlerWorked()
+	}
 	r.obs.Handled(r.name, len(handled), time.Since(start))
 	r.logger.Debug("batch handled", "events", len(handled), "skipped", len(skipped), "redelivered", redelivered(ds), "took", time.Since(start))
 	if len(skipped) > 0 {
@@ -988,6 +991,7 @@ func (r *Runner) succeeded(ctx context.Context, ds []*delivery, fresh int, start
 	if r.opts.Sabotage.AckBeforeCommit == 0 {
 		r.ack(ctx, ds, true)
 	}
+	r.health.handlerWorked()
 	r.obs.Handled(r.name, fresh, time.Since(start))
 	r.logger.Debug("batch handled", "events", fresh, "skipped", len(ds)-fresh, "redelivered", redelivered(ds), "first_event_id", ds[0].ev.ID, "took", time.Since(start))
 	if skipped := len(ds) - fresh; skipped > 0 {

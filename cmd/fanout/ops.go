@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/fanout/fanout/internal/logging"
@@ -96,5 +97,25 @@ func healthcheckCommand(a *app) *cobra.Command {
 			fmt.Fprintln(cmd.OutOrStdout(), "ready")
 			return nil
 		},
+	}
+}
+
+// untilStopOrClosed waits for SIGTERM (ctx) or for nc to be closed for
+// good. nats.go reconnects forever, but gives up on errors it deems fatal
+// (the server dropping it for a protocol violation, say); a role that kept
+// running then would look alive and do nothing. So that is an error: the
+// process exits non-zero and its supervisor restarts it.
+func untilStopOrClosed(ctx context.Context, nc *nats.Conn) error {
+	closed := make(chan struct{})
+	var once sync.Once
+	nc.SetClosedHandler(func(*nats.Conn) { once.Do(func() { close(closed) }) })
+	if nc.IsClosed() {
+		once.Do(func() { close(closed) })
+	}
+	select {
+	case <-ctx.Done():
+		return nil
+	case <-closed:
+		return fmt.Errorf("the NATS connection was closed for good (last error: %v); exiting so that the role is restarted", nc.LastError())
 	}
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/fanout/fanout/internal/connect"
@@ -38,8 +39,8 @@ func relayCommand(a *app) *cobra.Command {
 				return err
 			}
 			defer stopOps()
-			<-cmd.Context().Done()
-			return stopRelay(a, r)
+			waitErr := untilStopOrClosed(cmd.Context(), deps.nc)
+			return errors.Join(waitErr, stopRelay(a, r))
 		},
 	}
 }
@@ -74,6 +75,7 @@ func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, 
 		Conn:     nc,
 		Logger:   logging.Component(a.logger, "relay"),
 		Observer: obs,
+		Sabotage: sabotage.relay,
 	})
 	if err == nil {
 		err = r.Start(ctx)

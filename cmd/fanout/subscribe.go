@@ -118,8 +118,9 @@ func startSubscribers(ctx context.Context, a *app, d *deps, names []string, nc *
 			return nil, fmt.Errorf("subscriber %s: %w", name, err)
 		}
 		r, err := subscribers.New(subscribers.Options{
-			Handler: h, Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
+			Handler: sabotaged(h), Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
 			Pool: d.pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"), Observer: obs,
+			Sabotage: sabotage.subscriber,
 		})
 		if err == nil {
 			err = r.Start(ctx)
@@ -193,9 +194,9 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 				return err
 			}
 			defer stopOps()
-			<-ctx.Done()
+			waitErr := untilStopOrClosed(ctx, nc)
 			a.logger.Info("draining subscribers", "subscribers", args)
-			return stopAll()
+			return errors.Join(waitErr, stopAll())
 		},
 	}
 	cmd.Flags().StringVar(&start, "start", "", "where a new subscriber's consumer starts: all, new or time (overrides subscribers.start)")

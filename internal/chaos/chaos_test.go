@@ -5,6 +5,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -25,14 +26,7 @@ func TestChaos(t *testing.T) {
 	if s, err := strconv.ParseUint(os.Getenv("FANOUT_TEST_CHAOS_SEED"), 10, 64); err == nil {
 		seed = s
 	}
-	root, err := repo.Root()
-	if err != nil {
-		t.Fatal(err)
-	}
-	bin := filepath.Join(t.TempDir(), "fanout")
-	if out, err := exec.Command("go", "build", "-o", bin, filepath.Join(root, "cmd/fanout")).CombinedOutput(); err != nil {
-		t.Fatalf("build fanout: %v\n%s", err, out)
-	}
+	bin := build(t)
 	for _, mode := range []string{"single", "cluster"} {
 		if m := os.Getenv("FANOUT_TEST_CHAOS_MODE"); m != "" && m != mode {
 			continue
@@ -42,6 +36,59 @@ func TestChaos(t *testing.T) {
 			t.Log("\n" + rep.String())
 			if !rep.Pass() {
 				t.Errorf("invariant violated: %s", rep.Violations[0])
+			}
+		})
+	}
+}
+
+// build compiles the fanout binary, with extra build flags.
+func build(t *testing.T, flags ...string) string {
+	t.Helper()
+	root, err := repo.Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(t.TempDir(), "fanout")
+	args := append(append([]string{"build"}, flags...), "-o", bin, filepath.Join(root, "cmd/fanout"))
+	if out, err := exec.Command("go", args...).CombinedOutput(); err != nil {
+		t.Fatalf("build fanout: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// TestChaosSelfTest proves the checker: runs of a deliberately broken
+// binary (built with the fanout_sabotage tag) must each be reported as a
+// violation of the invariant the sabotage breaks. A checker that passed
+// any of them would be worthless.
+func TestChaosSelfTest(t *testing.T) {
+	duration := 25 * time.Second
+	if d, err := time.ParseDuration(os.Getenv("FANOUT_TEST_CHAOS_SELFTEST_DURATION")); err == nil {
+		duration = d
+	}
+	bin := build(t, "-tags", "fanout_sabotage")
+	for _, tc := range []struct {
+		sabotage string
+		killOnly []string
+		want     string // in the first violation reported for it
+	}{
+		// Rows marked sent without a publish: the stream lacks them.
+		{"relay-skips-publish", []string{"relay"}, "every sent row is in the stream"},
+		// Acked before the commit, then killed: events neither handled
+		// nor dead-lettered.
+		{"ack-before-commit", []string{"invoicing", "salesledger"}, "every event checkpointed or dead-lettered"},
+		// An event handled twice: the ledger counts its order twice.
+		{"handle-twice", []string{"relay"}, "sales ledger equals its order lines"},
+	} {
+		t.Run(tc.sabotage, func(t *testing.T) {
+			rep := Run(t, Options{Duration: duration, Seed: 1, Rate: 40, Binary: bin, Logf: t.Logf,
+				Sabotage: tc.sabotage, KillOnly: tc.killOnly})
+			t.Log("\n" + rep.String())
+			found := false
+			for _, v := range rep.Violations {
+				found = found || strings.Contains(v, tc.want)
+			}
+			if !found {
+				t.Errorf("sabotage %s: the checker did not report %q (it reported %d violations: %v)", tc.sabotage, tc.want, len(rep.Violations), rep.Violations)
 			}
 		})
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -12,265 +13,463 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/salesledger"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
 // check verifies the invariants after the drain; each violation names the
-// event ids involved.
+// event ids involved. Every read it makes is checked: a checker that
+// cannot read something reports that, it never passes by default.
 func (r *run) check() {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	rep := r.report
-	p := r.planted
-	rep.Planted = p.kinds
-	pool := r.pool()
+	rep.Planted = r.planted.kinds
 
-	// 1. Every committed outbox row is sent or failed with a reason; the
-	//    failed ones are exactly the planted ones.
-	_ = pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE status = 'failed') FROM outbox`).Scan(&rep.OutboxRows, &rep.FailedRows)
-	var notSent []string
-	var unexpectedFailed []string
-	rows, err := pool.Query(ctx, `SELECT id, status, coalesce(last_error, '') FROM outbox WHERE status <> 'sent' ORDER BY id`)
+	stream, err := r.readStream(ctx)
 	if err != nil {
-		rep.violate("1 (outbox)", err.Error())
-	} else {
-		var id int64
-		var status, reason string
-		_, err = pgx.ForEachRow(rows, []any{&id, &status, &reason}, func() error {
-			want, isPlanted := p.failedRows[id]
-			switch {
-			case status != "failed":
-				notSent = append(notSent, fmt.Sprintf("%d (%s)", id, status))
-			case reason == "":
-				notSent = append(notSent, fmt.Sprintf("%d (failed without a reason)", id))
-			case !isPlanted || !strings.Contains(reason, want):
-				unexpectedFailed = append(unexpectedFailed, fmt.Sprintf("%d (%s)", id, reason))
-			}
-			return nil
-		})
-		if err != nil {
-			rep.violate("1 (outbox)", err.Error())
-		}
+		rep.violate("1 (read the stream)", err.Error())
+		return
 	}
-	if len(notSent) > 0 {
-		rep.violate("1 (every committed row sent or failed with a reason)", "rows "+head(notSent))
-	}
-	if len(unexpectedFailed) > 0 {
-		rep.violate("1 (only planted rows failed)", "rows "+head(unexpectedFailed))
-	}
-	var failedPlanted int
-	_ = pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status = 'failed'`).Scan(&failedPlanted)
-	if failedPlanted != len(p.failedRows) {
-		rep.violate("1 (planted rows failed)", fmt.Sprintf("%d rows failed, %d were planted to", failedPlanted, len(p.failedRows)))
-	}
+	rep.Events = uint64(len(stream.bySeq))
+	r.checkOutbox(ctx, stream)
 
-	// 2. Every event in the stream for a subscriber's filter is in its
-	//    checkpoint or its dead letters. 6. Nothing in the dead letters was
-	//    not planted.
-	dead := r.deadLetters(ctx)
-	rep.DeadLetters = map[string]int{}
-	for s, ids := range dead {
-		rep.DeadLetters[s] = len(ids)
+	dead, err := r.deadLetters(ctx)
+	if err != nil {
+		rep.violate("5 (read the dead letters)", err.Error())
+		return
 	}
-	stream, err := r.js.Stream(ctx, "EVENTS")
-	if err == nil {
-		if info, err := stream.Info(ctx); err == nil {
-			rep.Events = info.State.Msgs
-		}
-	}
-	for name, filters := range subscriberFilters {
-		events, err := r.streamEvents(ctx, filters)
-		if err != nil {
-			rep.violate("2 ("+name+")", err.Error())
-			continue
-		}
-		done := map[int64]bool{}
-		rows, err := pool.Query(ctx, `SELECT event_id FROM processed_events WHERE subscriber = $1`, name)
-		if err == nil {
-			ids, _ := pgx.CollectRows(rows, pgx.RowTo[int64])
-			for _, id := range ids {
-				done[id] = true
-			}
-		}
-		var missing []string
-		for id := range events {
-			if _, deadLettered := dead[name][id]; !done[id] && !deadLettered {
-				missing = append(missing, strconv.FormatInt(id, 10))
-			}
-		}
-		if len(missing) > 0 {
-			rep.violate("2 (every event checkpointed or dead-lettered)", fmt.Sprintf("%s: %d of %d events neither: %s", name, len(missing), len(events), head(missing)))
-		}
-		var unexpected []string
-		for id, dl := range dead[name] {
-			if !r.expectedDeadLetter(ctx, name, id, dl) {
-				unexpected = append(unexpected, fmt.Sprintf("event %d %s: %s", id, dl.typ, dl.reason))
-			}
-		}
-		if len(unexpected) > 0 {
-			rep.violate("6 (only planted events dead-lettered)", name+": "+head(unexpected))
-		}
-	}
-	if len(dead["invoicing"]) < len(p.deadLetters) {
-		rep.violate("6 (planted events dead-lettered)", fmt.Sprintf("invoicing has %d dead letters, %d were planted", len(dead["invoicing"]), len(p.deadLetters)))
-	}
-
-	// 3. Exactly one invoice per order, none for rolled-back orders.
-	rows, err = pool.Query(ctx, `
-SELECT o.id, count(i.id) FROM orders o LEFT JOIN invoices i ON i.order_id = o.id
-GROUP BY o.id HAVING count(i.id) <> 1`)
-	if err == nil {
-		var id, n int64
-		var wrong []string
-		_, _ = pgx.ForEachRow(rows, []any{&id, &n}, func() error {
-			if !r.plantedBadOrder(ctx, id) {
-				wrong = append(wrong, fmt.Sprintf("order %d has %d invoices", id, n))
-			}
-			return nil
-		})
-		if len(wrong) > 0 {
-			rep.violate("3 (exactly one invoice per order)", head(wrong))
-		}
-	}
-	var ghost int
-	_ = pool.QueryRow(ctx, `SELECT count(*) FROM invoices WHERE order_id = ANY($1)`, p.rolledBack).Scan(&ghost)
-	if ghost > 0 {
-		rep.violate("3 (no invoice for rolled-back orders)", fmt.Sprintf("%d invoices for orders %v", ghost, p.rolledBack))
-	}
-
-	// 4. Every search document equals its SQL join; no deleted product has
-	//    one. The planted rejected products are, rightly, missing.
-	if cur, err := searchindex.Current(ctx, r.search, r.alias); err != nil || cur == "" {
-		rep.violate("4 (search)", fmt.Sprintf("no index behind %s: %v", r.alias, err))
-	} else {
-		_ = r.search.Refresh(ctx, cur)
-		d, err := searchindex.Check(ctx, r.search, pool, cur, 0)
-		if err != nil {
-			rep.violate("4 (search)", err.Error())
-		} else {
-			var missing []int64
-			for _, id := range d.Missing {
-				if !p.rejectedProds[id] {
-					missing = append(missing, id)
-				}
-			}
-			if len(missing)+len(d.Different)+len(d.Extra) > 0 {
-				rep.violate("4 (every document equals SQL, no deleted product indexed)",
-					fmt.Sprintf("missing %v, different %v, deleted but indexed %v", cut(missing), cut(d.Different), cut(d.Extra)))
-			}
-		}
-	}
-
-	// 5. No cached product is older than its SQL version.
+	r.checkDeadLetters(ctx, dead)
+	r.checkDelivered(ctx, stream, dead)
+	r.checkInvoices(ctx)
+	r.checkLedger(ctx)
+	r.checkSearch(ctx)
 	r.checkCache(ctx)
 }
 
-// event is one stream message's id and, for dead letters, the reason.
+// event is one stream message.
 type event struct {
-	seq    uint64
-	typ    string
-	body   []byte
-	reason string
+	id   int64
+	seq  uint64
+	subj string
+	typ  string
+	body []byte
 }
 
-// streamEvents reads the events matching filters from the stream.
-func (r *run) streamEvents(ctx context.Context, filters []string) (map[int64]event, error) {
-	subjects := make([]string, len(filters))
-	for i, f := range filters {
-		subjects[i] = "events." + f
-	}
-	oc, err := r.js.OrderedConsumer(ctx, "EVENTS", jetstream.OrderedConsumerConfig{FilterSubjects: subjects})
+// streamContents is the whole events stream, read to its last sequence.
+type streamContents struct {
+	bySeq []event
+	byID  map[int64][]uint64 // event id -> the sequences holding it
+}
+
+// readStream reads every message of EVENTS up to the last sequence the
+// stream reports, and fails unless it got all of them.
+func (r *run) readStream(ctx context.Context) (*streamContents, error) {
+	s, err := r.js.Stream(ctx, "EVENTS")
 	if err != nil {
 		return nil, err
 	}
-	out := map[int64]event{}
-	for {
-		batch, err := oc.Fetch(1000, jetstream.FetchMaxWait(time.Second))
+	info, err := s.Info(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := &streamContents{byID: map[int64][]uint64{}}
+	if info.State.Msgs == 0 {
+		return out, nil
+	}
+	oc, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
+	if err != nil {
+		return nil, err
+	}
+	last := uint64(0)
+	for last < info.State.LastSeq {
+		batch, err := oc.Fetch(1000, jetstream.FetchMaxWait(5*time.Second))
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("fetch after sequence %d: %w", last, err)
 		}
 		n := 0
 		for m := range batch.Messages() {
 			n++
-			id, _ := strconv.ParseInt(m.Headers().Get(outbox.EventIDHeader), 10, 64)
-			md, _ := m.Metadata()
-			ev := event{typ: m.Headers().Get(outbox.EventTypeHeader), body: m.Data()}
-			if md != nil {
-				ev.seq = md.Sequence.Stream
+			md, err := m.Metadata()
+			if err != nil {
+				return nil, err
 			}
-			out[id] = ev
+			last = md.Sequence.Stream
+			id, err := strconv.ParseInt(m.Headers().Get(outbox.EventIDHeader), 10, 64)
+			if err != nil {
+				return nil, fmt.Errorf("message %d carries no event id: %w", last, err)
+			}
+			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(outbox.EventTypeHeader), body: m.Data()})
+			out.byID[id] = append(out.byID[id], last)
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
+			return nil, fmt.Errorf("fetch after sequence %d: %w", last, err)
 		}
 		if n == 0 {
-			// A whole second without a message: the stream is read (the
-			// pipeline is drained and no writer runs any more).
-			return out, nil
+			return nil, fmt.Errorf("the stream reports messages up to sequence %d, but nothing came after %d", info.State.LastSeq, last)
 		}
+	}
+	if uint64(len(out.bySeq)) != info.State.Msgs {
+		return nil, fmt.Errorf("read %d messages, the stream reports %d", len(out.bySeq), info.State.Msgs)
+	}
+	return out, nil
+}
+
+// checkOutbox: every committed outbox row is sent (and then in the stream
+// exactly once) or failed with a reason, and only the planted rows failed;
+// the stream holds nothing that is not a sent row.
+func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
+	rep, p := r.report, r.planted
+	rows, err := r.pool().Query(ctx, `SELECT id, status, coalesce(last_error, '') FROM outbox ORDER BY id`)
+	if err != nil {
+		rep.violate("1 (read the outbox)", err.Error())
+		return
+	}
+	var notSent, unexpectedFailed, missing, twice, failedPublished []string
+	sent := map[int64]bool{}
+	var id int64
+	var status, reason string
+	_, err = pgx.ForEachRow(rows, []any{&id, &status, &reason}, func() error {
+		rep.OutboxRows++
+		want, isPlanted := p.failedRows[id]
+		switch {
+		case status == "sent":
+			sent[id] = true
+			switch n := len(stream.byID[id]); {
+			case n == 0:
+				missing = append(missing, strconv.FormatInt(id, 10))
+			case n > 1:
+				twice = append(twice, fmt.Sprintf("%d (sequences %v)", id, stream.byID[id]))
+			}
+		case status != "failed":
+			notSent = append(notSent, fmt.Sprintf("%d (%s)", id, status))
+		case reason == "":
+			notSent = append(notSent, fmt.Sprintf("%d (failed without a reason)", id))
+		case !isPlanted || !strings.Contains(reason, want):
+			rep.FailedRows++
+			unexpectedFailed = append(unexpectedFailed, fmt.Sprintf("%d (%s)", id, reason))
+		default:
+			rep.FailedRows++
+			if len(stream.byID[id]) > 0 {
+				failedPublished = append(failedPublished, strconv.FormatInt(id, 10))
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		rep.violate("1 (read the outbox)", err.Error())
+		return
+	}
+	if len(notSent) > 0 {
+		rep.violate("1 (every committed row sent or failed with a reason)", "rows "+head(notSent))
+	}
+	if len(missing) > 0 {
+		rep.violate("1 (every sent row is in the stream)", fmt.Sprintf("%d sent rows missing from the stream: %s", len(missing), head(missing)))
+	}
+	if len(twice) > 0 {
+		rep.violate("2 (every sent row is in the stream once)", fmt.Sprintf("%d events stored more than once: %s", len(twice), head(twice)))
+	}
+	if len(unexpectedFailed) > 0 {
+		rep.violate("5 (only planted rows failed)", "rows "+head(unexpectedFailed))
+	}
+	if len(failedPublished) > 0 {
+		rep.violate("5 (a failed row is never published)", "rows "+head(failedPublished))
+	}
+	var plantedNotFailed []string
+	for id := range p.failedRows {
+		if sent[id] {
+			plantedNotFailed = append(plantedNotFailed, strconv.FormatInt(id, 10))
+		}
+	}
+	if len(plantedNotFailed) > 0 || rep.FailedRows < int64(len(p.failedRows)) {
+		rep.violate("5 (planted rows failed)", fmt.Sprintf("%d rows failed, %d were planted to; planted but sent: %s",
+			rep.FailedRows, len(p.failedRows), head(plantedNotFailed)))
+	}
+	var phantoms []string
+	for id, seqs := range stream.byID {
+		if !sent[id] {
+			phantoms = append(phantoms, fmt.Sprintf("event %d at %v", id, seqs))
+		}
+	}
+	if len(phantoms) > 0 {
+		slices.Sort(phantoms)
+		rep.violate("1 (the stream holds only sent rows)", head(phantoms))
 	}
 }
 
-// deadLetters returns each subscriber's dead letters by event id, with the
-// original event's type and body and the reason.
-func (r *run) deadLetters(ctx context.Context) map[string]map[int64]event {
-	out := map[string]map[int64]event{}
-	for name := range subscriberFilters {
-		out[name] = map[int64]event{}
-	}
+// deadLetter is one message of the DEADLETTER stream.
+type deadLetter struct {
+	seq        uint64
+	subject    string
+	subscriber string
+	id         int64
+	typ        string
+	body       []byte
+	reason     string
+}
+
+// deadLetters reads the whole DEADLETTER stream.
+func (r *run) deadLetters(ctx context.Context) ([]deadLetter, error) {
 	s, err := r.js.Stream(ctx, "DEADLETTER")
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
-		return out
+		return nil, nil
 	}
 	if err != nil {
-		r.report.violate("6 (dead letters)", err.Error())
-		return out
+		return nil, err
 	}
 	info, err := s.Info(ctx)
 	if err != nil {
-		return out
+		return nil, err
 	}
+	var out []deadLetter
 	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
 		m, err := s.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue // deleted (by an operator; nothing here deletes)
+		}
 		if err != nil {
+			return nil, fmt.Errorf("dead letter %d: %w", seq, err)
+		}
+		id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+		out = append(out, deadLetter{seq: seq, subject: m.Subject, subscriber: m.Header.Get(subscribers.DeadSubscriberHeader), id: id,
+			typ: m.Header.Get(outbox.EventTypeHeader), body: m.Data, reason: m.Header.Get(subscribers.DeadReasonHeader)})
+	}
+	if uint64(len(out)) != info.State.Msgs {
+		return nil, fmt.Errorf("read %d dead letters, the stream reports %d", len(out), info.State.Msgs)
+	}
+	return out, nil
+}
+
+// checkDeadLetters: each dead letter belongs to a known subscriber (by its
+// subject and its header alike) and matches a planted input by its reason;
+// every planted input that must reach a subscriber's dead letters did.
+func (r *run) checkDeadLetters(ctx context.Context, dead []deadLetter) {
+	rep, p := r.report, r.planted
+	rep.DeadLetters = map[string]map[string]int{}
+	var orphans, unexpected []string
+	got := map[string]map[int64]bool{}
+	for _, dl := range dead {
+		fromSubject := strings.Split(dl.subject, ".")
+		if _, known := subscriberFilters[dl.subscriber]; !known || len(fromSubject) < 3 || fromSubject[1] != dl.subscriber {
+			orphans = append(orphans, fmt.Sprintf("dead letter %d on %s claims subscriber %q", dl.seq, dl.subject, dl.subscriber))
 			continue
 		}
-		name := m.Header.Get(subscribers.DeadSubscriberHeader)
-		id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
-		if out[name] == nil {
-			out[name] = map[int64]event{}
+		kind, ok := r.plantedLetter(dl)
+		if !ok {
+			unexpected = append(unexpected, fmt.Sprintf("%s: event %d %s: %s", dl.subscriber, dl.id, dl.typ, dl.reason))
+			kind = "NOT PLANTED: " + truncate(dl.reason, 60)
 		}
-		out[name][id] = event{seq: seq, typ: m.Header.Get(outbox.EventTypeHeader), body: m.Data, reason: m.Header.Get(subscribers.DeadReasonHeader)}
+		if rep.DeadLetters[dl.subscriber] == nil {
+			rep.DeadLetters[dl.subscriber] = map[string]int{}
+		}
+		rep.DeadLetters[dl.subscriber][kind]++
+		if got[dl.subscriber] == nil {
+			got[dl.subscriber] = map[int64]bool{}
+		}
+		got[dl.subscriber][dl.id] = true
 	}
-	return out
+	if len(orphans) > 0 {
+		rep.violate("5 (every dead letter names its subscriber)", head(orphans))
+	}
+	if len(unexpected) > 0 {
+		rep.violate("7 (only planted events dead-lettered; an outage adds none)", head(unexpected))
+	}
+	var absent []string
+	for subscriber, want := range p.letters {
+		for id, l := range want {
+			if !got[subscriber][id] {
+				absent = append(absent, fmt.Sprintf("%s: event %d (%s)", subscriber, id, l.kind))
+			}
+		}
+	}
+	if len(absent) > 0 {
+		slices.Sort(absent)
+		rep.violate("5 (every planted input reaches the dead letters)", head(absent))
+	}
 }
 
-// expectedDeadLetter says whether a subscriber's dead letter was planted.
-func (r *run) expectedDeadLetter(ctx context.Context, subscriber string, id int64, ev event) bool {
+// plantedLetter names the planted input a dead letter answers, if any: the
+// same event and the reason the planting expects, or, for the search
+// indexer, any event about a product the mapping rejects (a rename of its
+// brand reindexes it) with the engine's rejection as the reason.
+func (r *run) plantedLetter(dl deadLetter) (kind string, ok bool) {
 	p := r.planted
-	switch subscriber {
-	case "invoicing":
-		_, ok := p.deadLetters[id]
-		return ok
-	case "searchindex":
-		// Events about a product the mapping refuses, and renames of its
-		// brand (they reindex it).
-		var body struct {
-			ProductID int64 `json:"product_id"`
-			BrandID   int64 `json:"brand_id"`
-		}
-		_ = json.Unmarshal(ev.body, &body)
-		if ev.typ == shop.BrandUpdated {
-			return p.rejectedBrands[body.BrandID]
-		}
-		return p.rejectedProds[body.ProductID]
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if want, ok := p.letters[dl.subscriber][dl.id]; ok && strings.Contains(dl.reason, want.reason) {
+		return want.kind, true
 	}
-	return false
+	if dl.subscriber != searchindex.Name || !strings.Contains(dl.reason, "rejected by index") {
+		return "", false
+	}
+	var body struct {
+		ProductID int64 `json:"product_id"`
+		BrandID   int64 `json:"brand_id"`
+	}
+	_ = json.Unmarshal(dl.body, &body)
+	for id := range p.rejectedProds {
+		mentioned := strings.Contains(dl.reason, "document "+strconv.FormatInt(id, 10)+" rejected")
+		if mentioned && (body.ProductID == id || (dl.typ == shop.BrandUpdated && p.rejectedBrands[body.BrandID])) {
+			return plantedRejected, true
+		}
+	}
+	return "", false
 }
 
-func (r *run) plantedBadOrder(ctx context.Context, orderID int64) bool {
-	var planted bool
-	_ = r.pool().QueryRow(ctx, `SELECT EXISTS (SELECT FROM order_lines WHERE order_id = $1 AND sku IS NULL AND product_id = 987654321)`, orderID).Scan(&planted)
-	return planted
+// checkDelivered: every event in the stream for a subscriber's filter is in
+// its checkpoint or its dead letters.
+func (r *run) checkDelivered(ctx context.Context, stream *streamContents, dead []deadLetter) {
+	rep := r.report
+	deadIDs := map[string]map[int64]bool{}
+	for _, dl := range dead {
+		if deadIDs[dl.subscriber] == nil {
+			deadIDs[dl.subscriber] = map[int64]bool{}
+		}
+		deadIDs[dl.subscriber][dl.id] = true
+	}
+	for _, name := range subscriberNames() {
+		rows, err := r.pool().Query(ctx, `SELECT event_id FROM processed_events WHERE subscriber = $1`, name)
+		if err != nil {
+			rep.violate("1 (read the checkpoint of "+name+")", err.Error())
+			continue
+		}
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			rep.violate("1 (read the checkpoint of "+name+")", err.Error())
+			continue
+		}
+		done := make(map[int64]bool, len(ids))
+		for _, id := range ids {
+			done[id] = true
+		}
+		var missing []string
+		wanted := 0
+		for _, ev := range stream.bySeq {
+			if !matchesAny(subscriberFilters[name], strings.TrimPrefix(ev.subj, "events.")) {
+				continue
+			}
+			wanted++
+			if !done[ev.id] && !deadIDs[name][ev.id] {
+				missing = append(missing, strconv.FormatInt(ev.id, 10))
+			}
+		}
+		if wanted == 0 {
+			rep.violate("1 ("+name+")", "no event in the stream matches its filters: the check proves nothing")
+		}
+		if len(missing) > 0 {
+			rep.violate("1 (every event checkpointed or dead-lettered)", fmt.Sprintf("%s: %d of %d events neither: %s", name, len(missing), wanted, head(missing)))
+		}
+	}
+}
+
+// checkInvoices: exactly one invoice per order (but the planted order with
+// a missing product, which has none), none for a rolled-back order.
+func (r *run) checkInvoices(ctx context.Context) {
+	rep, p := r.report, r.planted
+	rows, err := r.pool().Query(ctx, `
+SELECT o.id, count(DISTINCT i.id), bool_or(l.product_id = $1 AND l.sku IS NULL)
+FROM orders o
+LEFT JOIN invoices i ON i.order_id = o.id
+LEFT JOIN order_lines l ON l.order_id = o.id
+GROUP BY o.id`, missingProduct)
+	if err != nil {
+		rep.violate("2 (read the invoices)", err.Error())
+		return
+	}
+	var wrong []string
+	var id, n int64
+	var plantedBad bool
+	orders := 0
+	_, err = pgx.ForEachRow(rows, []any{&id, &n, &plantedBad}, func() error {
+		orders++
+		if want := map[bool]int64{true: 0, false: 1}[plantedBad]; n != want {
+			wrong = append(wrong, fmt.Sprintf("order %d has %d invoices, want %d", id, n, want))
+		}
+		return nil
+	})
+	if err != nil {
+		rep.violate("2 (read the invoices)", err.Error())
+		return
+	}
+	if orders == 0 {
+		rep.violate("2 (invoices)", "no orders: the check proves nothing")
+	}
+	if len(wrong) > 0 {
+		rep.violate("2 (exactly one invoice per order)", head(wrong))
+	}
+	var ghost int
+	if err := r.pool().QueryRow(ctx, `SELECT count(*) FROM invoices WHERE order_id = ANY($1)`, p.rolledBack).Scan(&ghost); err != nil {
+		rep.violate("4 (read the invoices)", err.Error())
+	} else if ghost > 0 {
+		rep.violate("4 (no invoice for rolled-back orders)", fmt.Sprintf("%d invoices for orders %v", ghost, p.rolledBack))
+	}
+}
+
+// checkLedger: each product's sales ledger equals the sum of the lines of
+// its committed orders. The ledger adds up, so an event handled twice (or
+// lost) shows here even where a unique key would hide it.
+func (r *run) checkLedger(ctx context.Context) {
+	rep := r.report
+	rows, err := r.pool().Query(ctx, `
+WITH sold AS (SELECT product_id, sum(quantity) AS units, sum(quantity * unit_price) AS revenue FROM order_lines GROUP BY product_id)
+SELECT coalesce(s.product_id, l.product_id), coalesce(l.units, 0), coalesce(l.revenue, 0)::text, coalesce(s.units, 0), coalesce(s.revenue, 0)::text
+FROM product_sales l FULL JOIN sold s ON s.product_id = l.product_id
+WHERE l.units IS DISTINCT FROM s.units OR l.revenue IS DISTINCT FROM s.revenue
+ORDER BY 1`)
+	if err != nil {
+		rep.violate("2 (read the "+salesledger.Name+")", err.Error())
+		return
+	}
+	var drift []string
+	var id, units, want int64
+	var revenue, wantRevenue string
+	_, err = pgx.ForEachRow(rows, []any{&id, &units, &revenue, &want, &wantRevenue}, func() error {
+		drift = append(drift, fmt.Sprintf("product %d: ledger %d units %s, order lines %d units %s", id, units, revenue, want, wantRevenue))
+		return nil
+	})
+	if err != nil {
+		rep.violate("2 (read the "+salesledger.Name+")", err.Error())
+		return
+	}
+	if len(drift) > 0 {
+		rep.violate("2 (each product's sales ledger equals its order lines: every order counted once)", head(drift))
+	}
+	var products int
+	if err := r.pool().QueryRow(ctx, `SELECT count(*) FROM product_sales`).Scan(&products); err != nil || products == 0 {
+		rep.violate("2 ("+salesledger.Name+")", fmt.Sprintf("an empty ledger (%v): the check proves nothing", err))
+	}
+}
+
+// checkSearch: every search document equals its SQL join; no deleted
+// product has one. The planted rejected products are, rightly, missing.
+func (r *run) checkSearch(ctx context.Context) {
+	rep, p := r.report, r.planted
+	cur, err := searchindex.Current(ctx, r.search, r.alias)
+	if err != nil || cur == "" {
+		rep.violate("3 (search)", fmt.Sprintf("no index behind %s: %v", r.alias, err))
+		return
+	}
+	if err := r.search.Refresh(ctx, cur); err != nil {
+		rep.violate("3 (search)", err.Error())
+		return
+	}
+	d, err := searchindex.Check(ctx, r.search, r.pool(), cur, 0)
+	if err != nil {
+		rep.violate("3 (search)", err.Error())
+		return
+	}
+	var missing []int64
+	for _, id := range d.Missing {
+		if !p.rejectedProds[id] {
+			missing = append(missing, id)
+		}
+	}
+	if len(missing)+len(d.Different)+len(d.Extra) > 0 {
+		rep.violate("3 (every document equals SQL, no deleted product indexed)",
+			fmt.Sprintf("missing %v, different %v, deleted but indexed %v", cut(missing), cut(d.Different), cut(d.Extra)))
+	}
 }
 
 // checkCache compares every cached product with SQL.
@@ -291,13 +490,42 @@ func (r *run) checkCache(ctx context.Context) {
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			stale = append(stale, fmt.Sprintf("product %d deleted but cached at version %d", id, cached))
-		case err == nil && cached < current:
+		case err != nil:
+			stale = append(stale, fmt.Sprintf("product %d: %v", id, err))
+		case cached < current:
 			stale = append(stale, fmt.Sprintf("product %d cached at version %d, SQL has %d", id, cached, current))
 		}
 	}
-	if len(stale) > 0 {
-		r.report.violate("5 (no cached product older than SQL)", head(stale))
+	if err := iter.Err(); err != nil {
+		r.report.violate("3 (read the cache)", err.Error())
 	}
+	if len(stale) > 0 {
+		r.report.violate("3 (no cached product older than SQL)", head(stale))
+	}
+}
+
+// matchesAny reports whether subject matches one of the NATS subject
+// patterns ('*' one token, '>' the rest).
+func matchesAny(patterns []string, subject string) bool {
+	for _, p := range patterns {
+		if matches(p, subject) {
+			return true
+		}
+	}
+	return false
+}
+
+func matches(pattern, subject string) bool {
+	pt, st := strings.Split(pattern, "."), strings.Split(subject, ".")
+	for i, tok := range pt {
+		if tok == ">" {
+			return len(st) > i
+		}
+		if i >= len(st) || (tok != "*" && tok != st[i]) {
+			return false
+		}
+	}
+	return len(pt) == len(st)
 }
 
 func head(xs []string) string {
@@ -312,4 +540,11 @@ func cut[T any](xs []T) []T {
 		return xs[:10]
 	}
 	return xs
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n] + "..."
 }

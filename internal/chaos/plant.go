@@ -12,25 +12,44 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/fanout/fanout/subscribers/salesledger"
 	"github.com/jackc/pgx/v5"
 )
 
 func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
 
+// Kinds of planted input, as the report names them.
+const (
+	plantedMalformed      = "malformed JSON payload (order.created)"
+	plantedBadType        = "unknown event type (not a valid subject)"
+	plantedOversized      = "payload over NATS max payload"
+	plantedMissingProduct = "order line referencing a missing product"
+	plantedRejected       = "product document the search mapping rejects"
+	plantedRolledBack     = "rolled-back order"
+	plantedBadHeaders     = "headers that are not a JSON object of strings"
+)
+
+// expectedLetter is a dead letter a planted input must produce.
+type expectedLetter struct {
+	kind   string // planted kind
+	reason string // a substring of the dead letter's reason
+}
+
 // planted remembers the bad input and where each must end.
 type planted struct {
 	mu             sync.Mutex
-	failedRows     map[int64]string // outbox id -> what was planted
-	deadLetters    map[int64]string // event id -> planted for invoicing
-	rejectedProds  map[int64]bool   // products the search mapping refuses
-	rejectedBrands map[int64]bool   // their brands (a rename reindexes them)
-	rolledBack     []int64          // order ids of rolled-back transactions
+	failedRows     map[int64]string                    // outbox id -> substring of its last_error
+	letters        map[string]map[int64]expectedLetter // subscriber -> event id -> the dead letter it must get
+	rejectedProds  map[int64]bool                      // products the search mapping refuses
+	rejectedBrands map[int64]bool                      // their brands (a rename reindexes them)
+	rolledBack     []int64                             // order ids of rolled-back transactions
 	kinds          map[string]int
 }
 
 func newPlanted() *planted {
-	return &planted{failedRows: map[int64]string{}, deadLetters: map[int64]string{}, rejectedProds: map[int64]bool{},
-		rejectedBrands: map[int64]bool{}, kinds: map[string]int{}}
+	return &planted{failedRows: map[int64]string{}, letters: map[string]map[int64]expectedLetter{},
+		rejectedProds: map[int64]bool{}, rejectedBrands: map[int64]bool{}, kinds: map[string]int{}}
 }
 
 func (p *planted) note(kind string) {
@@ -39,7 +58,18 @@ func (p *planted) note(kind string) {
 	p.mu.Unlock()
 }
 
-// A valid JSON payload of the wrong shape: invoicing dead-letters it.
+// expect records that subscriber must dead-letter event id with reason.
+func (p *planted) expect(subscriber string, id int64, kind, reason string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.letters[subscriber] == nil {
+		p.letters[subscriber] = map[int64]expectedLetter{}
+	}
+	p.letters[subscriber][id] = expectedLetter{kind: kind, reason: reason}
+}
+
+// A valid JSON payload of the wrong shape: the order subscribers
+// dead-letter it.
 func (r *run) plantMalformedOrder(ctx context.Context) error {
 	var id int64
 	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
@@ -49,10 +79,9 @@ func (r *run) plantMalformedOrder(ctx context.Context) error {
 		return err
 	})
 	if err == nil {
-		r.planted.mu.Lock()
-		r.planted.deadLetters[id] = "malformed order.created payload"
-		r.planted.mu.Unlock()
-		r.planted.note("malformed JSON payload (order.created)")
+		r.planted.expect(invoicing.Name, id, plantedMalformed, invoicing.ErrMalformed.Error())
+		r.planted.expect(salesledger.Name, id, plantedMalformed, salesledger.ErrMalformed.Error())
+		r.planted.note(plantedMalformed)
 	}
 	return err
 }
@@ -67,7 +96,23 @@ VALUES ('product', '1', 'product teleported', '{"product_id": 1}') RETURNING id`
 		r.planted.mu.Lock()
 		r.planted.failedRows[id] = "event type"
 		r.planted.mu.Unlock()
-		r.planted.note("unknown event type (not a valid subject)")
+		r.planted.note(plantedBadType)
+	}
+	return err
+}
+
+// Headers a writer in another language might store: not strings. The
+// relay marks the row failed (it used to leave it and every row after it
+// stuck in `sending`).
+func (r *run) plantBadHeaders(ctx context.Context) error {
+	var id int64
+	err := r.pool().QueryRow(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+VALUES ('product', '1', 'product.updated', '{"product_id": 1}', '{"retry": 1}') RETURNING id`).Scan(&id)
+	if err == nil {
+		r.planted.mu.Lock()
+		r.planted.failedRows[id] = "headers"
+		r.planted.mu.Unlock()
+		r.planted.note(plantedBadHeaders)
 	}
 	return err
 }
@@ -81,13 +126,14 @@ VALUES ('product', '1', 'product.updated', jsonb_build_object('product_id', 1, '
 		r.planted.mu.Lock()
 		r.planted.failedRows[id] = "max_payload"
 		r.planted.mu.Unlock()
-		r.planted.note("payload over NATS max payload")
+		r.planted.note(plantedOversized)
 	}
 	return err
 }
 
 // An order whose line names a product that does not exist (no snapshot):
-// invoicing dead-letters it.
+// invoicing dead-letters it; the ledger counts it (it keeps sales by
+// product id, whatever became of the product).
 func (r *run) plantOrderWithMissingProduct(ctx context.Context) error {
 	var id int64
 	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
@@ -95,7 +141,7 @@ func (r *run) plantOrderWithMissingProduct(ctx context.Context) error {
 		if err := tx.QueryRow(ctx, `INSERT INTO orders (customer) VALUES ('chaos') RETURNING id`).Scan(&orderID); err != nil {
 			return err
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO order_lines (order_id, line_no, product_id, quantity, unit_price) VALUES ($1, 1, 987654321, 1, 1)`, orderID); err != nil {
+		if _, err := tx.Exec(ctx, `INSERT INTO order_lines (order_id, line_no, product_id, quantity, unit_price) VALUES ($1, 1, $2, 1, 1)`, orderID, missingProduct); err != nil {
 			return err
 		}
 		var err error
@@ -104,18 +150,19 @@ func (r *run) plantOrderWithMissingProduct(ctx context.Context) error {
 		return err
 	})
 	if err == nil {
-		r.planted.mu.Lock()
-		r.planted.deadLetters[id] = "missing product"
-		r.planted.mu.Unlock()
-		r.planted.note("order line referencing a missing product")
+		r.planted.expect(invoicing.Name, id, plantedMissingProduct, invoicing.ErrMissingProduct.Error())
+		r.planted.note(plantedMissingProduct)
 	}
 	return err
 }
 
+// missingProduct is the product id planted order lines name.
+const missingProduct = 987654321
+
 // A product the search mapping refuses (a sku over Lucene's term limit):
 // the indexer dead-letters the events about it.
 func (r *run) plantRejectedProduct(ctx context.Context) error {
-	var productID, brandID int64
+	var productID, brandID, eventID int64
 	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
 		p, err := shop.RandomProduct(ctx, tx, rand.New(rand.NewPCG(uint64(r.plantRand.intn(1<<30)), 5)))
 		if err != nil {
@@ -123,15 +170,19 @@ func (r *run) plantRejectedProduct(ctx context.Context) error {
 		}
 		p.SKU = strings.Repeat("R", 40000) + strconv.Itoa(r.plantRand.intn(1<<30))
 		brandID = p.BrandID
-		productID, err = shop.CreateProduct(ctx, tx, p)
-		return err
+		if productID, err = shop.CreateProduct(ctx, tx, p); err != nil {
+			return err
+		}
+		return tx.QueryRow(ctx, `SELECT max(id) FROM outbox WHERE event_type = $1 AND aggregate_id = $2`,
+			shop.ProductCreated, strconv.FormatInt(productID, 10)).Scan(&eventID)
 	})
 	if err == nil {
 		r.planted.mu.Lock()
 		r.planted.rejectedProds[productID] = true
 		r.planted.rejectedBrands[brandID] = true
 		r.planted.mu.Unlock()
-		r.planted.note("product document the search mapping rejects")
+		r.planted.expect("searchindex", eventID, plantedRejected, "document "+strconv.FormatInt(productID, 10)+" rejected by index")
+		r.planted.note(plantedRejected)
 	}
 	return err
 }
@@ -157,6 +208,6 @@ func (r *run) rolledBackOrder(ctx context.Context) error {
 	r.planted.mu.Lock()
 	r.planted.rolledBack = append(r.planted.rolledBack, orderID)
 	r.planted.mu.Unlock()
-	r.planted.note("rolled-back order")
+	r.planted.note(plantedRolledBack)
 	return nil
 }

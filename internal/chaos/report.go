@@ -23,11 +23,12 @@ type Report struct {
 	Events       uint64 // in the stream
 	OutboxRows   int64
 	FailedRows   int64
-	DeadLetters  map[string]int
+	DeadLetters  map[string]map[string]int // subscriber -> planted kind (or NOT PLANTED: reason) -> letters
 	// Counted from every process's logs, across restarts.
 	JetStreamDuplicates int64 // publishes JetStream recognized (after crashes, reaped leases)
 	CheckpointSkips     int64 // deliveries the checkpoints absorbed
 	Redeliveries        int64
+	Outages             map[string]int // dependency -> times a subscriber instance held its events for it
 	Restarts            int
 	DrainTime           time.Duration
 	Violations          []string
@@ -57,9 +58,25 @@ func (r *Report) String() string {
 		fmt.Fprintf(&b, "    %-48s %d\n", k, r.Faults[k])
 	}
 	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows\n", r.OutboxRows, r.Events, r.FailedRows)
-	fmt.Fprintf(&b, "  dead letters: %v\n", r.DeadLetters)
+	letters := 0
+	for _, byKind := range r.DeadLetters {
+		for _, n := range byKind {
+			letters += n
+		}
+	}
+	fmt.Fprintf(&b, "  dead letters: %d, by subscriber and reason (an outage must add none):\n", letters)
+	for _, s := range sortedKeys(r.DeadLetters) {
+		for _, k := range sortedKeys(r.DeadLetters[s]) {
+			fmt.Fprintf(&b, "    %-12s %-52s %d\n", s, k, r.DeadLetters[s][k])
+		}
+	}
 	fmt.Fprintf(&b, "  duplicates absorbed: %d by JetStream (publishes it already had), %d by the checkpoints; %d redeliveries\n",
 		r.JetStreamDuplicates, r.CheckpointSkips, r.Redeliveries)
+	fmt.Fprintf(&b, "  outages waited out by subscriber instances (events held, none counted against them):")
+	for _, k := range sortedKeys(r.Outages) {
+		fmt.Fprintf(&b, " %s %d", k, r.Outages[k])
+	}
+	fmt.Fprintf(&b, "\n")
 	fmt.Fprintf(&b, "  time to drain after the faults stopped: %s\n", r.DrainTime.Round(100*time.Millisecond))
 	if r.Pass() {
 		fmt.Fprintf(&b, "PASS: every invariant held\n")
@@ -81,6 +98,9 @@ func sortedKeys[V any](m map[string]V) []string {
 	return keys
 }
 
+// outageLogLine is the runtime's log message when a dependency goes down.
+const outageLogLine = "dependency unavailable: holding the events in hand and taking no new ones until it answers"
+
 // collectCounters sums the debug batch lines of every process's log, over
 // all its incarnations.
 func (r *run) collectCounters() {
@@ -98,6 +118,7 @@ func (r *run) collectCounters() {
 				Duplicates  int64  `json:"duplicates"`
 				Skipped     int64  `json:"skipped"`
 				Redelivered int64  `json:"redelivered"`
+				Dependency  string `json:"dependency"`
 			}
 			if json.Unmarshal(sc.Bytes(), &line) != nil {
 				continue
@@ -108,6 +129,11 @@ func (r *run) collectCounters() {
 			case "batch handled":
 				r.report.CheckpointSkips += line.Skipped
 				r.report.Redeliveries += line.Redelivered
+			case outageLogLine:
+				if r.report.Outages == nil {
+					r.report.Outages = map[string]int{}
+				}
+				r.report.Outages[line.Dependency]++
 			}
 		}
 		f.Close()

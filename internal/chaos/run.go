@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/internal/faultproxy"
 	"github.com/fanout/fanout/internal/natstest"
@@ -23,7 +25,11 @@ import (
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
+	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/fanout/fanout/subscribers/salesledger"
+	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -39,14 +45,33 @@ type Options struct {
 	Rate     int  // writes per second
 	Binary   string
 	Logf     func(format string, args ...any)
+	// Sabotage, for the checker's self-test, is passed to every role as
+	// FANOUT_TEST_SABOTAGE (Binary must be built with the fanout_sabotage
+	// tag): deliberately broken behaviour the checks must catch.
+	Sabotage string
+	// KillOnly, if set, restricts the role kills to roles with these
+	// names' prefixes (the self-test kills the sabotaged roles).
+	KillOnly []string
 }
 
-// subscriberFilters are the event types each subscriber wants (as in their
-// packages).
-var subscriberFilters = map[string][]string{
-	"invoicing":   {"order.created"},
-	"cacheinval":  {"product.>", "brand.updated"},
-	"searchindex": {"product.>", "brand.updated"},
+// subscriberFilters are the event types each subscriber wants, from the
+// subscribers' own packages.
+var subscriberFilters = func() map[string][]string {
+	out := map[string][]string{}
+	for _, h := range []subscribers.Handler{invoicing.New(), salesledger.New(), cacheinval.New(nil, nil),
+		searchindex.New(nil, nil, config.Search{}, quietLogger())} {
+		out[h.Name()] = h.EventTypes()
+	}
+	return out
+}()
+
+func subscriberNames() []string {
+	names := make([]string, 0, len(subscriberFilters))
+	for n := range subscriberFilters {
+		names = append(names, n)
+	}
+	slices.Sort(names)
+	return names
 }
 
 // run is one fault-injection run's world.
@@ -56,11 +81,15 @@ type run struct {
 	faultRand *seeded // which fault, where, when and for how long
 	plantRand *seeded // the planted bad input
 	readRand  *seeded // which products the cache reader reads
+	longRand  *seeded // when the long outages start
+	faultsMu  sync.Mutex
 	pg        *pgtest.Server
 	db        *pgtest.DB
 	nats      []*natstest.Server
 	nproxy    []*faultproxy.Proxy
 	sproxy    *faultproxy.Proxy
+	rproxy    *faultproxy.Proxy
+	locks     resourceLocks
 	rdb       *redis.Client
 	search    *search.Client
 	alias     string
@@ -99,7 +128,7 @@ func (s *seeded) between(lo, hi time.Duration) time.Duration {
 // failures fail t; invariant violations are in the report.
 func Run(t *testing.T, o Options) *Report {
 	r := &run{t: t, o: o, planted: newPlanted(),
-		faultRand: newSeeded(o.Seed, 3), plantRand: newSeeded(o.Seed, 4), readRand: newSeeded(o.Seed, 5)}
+		faultRand: newSeeded(o.Seed, 3), plantRand: newSeeded(o.Seed, 4), readRand: newSeeded(o.Seed, 5), longRand: newSeeded(o.Seed, 6)}
 	mode := "single nats-server"
 	if o.Cluster {
 		mode = "three-node JetStream cluster (replicas 3)"
@@ -152,6 +181,13 @@ func (r *run) setup() {
 	}
 	redisSrv := redistest.Start(t)
 	r.rdb = redisSrv.Client(t)
+	// Roles and the cache reader reach Redis through a proxy, so it can be
+	// made unreachable without losing its data (tombstones included).
+	rp, err := faultproxy.New(redisSrv.Addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.rproxy = rp
 	r.search = searchtest.Client(t, search.OpenSearch)
 	r.alias = searchtest.Alias(t, r.search)
 	sp, err := faultproxy.New(strings.TrimPrefix(searchtest.URL(), "http://"))
@@ -184,19 +220,23 @@ func (r *run) setup() {
 	env = append(env,
 		"FANOUT_POSTGRES_URL="+r.db.URL,
 		"FANOUT_NATS_URL="+strings.Join(urls, ","),
-		"FANOUT_REDIS_URL="+redisSrv.URL,
+		"FANOUT_REDIS_URL=redis://"+rp.Addr+"/0",
 		"FANOUT_SEARCH_ENGINE=opensearch", "FANOUT_SEARCH_URL=http://"+sp.Addr, "FANOUT_SEARCH_ALIAS="+r.alias,
 		"FANOUT_STREAM_REPLICAS="+replicas,
 		"FANOUT_LOG_FORMAT=json", "FANOUT_LOG_LEVEL=debug", "FANOUT_HTTP_ADDR=127.0.0.1:0",
 		"FANOUT_RELAY_POLL_INTERVAL=100ms", "FANOUT_RELAY_LEASE=10s", "FANOUT_RELAY_PUBLISH_TIMEOUT=5s", "FANOUT_RELAY_REAP_INTERVAL=1s",
-		"FANOUT_SUBSCRIBERS_ACK_WAIT=5s", "FANOUT_SUBSCRIBERS_RETRY_MIN=200ms", "FANOUT_SUBSCRIBERS_RETRY_MAX=5s",
-		"FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=20s", "FANOUT_SEARCH_TIMEOUT=5s",
+		"FANOUT_SUBSCRIBERS_ACK_WAIT=10s", "FANOUT_SUBSCRIBERS_RETRY_MIN=200ms", "FANOUT_SUBSCRIBERS_RETRY_MAX=5s",
+		"FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=8s", "FANOUT_SEARCH_TIMEOUT=5s",
 	)
+	if r.o.Sabotage != "" {
+		env = append(env, "FANOUT_TEST_SABOTAGE="+r.o.Sabotage)
+	}
 	// The relay first (it creates the stream), then the subscribers.
 	for _, spec := range [][]string{
 		{"relay-1", "relay"}, {"relay-2", "relay"},
 		{"invoicing-1", "subscribe", "invoicing"}, {"invoicing-2", "subscribe", "invoicing"},
 		{"searchindex-1", "subscribe", "searchindex"}, {"searchindex-2", "subscribe", "searchindex"},
+		{"salesledger-1", "subscribe", "salesledger"}, {"salesledger-2", "subscribe", "salesledger"},
 		{"cacheinval-1", "subscribe", "cacheinval"},
 	} {
 		role, err := newRole(spec[0], r.o.Binary, r.logDir, env, spec[1:]...)
@@ -268,7 +308,7 @@ func (r *run) waitConsumers() {
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 		missing := ""
-		for name := range subscriberFilters {
+		for _, name := range subscriberNames() {
 			if _, err := r.js.Consumer(ctx, "EVENTS", name); err != nil {
 				missing = name + ": " + err.Error()
 				break
@@ -299,7 +339,7 @@ func (r *run) load(ctx context.Context) {
 		defer wg.Done()
 		// Bad input and rolled-back orders, spread over the run.
 		kinds := []func(context.Context) error{r.plantMalformedOrder, r.plantBadEventType, r.plantOversized,
-			r.plantOrderWithMissingProduct, r.plantRejectedProduct, r.rolledBackOrder}
+			r.plantOrderWithMissingProduct, r.plantRejectedProduct, r.rolledBackOrder, r.plantBadHeaders}
 		every := max(r.o.Duration/time.Duration(2*len(kinds)+1), time.Second)
 		for i := 0; ; i++ {
 			select {
@@ -320,7 +360,9 @@ func (r *run) load(ctx context.Context) {
 // readCache reads products through the cache, so fills race the
 // invalidations.
 func (r *run) readCache(ctx context.Context) {
-	cache := cacheinval.NewCache(r.rdb, r.db.Pool, 2*time.Second, 10*time.Second)
+	rdb := redis.NewClient(&redis.Options{Addr: r.rproxy.Addr})
+	defer rdb.Close()
+	cache := cacheinval.NewCache(rdb, r.db.Pool, 2*time.Second, 10*time.Second)
 	var maxID atomic.Int64
 	for ctx.Err() == nil {
 		if maxID.Load() == 0 || r.readRand.intn(50) == 0 {
@@ -335,113 +377,10 @@ func (r *run) readCache(ctx context.Context) {
 	}
 }
 
-// faults injects one fault every few seconds until ctx ends.
-func (r *run) faults(ctx context.Context) {
-	type fault struct {
-		name   string
-		weight int
-		do     func(context.Context)
-	}
-	natsKill := "nats-server killed and restarted"
-	if r.o.Cluster {
-		natsKill = "cluster node killed and restarted"
-	}
-	all := []fault{
-		{"role process killed (kill -9) and restarted", 5, r.killRole},
-		{natsKill, 2, r.killNATS},
-		{"postgres restarted (pg_ctl restart -m immediate)", 1, r.restartPostgres},
-		{"search engine unreachable", 1, r.cutSearch},
-		{"slow network to NATS", 1, r.slowNATS},
-		{"NATS connections cut", 1, r.cutNATS},
-	}
-	total := 0
-	for _, f := range all {
-		total += f.weight
-	}
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(r.faultRand.between(2*time.Second, 5*time.Second)):
-		}
-		n := r.faultRand.intn(total)
-		for _, f := range all {
-			if n < f.weight {
-				f.do(ctx)
-				r.report.Faults[f.name]++
-				break
-			}
-			n -= f.weight
-		}
-	}
-}
-
-func (r *run) killRole(context.Context) {
-	role := r.roles[r.faultRand.intn(len(r.roles))]
-	role.Kill()
-	time.Sleep(r.faultRand.between(200*time.Millisecond, 2*time.Second))
-	if err := role.Start(); err != nil {
-		r.o.Logf("chaos: restart %s: %v", role.Name, err)
-	}
-}
-
-func (r *run) killNATS(ctx context.Context) {
-	victim := r.nats[r.faultRand.intn(len(r.nats))]
-	if r.o.Cluster && r.faultRand.intn(2) == 0 {
-		// The stream leader, half the time. A short deadline: the admin
-		// connection may itself be reconnecting.
-		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		defer cancel()
-		if s, err := r.js.Stream(ctx, "EVENTS"); err == nil {
-			if info, err := s.Info(ctx); err == nil && info.Cluster != nil {
-				for i := range r.nats {
-					if "n"+strconv.Itoa(i+1) == info.Cluster.Leader {
-						victim = r.nats[i]
-					}
-				}
-			}
-		}
-	}
-	victim.Kill()
-	time.Sleep(r.faultRand.between(time.Second, 3*time.Second))
-	if err := victim.Restart(); err != nil {
-		r.o.Logf("chaos: restart nats-server: %v", err)
-	}
-}
-
-func (r *run) restartPostgres(context.Context) {
-	if err := r.pg.RestartImmediate(); err != nil {
-		r.o.Logf("chaos: restart postgres: %v", err)
-	}
-}
-
-func (r *run) cutSearch(context.Context) {
-	r.sproxy.Cut()
-	time.Sleep(r.faultRand.between(3*time.Second, 8*time.Second))
-	r.sproxy.Restore()
-}
-
-func (r *run) slowNATS(context.Context) {
-	d := r.faultRand.between(20*time.Millisecond, 150*time.Millisecond)
-	for _, p := range r.nproxy {
-		p.Slow(d)
-	}
-	time.Sleep(r.faultRand.between(3*time.Second, 6*time.Second))
-	for _, p := range r.nproxy {
-		p.Restore()
-	}
-}
-
-func (r *run) cutNATS(context.Context) {
-	p := r.nproxy[r.faultRand.intn(len(r.nproxy))]
-	p.Cut()
-	time.Sleep(r.faultRand.between(500*time.Millisecond, 3*time.Second))
-	p.Restore()
-}
-
 // heal ends every fault: proxies restored, servers and roles running.
 func (r *run) heal() {
 	r.sproxy.Restore()
+	r.rproxy.Restore()
 	for _, p := range r.nproxy {
 		p.Restore()
 	}
@@ -471,7 +410,7 @@ func (r *run) drain() {
 		err := r.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status IN ('pending', 'sending')`).Scan(&unsent)
 		idle := err == nil && unsent == 0
 		state = fmt.Sprintf("unsent %d (%v)", unsent, err)
-		for name := range subscriberFilters {
+		for _, name := range subscriberNames() {
 			c, err := r.js.Consumer(ctx, "EVENTS", name)
 			if err != nil {
 				idle, state = false, state+"; "+name+": "+err.Error()
@@ -499,6 +438,7 @@ func (r *run) teardown() {
 		role.close()
 	}
 	r.sproxy.Close()
+	r.rproxy.Close()
 	for _, p := range r.nproxy {
 		p.Close()
 	}

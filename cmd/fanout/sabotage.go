@@ -1,0 +1,25 @@
+package main
+
+import (
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/subscribers"
+)
+
+// sabotage is deliberately broken behaviour for the fault run's self-test
+// (internal/chaos proves its checker catches each kind). It stays empty in
+// every binary but one built with the fanout_sabotage tag and started with
+// FANOUT_TEST_SABOTAGE naming a kind (sabotage_on.go).
+var sabotage struct {
+	relay      relay.Sabotage
+	subscriber subscribers.Sabotage
+	// handler, if set, wraps each subscriber's handler.
+	handler func(subscribers.Handler) subscribers.Handler
+}
+
+// sabotaged wraps h if a sabotage asks for it.
+func sabotaged(h subscribers.Handler) subscribers.Handler {
+	if sabotage.handler == nil {
+		return h
+	}
+	return sabotage.handler(h)
+}

@@ -1,0 +1,70 @@
+//go:build fanout_sabotage
+
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/salesledger"
+	"github.com/jackc/pgx/v5"
+)
+
+// The kinds of FANOUT_TEST_SABOTAGE. Each breaks one guarantee the fault
+// run's checker must then report.
+func init() {
+	switch kind := os.Getenv("FANOUT_TEST_SABOTAGE"); kind {
+	case "":
+	case "relay-skips-publish":
+		// One row in 500 is marked sent without being published.
+		sabotage.relay.SkipPublish = func(id int64) bool { return id%500 == 0 }
+	case "ack-before-commit":
+		// Subscribers whose effect is in Postgres ack a batch before its
+		// transaction commits: a process killed in between loses it.
+		sabotage.subscriber.AckBeforeCommit = 200 * time.Millisecond
+	case "handle-twice":
+		// The sales ledger handles one event in 25 twice.
+		sabotage.handler = func(h subscribers.Handler) subscribers.Handler {
+			if l, ok := h.(salesledger.Handler); ok {
+				return twice{l}
+			}
+			return h
+		}
+	default:
+		fmt.Fprintf(os.Stderr, "fanout: unknown FANOUT_TEST_SABOTAGE %q\n", kind)
+		os.Exit(2)
+	}
+	if kind := os.Getenv("FANOUT_TEST_SABOTAGE"); kind != "" {
+		fmt.Fprintf(os.Stderr, "fanout: SABOTAGED BUILD: %s (a test of the fault run's checker)\n", kind)
+	}
+}
+
+// twice runs the ledger's handler a second time on some events, in the
+// same transaction: the effect a lost checkpoint would have.
+type twice struct{ salesledger.Handler }
+
+func again(ev subscribers.Event) bool { return ev.ID%25 == 0 }
+
+func (t twice) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
+	if err := t.Handler.HandleTx(ctx, tx, ev); err != nil || !again(ev) {
+		return err
+	}
+	return t.Handler.HandleTx(ctx, tx, ev)
+}
+
+func (t twice) HandleBatchTx(ctx context.Context, tx pgx.Tx, evs []subscribers.Event) error {
+	if err := t.Handler.HandleBatchTx(ctx, tx, evs); err != nil {
+		return err
+	}
+	for _, ev := range evs {
+		if again(ev) {
+			if err := t.Handler.HandleTx(ctx, tx, ev); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}

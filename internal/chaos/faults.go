@@ -1,0 +1,347 @@
+package chaos
+
+import (
+	"context"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// resourceLocks keep two faults off one resource at a time: a short cut
+// of the search engine must not end a long outage of it early.
+type resourceLocks struct {
+	postgres, search, redis, deadLetters sync.Mutex
+}
+
+// Nominal lengths of the long outages; a run shorter than four times one
+// scales it down to a quarter of the run (CI's short runs).
+const (
+	postgresOutage    = time.Minute
+	redisOutage       = time.Minute
+	searchOutage      = 3 * time.Minute
+	deadLetterOutage  = time.Minute
+	snapshotHeldFor   = 2 * time.Minute
+	longOutageDivisor = 4
+)
+
+// faults injects short faults every few seconds until ctx ends and, once
+// each, the long outages at seeded times in between.
+func (r *run) faults(ctx context.Context) {
+	var wg sync.WaitGroup
+	if len(r.o.KillOnly) == 0 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r.longOutages(ctx)
+		}()
+	}
+	r.shortFaults(ctx)
+	wg.Wait()
+}
+
+func (r *run) shortFaults(ctx context.Context) {
+	type fault struct {
+		name   string
+		weight int
+		do     func(context.Context) bool // false: not injected (its resource was busy)
+	}
+	natsKill := "nats-server killed and restarted"
+	if r.o.Cluster {
+		natsKill = "cluster node killed and restarted"
+	}
+	all := []fault{
+		{"role process killed (kill -9) and restarted", 5, r.killRole},
+		{natsKill, 2, r.killNATS},
+		{"postgres restarted (pg_ctl restart -m immediate)", 1, r.restartPostgres},
+		{"search engine unreachable (seconds)", 1, r.cutSearch},
+		{"slow network to NATS", 1, r.slowNATS},
+		{"NATS connections cut", 1, r.cutNATS},
+	}
+	minGap, maxGap := 2*time.Second, 5*time.Second
+	if len(r.o.KillOnly) > 0 {
+		all = all[:1]
+		minGap, maxGap = time.Second, 3*time.Second
+	}
+	total := 0
+	for _, f := range all {
+		total += f.weight
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(r.faultRand.between(minGap, maxGap)):
+		}
+		n := r.faultRand.intn(total)
+		for _, f := range all {
+			if n < f.weight {
+				if f.do(ctx) {
+					r.countFault(f.name)
+				}
+				break
+			}
+			n -= f.weight
+		}
+	}
+}
+
+func (r *run) countFault(name string) {
+	r.faultsMu.Lock()
+	r.report.Faults[name]++
+	r.faultsMu.Unlock()
+}
+
+// longOutages runs each long outage once, starting at a seeded time such
+// that it ends before the load does.
+func (r *run) longOutages(ctx context.Context) {
+	outages := []struct {
+		name    string
+		nominal time.Duration
+		do      func(ctx context.Context, d time.Duration)
+	}{
+		{"postgres stopped", postgresOutage, r.stopPostgres},
+		{"redis unreachable", redisOutage, r.redisDown},
+		{"search engine unreachable", searchOutage, r.searchDown},
+		{"dead-letter stream unavailable", deadLetterOutage, r.deadLettersDown},
+		{"a transaction holding its snapshot open", snapshotHeldFor, r.holdSnapshot},
+	}
+	var wg sync.WaitGroup
+	for _, o := range outages {
+		d := min(o.nominal, r.o.Duration/longOutageDivisor)
+		start := r.longRand.between(0, r.o.Duration-d)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(start):
+			}
+			r.o.Logf("chaos: %s for %s", o.name, d)
+			o.do(ctx, d)
+			r.countFault(o.name + " for " + d.String())
+		}()
+	}
+	wg.Wait()
+}
+
+// sleepCtx waits d or until ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) {
+	select {
+	case <-ctx.Done():
+	case <-time.After(d):
+	}
+}
+
+func (r *run) killRole(context.Context) bool {
+	candidates := r.roles
+	if len(r.o.KillOnly) > 0 {
+		candidates = nil
+		for _, role := range r.roles {
+			if slices.ContainsFunc(r.o.KillOnly, func(p string) bool { return strings.HasPrefix(role.Name, p) }) {
+				candidates = append(candidates, role)
+			}
+		}
+	}
+	role := candidates[r.faultRand.intn(len(candidates))]
+	role.Kill()
+	time.Sleep(r.faultRand.between(200*time.Millisecond, 2*time.Second))
+	if err := role.Start(); err != nil {
+		r.o.Logf("chaos: restart %s: %v", role.Name, err)
+	}
+	return true
+}
+
+func (r *run) killNATS(ctx context.Context) bool {
+	victim := r.nats[r.faultRand.intn(len(r.nats))]
+	if r.o.Cluster && r.faultRand.intn(2) == 0 {
+		// The stream leader, half the time. A short deadline: the admin
+		// connection may itself be reconnecting.
+		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		if s, err := r.js.Stream(ctx, "EVENTS"); err == nil {
+			if info, err := s.Info(ctx); err == nil && info.Cluster != nil {
+				for i := range r.nats {
+					if "n"+strconv.Itoa(i+1) == info.Cluster.Leader {
+						victim = r.nats[i]
+					}
+				}
+			}
+		}
+	}
+	victim.Kill()
+	time.Sleep(r.faultRand.between(time.Second, 3*time.Second))
+	if err := victim.Restart(); err != nil {
+		r.o.Logf("chaos: restart nats-server: %v", err)
+	}
+	return true
+}
+
+func (r *run) restartPostgres(context.Context) bool {
+	if !r.locks.postgres.TryLock() {
+		return false
+	}
+	defer r.locks.postgres.Unlock()
+	if err := r.pg.RestartImmediate(); err != nil {
+		r.o.Logf("chaos: restart postgres: %v", err)
+	}
+	return true
+}
+
+func (r *run) cutSearch(context.Context) bool {
+	if !r.locks.search.TryLock() {
+		return false
+	}
+	defer r.locks.search.Unlock()
+	r.sproxy.Cut()
+	time.Sleep(r.faultRand.between(3*time.Second, 8*time.Second))
+	r.sproxy.Restore()
+	return true
+}
+
+func (r *run) slowNATS(context.Context) bool {
+	d := r.faultRand.between(20*time.Millisecond, 150*time.Millisecond)
+	for _, p := range r.nproxy {
+		p.Slow(d)
+	}
+	time.Sleep(r.faultRand.between(3*time.Second, 6*time.Second))
+	for _, p := range r.nproxy {
+		p.Restore()
+	}
+	return true
+}
+
+func (r *run) cutNATS(context.Context) bool {
+	p := r.nproxy[r.faultRand.intn(len(r.nproxy))]
+	p.Cut()
+	time.Sleep(r.faultRand.between(500*time.Millisecond, 3*time.Second))
+	p.Restore()
+	return true
+}
+
+// stopPostgres stops the server (pg_ctl stop -m fast) for d: every role,
+// the writers and the checkpoints lose it at once.
+func (r *run) stopPostgres(ctx context.Context, d time.Duration) {
+	r.locks.postgres.Lock()
+	defer r.locks.postgres.Unlock()
+	if err := r.pg.Stop(); err != nil {
+		r.o.Logf("chaos: stop postgres: %v", err)
+	}
+	sleepCtx(ctx, d)
+	for attempt := 0; ; attempt++ {
+		err := r.pg.Start()
+		if err == nil {
+			return
+		}
+		if attempt == 10 {
+			r.report.violate("setup", "postgres did not start again after its outage: "+err.Error())
+			return
+		}
+		r.o.Logf("chaos: start postgres: %v", err)
+		time.Sleep(time.Second)
+	}
+}
+
+func (r *run) redisDown(ctx context.Context, d time.Duration) {
+	r.locks.redis.Lock()
+	defer r.locks.redis.Unlock()
+	r.rproxy.Cut()
+	sleepCtx(ctx, d)
+	r.rproxy.Restore()
+}
+
+func (r *run) searchDown(ctx context.Context, d time.Duration) {
+	r.locks.search.Lock()
+	defer r.locks.search.Unlock()
+	r.sproxy.Cut()
+	sleepCtx(ctx, d)
+	r.sproxy.Restore()
+}
+
+// deadLettersDown moves the DEADLETTER stream off its subjects for d, so
+// every dead-letter publish finds no stream (and its messages stay), and
+// plants a poison order right then: it must wait, unacked, and arrive once
+// the stream is back. A subscriber that restarts meanwhile re-applies the
+// stream's configuration, so the fault re-applies its own every second.
+func (r *run) deadLettersDown(ctx context.Context, d time.Duration) {
+	r.locks.deadLetters.Lock()
+	defer r.locks.deadLetters.Unlock()
+	var orig jetstream.StreamConfig
+	for {
+		ictx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		s, err := r.js.Stream(ictx, "DEADLETTER")
+		if err == nil {
+			orig = s.CachedInfo().Config
+		}
+		cancel()
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		time.Sleep(time.Second)
+	}
+	parked := orig
+	parked.Subjects = []string{"parked.deadletter.>"}
+	park := func() {
+		uctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if _, err := r.js.UpdateStream(uctx, parked); err != nil {
+			r.o.Logf("chaos: park the dead-letter stream: %v", err)
+		}
+	}
+	park()
+	if err := r.plantMalformedOrder(ctx); err != nil && ctx.Err() == nil {
+		r.o.Logf("chaos: plant a poison during the dead-letter outage: %v", err)
+	}
+	until := time.Now().Add(d)
+	for time.Now().Before(until) && ctx.Err() == nil {
+		sleepCtx(ctx, time.Second)
+		park()
+	}
+	deadline := time.Now().Add(time.Minute)
+	for {
+		uctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_, err := r.js.UpdateStream(uctx, orig)
+		cancel()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.report.violate("setup", "the dead-letter stream could not be restored: "+err.Error())
+			return
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+// holdSnapshot keeps a repeatable-read transaction open for d: the horizon
+// it holds keeps every dead outbox row version alive meanwhile (as a long
+// report or a stuck session would).
+func (r *run) holdSnapshot(ctx context.Context, d time.Duration) {
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	conn, err := pgx.Connect(cctx, r.db.URL)
+	cancel()
+	if err != nil {
+		r.o.Logf("chaos: connect to hold a snapshot: %v", err)
+		return
+	}
+	defer conn.Close(context.Background())
+	tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		r.o.Logf("chaos: begin the snapshot: %v", err)
+		return
+	}
+	var n int64
+	if err := tx.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n); err != nil {
+		r.o.Logf("chaos: take the snapshot: %v", err)
+	}
+	sleepCtx(ctx, d)
+	_ = tx.Rollback(context.Background())
+}
