@@ -650,7 +650,7 @@ func TestNATSPermissions(t *testing.T) {
 
 	// The relay provisions EVENTS (auto: update, then create) and checks it
 	// (verify), and publishes with PubAcks.
-	minDup := cfg.Relay.Lease + cfg.Relay.PublishTimeout
+	minDup := config.RepublishDelay(cfg.Relay)
 	if err := relay.EnsureStream(ctx, rel.js, cfg.Stream, minDup, discard); err != nil {
 		t.Fatalf("relay provisions the stream: %v", err)
 	}

@@ -29,7 +29,8 @@ import (
 // only failures and redeliveries do.
 const (
 	lookupAttemptsSQL = `
-SELECT q.id, p.event_id IS NOT NULL, a.event_id IS NOT NULL, coalesce(a.failures, 0), coalesce(a.open_attempts, 0)
+SELECT q.id, p.event_id IS NOT NULL, a.event_id IS NOT NULL, coalesce(a.failures, 0), coalesce(a.open_attempts, 0),
+       coalesce(a.last_error, '')
 FROM unnest($2::bigint[]) AS q(id)
 LEFT JOIN processed_events p ON p.subscriber = $1 AND p.event_id = q.id
 LEFT JOIN subscriber_attempts a ON a.subscriber = $1 AND a.event_id = q.id`
@@ -74,9 +75,19 @@ type attemptState struct {
 	hasRow       bool
 	failures     int
 	openAttempts int
+	lastError    string
+}
+
+// bookkeeping bounds a statement of the runtime's own: a Postgres that
+// stops answering mid-statement (a network that drops packets) must become
+// an outage, not a worker stuck until the kernel gives up on the socket.
+func (r *Runner) bookkeeping(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, r.cfg.HandlerTimeout)
 }
 
 func (r *Runner) lookupAttempts(ctx context.Context, ids []int64) (map[int64]attemptState, error) {
+	ctx, cancel := r.bookkeeping(ctx)
+	defer cancel()
 	rows, err := r.opts.Pool.Query(ctx, lookupAttemptsSQL, r.name, ids)
 	if err != nil {
 		return nil, fmt.Errorf("read the checkpoint and attempts: %w", err)
@@ -84,7 +95,7 @@ func (r *Runner) lookupAttempts(ctx context.Context, ids []int64) (map[int64]att
 	out := make(map[int64]attemptState, len(ids))
 	var id int64
 	var st attemptState
-	_, err = pgx.ForEachRow(rows, []any{&id, &st.done, &st.hasRow, &st.failures, &st.openAttempts}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&id, &st.done, &st.hasRow, &st.failures, &st.openAttempts, &st.lastError}, func() error {
 		out[id] = st
 		return nil
 	})
@@ -94,24 +105,37 @@ func (r *Runner) lookupAttempts(ctx context.Context, ids []int64) (map[int64]att
 	return out, nil
 }
 
-// openAttempts records that the deliveries' handling begins.
+// openAttempts records that the handling of the redeliveries among ds
+// begins (an attempt already open, held through an outage, stays as is).
 func (r *Runner) openAttempts(ctx context.Context, ds []*delivery) error {
-	ids := eventIDs(ds)
-	if _, err := r.opts.Pool.Exec(ctx, openAttemptsSQL, r.name, ids); err != nil {
+	var opening []*delivery
+	for _, d := range ds {
+		if d.mark && !d.opened {
+			opening = append(opening, d)
+		}
+	}
+	if len(opening) == 0 {
+		return nil
+	}
+	ctx, cancel := r.bookkeeping(ctx)
+	defer cancel()
+	if _, err := r.opts.Pool.Exec(ctx, openAttemptsSQL, r.name, eventIDs(opening)); err != nil {
 		return fmt.Errorf("record attempts: %w", err)
 	}
-	for _, d := range ds {
+	for _, d := range opening {
 		d.opened, d.hasRow = true, true
 	}
 	return nil
 }
 
 // closeAttempts records that the open attempts of ds ended without an
-// outcome worth counting (an outage, a snooze, a stop). Best effort: if it
-// cannot be written, the attempt stays open, and counts as one crash.
-func (r *Runner) closeAttempts(ds []*delivery) {
+// outcome worth counting (an outage, a snooze, a stop), and reports whether
+// none is left open. Best effort: an attempt that cannot be closed stays
+// open; this process knows it is its own while it holds the delivery, but if
+// the process stops or dies first, it counts as one crash.
+func (r *Runner) closeAttempts(ds []*delivery) bool {
 	if r.crashed.Load() {
-		return
+		return false
 	}
 	var open []*delivery
 	for _, d := range ds {
@@ -120,17 +144,18 @@ func (r *Runner) closeAttempts(ds []*delivery) {
 		}
 	}
 	if len(open) == 0 {
-		return
+		return true
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	if _, err := r.opts.Pool.Exec(ctx, closeAttemptsSQL, r.name, eventIDs(open)); err != nil {
-		r.logger.Debug("close attempts (they stay open and count as a crash if the process dies before handling them)", "error", err)
-		return
+		r.logger.Debug("close attempts (each stays open, and counts as a crash if this process lets its event go)", "error", err)
+		return false
 	}
 	for _, d := range open {
 		d.opened = false
 	}
+	return true
 }
 
 // recordFailure counts a failure of the handler on d's event and returns

@@ -34,7 +34,7 @@ func DeadLetterStreamConfig(cfg config.Subscribers, replicas int) jetstream.Stre
 		MaxMsgs:     -1,
 		MaxBytes:    -1,
 		Replicas:    replicas,
-		Duplicates:  2 * time.Minute,
+		Duplicates:  config.DeadLetterDuplicateWindow,
 		Metadata:    map[string]string{"fanout.owner": "fanout subscribers (stream.provision=auto)"},
 	}
 }
@@ -64,17 +64,31 @@ func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
 		return false
 	}
 	r.health.markUp(DependencyDeadLetters)
-	if err := d.msg.TermWithReason(truncate(d.deadReason, 200)); err != nil {
-		// The dead letter is stored; a redelivery publishes it again,
-		// deduplicated by its message id, and terms it then.
-		r.logger.Warn("term", "event_id", d.ev.ID, "error", err)
+	termed := true
+	for _, m := range d.msgs() {
+		if err := m.TermWithReason(truncate(d.deadReason, 200)); err != nil {
+			// The dead letter is stored; a redelivery publishes it again,
+			// deduplicated by its message id, and terms it then.
+			r.logger.Warn("term", "event_id", d.ev.ID, "error", err)
+			termed = false
+		}
 	}
 	d.settled.Store(true)
-	r.forgetAttempts(ctx, []*delivery{d})
+	if termed {
+		// Kept otherwise: its count sends the redelivery straight back
+		// here, without running the handler again.
+		r.forgetAttempts(ctx, []*delivery{d})
+	}
 	r.obs.DeadLettered(r.name, 1)
 	r.logger.Error("event dead-lettered", "event_id", d.ev.ID, "event_type", d.ev.Type, "delivery", d.ev.Delivery, "reason", d.deadReason)
 	return true
 }
+
+// DeadBodyOmittedHeader marks a dead letter stored without the event's
+// body, which was too large to travel with the dead letter's own headers;
+// its value is the body's size. The event is in the events stream at the
+// sequence DeadStreamSeqHeader gives, for as long as the stream keeps it.
+const DeadBodyOmittedHeader = "Fanout-Dead-Body-Omitted"
 
 func (r *Runner) publishDeadLetter(ctx context.Context, data []byte, headers nats.Header, subject string, seq, deliveries uint64, reason string) error {
 	eventType := strings.TrimPrefix(subject, r.opts.Stream.SubjectPrefix+".")
@@ -92,6 +106,14 @@ func (r *Runner) publishDeadLetter(ctx context.Context, data []byte, headers nat
 	msg.Header.Set(DeadSubjectHeader, subject)
 	msg.Header.Set(DeadStreamSeqHeader, strconv.FormatUint(seq, 10))
 	msg.Header.Set(DeadAtHeader, time.Now().UTC().Format(time.RFC3339Nano))
+	// An event just under max_payload cannot carry the dead letter's own
+	// headers as well: stored without its body, the dead letter still says
+	// which event and why. Holding it instead would stop the subscriber for
+	// good on a letter that can never be published.
+	if max := r.opts.Conn.MaxPayload(); max > 0 && int64(msg.Size()) > max {
+		msg.Data = nil
+		msg.Header.Set(DeadBodyOmittedHeader, strconv.Itoa(len(data)))
+	}
 	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	// One dead letter per subscriber and stream message, however often a

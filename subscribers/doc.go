@@ -2,20 +2,35 @@
 // the parent of one package per subscriber (invoicing, cacheinval, ...).
 //
 // A subscriber is a Handler: a name (its durable consumer's name, stable
-// forever), the event types it wants, and a method that handles one event.
-// The runtime gives each subscriber one durable pull consumer on the events
-// stream, shared by all its instances, and turns the handler's result into
-// the message's fate:
+// forever), the event types it wants, and a method that handles one event;
+// a DependentHandler also names what it needs besides Postgres, with a
+// probe each. The runtime gives each subscriber one durable pull consumer on
+// the events stream, shared by all its instances, and turns the handler's
+// result into the message's fate:
 //
-//	handler returns     runtime does
-//	nil                 checkpoint the event, then ack
-//	RetryAfter(d)       nak with delay d
-//	Permanent(err)      publish to the dead letters with the reason, then term
-//	other error         nak with a delay that doubles with each delivery
+//	handler returns        runtime does
+//	nil                    checkpoint the event, then ack
+//	RetryAfter(d)          nak with delay d (a snooze: not a failure)
+//	Permanent(err)         publish to the dead letters with the reason, then term
+//	Unavailable(dep, err)  hold the event until dep answers again (not a failure)
+//	other error            a failure if every dependency answers its probe
+//	                       (nak with a delay doubling per failure), else an outage
 //
 // (JetStream's consumer BackOff applies only to ack timeouts, not to naks, so
-// the runtime computes the delay itself.) An event that still fails on its
-// last delivery goes to the dead letters too: nothing is dropped silently.
+// the runtime computes the delay itself.)
+//
+// # Outages are not failures
+//
+// While a dependency is down (the checkpoint store, a declared dependency,
+// the dead-letter stream) the runner pulls nothing, keeps the events it holds
+// alive with in-progress signals, and probes the dependency with backoff; its
+// Ready method (the /readyz of its process) names it. Deliveries lost to an
+// outage cost an event nothing: the consumer redelivers without limit, and
+// the runtime keeps its own count in subscriber_attempts (see attempts.go):
+// an event is dead-lettered after max_failures failures of its handler, or
+// after max_crashes attempts that never ended because the process died. An
+// event in the checkpoint is acked, never dead-lettered; an event is termed
+// only after its dead letter has a PubAck.
 //
 // # Exactly once in effect
 //
@@ -32,8 +47,10 @@
 // # Adding a subscriber
 //
 // Write a package under subscribers/ with a type that implements Handler and
-// either EventHandler or TxHandler, add one line to the registry in
-// cmd/fanout/registry.go, and one service to deploy/compose.yaml. Writers,
+// either EventHandler or TxHandler (and DependentHandler if it needs more
+// than Postgres), add one line to the registry in cmd/fanout/registry.go,
+// and its identities and service under deploy/ (see the README's "Adding a
+// subscriber"). Writers,
 // the relay and the schema do not change: the new subscriber's consumer is
 // created on its first start and, with subscribers.start = all, replays the
 // stream's history (stream.max_age, 7 days by default). Run the conformance

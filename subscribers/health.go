@@ -26,9 +26,6 @@ const (
 	// that answers probes but still fails real work (an engine that pings
 	// but refuses writes) is not hammered.
 	flapWindow = 30 * time.Second
-	// probeCacheFor: when many events fail at once, their dependencies are
-	// probed once, not once per event.
-	probeCacheFor = time.Second
 	// stillDownEvery is how often a long outage is logged again.
 	stillDownEvery = 30 * time.Second
 )
@@ -41,11 +38,9 @@ type health struct {
 	logger     *slog.Logger
 	obs        Observer
 
-	mu       sync.Mutex
-	deps     map[string]*dependencyState
-	changed  chan struct{} // closed (and replaced) when a dependency comes back
-	probedAt time.Time     // of the last probeAll
-	probeErr map[string]error
+	mu      sync.Mutex
+	deps    map[string]*dependencyState
+	changed chan struct{} // closed (and replaced) when a dependency comes back
 
 	ctx    context.Context // probers stop with it
 	probes sync.WaitGroup
@@ -219,19 +214,12 @@ func (h *health) waitUp(ctx context.Context) bool {
 	}
 }
 
-// probeAll probes every dependency that has a probe (at most once per
-// probeCacheFor), opens the breaker of each that fails, and reports whether
-// any is down.
+// probeAll probes every dependency that has a probe, opens the breaker of
+// each that fails, and reports whether any is down. It asks afresh each
+// time: a probe from before the failure it judges could say "up" about a
+// dependency that went down since. (Probes are pings; failures are few.)
 func (h *health) probeAll(ctx context.Context) bool {
 	h.mu.Lock()
-	if time.Since(h.probedAt) < probeCacheFor && h.probeErr != nil {
-		anyDown := false
-		for _, d := range h.deps {
-			anyDown = anyDown || d.down
-		}
-		h.mu.Unlock()
-		return anyDown
-	}
 	probes := map[string]func(context.Context) error{}
 	for name, d := range h.deps {
 		if d.probe != nil && !d.down {
@@ -256,9 +244,6 @@ func (h *health) probeAll(ctx context.Context) bool {
 		}()
 	}
 	wg.Wait()
-	h.mu.Lock()
-	h.probedAt, h.probeErr = time.Now(), errs
-	h.mu.Unlock()
 	for name, err := range errs {
 		if err != nil {
 			h.markDown(name, err)

@@ -14,6 +14,7 @@ import (
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // txScripted is scripted as a TxHandler: its effect would be in Postgres.
@@ -332,5 +333,111 @@ func TestUndeclaredDependencyOutage(t *testing.T) {
 	}
 	if err := r.Ready(); err != nil {
 		t.Errorf("not ready after the handler works again: %v", err)
+	}
+}
+
+// stepped fails its first call on an event, then blocks each call until the
+// test releases it and fails it, until told to succeed.
+type stepped struct {
+	*scripted
+	calls   atomic.Int64
+	entered chan int64
+	release chan error
+}
+
+func (s *stepped) Handle(ctx context.Context, ev subscribers.Event) error {
+	n := s.calls.Add(1)
+	if n == 1 {
+		return errors.New("first try fails")
+	}
+	s.entered <- n
+	if err := <-s.release; err != nil {
+		return err
+	}
+	return s.scripted.Handle(ctx, ev)
+}
+
+// A redelivered event in hand when Postgres goes away, twice: its attempt
+// cannot be closed while Postgres is gone, and stays open; this process
+// knows the open attempt is its own and does not take it for a crash (with
+// max_crashes 2, two such outages would otherwise dead-letter the event).
+func TestOwnOpenAttemptIsNotACrash(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	env.Config.Subscribers.MaxCrashes = 2
+	h := &stepped{scripted: newScripted("own"), entered: make(chan int64), release: make(chan error)}
+	pool, proxy := env.ProxiedPool()
+	r := env.StartRunner(h, func(o *subscribers.Options) { o.Pool = pool })
+	id := write(env, testEvent("ok", 0))[0]
+	for range 2 {
+		select {
+		case <-h.entered: // the redelivery, its attempt open
+		case <-time.After(20 * time.Second):
+			t.Fatal("the event never came back")
+		}
+		proxy.Cut()
+		h.release <- errors.New("the write failed with the network")
+		subscribertest.WaitFor(t, 10*time.Second, "readiness to name postgres", func() (bool, string) {
+			err := r.Ready()
+			return err != nil && strings.Contains(err.Error(), "postgres"), errString(err)
+		})
+		proxy.Restore()
+	}
+	select {
+	case <-h.entered:
+		h.release <- nil
+	case <-time.After(20 * time.Second):
+		t.Fatal("the event was not tried after the second outage")
+	}
+	env.WaitIdle("own", 20*time.Second)
+	if n := len(env.DeadLetters("own")); n != 0 {
+		t.Fatalf("%d dead letters: the runtime took its own open attempt for a crash", n)
+	}
+	if !h.isDone(id) || !env.Checkpointed("own", id) {
+		t.Error("the event was not handled")
+	}
+}
+
+// A subscriber whose Postgres role lacks a grant on its tables is a
+// configuration error, refused at start with what to do; it is not an
+// outage to wait out forever.
+func TestMissingGrantIsRefusedAtStart(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	ctx := context.Background()
+	role := "fanout_test_nogrant_" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	if _, err := env.DB.Pool.Exec(ctx, `CREATE ROLE `+role+` NOLOGIN`); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = env.DB.Pool.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = env.DB.Pool.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	if _, err := env.DB.Pool.Exec(ctx, `GRANT SELECT, INSERT, DELETE ON processed_events TO `+role); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgxpool.ParseConfig(env.DB.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, `SET ROLE `+role)
+		return err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	r := env.NewRunner(newScripted("nogrant"), func(o *subscribers.Options) { o.Pool = pool })
+	sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	err = r.Start(sctx)
+	if err == nil {
+		_ = r.Stop(ctx)
+		t.Fatal("started without a grant on subscriber_attempts")
+	}
+	if !strings.Contains(err.Error(), "subscriber_attempts") || !strings.Contains(err.Error(), "roles.sql") {
+		t.Errorf("start error %q does not say what is missing and what to do", err)
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -156,6 +157,9 @@ func (r *Runner) Start(ctx context.Context) error {
 }
 
 func (r *Runner) start(ctx context.Context) error {
+	if err := r.checkStore(ctx); err != nil {
+		return err
+	}
 	if err := jsretry.Do(ctx, r.logger, "provision the dead-letter stream", func() error {
 		return ensureDeadLetterStream(ctx, r.js, r.cfg, r.opts.Stream.Replicas, r.opts.Stream.Provision)
 	}); err != nil {
@@ -241,6 +245,47 @@ func (r *Runner) Ready() error {
 	}
 	return r.health.ready()
 }
+
+// checkStore makes sure, at start, that the subscriber may write its own
+// rows of processed_events and subscriber_attempts (in a transaction it
+// rolls back). A missing grant or table is a configuration error to be told
+// now, not an outage to be waited out forever; Postgres being unreachable is
+// waited out (as long as ctx allows).
+func (r *Runner) checkStore(ctx context.Context) error {
+	wait := 100 * time.Millisecond
+	for {
+		err := pgx.BeginFunc(ctx, r.opts.Pool, func(tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			b.Queue(`INSERT INTO processed_events (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
+			b.Queue(`INSERT INTO subscriber_attempts (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
+			b.Queue(lookupAttemptsSQL, r.name, []int64{-1})
+			if err := tx.SendBatch(ctx, b).Close(); err != nil {
+				return err
+			}
+			return errRollBack
+		})
+		if errors.Is(err, errRollBack) {
+			return nil
+		}
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01") {
+			return fmt.Errorf("subscriber %s cannot use its rows of processed_events and subscriber_attempts: %w "+
+				"(run `fanout migrate`, then grant its role what deploy/postgres/roles.sql grants)", r.name, err)
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("subscriber %s: check its checkpoint tables: %w", r.name, err)
+		}
+		r.logger.Warn("checkpoint store unavailable at start; waiting", "error", err, "retry_in", wait)
+		select {
+		case <-ctx.Done():
+		case <-time.After(wait):
+		}
+		wait = min(2*wait, 2*time.Second)
+	}
+}
+
+// errRollBack ends a transaction that only checked what it may do.
+var errRollBack = errors.New("roll back")
 
 // waitForStream returns the events stream, waiting (as long as ctx allows)
 // for the relay to create it: subscribers may well start first.
@@ -353,8 +398,25 @@ type delivery struct {
 	// opened: an attempt is open in subscriber_attempts for this delivery.
 	opened bool
 	// hasRow: subscriber_attempts may hold a row for the event.
-	hasRow  bool
+	hasRow bool
+	// mark: a redelivery, whose attempts are recorded (opened before the
+	// handler runs, closed with the outcome).
+	mark bool
+	// dups are other deliveries of the same event in the batch (the event
+	// stored twice in the stream, or one message delivered twice into the
+	// pull buffer): they share this delivery's fate.
+	dups    []*delivery
 	settled atomic.Bool // acked, naked or termed
+}
+
+// msgs are the delivery's message and its duplicates'.
+func (d *delivery) msgs() []jetstream.Msg {
+	out := make([]jetstream.Msg, 0, 1+len(d.dups))
+	out = append(out, d.msg)
+	for _, dup := range d.dups {
+		out = append(out, dup.msg)
+	}
+	return out
 }
 
 // result is what became of one delivery's attempt.
@@ -381,11 +443,20 @@ const (
 // again when every dependency answers; their deliveries cost them nothing.
 func (r *Runner) process(softCtx, hardCtx context.Context, msgs []jetstream.Msg) {
 	ds := make([]*delivery, 0, len(msgs))
+	first := make(map[int64]*delivery, len(msgs))
 	for _, m := range msgs {
 		ev, err := r.parse(m)
 		d := &delivery{msg: m, ev: ev}
 		if err != nil {
 			d.deadReason = err.Error()
+		} else if p := first[ev.ID]; p != nil {
+			// One attempt for the event; the copy shares its fate (a copy
+			// acked as a duplicate while the first failed would lose the
+			// event, if both are the same stream message).
+			p.dups = append(p.dups, d)
+			continue
+		} else {
+			first[ev.ID] = d
 		}
 		ds = append(ds, d)
 	}
@@ -419,7 +490,9 @@ func (r *Runner) keepAlive(ds []*delivery) (stop func()) {
 			case <-t.C:
 				for _, d := range ds {
 					if !d.settled.Load() {
-						_ = d.msg.InProgress()
+						for _, m := range d.msgs() {
+							_ = m.InProgress()
+						}
 					}
 				}
 			}
@@ -492,10 +565,7 @@ func (r *Runner) attempt(ctx context.Context, ds []*delivery) (held []*delivery)
 	normal, suspects, waiting := r.triage(ctx, todo)
 	held = append(held, waiting...)
 	if len(normal) > 0 {
-		r.exclusive.RLock()
-		results := r.handle(ctx, normal)
-		r.exclusive.RUnlock()
-		held = append(held, r.settle(ctx, normal, results)...)
+		held = append(held, r.attemptTogether(ctx, normal)...)
 	}
 	for _, d := range suspects {
 		held = append(held, r.attemptSuspect(ctx, d)...)
@@ -506,8 +576,9 @@ func (r *Runner) attempt(ctx context.Context, ds []*delivery) (held []*delivery)
 // triage sorts the deliveries by what the runtime knows of their events.
 // First deliveries go straight to the handler. A redelivered event may be
 // in the checkpoint already (acked and skipped), may have worn out its
-// crashes (dead letter), may be a suspect (an earlier attempt never ended:
-// handled alone), or else is handled with the others, under an open attempt.
+// failures or crashes (dead letter: the process died after deciding so),
+// may be a suspect (an earlier attempt never ended: handled alone), or else
+// is handled with the others, under an attempt of its own.
 func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, held []*delivery) {
 	var redelivered []int64
 	for _, d := range ds {
@@ -520,47 +591,62 @@ func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, 
 	}
 	states, err := r.lookupAttempts(ctx, redelivered)
 	if err != nil {
-		if r.judge(ctx, err).kind == resultAbandoned {
-			return nil, nil, nil
+		if ctx.Err() == nil {
+			r.health.markDown(DependencyPostgres, err)
+			return nil, nil, ds
 		}
-		r.health.markDown(DependencyPostgres, err)
-		return nil, nil, ds
+		r.closeAttempts(ds)
+		return nil, nil, nil
 	}
-	var skipped, marked []*delivery
+	var skipped []*delivery
 	for _, d := range ds {
 		if d.ev.Delivery <= 1 {
 			normal = append(normal, d)
 			continue
 		}
 		st := states[d.ev.ID]
-		d.hasRow = st.hasRow
+		d.hasRow, d.mark = st.hasRow, true
+		died := st.openAttempts
+		if d.opened {
+			died-- // this process's own attempt, held through an outage: not a death
+		}
 		switch {
 		case st.done:
 			skipped = append(skipped, d)
-		case st.openAttempts >= r.cfg.MaxCrashes:
-			d.deadReason = fmt.Sprintf("its handling never ended %d times: the process died each time (killed, out of memory, or a crash outside the handler), so it was not tried again (subscribers.max_crashes)", st.openAttempts)
-			if !r.deadLetter(ctx, d) {
-				held = append(held, d)
-			}
-		case st.openAttempts > 0:
+		case st.failures >= r.cfg.MaxFailures:
+			d.deadReason = fmt.Sprintf("gave up after %d failures (subscribers.max_failures): %s", st.failures, st.lastError)
+		case died >= r.cfg.MaxCrashes:
+			d.deadReason = fmt.Sprintf("its handling never ended %d times: the process died each time (killed, out of memory, or a crash outside the handler), so it was not tried again (subscribers.max_crashes)", died)
+		case died > 0:
 			suspects = append(suspects, d)
 		default:
-			marked = append(marked, d)
+			normal = append(normal, d)
+		}
+		if d.deadReason != "" && !r.deadLetter(ctx, d) {
+			held = append(held, d)
 		}
 	}
 	if len(skipped) > 0 {
+		r.closeAttempts(skipped)
 		r.ack(ctx, skipped, false)
 		r.forgetAttempts(ctx, skipped)
 		r.obs.Skipped(r.name, len(skipped))
 	}
-	if len(marked) > 0 {
-		if err := r.openAttempts(ctx, marked); err != nil {
-			r.health.markDown(DependencyPostgres, err)
-			return nil, nil, append(held, append(normal, append(marked, suspects...)...)...)
-		}
-		normal = append(normal, marked...)
-	}
 	return normal, suspects, held
+}
+
+// attemptTogether handles deliveries side by side with the other workers'.
+// Their attempts are opened only once no suspect runs alone: a suspect's
+// crash must not be charged to events that had not started.
+func (r *Runner) attemptTogether(ctx context.Context, ds []*delivery) (held []*delivery) {
+	r.exclusive.RLock()
+	if err := r.openAttempts(ctx, ds); err != nil {
+		r.exclusive.RUnlock()
+		return r.heldBy(ctx, ds, err)
+	}
+	results := r.handle(ctx, ds)
+	r.exclusive.RUnlock()
+	return r.settle(ctx, ds, results)
 }
 
 // attemptSuspect handles one suspect alone, every other worker paused.
@@ -569,11 +655,21 @@ func (r *Runner) attemptSuspect(ctx context.Context, d *delivery) (held []*deliv
 	defer r.exclusive.Unlock()
 	one := []*delivery{d}
 	if err := r.openAttempts(ctx, one); err != nil {
-		r.health.markDown(DependencyPostgres, err)
-		return one
+		return r.heldBy(ctx, one, err)
 	}
 	r.logger.Warn("handling an event alone: an earlier attempt on it never ended (its process died)", "event_id", d.ev.ID, "event_type", d.ev.Type, "delivery", d.ev.Delivery)
 	return r.settle(ctx, one, r.handle(ctx, one))
+}
+
+// heldBy returns the deliveries held for a failed bookkeeping write: the
+// checkpoint store is down (or the runner stops, and they are let go).
+func (r *Runner) heldBy(ctx context.Context, ds []*delivery, err error) []*delivery {
+	if ctx.Err() != nil {
+		r.closeAttempts(ds)
+		return nil
+	}
+	r.health.markDown(DependencyPostgres, err)
+	return ds
 }
 
 // handle runs the handler on the deliveries and records the successes.
@@ -612,7 +708,16 @@ func (r *Runner) judge(ctx context.Context, err error) result {
 
 // settle gives each failed delivery its fate and returns those held.
 func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (held []*delivery) {
+	// Attempts close before any nak: a redelivery that found its event's
+	// attempt still open would take it for a crash.
 	var closing []*delivery
+	for i, d := range ds {
+		switch results[i].kind {
+		case resultSnooze, resultRetry, resultOutage, resultAbandoned:
+			closing = append(closing, d)
+		}
+	}
+	closed := r.closeAttempts(closing)
 	for i, d := range ds {
 		res := results[i]
 		switch res.kind {
@@ -626,8 +731,7 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 			failures, err := r.recordFailure(ctx, d, res.err)
 			if err != nil {
 				// The failure cannot be counted: the store is down.
-				r.health.markDown(DependencyPostgres, err)
-				held = append(held, d)
+				held = append(held, r.heldBy(ctx, []*delivery{d}, err)...)
 				continue
 			}
 			if failures >= r.cfg.MaxFailures {
@@ -641,31 +745,35 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 			r.nak(d, delay)
 			r.logger.Warn("event failed, will retry", "event_id", d.ev.ID, "event_type", d.ev.Type,
 				"failures", failures, "max_failures", r.cfg.MaxFailures, "retry_in", delay, "error", res.err)
-		case resultSnooze:
-			closing = append(closing, d)
-			r.nak(d, res.delay)
-		case resultRetry:
-			closing = append(closing, d)
-			delay := r.backoff(d.ev.Delivery)
+		case resultSnooze, resultRetry:
+			if !closed {
+				// Naked with its attempt open, it would come back as a
+				// suspect: wait for the store, then try again.
+				held = append(held, r.heldBy(ctx, []*delivery{d}, errors.New("close the attempt: the checkpoint store does not answer"))...)
+				continue
+			}
+			delay := res.delay
+			if res.kind == resultRetry {
+				delay = r.backoff(d.ev.Delivery)
+				r.logger.Warn("event failed on a broken connection or a conflict with another transaction; retrying without counting it against the event",
+					"event_id", d.ev.ID, "event_type", d.ev.Type, "retry_in", delay, "error", res.err)
+			}
 			r.nak(d, delay)
-			r.logger.Warn("event failed on a broken connection or a conflict with another transaction; retrying without counting it against the event",
-				"event_id", d.ev.ID, "event_type", d.ev.Type, "retry_in", delay, "error", res.err)
 		case resultOutage:
-			closing = append(closing, d)
 			held = append(held, d)
 		case resultAbandoned:
 			// Hard stop: the failure is ours, not the event's. Left
 			// unacked, it is redelivered after the ack wait.
-			closing = append(closing, d)
 		}
 	}
-	r.closeAttempts(closing)
 	return held
 }
 
 func (r *Runner) nak(d *delivery, delay time.Duration) {
-	if err := d.msg.NakWithDelay(delay); err != nil {
-		r.logger.Warn("nak", "event_id", d.ev.ID, "error", err)
+	for _, m := range d.msgs() {
+		if err := m.NakWithDelay(delay); err != nil {
+			r.logger.Warn("nak", "event_id", d.ev.ID, "error", err)
+		}
 	}
 	d.settled.Store(true)
 	r.obs.Retried(r.name, 1)
@@ -876,14 +984,10 @@ func recoverHandler(ev Event, err *error) {
 func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 	start := time.Now()
 	results := make([]result, len(ds))
-	rows, err := r.opts.Pool.Query(ctx, processedSQL, r.name, eventIDs(ds))
-	var done []int64
-	if err == nil {
-		done, err = pgx.CollectRows(rows, pgx.RowTo[int64])
-	}
+	done, err := r.processed(ctx, eventIDs(ds))
 	if err != nil {
-		verdict := r.judge(ctx, fmt.Errorf("read the checkpoint: %w", err))
-		if verdict.kind != resultAbandoned {
+		verdict := result{kind: resultAbandoned, err: err}
+		if ctx.Err() == nil {
 			r.health.markDown(DependencyPostgres, err)
 			verdict.kind = resultOutage
 		}
@@ -904,13 +1008,19 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 			skipped = append(skipped, d)
 			continue
 		}
-		// A second copy of the event in this batch is acked as a duplicate;
-		// if the first copy fails, it is the one redelivered.
-		seen[d.ev.ID] = true
 		todo = append(todo, d)
 		todoAt = append(todoAt, i)
 	}
 	errs := r.callEach(ctx, todo)
+	if _, batched := r.eventH.(BatchEventHandler); batched && sameFailure(errs) && r.judge(ctx, errs[0]).kind == resultFailed {
+		// A batch handler that failed as a whole may have failed on one of
+		// its events: each is tried alone, so that one bad event is not
+		// charged to all of them (as handleTx does).
+		r.logger.Debug("batch failed as a whole, handling its events one by one", "events", len(todo), "error", errs[0])
+		for j, d := range todo {
+			errs[j] = r.call(ctx, d.ev)
+		}
+	}
 	var handled []*delivery
 	for j, d := range todo {
 		if errs[j] != nil {
@@ -959,9 +1069,43 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 	return results
 }
 
+// processed returns the ids among ids already in the checkpoint.
+func (r *Runner) processed(ctx context.Context, ids []int64) ([]int64, error) {
+	ctx, cancel := r.bookkeeping(ctx)
+	defer cancel()
+	rows, err := r.opts.Pool.Query(ctx, processedSQL, r.name, ids)
+	if err != nil {
+		return nil, fmt.Errorf("read the checkpoint: %w", err)
+	}
+	done, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, fmt.Errorf("read the checkpoint: %w", err)
+	}
+	return done, nil
+}
+
+// sameFailure reports whether a batch of more than one event failed as a
+// whole: every event with the same error, and not an outage.
+func sameFailure(errs []error) bool {
+	if len(errs) < 2 || errs[0] == nil {
+		return false
+	}
+	if _, down := IsUnavailable(errs[0]); down || IsPermanent(errs[0]) {
+		return false
+	}
+	for _, err := range errs[1:] {
+		if err == nil || err.Error() != errs[0].Error() {
+			return false
+		}
+	}
+	return true
+}
+
 // checkpoint records handled events and forgets the attempts of every
 // event done with, in one transaction.
 func (r *Runner) checkpoint(ctx context.Context, handled []*delivery, forget []int64) error {
+	ctx, cancel := r.bookkeeping(ctx)
+	defer cancel()
 	ids := eventIDs(handled)
 	return pgx.BeginFunc(ctx, r.opts.Pool, func(tx pgx.Tx) error {
 		b := &pgx.Batch{}
@@ -1032,8 +1176,10 @@ func (r *Runner) ack(ctx context.Context, ds []*delivery, double bool) {
 	}()
 	if !double {
 		for _, d := range ds {
-			if err := d.msg.Ack(); err != nil {
-				r.logger.Warn("ack", "event_id", d.ev.ID, "error", err)
+			for _, m := range d.msgs() {
+				if err := m.Ack(); err != nil {
+					r.logger.Warn("ack", "event_id", d.ev.ID, "error", err)
+				}
 			}
 		}
 		return
@@ -1041,16 +1187,18 @@ func (r *Runner) ack(ctx context.Context, ds []*delivery, double bool) {
 	g, gctx := errgroup.WithContext(context.WithoutCancel(ctx))
 	g.SetLimit(ackParallelism)
 	for _, d := range ds {
-		g.Go(func() error {
-			actx, cancel := context.WithTimeout(gctx, 5*time.Second)
-			defer cancel()
-			if err := d.msg.DoubleAck(actx); err != nil {
-				// The effect is committed with its checkpoint: a redelivery
-				// will be skipped.
-				r.logger.Warn("double ack", "event_id", d.ev.ID, "error", err)
-			}
-			return nil
-		})
+		for _, m := range d.msgs() {
+			g.Go(func() error {
+				actx, cancel := context.WithTimeout(gctx, 5*time.Second)
+				defer cancel()
+				if err := m.DoubleAck(actx); err != nil {
+					// The effect is committed with its checkpoint: a
+					// redelivery will be skipped.
+					r.logger.Warn("double ack", "event_id", d.ev.ID, "error", err)
+				}
+				return nil
+			})
+		}
 	}
 	_ = g.Wait()
 }

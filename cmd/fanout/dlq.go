@@ -244,6 +244,11 @@ attempt is recorded in the dead_letter_actions table with --actor.`,
 				}
 				subject := dl.raw.Header.Get(subscribers.DeadSubjectHeader)
 				ev, err := subscribers.EventFromParts(dl.raw.Data, dl.raw.Header, subject, a.cfg.Stream.SubjectPrefix)
+				if omitted := dl.raw.Header.Get(subscribers.DeadBodyOmittedHeader); err == nil && omitted != "" {
+					err = fmt.Errorf("the dead letter was stored without the event's body (%s bytes, too large to travel with the dead letter's headers); "+
+						"replay the event from stream %s at sequence %s with `fanout replay %s --from-seq`",
+						omitted, a.cfg.Stream.Name, dl.raw.Header.Get(subscribers.DeadStreamSeqHeader), dl.Subscriber)
+				}
 				outcome := "handled"
 				if err == nil {
 					var handled bool

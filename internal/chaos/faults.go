@@ -18,15 +18,15 @@ type resourceLocks struct {
 	postgres, search, redis, deadLetters sync.Mutex
 }
 
-// Nominal lengths of the long outages; a run shorter than four times one
-// scales it down to a quarter of the run (CI's short runs).
+// Nominal lengths of the long outages; a run shorter than three times one
+// scales it down to a third of the run (CI's short runs).
 const (
 	postgresOutage    = time.Minute
 	redisOutage       = time.Minute
 	searchOutage      = 3 * time.Minute
 	deadLetterOutage  = time.Minute
 	snapshotHeldFor   = 2 * time.Minute
-	longOutageDivisor = 4
+	longOutageDivisor = 3
 )
 
 // faults injects short faults every few seconds until ctx ends and, once

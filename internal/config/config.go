@@ -160,7 +160,9 @@ type Subscribers struct {
 	MaxFailures int `koanf:"max_failures"`
 	// MaxCrashes is how many times the process may die while handling an
 	// event (an attempt begun and never ended) before the event goes to the
-	// dead letters unhandled. Default 3, 1..100.
+	// dead letters unhandled. Default 3, 2..100 (with 1, the events that
+	// died beside a crashing one would be dead-lettered with it: the second
+	// crash is the one that isolates the culprit).
 	MaxCrashes int `koanf:"max_crashes"`
 	// MaxAckPending bounds unacknowledged events per consumer, across
 	// instances. Default 1000, 1..100000.
@@ -609,7 +611,7 @@ func (c *Config) Validate() error {
 		bad("subscribers.handler_timeout", "must be at least 100ms (got %s)", c.Subscribers.HandlerTimeout)
 	}
 	between("subscribers.max_failures", int64(c.Subscribers.MaxFailures), 1, 1000)
-	between("subscribers.max_crashes", int64(c.Subscribers.MaxCrashes), 1, 100)
+	between("subscribers.max_crashes", int64(c.Subscribers.MaxCrashes), 2, 100)
 	between("subscribers.max_ack_pending", int64(c.Subscribers.MaxAckPending), 1, 100000)
 	positive("subscribers.retry_min", c.Subscribers.RetryMin)
 	if c.Subscribers.RetryMax < c.Subscribers.RetryMin {
@@ -783,6 +785,17 @@ var crossKeyRules = []CrossKeyRule{
 		},
 	},
 	{
+		// JetStream refuses a duplicates window longer than the max age.
+		Keys: []string{"subscribers.dead_letter_max_age", "subscribers.ack_wait"},
+		check: func(c *Config) string {
+			if c.Subscribers.DeadLetterMaxAge < DeadLetterDuplicateWindow || c.Subscribers.DeadLetterMaxAge <= 2*c.Subscribers.AckWait {
+				return fmt.Sprintf("subscribers.dead_letter_max_age (%s) must be at least %s, the dead letters' duplicates window, and more than twice subscribers.ack_wait (%s): a dead letter published again after a crash must still be recognized",
+					c.Subscribers.DeadLetterMaxAge, DeadLetterDuplicateWindow, c.Subscribers.AckWait)
+			}
+			return ""
+		},
+	},
+	{
 		Keys: []string{"subscribers.dead_letter_stream", "stream.name"},
 		check: func(c *Config) string {
 			if c.Subscribers.DeadLetterStream == c.Stream.Name {
@@ -792,6 +805,13 @@ var crossKeyRules = []CrossKeyRule{
 		},
 	},
 }
+
+// DeadLetterDuplicateWindow is how long the dead-letter stream remembers a
+// dead letter's id (subscriber and event sequence): a subscriber that dies
+// between storing a dead letter and terminating its event publishes it again
+// on the redelivery, an ack wait or a restart later, and must not store it
+// twice.
+const DeadLetterDuplicateWindow = 10 * time.Minute
 
 // RepublishDelay is the longest a row's second publish can follow its
 // first: a lost PubAck or mark leaves it to the reaper (lease, then up to a

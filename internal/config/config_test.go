@@ -156,6 +156,7 @@ func TestCrossKeyRules(t *testing.T) {
 		"redis.tombstone_ttl redis.timeout":                            {"FANOUT_REDIS_TOMBSTONE_TTL=3s", "FANOUT_REDIS_TIMEOUT=2s"},
 		"subscribers.dead_letter_subject_prefix stream.subject_prefix": {"FANOUT_SUBSCRIBERS_DEAD_LETTER_SUBJECT_PREFIX=events"},
 		"subscribers.dead_letter_stream stream.name":                   {"FANOUT_SUBSCRIBERS_DEAD_LETTER_STREAM=EVENTS"},
+		"subscribers.dead_letter_max_age subscribers.ack_wait":         {"FANOUT_SUBSCRIBERS_DEAD_LETTER_MAX_AGE=5m"},
 	}
 	for _, rule := range CrossKeyRules() {
 		id := rule.Keys[0] + " " + rule.Keys[1]

@@ -25,7 +25,8 @@ CREATE TABLE subscriber_attempts (
     updated_at    timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (subscriber, event_id)
 );
-CREATE INDEX subscriber_attempts_updated_at_idx ON subscriber_attempts (updated_at);
+-- Pruning is per subscriber, by age.
+CREATE INDEX subscriber_attempts_prune_idx ON subscriber_attempts (subscriber, updated_at);
 
 -- +goose Down
 DROP TABLE subscriber_attempts;

@@ -101,7 +101,7 @@ func (s *syncer) bulk(ctx context.Context, index string, ops []search.Op, out ma
 	for attempt := 0; ; attempt++ {
 		results, err := s.client.Bulk(ctx, index, ops)
 		if err != nil {
-			return engineError(err)
+			return engineError(ctx, err)
 		}
 		var again []search.Op
 		for i, r := range results {
@@ -141,14 +141,17 @@ func asError(err error, target **search.Error) bool { return errors.As(err, targ
 const Dependency = "search"
 
 // engineError marks a failed request as the engine being unavailable
-// (unreachable, timing out, throttling, 5xx), unless the engine refused the
-// request itself (a 4xx other than 429), which says something about it.
-func engineError(err error) error {
+// (unreachable, timing out on search.timeout, throttling, 5xx), unless the
+// engine refused the request itself (a 4xx other than 429), which says
+// something about the request, or the caller's own deadline ran out (the
+// handler's time is up: a batch too slow for it is the batch's problem, and
+// an outage verdict would hold it, and everything behind it, forever).
+func engineError(ctx context.Context, err error) error {
 	var e *search.Error
 	if asError(err, &e) && e.Status >= 400 && e.Status < 500 && e.Status != http.StatusTooManyRequests {
 		return err
 	}
-	if errors.Is(err, context.Canceled) {
+	if ctx.Err() != nil {
 		return err
 	}
 	return subscribers.Unavailable(Dependency, err)
