@@ -412,23 +412,7 @@ GROUP BY o.id`, missingProduct)
 // lost) shows here even where a unique key would hide it.
 func (r *run) checkLedger(ctx context.Context) {
 	rep := r.report
-	rows, err := r.pool().Query(ctx, `
-WITH sold AS (SELECT product_id, sum(quantity) AS units, sum(quantity * unit_price) AS revenue FROM order_lines GROUP BY product_id)
-SELECT coalesce(s.product_id, l.product_id), coalesce(l.units, 0), coalesce(l.revenue, 0)::text, coalesce(s.units, 0), coalesce(s.revenue, 0)::text
-FROM product_sales l FULL JOIN sold s ON s.product_id = l.product_id
-WHERE l.units IS DISTINCT FROM s.units OR l.revenue IS DISTINCT FROM s.revenue
-ORDER BY 1`)
-	if err != nil {
-		rep.violate("2 (read the "+salesledger.Name+")", err.Error())
-		return
-	}
-	var drift []string
-	var id, units, want int64
-	var revenue, wantRevenue string
-	_, err = pgx.ForEachRow(rows, []any{&id, &units, &revenue, &want, &wantRevenue}, func() error {
-		drift = append(drift, fmt.Sprintf("product %d: ledger %d units %s, order lines %d units %s", id, units, revenue, want, wantRevenue))
-		return nil
-	})
+	drift, err := salesledger.Drift(ctx, r.pool())
 	if err != nil {
 		rep.violate("2 (read the "+salesledger.Name+")", err.Error())
 		return

@@ -272,20 +272,15 @@ func (r *run) deadLettersDown(ctx context.Context, d time.Duration) {
 	r.locks.deadLetters.Lock()
 	defer r.locks.deadLetters.Unlock()
 	var orig jetstream.StreamConfig
-	for {
-		ictx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	err := tryEverySecond(func() bool { return ctx.Err() != nil }, func(ictx context.Context) error {
 		s, err := r.js.Stream(ictx, "DEADLETTER")
 		if err == nil {
 			orig = s.CachedInfo().Config
 		}
-		cancel()
-		if err == nil {
-			break
-		}
-		if ctx.Err() != nil {
-			return
-		}
-		time.Sleep(time.Second)
+		return err
+	})
+	if err != nil {
+		return // the run ended first
 	}
 	parked := orig
 	parked.Subjects = []string{"parked.deadletter.>"}
@@ -306,16 +301,23 @@ func (r *run) deadLettersDown(ctx context.Context, d time.Duration) {
 		park()
 	}
 	deadline := time.Now().Add(time.Minute)
-	for {
-		uctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	if err := tryEverySecond(func() bool { return time.Now().After(deadline) }, func(uctx context.Context) error {
 		_, err := r.js.UpdateStream(uctx, orig)
+		return err
+	}); err != nil {
+		r.report.violate("setup", "the dead-letter stream could not be restored: "+err.Error())
+	}
+}
+
+// tryEverySecond calls fn, each call bounded by 5 s, until it succeeds or
+// giveUp says so, and returns its last error.
+func tryEverySecond(giveUp func() bool, fn func(ctx context.Context) error) error {
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		err := fn(ctx)
 		cancel()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			r.report.violate("setup", "the dead-letter stream could not be restored: "+err.Error())
-			return
+		if err == nil || giveUp() {
+			return err
 		}
 		time.Sleep(time.Second)
 	}

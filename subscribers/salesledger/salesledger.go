@@ -17,6 +17,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
@@ -124,4 +125,37 @@ func orderID(ev subscribers.Event) (int64, error) {
 		return 0, fmt.Errorf("%w: no order_id in %.200s", ErrMalformed, ev.Payload)
 	}
 	return p.OrderID, nil
+}
+
+// driftSQL lists the products whose ledger differs from the sum of their
+// order lines.
+const driftSQL = `
+WITH sold AS (SELECT product_id, sum(quantity) AS units, sum(quantity * unit_price) AS revenue FROM order_lines GROUP BY product_id)
+SELECT coalesce(s.product_id, l.product_id), coalesce(l.units, 0), coalesce(l.revenue, 0)::text, coalesce(s.units, 0), coalesce(s.revenue, 0)::text
+FROM product_sales l FULL JOIN sold s ON s.product_id = l.product_id
+WHERE l.units IS DISTINCT FROM s.units OR l.revenue IS DISTINCT FROM s.revenue
+ORDER BY 1`
+
+// Drift compares the whole ledger with the order lines (after the
+// subscriber caught up, they are equal) and describes each product where
+// they differ. Tests and the fault run use it.
+func Drift(ctx context.Context, db interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}) ([]string, error) {
+	rows, err := db.Query(ctx, driftSQL)
+	if err != nil {
+		return nil, fmt.Errorf("compare the sales ledger with the order lines: %w", err)
+	}
+	var out []string
+	var id, units, want int64
+	var revenue, wantRevenue string
+	_, err = pgx.ForEachRow(rows, []any{&id, &units, &revenue, &want, &wantRevenue}, func() error {
+		out = append(out, "product "+strconv.FormatInt(id, 10)+": ledger "+strconv.FormatInt(units, 10)+" units "+revenue+
+			", order lines "+strconv.FormatInt(want, 10)+" units "+wantRevenue)
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("compare the sales ledger with the order lines: %w", err)
+	}
+	return out, nil
 }
