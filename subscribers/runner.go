@@ -1102,27 +1102,26 @@ func sameFailure(errs []error) bool {
 }
 
 // checkpoint records handled events and forgets the attempts of every
-// event done with, in one transaction.
+// event done with, in one round trip (a batch runs as one implicit
+// transaction).
 func (r *Runner) checkpoint(ctx context.Context, handled []*delivery, forget []int64) error {
 	ctx, cancel := r.bookkeeping(ctx)
 	defer cancel()
 	ids := eventIDs(handled)
-	return pgx.BeginFunc(ctx, r.opts.Pool, func(tx pgx.Tx) error {
-		b := &pgx.Batch{}
-		if len(ids) > 0 {
-			b.Queue(`
+	b := &pgx.Batch{}
+	if len(ids) > 0 {
+		b.Queue(`
 INSERT INTO processed_events (subscriber, event_id)
 SELECT $1, id FROM unnest($2::bigint[]) AS id
 ON CONFLICT DO NOTHING`, r.name, ids)
-		}
-		if len(forget) > 0 {
-			b.Queue(forgetAttemptsSQL, r.name, forget)
-		}
-		if b.Len() == 0 {
-			return nil
-		}
-		return tx.SendBatch(ctx, b).Close()
-	})
+	}
+	if len(forget) > 0 {
+		b.Queue(forgetAttemptsSQL, r.name, forget)
+	}
+	if b.Len() == 0 {
+		return nil
+	}
+	return r.opts.Pool.SendBatch(ctx, b).Close()
 }
 
 // succeeded acks a committed batch (double ack: the server confirms, so a
