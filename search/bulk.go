@@ -8,6 +8,24 @@ import (
 	"net/http"
 )
 
+// Version types of an operation with a Version.
+const (
+	// External applies the operation only if its version is above the
+	// stored one (or the remembered deletion's): the normal path, where a
+	// 409 means the engine already has this state or a newer one, so
+	// racing writers converge on the newest state whatever order they
+	// arrive in.
+	External = "external"
+	// ExternalGTE also applies it over the same version. Only a repair
+	// wants that: a document that differs from SQL at the version SQL has
+	// (written behind fanout's back, or by a change that did not bump the
+	// version) is a 409 under External and stays wrong for good. Nothing
+	// else may use it: it lets a write replace a state with another of the
+	// same version, and the newest-wins argument assumes one state per
+	// version.
+	ExternalGTE = "external_gte"
+)
+
 // Op is one bulk operation.
 type Op struct {
 	ID     string
@@ -16,21 +34,43 @@ type Op struct {
 	// operation only if it is newer than what it has (or had, for a delete
 	// it still remembers), and answers 409 otherwise.
 	Version int64
-	Doc     json.RawMessage // for an index operation
+	// VersionType is External (the default) or ExternalGTE.
+	VersionType string
+	Doc         json.RawMessage // for an index operation
 }
 
 // Result is one bulk item's outcome.
 type Result struct {
 	ID     string
+	Delete bool // the operation was a delete
 	Status int
+	// Result is the engine's word for what happened: created, updated,
+	// deleted, not_found (a delete of a document that was not there), noop.
+	Result string
 	Type   string // error type, e.g. mapper_parsing_exception
 	Reason string
 }
 
-// OK reports success: stored, deleted, already deleted (404 on a delete),
-// or a conflict with a newer version (the engine has something newer).
+// OK reports success: stored, deleted, already deleted (a delete answered
+// 404 with the result not_found: the document is not there, which is what
+// the delete wanted), or a conflict with a newer version (the engine has
+// something newer). Any other 404 is a failure: an index operation, or a
+// delete, answered index_not_found_exception found no index to write to
+// (the index behind the alias is gone and auto-creation is off), and
+// nothing was written.
 func (r Result) OK() bool {
-	return r.Status < 300 || r.Status == http.StatusConflict || r.Status == http.StatusNotFound
+	switch {
+	case r.Status < 300, r.Status == http.StatusConflict:
+		return true
+	case r.Status == http.StatusNotFound:
+		return r.AlreadyDeleted()
+	}
+	return false
+}
+
+// AlreadyDeleted reports a delete of a document the index did not have.
+func (r Result) AlreadyDeleted() bool {
+	return r.Delete && r.Status == http.StatusNotFound && r.Result == "not_found" && r.Type == ""
 }
 
 // Retryable reports a failure that may pass later: the engine is
@@ -52,7 +92,14 @@ func (c *Client) Bulk(ctx context.Context, index string, ops []Op) ([]Result, er
 		meta := map[string]any{"_id": op.ID}
 		if op.Version > 0 {
 			meta["version"] = op.Version
-			meta["version_type"] = "external"
+			switch op.VersionType {
+			case "", External:
+				meta["version_type"] = External
+			case ExternalGTE:
+				meta["version_type"] = ExternalGTE
+			default:
+				return nil, fmt.Errorf("bulk: document %s: version type %q (want %s or %s)", op.ID, op.VersionType, External, ExternalGTE)
+			}
 		}
 		action := "index"
 		if op.Delete {
@@ -71,6 +118,7 @@ func (c *Client) Bulk(ctx context.Context, index string, ops []Op) ([]Result, er
 		Items  []map[string]struct {
 			ID     string `json:"_id"`
 			Status int    `json:"status"`
+			Result string `json:"result"`
 			Error  *struct {
 				Type   string `json:"type"`
 				Reason string `json:"reason"`
@@ -86,7 +134,7 @@ func (c *Client) Bulk(ctx context.Context, index string, ops []Op) ([]Result, er
 	results := make([]Result, len(ops))
 	for i, item := range out.Items {
 		for _, it := range item { // one key: the action
-			r := Result{ID: it.ID, Status: it.Status}
+			r := Result{ID: it.ID, Delete: ops[i].Delete, Status: it.Status, Result: it.Result}
 			if it.Error != nil {
 				r.Type, r.Reason = it.Error.Type, it.Error.Reason
 			}

@@ -5,8 +5,8 @@
 // the benchmarks and the fault-injection run all write through it.
 //
 // Every change to anything in a product's search document (the product row,
-// its stock, its brand's name) bumps products.version in the same
-// transaction. Caches and the search index read the state with its version
+// its stock, its brand's or its category's name) bumps products.version in
+// the same transaction. Caches and the search index read the state with its version
 // from Postgres and compare versions, never event ids (allocated in one order,
 // committed in another), to refuse an older state over a newer one.
 //

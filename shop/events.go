@@ -7,14 +7,16 @@ const (
 	ProductStockChanged = "product.stock_changed"
 	ProductDeleted      = "product.deleted"
 	BrandUpdated        = "brand.updated"
+	CategoryUpdated     = "category.updated"
 	OrderCreated        = "order.created"
 )
 
 // Aggregate types.
 const (
-	AggregateProduct = "product"
-	AggregateBrand   = "brand"
-	AggregateOrder   = "order"
+	AggregateProduct  = "product"
+	AggregateBrand    = "brand"
+	AggregateCategory = "category"
+	AggregateOrder    = "order"
 )
 
 // ProductEvent is the payload of every product.* event. It says what
@@ -38,6 +40,15 @@ type ProductEvent struct {
 type BrandEvent struct {
 	BrandID int64  `json:"brand_id"`
 	Name    string `json:"name"`
+	// Products is how many products the rename touched (each one's version
+	// was bumped in the same transaction).
+	Products int `json:"products"`
+}
+
+// CategoryEvent is the payload of category.updated.
+type CategoryEvent struct {
+	CategoryID int64  `json:"category_id"`
+	Name       string `json:"name"`
 	// Products is how many products the rename touched (each one's version
 	// was bumped in the same transaction).
 	Products int `json:"products"`

@@ -147,6 +147,33 @@ func RenameBrand(ctx context.Context, tx pgx.Tx, brandID int64, name string) (ev
 	})
 }
 
+// RenameCategory renames a category, bumps the version of each of its
+// products (their search documents and cached copies carry the category
+// name) and records category.updated.
+func RenameCategory(ctx context.Context, tx pgx.Tx, categoryID int64, name string) (eventID int64, err error) {
+	ct, err := tx.Exec(ctx, `UPDATE categories SET name = $2 WHERE id = $1`, categoryID, name)
+	if err != nil {
+		return 0, fmt.Errorf("rename category %d: %w", categoryID, err)
+	}
+	if ct.RowsAffected() == 0 {
+		return 0, fmt.Errorf("rename category %d: %w", categoryID, ErrNotFound)
+	}
+	// Without the bump, the indexer would write the new name under the
+	// version the index already has: a 409, counted as done, and the old
+	// name would stay in the index for good.
+	ct, err = tx.Exec(ctx, `UPDATE products SET version = version + 1, updated_at = now() WHERE category_id = $1`, categoryID)
+	if err != nil {
+		return 0, fmt.Errorf("bump versions of category %d's products: %w", categoryID, err)
+	}
+	return outbox.Write(ctx, tx, outbox.Event{
+		AggregateType: AggregateCategory,
+		AggregateID:   strconv.FormatInt(categoryID, 10),
+		Type:          CategoryUpdated,
+		Payload:       CategoryEvent{CategoryID: categoryID, Name: name, Products: int(ct.RowsAffected())},
+		Headers:       outbox.TraceHeaders(ctx, outbox.HeadersFromContext(ctx)),
+	})
+}
+
 // OrderLine is one line of a new order.
 type OrderLine struct {
 	ProductID int64

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"math/rand/v2"
+	"strconv"
 	"testing"
 
 	"github.com/fanout/fanout/internal/pgtest"
@@ -134,6 +135,10 @@ func TestMissingTargetsWriteNoEvent(t *testing.T) {
 		"ChangeStock":   func(tx pgx.Tx) error { _, err := shop.ChangeStock(ctx, tx, 999999, 1); return err },
 		"DeleteProduct": func(tx pgx.Tx) error { _, err := shop.DeleteProduct(ctx, tx, 999999); return err },
 		"RenameBrand":   func(tx pgx.Tx) error { _, err := shop.RenameBrand(ctx, tx, 999999, "x"); return err },
+		"RenameCategory": func(tx pgx.Tx) error {
+			_, err := shop.RenameCategory(ctx, tx, 999999, "x")
+			return err
+		},
 		"CreateOrder": func(tx pgx.Tx) error {
 			_, _, err := shop.CreateOrder(ctx, tx, "bob", []shop.OrderLine{{ProductID: 999999, Quantity: 1}})
 			return err
@@ -146,5 +151,73 @@ func TestMissingTargetsWriteNoEvent(t *testing.T) {
 	var after int
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&after); err != nil || after != before {
 		t.Errorf("outbox rows %d → %d after failed writes", before, after)
+	}
+}
+
+// A category rename changes the name every product document of the
+// category shows, so it bumps the version of exactly those products, in the
+// rename's transaction, and records category.updated with the category id.
+func TestRenameCategoryBumpsItsProducts(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	ctx := context.Background()
+	if _, err := shop.Seed(ctx, db.Pool, 40, rand.New(rand.NewPCG(2, 7))); err != nil {
+		t.Fatal(err)
+	}
+	versions := func() map[int64][2]int64 { // product id -> category id, version
+		rows, _ := db.Pool.Query(ctx, `SELECT id, category_id, version FROM products`)
+		out := map[int64][2]int64{}
+		var id, cat, v int64
+		if _, err := pgx.ForEachRow(rows, []any{&id, &cat, &v}, func() error { out[id] = [2]int64{cat, v}; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	var categoryID int64
+	var inCategory int
+	if err := db.Pool.QueryRow(ctx, `SELECT category_id, count(*) FROM products GROUP BY category_id ORDER BY count(*) DESC LIMIT 1`).
+		Scan(&categoryID, &inCategory); err != nil {
+		t.Fatal(err)
+	}
+	before := versions()
+	if len(before) == inCategory {
+		t.Fatal("every product is in one category: the test cannot tell the category's products from the others")
+	}
+	if err := inTx(t, db.Pool, func(tx pgx.Tx) error {
+		_, err := shop.RenameCategory(ctx, tx, categoryID, "gadgets")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	for id, now := range versions() {
+		want := before[id][1]
+		if now[0] == categoryID {
+			want++
+		}
+		if now[1] != want {
+			t.Errorf("product %d (category %d): version %d → %d, want %d", id, now[0], before[id][1], now[1], want)
+		}
+	}
+	ev := lastEvent(t, db.Pool)
+	if ev.eventType != shop.CategoryUpdated || ev.aggregateType != shop.AggregateCategory || ev.aggregateID != strconv.FormatInt(categoryID, 10) ||
+		ev.payload["category_id"] != float64(categoryID) || ev.payload["name"] != "gadgets" || ev.payload["products"] != float64(inCategory) {
+		t.Errorf("RenameCategory event %+v, want category.updated for category %d with %d products", ev, categoryID, inCategory)
+	}
+	// The documents, as the indexer and the cache read them, carry the new
+	// name under the new version.
+	var ids []int64
+	for id, v := range before {
+		if v[0] == categoryID {
+			ids = append(ids, id)
+		}
+	}
+	docs, err := shop.LoadProducts(ctx, db.Pool, ids)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids {
+		if p := docs[id]; p.Category != "gadgets" || p.Version != before[id][1]+1 {
+			t.Errorf("product %d's document: category %q at version %d, want gadgets at %d", id, p.Category, p.Version, before[id][1]+1)
+		}
 	}
 }

@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"os"
 	"time"
 
@@ -55,7 +57,9 @@ SQL, and swaps the alias atomically. The old index is kept: ` + "`fanout reindex
 returns to it, ` + "`fanout reindex cleanup`" + ` deletes it.
 
 --check compares SQL with the index (counts and every document) and reports
-drift; --check --repair fixes it.`,
+drift; --check --repair fixes it, and names every document it could not fix
+and why (a version above SQL's, a document the mapping rejects), then exits
+non-zero.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -87,11 +91,9 @@ drift; --check --repair fixes it.`,
 				if !repair {
 					return fmt.Errorf("%d documents drifted (run with --repair to fix them)", drift.Total())
 				}
-				if err := searchindex.Repair(ctx, client, pool, current, a.cfg.Search.BulkSize, drift); err != nil {
-					return err
-				}
-				fmt.Fprintf(out, "repaired %d documents\n", drift.Total())
-				return nil
+				rep, err := searchindex.Repair(ctx, client, pool, current, a.cfg.Search.BulkSize, drift)
+				printRepair(out, rep)
+				return repairError(err, rep)
 			}
 			nc, err := a.nats("reindex")
 			if err != nil {
@@ -114,7 +116,7 @@ drift; --check --repair fixes it.`,
 		},
 	}
 	cmd.Flags().BoolVar(&check, "check", false, "compare SQL with the index (counts and every document) and report drift")
-	cmd.Flags().BoolVar(&repair, "repair", false, "with --check: write the SQL state of every drifted document")
+	cmd.Flags().BoolVar(&repair, "repair", false, "with --check: write the SQL state of every drifted document, read it back and report what is still wrong")
 	cmd.Flags().IntVar(&loaders, "loaders", 3, "bulk requests in flight during the load")
 	cmd.AddCommand(&cobra.Command{
 		Use:   "rollback",
@@ -127,12 +129,15 @@ drift; --check --repair fixes it.`,
 				return err
 			}
 			defer closeAll()
-			from, to, repaired, err := searchindex.Rollback(ctx, client, pool, a.cfg.Search)
-			if err != nil {
-				return err
+			from, to, rep, err := searchindex.Rollback(ctx, client, pool, a.cfg.Search)
+			out := cmd.OutOrStdout()
+			if to != "" && (err == nil || rep.Drifted > 0) {
+				// The alias moved; say so even if the repair fell short.
+				fmt.Fprintf(out, "alias %s now points at %s (was %s); %d documents it had missed\n", a.cfg.Search.Alias, to, from, rep.Drifted)
+				printRepair(out, rep)
+				return repairError(err, rep)
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "alias %s now points at %s (was %s); %d documents it had missed repaired\n", a.cfg.Search.Alias, to, from, repaired)
-			return nil
+			return err
 		},
 	})
 	cmd.AddCommand(&cobra.Command{
@@ -153,4 +158,26 @@ drift; --check --repair fixes it.`,
 		},
 	})
 	return cmd
+}
+
+// printRepair reports what a repair fixed and, one line each, what it could
+// not fix and why. The command's error (and exit status) says it too.
+func printRepair(out io.Writer, rep searchindex.RepairReport) {
+	fmt.Fprintf(out, "repaired %d of %d drifted documents\n", rep.Fixed, rep.Drifted)
+	if len(rep.Unrepaired) == 0 {
+		return
+	}
+	fmt.Fprintf(out, "could not repair %d documents:\n", len(rep.Unrepaired))
+	for _, u := range rep.Unrepaired {
+		fmt.Fprintf(out, "  document %s: %s\n", u.ID, u.Reason)
+	}
+}
+
+// repairError shortens a repair's ErrNotRepaired, whose documents and
+// reasons printRepair has just listed.
+func repairError(err error, rep searchindex.RepairReport) error {
+	if errors.Is(err, searchindex.ErrNotRepaired) {
+		return fmt.Errorf("%d of %d drifted documents could not be repaired (listed above)", len(rep.Unrepaired), rep.Drifted)
+	}
+	return err
 }

@@ -43,13 +43,14 @@ type planted struct {
 	letters        map[string]map[int64]expectedLetter // subscriber -> event id -> the dead letter it must get
 	rejectedProds  map[int64]bool                      // products the search mapping refuses
 	rejectedBrands map[int64]bool                      // their brands (a rename reindexes them)
+	rejectedCats   map[int64]bool                      // their categories (likewise)
 	rolledBack     []int64                             // order ids of rolled-back transactions
 	kinds          map[string]int
 }
 
 func newPlanted() *planted {
 	return &planted{failedRows: map[int64]string{}, letters: map[string]map[int64]expectedLetter{},
-		rejectedProds: map[int64]bool{}, rejectedBrands: map[int64]bool{}, kinds: map[string]int{}}
+		rejectedProds: map[int64]bool{}, rejectedBrands: map[int64]bool{}, rejectedCats: map[int64]bool{}, kinds: map[string]int{}}
 }
 
 func (p *planted) note(kind string) {
@@ -162,14 +163,14 @@ const missingProduct = 987654321
 // A product the search mapping refuses (a sku over Lucene's term limit):
 // the indexer dead-letters the events about it.
 func (r *run) plantRejectedProduct(ctx context.Context) error {
-	var productID, brandID, eventID int64
+	var productID, brandID, categoryID, eventID int64
 	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
 		p, err := shop.RandomProduct(ctx, tx, rand.New(rand.NewPCG(uint64(r.plantRand.intn(1<<30)), 5)))
 		if err != nil {
 			return err
 		}
 		p.SKU = strings.Repeat("R", 40000) + strconv.Itoa(r.plantRand.intn(1<<30))
-		brandID = p.BrandID
+		brandID, categoryID = p.BrandID, p.CategoryID
 		if productID, err = shop.CreateProduct(ctx, tx, p); err != nil {
 			return err
 		}
@@ -180,6 +181,7 @@ func (r *run) plantRejectedProduct(ctx context.Context) error {
 		r.planted.mu.Lock()
 		r.planted.rejectedProds[productID] = true
 		r.planted.rejectedBrands[brandID] = true
+		r.planted.rejectedCats[categoryID] = true
 		r.planted.mu.Unlock()
 		r.planted.expect("searchindex", eventID, plantedRejected, "document "+strconv.FormatInt(productID, 10)+" rejected by index")
 		r.planted.note(plantedRejected)

@@ -18,13 +18,19 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// Mix is the share of each kind of write, in percent (they should sum to 100).
+// Mix is the share of each kind of write, in percent (they should sum to
+// 100; whatever they leave over goes to brand renames).
 type Mix struct {
 	Price, Stock, Order, Create, Delete, RenameBrand int
+	// RenameCategory renames a category: like a brand rename, it changes
+	// the documents of all its products (a tenth of the catalog, with the
+	// seed's ten categories), so a small share goes a long way.
+	RenameCategory int
 }
 
-// DefaultMix resembles a shop: mostly price and stock changes, some orders.
-var DefaultMix = Mix{Price: 40, Stock: 30, Order: 20, Create: 5, Delete: 3, RenameBrand: 2}
+// DefaultMix resembles a shop: mostly price and stock changes, some orders,
+// now and then a brand or a category renamed.
+var DefaultMix = Mix{Price: 39, Stock: 30, Order: 20, Create: 5, Delete: 3, RenameBrand: 2, RenameCategory: 1}
 
 // Driver writes at Rate transactions per second until its context ends.
 type Driver struct {
@@ -118,7 +124,17 @@ func (d *Driver) writeOne(ctx context.Context) error {
 			}
 			_, err = shop.DeleteProduct(ctx, tx, id)
 			return err
+		case op < m.Price+m.Stock+m.Order+m.Create+m.Delete+m.RenameCategory:
+			var categoryID int64
+			var name string
+			if err := tx.QueryRow(ctx, `SELECT id, name FROM categories ORDER BY random() LIMIT 1`).Scan(&categoryID, &name); err != nil {
+				return fmt.Errorf("pick category: %w", err)
+			}
+			_, err := shop.RenameCategory(ctx, tx, categoryID, renamed(name, d.Rand))
+			return err
 		default:
+			// Brand renames last, so that a mix written before category
+			// renames existed draws the same writes from the same seed.
 			var brandID int64
 			var name string
 			if err := tx.QueryRow(ctx, `SELECT id, name FROM brands ORDER BY random() LIMIT 1`).Scan(&brandID, &name); err != nil {
@@ -147,8 +163,9 @@ func (d *Driver) randomProduct(ctx context.Context, tx pgx.Tx) (int64, error) {
 	return id, err
 }
 
-// renamed gives a brand a new name that keeps its root, so the catalog stays
-// readable after many renames: "Acme" → "Acme 41807" → "Acme 903".
+// renamed gives a brand or a category a new name that keeps its root, so
+// the catalog stays readable after many renames: "Acme" → "Acme 41807" →
+// "Acme 903".
 func renamed(name string, rng *rand.Rand) string {
 	root := name
 	if i := strings.LastIndexByte(name, ' '); i > 0 {

@@ -6,9 +6,11 @@ package searchtest
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
+	"net/url"
 	"os"
 	"testing"
 	"time"
@@ -88,4 +90,19 @@ func Alias(t testing.TB, c *search.Client) string {
 		}
 	})
 	return alias
+}
+
+// Put writes a document straight into index under an external version of
+// the given type (external, external_gte), behind fanout's back: the drift
+// a test plants for a check or a repair to find. The write is refreshed.
+func Put(t testing.TB, index, id string, version int64, versionType string, doc any) {
+	t.Helper()
+	body, err := json.Marshal(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := fmt.Sprintf("/%s/_doc/%s?version=%d&version_type=%s&refresh=true", url.PathEscape(index), url.PathEscape(id), version, url.QueryEscape(versionType))
+	if err := call(http.MethodPut, path, body, nil); err != nil {
+		t.Fatalf("searchtest: put document %s into %s: %v", id, index, err)
+	}
 }

@@ -200,3 +200,73 @@ func TestStaleFillCannotOverwriteInvalidation(t *testing.T) {
 		t.Errorf("cached %+v, want version %d at 999", p, fresh[id].Version)
 	}
 }
+
+// A category rename invalidates every cached product of the category (each
+// carries the old name) and no other.
+func TestCategoryRenameInvalidatesItsProducts(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	f := newFixture(env)
+	env.StartRunner(cacheinval.New(f.cache, env.DB.Pool), nil)
+	ctx := context.Background()
+	// A second category, holding every other product (behind fanout's
+	// back: no event, nothing invalidated).
+	var phones, laptops int64
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT id FROM categories WHERE name = 'phones'`).Scan(&phones); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.DB.Pool.QueryRow(ctx, `INSERT INTO categories (name) VALUES ('laptops') RETURNING id`).Scan(&laptops); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := env.DB.Pool.Exec(ctx, `UPDATE products SET category_id = $1 WHERE id % 2 = 0`, laptops); err != nil {
+		t.Fatal(err)
+	}
+	ofCategory := func(id int64) []int64 {
+		rows, _ := env.DB.Pool.Query(ctx, `SELECT id FROM products WHERE category_id = $1 ORDER BY id`, id)
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ids
+	}
+	renamed, others := ofCategory(phones), ofCategory(laptops)
+	if len(renamed) == 0 || len(others) == 0 {
+		t.Fatalf("products: %v in phones, %v in laptops; want some in each", renamed, others)
+	}
+	for _, id := range append(append([]int64{}, renamed...), others...) {
+		if _, _, err := f.cache.Product(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var renamedEvent int64
+	env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+		var err error
+		renamedEvent, err = shop.RenameCategory(ctx, tx, phones, "smartphones")
+		return nil, err
+	})
+	subscribertest.WaitFor(t, 10*time.Second, "the category's products invalidated", func() (bool, string) {
+		for _, id := range renamed {
+			if _, tomb, _, _ := f.cache.Cached(ctx, id); !tomb {
+				return false, "product " + strconv.FormatInt(id, 10) + " still cached"
+			}
+		}
+		return true, ""
+	})
+	env.WaitSent(renamedEvent)
+	env.WaitIdle(cacheinval.Name, 10*time.Second)
+	for _, id := range others {
+		if p, tomb, present, err := f.cache.Cached(ctx, id); err != nil || tomb || !present || p.Category != "laptops" {
+			t.Errorf("product %d of another category: tombstone %v, present %v, %+v, %v; want it still cached", id, tomb, present, p, err)
+		}
+	}
+	// Reads of the renamed category's products go to Postgres and see the
+	// new name.
+	for _, id := range renamed {
+		if p, found, err := f.cache.Product(ctx, id); err != nil || !found || p.Category != "smartphones" {
+			t.Errorf("read of product %d after the rename: %+v, found %v, %v; want category smartphones", id, p, found, err)
+		}
+	}
+	if n := len(env.DeadLetters(cacheinval.Name)); n != 0 {
+		t.Errorf("%d dead letters, want none", n)
+	}
+}

@@ -1,7 +1,8 @@
 // Package cacheinval keeps the Redis product cache honest: Cache is the
 // read-through cache the demo reads products through (key product:<id>), and
-// Handler is the subscriber that invalidates it on product.* and
-// brand.updated events.
+// Handler is the subscriber that invalidates it on product.*, brand.updated
+// and category.updated events (a rename invalidates every product of the
+// brand or category).
 //
 // # Why stale data cannot come back
 //

@@ -34,9 +34,11 @@ func (h *Handler) Dependencies() []subscribers.Dependency {
 	return []subscribers.Dependency{{Name: Dependency, Probe: h.cache.Ping}}
 }
 
-// EventTypes: every product change, and brand renames (the brand name is in
-// each of its products' documents).
-func (h *Handler) EventTypes() []string { return []string{"product.>", shop.BrandUpdated} }
+// EventTypes: every product change, and brand and category renames (their
+// names are in each of their products' documents).
+func (h *Handler) EventTypes() []string {
+	return []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated}
+}
 
 // Handle invalidates the products the event changed.
 func (h *Handler) Handle(ctx context.Context, ev subscribers.Event) error {
@@ -46,15 +48,13 @@ func (h *Handler) Handle(ctx context.Context, ev subscribers.Event) error {
 		if err := json.Unmarshal(ev.Payload, &p); err != nil || p.BrandID <= 0 {
 			return subscribers.Permanent(fmt.Errorf("malformed brand.updated payload %q: %v", ev.Payload, err))
 		}
-		rows, err := h.pool.Query(ctx, `SELECT id FROM products WHERE brand_id = $1`, p.BrandID)
-		if err != nil {
-			return fmt.Errorf("products of brand %d: %w", p.BrandID, err)
+		return h.invalidateGroup(ctx, `SELECT id FROM products WHERE brand_id = $1`, "brand", p.BrandID)
+	case shop.CategoryUpdated:
+		var p shop.CategoryEvent
+		if err := json.Unmarshal(ev.Payload, &p); err != nil || p.CategoryID <= 0 {
+			return subscribers.Permanent(fmt.Errorf("malformed category.updated payload %q: %v", ev.Payload, err))
 		}
-		ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-		if err != nil {
-			return fmt.Errorf("products of brand %d: %w", p.BrandID, err)
-		}
-		return invalidate(ctx, h.cache, ids...)
+		return h.invalidateGroup(ctx, `SELECT id FROM products WHERE category_id = $1`, "category", p.CategoryID)
 	default:
 		var p shop.ProductEvent
 		if err := json.Unmarshal(ev.Payload, &p); err != nil {
@@ -70,6 +70,21 @@ func (h *Handler) Handle(ctx context.Context, ev subscribers.Event) error {
 		}
 		return invalidate(ctx, h.cache, id)
 	}
+}
+
+// invalidateGroup invalidates every product of a renamed brand or category,
+// as query (taking the group's id) lists them: each cached copy carries the
+// old name.
+func (h *Handler) invalidateGroup(ctx context.Context, query, group string, id int64) error {
+	rows, err := h.pool.Query(ctx, query, id)
+	if err != nil {
+		return fmt.Errorf("products of %s %d: %w", group, id, err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return fmt.Errorf("products of %s %d: %w", group, id, err)
+	}
+	return invalidate(ctx, h.cache, ids...)
 }
 
 // invalidate writes the tombstones. Whatever fails there is Redis's state,

@@ -4,11 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"log/slog"
 	"slices"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/shop"
@@ -193,25 +191,4 @@ func same(doc search.Doc, p shop.Product) bool {
 		return false
 	}
 	return got == p && doc.Version == p.Version
-}
-
-// Repair writes the current SQL state of every drifted document into index.
-func Repair(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index string, bulkSize int, d Drift) error {
-	ids := d.IDs()
-	s := syncer{client: c, pool: pool, bulkSize: bulkSize, logger: slog.New(slog.DiscardHandler),
-		retryWaits: []time.Duration{200 * time.Millisecond, time.Second}}
-	outcomes, err := s.sync(ctx, index, ids)
-	if err != nil {
-		return err
-	}
-	var failed []string
-	for id, o := range outcomes {
-		if o.permanent != nil || o.transient != nil {
-			failed = append(failed, fmt.Sprintf("%d: %v", id, o.err()))
-		}
-	}
-	if len(failed) > 0 {
-		return fmt.Errorf("repair: %d documents failed: %s", len(failed), strings.Join(failed[:min(10, len(failed))], "; "))
-	}
-	return nil
 }

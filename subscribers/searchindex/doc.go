@@ -25,11 +25,22 @@
 // # Batches
 //
 // Events of a batch coalesce: each product is loaded once, whatever number
-// of events named it, and a brand.updated event re-indexes every product of
-// the brand. All the batch's documents go in bulk requests; every item of
-// the response is read (a 200 with errors: true is a partial failure). 429
-// and 5xx items are retried with backoff, then the events are redelivered;
-// 409 counts as done; any other 4xx (a document the mapping rejects) sends
-// the events that named it to the dead letters with the document id and the
+// of events named it, and a brand.updated or category.updated event
+// re-indexes every product of the brand or category. All the batch's
+// documents go in bulk requests; every item of the response is read (a 200
+// with errors: true is a partial failure). 429 and 5xx items are retried
+// with backoff, then the events are redelivered; 409 counts as done, and so
+// does a 404 on the deletion of a document already gone. Any other 404
+// wrote nothing (index_not_found_exception: the index behind the alias is
+// gone and the engine may not create one): a failure, retried and then
+// dead-lettered with the engine's reason after subscribers.max_failures.
+// Any other 4xx (a document the mapping rejects) sends the events that
+// named it to the dead letters at once, with the document id and the
 // engine's reason. An event is acked only when all its documents succeeded.
+//
+// # Repairs
+//
+// `fanout reindex --check --repair` and `fanout reindex rollback` write with
+// external_gte instead (Repair says why), read every document back, and
+// report what they fixed and what they could not, with the reason.
 package searchindex

@@ -36,7 +36,8 @@ func New(client *search.Client, pool *pgxpool.Pool, cfg config.Search, logger *s
 }
 
 // ObserveBulkItems has f told every bulk item's outcome: ok, conflict,
-// not_found, retry or rejected.
+// not_found (a deletion of a document already gone), retry (429, 5xx),
+// failed (a 404 that is not that: no index to write to) or rejected.
 func (h *Handler) ObserveBulkItems(f func(outcome string)) { h.items = f }
 
 func (h *Handler) Name() string { return Name }
@@ -49,9 +50,11 @@ func (h *Handler) Dependencies() []subscribers.Dependency {
 	}}}
 }
 
-// EventTypes: every product change, and brand renames (the brand name is in
-// the documents of all its products).
-func (h *Handler) EventTypes() []string { return []string{"product.>", shop.BrandUpdated} }
+// EventTypes: every product change, and brand and category renames (their
+// names are in the documents of all their products).
+func (h *Handler) EventTypes() []string {
+	return []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated}
+}
 
 // Handle indexes one event's products.
 func (h *Handler) Handle(ctx context.Context, ev subscribers.Event) error {
@@ -64,6 +67,7 @@ func (h *Handler) HandleBatch(ctx context.Context, evs []subscribers.Event) []er
 	errs := make([]error, len(evs))
 	products := make([][]int64, len(evs)) // the products each event names
 	brands := map[int64][]int{}           // brand id -> events renaming it
+	categories := map[int64][]int{}       // category id -> events renaming it
 	for i, ev := range evs {
 		switch ev.Type {
 		case shop.BrandUpdated:
@@ -73,6 +77,13 @@ func (h *Handler) HandleBatch(ctx context.Context, evs []subscribers.Event) []er
 				continue
 			}
 			brands[p.BrandID] = append(brands[p.BrandID], i)
+		case shop.CategoryUpdated:
+			var p shop.CategoryEvent
+			if err := json.Unmarshal(ev.Payload, &p); err != nil || p.CategoryID <= 0 {
+				errs[i] = subscribers.Permanent(fmt.Errorf("malformed category.updated payload %.200q: %v", ev.Payload, err))
+				continue
+			}
+			categories[p.CategoryID] = append(categories[p.CategoryID], i)
 		default:
 			id, err := productID(ev)
 			if err != nil {
@@ -83,8 +94,13 @@ func (h *Handler) HandleBatch(ctx context.Context, evs []subscribers.Event) []er
 		}
 	}
 	if len(brands) > 0 {
-		if err := h.brandProducts(ctx, brands, products); err != nil {
-			return fill(errs, err)
+		if err := groupProducts(ctx, h.pool, productsOfBrands, brands, products); err != nil {
+			return fill(errs, fmt.Errorf("products of renamed brands: %w", err))
+		}
+	}
+	if len(categories) > 0 {
+		if err := groupProducts(ctx, h.pool, productsOfCategories, categories, products); err != nil {
+			return fill(errs, fmt.Errorf("products of renamed categories: %w", err))
 		}
 	}
 	var ids []int64
@@ -133,27 +149,34 @@ func productID(ev subscribers.Event) (int64, error) {
 	return 0, fmt.Errorf("%s event names no product (payload %.200q, aggregate %q)", ev.Type, ev.Payload, ev.AggregateID)
 }
 
-// brandProducts adds each renamed brand's products to its events.
-func (h *Handler) brandProducts(ctx context.Context, brands map[int64][]int, products [][]int64) error {
-	ids := make([]int64, 0, len(brands))
-	for id := range brands {
+// The products of groups (brands, categories), as (group id, product id)
+// rows, for groupProducts.
+const (
+	productsOfBrands     = `SELECT brand_id, id FROM products WHERE brand_id = ANY($1)`
+	productsOfCategories = `SELECT category_id, id FROM products WHERE category_id = ANY($1)`
+)
+
+// groupProducts adds to each event renaming a group (a brand, a category)
+// the products of that group, as query lists them. A rename bumped their
+// versions in its transaction, so the documents written now replace the old
+// ones whatever the indexers race.
+func groupProducts(ctx context.Context, pool *pgxpool.Pool, query string, groups map[int64][]int, products [][]int64) error {
+	ids := make([]int64, 0, len(groups))
+	for id := range groups {
 		ids = append(ids, id)
 	}
-	rows, err := h.pool.Query(ctx, `SELECT brand_id, id FROM products WHERE brand_id = ANY($1)`, ids)
+	rows, err := pool.Query(ctx, query, ids)
 	if err != nil {
-		return fmt.Errorf("products of renamed brands: %w", err)
+		return err
 	}
-	var brandID, productID int64
-	_, err = pgx.ForEachRow(rows, []any{&brandID, &productID}, func() error {
-		for _, i := range brands[brandID] {
+	var groupID, productID int64
+	_, err = pgx.ForEachRow(rows, []any{&groupID, &productID}, func() error {
+		for _, i := range groups[groupID] {
 			products[i] = append(products[i], productID)
 		}
 		return nil
 	})
-	if err != nil {
-		return fmt.Errorf("products of renamed brands: %w", err)
-	}
-	return nil
+	return err
 }
 
 // fill sets err on every event that has no outcome yet.

@@ -89,16 +89,17 @@ func EnsureIndex(ctx context.Context, c *search.Client, alias, provision string)
 
 // Rollback points the alias at the newest index older than the current one,
 // then repairs that index's drift from SQL (it missed the updates made since
-// the swap). It returns the index left, the index now current and how many
-// documents were repaired.
-func Rollback(ctx context.Context, c *search.Client, pool *pgxpool.Pool, cfg config.Search) (from, to string, repaired int, err error) {
+// the swap). It returns the index left, the index now current and what the
+// repair did; when some documents could not be repaired, the alias has
+// moved all the same and the error wraps ErrNotRepaired.
+func Rollback(ctx context.Context, c *search.Client, pool *pgxpool.Pool, cfg config.Search) (from, to string, repair RepairReport, err error) {
 	from, err = Current(ctx, c, cfg.Alias)
 	if err != nil {
-		return "", "", 0, err
+		return "", "", repair, err
 	}
 	versions, err := Versions(ctx, c, cfg.Alias)
 	if err != nil {
-		return "", "", 0, err
+		return "", "", repair, err
 	}
 	for _, v := range versions {
 		if indexVersion(cfg.Alias, v) < indexVersion(cfg.Alias, from) {
@@ -106,20 +107,21 @@ func Rollback(ctx context.Context, c *search.Client, pool *pgxpool.Pool, cfg con
 		}
 	}
 	if to == "" {
-		return from, "", 0, fmt.Errorf("no index older than %s to roll back to (have %v)", from, versions)
+		return from, "", repair, fmt.Errorf("no index older than %s to roll back to (have %v)", from, versions)
 	}
 	if err := c.SwapAlias(ctx, cfg.Alias, to); err != nil {
-		return from, to, 0, err
+		return from, to, repair, err
 	}
 	_ = c.Refresh(ctx, to)
 	drift, err := Check(ctx, c, pool, to, 0)
 	if err != nil {
-		return from, to, 0, fmt.Errorf("rolled back to %s, but checking it failed (run `fanout reindex --check --repair`): %w", to, err)
+		return from, to, repair, fmt.Errorf("rolled back to %s, but checking it failed (run `fanout reindex --check --repair`): %w", to, err)
 	}
-	if err := Repair(ctx, c, pool, to, cfg.BulkSize, drift); err != nil {
-		return from, to, 0, fmt.Errorf("rolled back to %s, but repairing it failed: %w", to, err)
+	repair, err = Repair(ctx, c, pool, to, cfg.BulkSize, drift)
+	if err != nil {
+		return from, to, repair, fmt.Errorf("rolled back to %s, but repairing it failed: %w", to, err)
 	}
-	return from, to, drift.Total(), nil
+	return from, to, repair, nil
 }
 
 // Cleanup deletes every <alias>-vN index the alias does not point at.

@@ -296,9 +296,9 @@ func (r *Reindexer) bar(total int64) *progressbar.ProgressBar {
 	)
 }
 
-// replay applies the product and brand events after seq (up to the stream's
-// end as of now) to index, and returns how many it read and the new
-// position.
+// replay applies the product, brand and category events after seq (up to
+// the stream's end as of now) to index, and returns how many it read and
+// the new position.
 func (r *Reindexer) replay(ctx context.Context, index string, seq uint64) (int, uint64, error) {
 	last, err := r.streamLastSeq(ctx)
 	if err != nil || last <= seq {

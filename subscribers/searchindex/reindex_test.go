@@ -3,8 +3,11 @@ package searchindex_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
+	"net/http"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +17,8 @@ import (
 
 	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/search"
+	"github.com/fanout/fanout/search/searchtest"
+	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
@@ -67,7 +72,7 @@ func TestReindexDuringUpdatesAndSearches(t *testing.T) {
 	go func() {
 		defer wg.Done()
 		d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 150, Rand: rand.New(rand.NewPCG(4, 4)), Logger: f.env.Logger,
-			Mix: demo.Mix{Price: 40, Stock: 30, Create: 10, Delete: 10, RenameBrand: 10}}
+			Mix: demo.Mix{Price: 40, Stock: 30, Create: 10, Delete: 10, RenameBrand: 5, RenameCategory: 5}}
 		_ = d.Run(ctx)
 	}()
 	var searches, failed atomic.Int64
@@ -188,10 +193,81 @@ INSERT INTO inventory (product_id, stock) SELECT id, 1 FROM p RETURNING product_
 	if len(d.Missing) != 1 || d.Missing[0] != missing || len(d.Different) != 1 || d.Different[0] != changed || len(d.Extra) != 1 || d.Extra[0] != "987654" {
 		t.Fatalf("check: %s; want missing %d, different %d, extra 987654", d, missing, changed)
 	}
-	if err := searchindex.Repair(ctx, f.client, f.env.DB.Pool, cur, 100, d); err != nil {
-		t.Fatal(err)
+	rep, err := searchindex.Repair(ctx, f.client, f.env.DB.Pool, cur, 100, d)
+	if err != nil || rep.Drifted != 3 || rep.Fixed != 3 || len(rep.Unrepaired) != 0 {
+		t.Fatalf("repair: %v, %s; want the 3 drifted documents repaired", err, rep)
 	}
 	f.noDrift(t)
+}
+
+// corruptAtSameVersion overwrites product id's document in index with a
+// wrong name under the version SQL has: drift that an external write of
+// that version cannot replace (409). It returns that version.
+func (f *fixture) corruptAtSameVersion(t *testing.T, index string, id int64) int64 {
+	t.Helper()
+	products, err := shop.LoadProducts(context.Background(), f.env.DB.Pool, []int64{id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := products[id]
+	p.Name = "CORRUPTED " + p.Name
+	searchtest.Put(t, index, strconv.FormatInt(id, 10), p.Version, search.ExternalGTE, p)
+	return p.Version
+}
+
+// A document that differs from SQL at the version SQL has is repaired, and
+// the repair says so; one it cannot repair (its version is above SQL's) is
+// named with the reason, and the repair returns ErrNotRepaired.
+func TestRepairFixesSameVersionDriftAndNamesWhatItCannot(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 10)
+	f.env.StartRunner(f.handler(), nil)
+	f.env.Settle(searchindex.Name)
+	ctx := context.Background()
+	cur := f.current(t)
+	var same, above int64
+	if err := f.env.DB.Pool.QueryRow(ctx, `SELECT min(id), max(id) FROM products`).Scan(&same, &above); err != nil {
+		t.Fatal(err)
+	}
+	version := f.corruptAtSameVersion(t, cur, same)
+	products, err := shop.LoadProducts(ctx, f.env.DB.Pool, []int64{same, above})
+	if err != nil {
+		t.Fatal(err)
+	}
+	searchtest.Put(t, cur, strconv.FormatInt(above, 10), products[above].Version+100, search.External, products[above])
+
+	d, err := searchindex.Check(ctx, f.client, f.env.DB.Pool, cur, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(d.Different, []int64{same, above}) || len(d.Missing)+len(d.Extra) != 0 {
+		t.Fatalf("check: %s; want %d and %d different", d, same, above)
+	}
+	// What the indexer's own write does with it: a 409, counted as done.
+	doc, _ := searchindex.Document(products[same])
+	if r, err := f.client.Bulk(ctx, cur, []search.Op{{ID: strconv.FormatInt(same, 10), Version: version, Doc: doc}}); err != nil || r[0].Status != http.StatusConflict {
+		t.Fatalf("external write at the same version: %+v, %v; want the 409 that hid this drift", r, err)
+	}
+
+	rep, err := searchindex.Repair(ctx, f.client, f.env.DB.Pool, cur, 100, d)
+	if !errors.Is(err, searchindex.ErrNotRepaired) {
+		t.Fatalf("repair with a document above SQL's version: %v; want ErrNotRepaired", err)
+	}
+	if rep.Drifted != 2 || rep.Fixed != 1 || len(rep.Unrepaired) != 1 || rep.Unrepaired[0].ID != strconv.FormatInt(above, 10) {
+		t.Fatalf("repair report %s; want %d fixed and %d named", rep, same, above)
+	}
+	if reason := rep.Unrepaired[0].Reason; !strings.Contains(reason, fmt.Sprintf("version %d, above SQL's %d", products[above].Version+100, products[above].Version)) ||
+		!strings.Contains(reason, "409") {
+		t.Errorf("reason %q; want both versions and the engine's 409", reason)
+	}
+	if !f.inSync(same) {
+		got, v, _ := f.doc(same)
+		t.Errorf("document %d after the repair: %+v at version %d; want SQL's state at %d", same, got, v, version)
+	}
+	_ = f.client.Refresh(ctx, cur)
+	if d, err := searchindex.Check(ctx, f.client, f.env.DB.Pool, cur, 0); err != nil || !slices.Equal(d.Different, []int64{above}) || d.Total() != 1 {
+		t.Errorf("check after the repair: %s, %v; want only %d left", d, err, above)
+	}
 }
 
 // Rollback returns the alias to the previous index and repairs what it
@@ -212,15 +288,26 @@ func TestRollback(t *testing.T) {
 	_ = d.Run(lctx)
 	cancel()
 	f.env.Settle(searchindex.Name)
-	from, to, repaired, err := searchindex.Rollback(ctx, f.client, f.env.DB.Pool, f.env.Config.Search)
+	// And a document of the old index that differs from SQL at SQL's
+	// version: an external write cannot replace it.
+	v1 := searchindex.IndexName(f.alias, 1)
+	var corrupted int64
+	if err := f.env.DB.Pool.QueryRow(ctx, `SELECT min(id) FROM products`).Scan(&corrupted); err != nil {
+		t.Fatal(err)
+	}
+	f.corruptAtSameVersion(t, v1, corrupted)
+	from, to, rep, err := searchindex.Rollback(ctx, f.client, f.env.DB.Pool, f.env.Config.Search)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if from != searchindex.IndexName(f.alias, 2) || to != searchindex.IndexName(f.alias, 1) || f.current(t) != to {
+	if from != searchindex.IndexName(f.alias, 2) || to != v1 || f.current(t) != to {
 		t.Errorf("rollback from %s to %s, alias at %s", from, to, f.current(t))
 	}
-	if repaired == 0 {
-		t.Error("rollback repaired nothing, though the old index missed a second of writes")
+	if rep.Fixed == 0 || rep.Fixed != rep.Drifted || len(rep.Unrepaired) != 0 {
+		t.Errorf("rollback repair %s; want every drifted document repaired, and some, since the old index missed a second of writes", rep)
+	}
+	if !f.inSync(corrupted) {
+		t.Errorf("document %d, corrupted at SQL's version, is still wrong after the rollback", corrupted)
 	}
 	f.noDrift(t)
 }

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
-	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -35,8 +34,8 @@ func consumerGone(err error) bool {
 		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoHeartbeat)
 }
 
-// replayConsumerConfig reads the product and brand events from sequence
-// from on, without acks (the reader tracks its own position), and lives on
+// replayConsumerConfig reads the events the indexer handles (product
+// changes, brand and category renames) from sequence from on, without acks (the reader tracks its own position), and lives on
 // the server only while a reindex reads it: a reindex that died leaves it
 // behind for ten minutes at most. (A pull consumer is inactive while no
 // pull is waiting, which includes the time a batch is being indexed: the
@@ -44,8 +43,8 @@ func consumerGone(err error) bool {
 func replayConsumerConfig(stream config.Stream, from uint64) jetstream.ConsumerConfig {
 	return jetstream.ConsumerConfig{
 		Name:              ReplayConsumer,
-		Description:       "fanout reindex: replays product and brand events onto a new search index; deleted when the reindex ends",
-		FilterSubjects:    []string{stream.SubjectPrefix + ".product.>", stream.SubjectPrefix + "." + shop.BrandUpdated},
+		Description:       "fanout reindex: replays product, brand and category events onto a new search index; deleted when the reindex ends",
+		FilterSubjects:    replayFilters(stream),
 		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
 		OptStartSeq:       from,
 		AckPolicy:         jetstream.AckNonePolicy,
@@ -55,9 +54,20 @@ func replayConsumerConfig(stream config.Stream, from uint64) jetstream.ConsumerC
 	}
 }
 
-// ReadEvents calls fn, in stream order, with the product and brand events
-// stored after sequence after, until the stream holds no more of them or
-// position upTo is reached. It returns how many events it passed to fn and
+// replayFilters are the indexer's own filter subjects: a replay that missed
+// an event type the indexer handles (a category rename) would swap in an
+// index that lacks its changes.
+func replayFilters(stream config.Stream) []string {
+	var filters []string
+	for _, t := range (&Handler{}).EventTypes() {
+		filters = append(filters, stream.SubjectPrefix+"."+t)
+	}
+	return filters
+}
+
+// ReadEvents calls fn, in stream order, with the indexer's events stored
+// after sequence after, until the stream holds no more of them or position
+// upTo is reached. It returns how many events it passed to fn and
 // the stream position it read up to.
 //
 // Messages of a consumer without acks are not redelivered, so the reader

@@ -4,9 +4,11 @@ import (
 	"context"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/fanout/fanout/subscribers/subscribertest"
@@ -70,5 +72,40 @@ func TestReadEventsSurvivesALostOrReplacedConsumer(t *testing.T) {
 	}
 	if _, err := stream.Consumer(ctx, searchindex.ReplayConsumer); err == nil {
 		t.Error("the replay consumer outlived the replay")
+	}
+}
+
+// A reindex replays every event type the indexer handles, category renames
+// included (a replay without them would swap in an index with old category
+// names), and nothing else.
+func TestReadEventsReadsWhatTheIndexerHandles(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	ctx := context.Background()
+	types := []string{shop.ProductUpdated, shop.BrandUpdated, shop.CategoryUpdated, shop.OrderCreated}
+	var evs []outbox.Event
+	for i, ty := range types {
+		evs = append(evs, outbox.Event{AggregateType: strings.SplitN(ty, ".", 2)[0], AggregateID: strconv.Itoa(i + 1), Type: ty,
+			Payload: map[string]int{"product_id": i + 1, "brand_id": i + 1, "category_id": i + 1, "order_id": i + 1}})
+	}
+	ids := env.Write(func(pgx.Tx) ([]outbox.Event, error) { return evs, nil })
+	env.WaitSent(ids...)
+	stream, err := env.JS.Stream(ctx, env.Config.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	_, _, err = searchindex.ReadEvents(ctx, env.JS, env.Config.Stream, 0, stream.CachedInfo().State.LastSeq, func(batch []subscribers.Event) error {
+		for _, ev := range batch {
+			got = append(got, ev.Type)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(got)
+	if want := []string{shop.BrandUpdated, shop.CategoryUpdated, shop.ProductUpdated}; !slices.Equal(got, want) {
+		t.Errorf("replay read %v, want %v", got, want)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -386,7 +387,7 @@ func TestStormConverges(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 100, Rand: rand.New(rand.NewPCG(uint64(w), 3)), Logger: f.env.Logger,
-				Mix: demo.Mix{Price: 35, Stock: 35, Order: 0, Create: 10, Delete: 10, RenameBrand: 10}}
+				Mix: demo.Mix{Price: 35, Stock: 35, Order: 0, Create: 10, Delete: 10, RenameBrand: 5, RenameCategory: 5}}
 			_ = d.Run(ctx)
 		}()
 	}
@@ -397,10 +398,187 @@ func TestStormConverges(t *testing.T) {
 	f.env.WaitSent(ids...)
 	f.env.WaitIdle(searchindex.Name, 30*time.Second)
 	f.noDrift(t)
-	var deleted int
-	_ = f.env.DB.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox WHERE event_type = 'product.deleted'`).Scan(&deleted)
-	t.Logf("%d events, %d products deleted", len(ids), deleted)
-	if deleted == 0 {
-		t.Error("the storm deleted no product: the test proves less than it claims")
+	var deleted, categories int
+	_ = f.env.DB.Pool.QueryRow(context.Background(), `
+SELECT count(*) FILTER (WHERE event_type = 'product.deleted'), count(*) FILTER (WHERE event_type = 'category.updated') FROM outbox`).Scan(&deleted, &categories)
+	t.Logf("%d events, %d products deleted, %d categories renamed", len(ids), deleted, categories)
+	if deleted == 0 || categories == 0 {
+		t.Error("the storm deleted no product or renamed no category: the test proves less than it claims")
+	}
+}
+
+// A category rename reaches every product document of that category, in
+// bulk, each product once, and no other document.
+func TestCategoryRenameReachesItsProducts(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 60)
+	h := f.handler()
+	var mu sync.Mutex
+	items := map[string]int{}
+	h.ObserveBulkItems(func(outcome string) { mu.Lock(); items[outcome]++; mu.Unlock() })
+	f.env.StartRunner(h, nil)
+	f.env.Settle(searchindex.Name)
+	ctx := context.Background()
+	_ = f.client.Refresh(ctx, f.alias)
+
+	var categoryID int64
+	var old string
+	if err := f.env.DB.Pool.QueryRow(ctx, `
+SELECT c.id, c.name FROM products p JOIN categories c ON c.id = p.category_id
+GROUP BY c.id, c.name ORDER BY count(*) DESC, c.id LIMIT 1`).Scan(&categoryID, &old); err != nil {
+		t.Fatal(err)
+	}
+	// Every document before the rename, to tell the others were left alone.
+	before := map[int64]search.Doc{}
+	if err := f.client.Scan(ctx, f.alias, "id", func(d search.Doc) error {
+		id, _ := strconv.ParseInt(d.ID, 10, 64)
+		before[id] = d
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var inCategory []int64
+	for id, d := range before {
+		var p shop.Product
+		_ = json.Unmarshal(d.Source, &p)
+		if p.CategoryID == categoryID {
+			inCategory = append(inCategory, id)
+		}
+	}
+	if len(inCategory) < 2 || len(inCategory) == len(before) {
+		t.Fatalf("%d of %d products in category %d: the test needs several, and products outside it", len(inCategory), len(before), categoryID)
+	}
+	mu.Lock()
+	clear(items)
+	mu.Unlock()
+
+	var renamed int64
+	f.env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+		var err error
+		renamed, err = shop.RenameCategory(ctx, tx, categoryID, old+" renamed")
+		return nil, err
+	})
+	f.env.WaitSent(renamed)
+	f.env.WaitIdle(searchindex.Name, 15*time.Second)
+	if err := f.client.Refresh(ctx, f.alias); err != nil {
+		t.Fatal(err)
+	}
+	res, err := f.client.Search(ctx, f.alias, map[string]any{"size": 1000, "version": true, "query": map[string]any{"term": map[string]any{"category_id": categoryID}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Hits) != len(inCategory) {
+		t.Errorf("%d documents of category %d after the rename, want %d", len(res.Hits), categoryID, len(inCategory))
+	}
+	for _, h := range res.Hits {
+		var p shop.Product
+		_ = json.Unmarshal(h.Source, &p)
+		if p.Category != old+" renamed" || h.Version != before[p.ID].Version+1 {
+			t.Errorf("product %d of the renamed category: %q at version %d, want %q at %d", p.ID, p.Category, h.Version, old+" renamed", before[p.ID].Version+1)
+		}
+	}
+	if err := f.client.Scan(ctx, f.alias, "id", func(d search.Doc) error {
+		id, _ := strconv.ParseInt(d.ID, 10, 64)
+		if !slices.Contains(inCategory, id) && (d.Version != before[id].Version || !bytes.Equal(d.Source, before[id].Source)) {
+			t.Errorf("product %d of another category was rewritten: version %d → %d", id, before[id].Version, d.Version)
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// One write per product of the category, no other.
+	mu.Lock()
+	defer mu.Unlock()
+	if items["ok"] != len(inCategory) || len(items) != 1 {
+		t.Errorf("bulk items for the rename: %v, want %d ok", items, len(inCategory))
+	}
+	if n := len(f.env.DeadLetters(searchindex.Name)); n != 0 {
+		t.Errorf("%d dead letters, want none", n)
+	}
+	f.noDrift(t)
+}
+
+// When the index behind the alias is gone and the engine may not create
+// one, a write is a 404 index_not_found_exception: not done. The event is
+// retried (it is not the event's fault, and the engine answers), then
+// dead-lettered with the engine's reason once subscribers.max_failures
+// attempts have failed; nothing was acked as indexed. Before that, a
+// deletion of a document the index never had is done, as always.
+func TestMissingIndexIsRetriedThenDeadLettered(t *testing.T) {
+	t.Parallel()
+	f := newFixture(t, search.OpenSearch, 3)
+	const maxFailures = 3
+	f.env.Config.Subscribers.MaxFailures = maxFailures
+	h := f.handler()
+	var mu sync.Mutex
+	items := map[string]int{}
+	h.ObserveBulkItems(func(outcome string) { mu.Lock(); items[outcome]++; mu.Unlock() })
+	f.env.StartRunner(h, nil)
+	f.env.Settle(searchindex.Name)
+	ctx := context.Background()
+
+	// A product deleted before its document was ever written: a delete of
+	// a missing document, done.
+	var never int64
+	if err := f.env.DB.Pool.QueryRow(ctx, `
+WITH p AS (INSERT INTO products (sku, name, brand_id, category_id, price)
+           SELECT 'SKU-NEVER', 'Never indexed', brand_id, category_id, 1 FROM products LIMIT 1 RETURNING id)
+INSERT INTO inventory (product_id, stock) SELECT id, 1 FROM p RETURNING product_id`).Scan(&never); err != nil {
+		t.Fatal(err)
+	}
+	var deleted int64
+	f.env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+		var err error
+		deleted, err = shop.DeleteProduct(ctx, tx, never)
+		return nil, err
+	})
+	subscribertest.WaitFor(t, 10*time.Second, "the deletion of a missing document done", func() (bool, string) {
+		return f.env.Checkpointed(searchindex.Name, deleted), ""
+	})
+	mu.Lock()
+	notFound := items["not_found"]
+	mu.Unlock()
+	if notFound != 1 || len(f.env.DeadLetters(searchindex.Name)) != 0 {
+		t.Fatalf("deletion of a missing document: %d not_found items, %d dead letters; want 1 and none", notFound, len(f.env.DeadLetters(searchindex.Name)))
+	}
+
+	// The index goes, and the alias with it; the engine may not create an
+	// index of this test's names (the cluster setting is restored at the
+	// end, and other tests' names are unaffected).
+	searchtest.ForbidAutoCreate(t, f.alias+"*")
+	t.Cleanup(func() { _ = f.client.DeleteIndex(context.Background(), f.alias) }) // if the engine made one after all
+	if err := f.client.DeleteIndex(ctx, f.current(t)); err != nil {
+		t.Fatal(err)
+	}
+	id := firstProduct(t, f)
+	var other int64
+	_ = f.env.DB.Pool.QueryRow(ctx, `SELECT max(id) FROM products`).Scan(&other)
+	f.env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+		if _, err := shop.UpdatePrice(ctx, tx, id, 4321); err != nil {
+			return nil, err
+		}
+		_, err := shop.DeleteProduct(ctx, tx, other)
+		return nil, err
+	})
+	subscribertest.WaitFor(t, 30*time.Second, "both events dead-lettered", func() (bool, string) {
+		n := len(f.env.DeadLetters(searchindex.Name))
+		return n == 2, fmt.Sprintf("%d dead letters", n)
+	})
+	for _, dl := range f.env.DeadLetters(searchindex.Name) {
+		reason := dl.Header.Get(subscribers.DeadReasonHeader)
+		t.Logf("dead letter %s: %s", dl.Subject, reason)
+		if !strings.Contains(reason, fmt.Sprintf("gave up after %d failures", maxFailures)) || !strings.Contains(reason, "index_not_found_exception") ||
+			!strings.Contains(reason, "not written") {
+			t.Errorf("dead letter %s: reason %q; want the failures counted to max_failures and the engine's index_not_found_exception", dl.Subject, reason)
+		}
+	}
+	mu.Lock()
+	failed := items["failed"]
+	mu.Unlock()
+	if failed < 2*maxFailures {
+		t.Errorf("%d failed bulk items, want at least %d (each event tried %d times)", failed, 2*maxFailures, maxFailures)
+	}
+	if names, _ := f.client.Indices(ctx, f.alias); len(names) != 0 {
+		t.Errorf("the engine created %v: the test proves nothing", names)
 	}
 }

@@ -25,7 +25,14 @@ const DeletedVersion = math.MaxInt64 / 2
 // docOutcome is what happened to one product's document.
 type docOutcome struct {
 	permanent error // the engine rejected the document for good
-	transient error // it may pass later
+	// transient may pass later: the engine unavailable (Unavailable: held,
+	// never counted) or nothing written for another reason (a plain error,
+	// counted towards subscribers.max_failures).
+	transient error
+	// version is the version written (DeletedVersion for a deletion), and
+	// result the engine's last answer: a repair reads them.
+	version int64
+	result  search.Result
 }
 
 func (o docOutcome) err() error {
@@ -45,19 +52,25 @@ type syncer struct {
 	retryWaits []time.Duration
 	// items, if set, is told each bulk item's outcome (metrics).
 	items func(outcome string)
+	// versionType is the version type of every write: search.External (the
+	// default, empty) for the indexer, whose racing instances must
+	// converge; search.ExternalGTE only for a repair (Repair says why).
+	versionType string
 }
 
 // outcome names a bulk item's result for metrics.
 func outcome(r search.Result) string {
 	switch {
-	case r.Status == 409:
+	case r.Status == http.StatusConflict:
 		return "conflict"
-	case r.Status == 404:
+	case r.AlreadyDeleted():
 		return "not_found"
 	case r.Status < 300:
 		return "ok"
 	case r.Retryable():
 		return "retry"
+	case r.Status == http.StatusNotFound:
+		return "failed"
 	}
 	return "rejected"
 }
@@ -76,7 +89,7 @@ func (s *syncer) sync(ctx context.Context, index string, ids []int64) (map[int64
 		}
 		ops := make([]search.Op, 0, len(chunk))
 		for _, id := range chunk {
-			op := search.Op{ID: strconv.FormatInt(id, 10)}
+			op := search.Op{ID: strconv.FormatInt(id, 10), VersionType: s.versionType}
 			if p, ok := products[id]; ok {
 				doc, err := Document(p)
 				if err != nil {
@@ -109,18 +122,30 @@ func (s *syncer) bulk(ctx context.Context, index string, ops []search.Op, out ma
 				s.items(outcome(r))
 			}
 			id, _ := strconv.ParseInt(ops[i].ID, 10, 64)
+			o := docOutcome{version: ops[i].Version, result: r}
 			switch {
 			case r.OK():
-				out[id] = docOutcome{}
 			case r.Retryable():
 				// Throttled (429) or in trouble (5xx): the engine's state,
 				// not the document's.
-				out[id] = docOutcome{transient: subscribers.Unavailable(Dependency,
-					fmt.Errorf("document %s: engine answered %d %s: %s", r.ID, r.Status, r.Type, r.Reason))}
+				o.transient = subscribers.Unavailable(Dependency,
+					fmt.Errorf("document %s: engine answered %d %s: %s", r.ID, r.Status, r.Type, r.Reason))
 				again = append(again, ops[i])
+			case r.Status == http.StatusNotFound:
+				// Not a deletion of a missing document (that is OK): there
+				// was no index to write to (index_not_found_exception: the
+				// index behind the alias was deleted, and the engine may not
+				// create one), and nothing was written. Acking would lose the
+				// change. The engine answers and the document is not at
+				// fault, but the gap will not close by itself either: a
+				// plain failure, retried with the runtime's backoff and
+				// dead-lettered with this reason after
+				// subscribers.max_failures, so an operator hears of it.
+				o.transient = fmt.Errorf("document %s not written: index %s answered %d %s: %s", r.ID, index, r.Status, r.Type, r.Reason)
 			default:
-				out[id] = docOutcome{permanent: fmt.Errorf("document %s rejected by index %s: %d %s: %s", r.ID, index, r.Status, r.Type, r.Reason)}
+				o.permanent = fmt.Errorf("document %s rejected by index %s: %d %s: %s", r.ID, index, r.Status, r.Type, r.Reason)
 			}
+			out[id] = o
 		}
 		if len(again) == 0 || attempt >= len(s.retryWaits) {
 			return nil
