@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/relay"
@@ -83,7 +84,7 @@ func upCommand(a *app) *cobra.Command {
 			}
 			fmt.Printf("fanout up: relay publishing to stream %s on %s, subscribers %s, demo writing %d/s.\n"+
 				"Try: .bin/nats stream info %s, or fanout status. Ctrl-C stops.\n",
-				a.cfg.Stream.Name, a.cfg.NATS.URL, strings.Join(names, ", "), a.cfg.Demo.Rate, a.cfg.Stream.Name)
+				a.cfg.Stream.Name, config.RedactURL(a.cfg.NATS.URL), strings.Join(names, ", "), a.cfg.Demo.Rate, a.cfg.Stream.Name)
 			js, err := jetstream.New(conns.nc)
 			if err != nil {
 				return err

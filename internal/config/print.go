@@ -1,15 +1,14 @@
 package config
 
 import (
-	"net/url"
 	"reflect"
 	"strings"
 	"time"
 )
 
 // Redacted is the configuration as a nested map, ready to print: secrets
-// (passwords, tokens) replaced by "<redacted>" when set, and any password
-// inside a URL masked.
+// (passwords, tokens) replaced by "<redacted>" when set, and the
+// credentials inside URLs masked (see RedactURL).
 func (c *Config) Redacted() map[string]any {
 	return redactStruct(reflect.ValueOf(*c))
 }
@@ -29,13 +28,15 @@ func redactStruct(v reflect.Value) map[string]any {
 			out[key] = redactStruct(fv)
 		case fv.Type() == reflect.TypeOf(time.Duration(0)):
 			out[key] = time.Duration(fv.Int()).String()
+		case fv.Kind() != reflect.String:
+			out[key] = fv.Interface()
 		case isSecret(key):
 			if fv.String() != "" {
 				out[key] = "<redacted>"
 			} else {
 				out[key] = ""
 			}
-		case key == "url":
+		case isURL(key):
 			out[key] = RedactURL(fv.String())
 		default:
 			out[key] = fv.Interface()
@@ -44,26 +45,15 @@ func redactStruct(v reflect.Value) map[string]any {
 	return out
 }
 
-// isSecret reports whether a key holds a secret itself (not a path to one).
+// isSecret reports whether a key holds a secret itself (password, token),
+// not a path to one (password_file): SecretName's rule, so that a key
+// added later with such a name is hidden without anyone remembering to.
 func isSecret(key string) bool {
-	return key == "password" || key == "token"
+	return !strings.HasSuffix(key, "_file") && SecretName(key)
 }
 
-// RedactURL masks the passwords in a URL, or a comma-separated list of
-// them, for messages, logs and `config print`. A part that does not parse
-// is not shown at all: it might hold a password in a form we cannot see.
-func RedactURL(list string) string {
-	parts := strings.Split(list, ",")
-	for i, p := range parts {
-		u, err := url.Parse(strings.TrimSpace(p))
-		switch {
-		case err != nil:
-			parts[i] = "(unparseable URL)"
-		case u.User != nil:
-			if _, has := u.User.Password(); has {
-				parts[i] = u.Redacted()
-			}
-		}
-	}
-	return strings.Join(parts, ",")
+// isURL reports whether a key holds a URL, or a list of them, whose
+// credentials are masked but the rest shown (url, otlp_endpoint).
+func isURL(key string) bool {
+	return key == "url" || strings.HasSuffix(key, "_url") || key == "endpoint" || strings.HasSuffix(key, "_endpoint")
 }

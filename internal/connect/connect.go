@@ -22,8 +22,9 @@ import (
 func PostgresConfig(cfg config.Postgres, role string) (*pgxpool.Config, error) {
 	pc, err := pgxpool.ParseConfig(cfg.URL)
 	if err != nil {
-		// pgx's message may quote the URL; never echo a password.
-		return nil, fmt.Errorf("postgres.url: cannot parse connection URL")
+		// pgx's message quotes the URL, its passwords masked by pgx's own
+		// best effort; ours masks what pgx might miss.
+		return nil, fmt.Errorf("postgres.url: %w", config.RedactError(err, postgresSecrets(cfg)...))
 	}
 	if cfg.Password != "" {
 		pc.ConnConfig.Password = cfg.Password
@@ -61,21 +62,42 @@ func Postgres(ctx context.Context, cfg config.Postgres, role string, opts ...Pos
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
-		return nil, fmt.Errorf("open postgres pool: %w", err)
+		return nil, fmt.Errorf("open postgres pool: %w", config.RedactError(err, postgresSecrets(cfg)...))
 	}
 	pingCtx, cancel := context.WithTimeout(ctx, cfg.ConnectTimeout)
 	defer cancel()
 	if err := pool.Ping(pingCtx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("connect to postgres at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, err)
+		return nil, fmt.Errorf("connect to postgres at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, config.RedactError(err, postgresSecrets(cfg)...))
 	}
 	return pool, nil
+}
+
+// The credentials each connection is given, masked in the errors of the
+// client libraries: pgx masks what it quotes, net/url's errors (go-redis's
+// ParseURL) quote a URL whole, and the others' messages are not ours to
+// vouch for.
+func postgresSecrets(cfg config.Postgres) []string {
+	return append(config.URLSecrets(cfg.URL), cfg.Password)
+}
+
+func natsSecrets(cfg config.NATS) []string {
+	return append(config.URLSecrets(cfg.URL), cfg.Password, cfg.Token)
+}
+
+func redisSecrets(cfg config.Redis) []string {
+	return append(config.URLSecrets(cfg.URL), cfg.Password)
+}
+
+func searchSecrets(cfg config.Search) []string {
+	return append(config.URLSecrets(cfg.URL), cfg.Password)
 }
 
 // NATS connects to the servers in cfg. The connection reconnects forever
 // (a broker restart must not end a role) and never buffers publishes while
 // disconnected: the relay wants an immediate error, not a late surprise.
 func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error) {
+	secrets := natsSecrets(cfg)
 	opts := []nats.Option{
 		nats.Name("fanout-" + role),
 		nats.Timeout(cfg.ConnectTimeout),
@@ -85,14 +107,16 @@ func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error)
 		nats.ReconnectBufSize(-1),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			if err != nil {
-				logger.Warn("nats disconnected", "error", err)
+				logger.Warn("nats disconnected", "error", config.RedactError(err, secrets...))
 			}
 		}),
 		nats.ReconnectHandler(func(nc *nats.Conn) {
-			logger.Info("nats reconnected", "server", nc.ConnectedUrlRedacted())
+			// Not ConnectedUrlRedacted: it masks a password but shows a
+			// token given as the URL's user (nats://<token>@host).
+			logger.Info("nats reconnected", "server", config.RedactURL(nc.ConnectedUrl()))
 		}),
 		nats.ErrorHandler(func(_ *nats.Conn, sub *nats.Subscription, err error) {
-			attrs := []any{"error", err}
+			attrs := []any{"error", config.RedactError(err, secrets...)}
 			if sub != nil {
 				attrs = append(attrs, "subject", sub.Subject)
 			}
@@ -118,7 +142,7 @@ func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error)
 	}
 	nc, err := nats.Connect(cfg.URL, opts...)
 	if err != nil {
-		return nil, fmt.Errorf("connect to nats at %s: %w", config.RedactURL(cfg.URL), err)
+		return nil, fmt.Errorf("connect to nats at %s: %w", config.RedactURL(cfg.URL), config.RedactError(err, secrets...))
 	}
 	return nc, nil
 }
@@ -127,7 +151,8 @@ func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error)
 func Redis(ctx context.Context, cfg config.Redis) (*redis.Client, error) {
 	opts, err := redis.ParseURL(cfg.URL)
 	if err != nil {
-		return nil, fmt.Errorf("redis.url: cannot parse")
+		// A net/url error quotes the URL, password and all.
+		return nil, fmt.Errorf("redis.url: %w", config.RedactError(err, redisSecrets(cfg)...))
 	}
 	if cfg.Password != "" {
 		opts.Password = cfg.Password
@@ -138,7 +163,7 @@ func Redis(ctx context.Context, cfg config.Redis) (*redis.Client, error) {
 	defer cancel()
 	if err := rdb.Ping(pingCtx).Err(); err != nil {
 		rdb.Close()
-		return nil, fmt.Errorf("connect to redis at %s: %w", opts.Addr, err)
+		return nil, fmt.Errorf("connect to redis at %s: %w", opts.Addr, config.RedactError(err, redisSecrets(cfg)...))
 	}
 	return rdb, nil
 }
@@ -159,10 +184,10 @@ func SearchConfig(cfg config.Search) search.Config {
 func Search(ctx context.Context, cfg config.Search) (*search.Client, error) {
 	c, err := search.New(SearchConfig(cfg))
 	if err != nil {
-		return nil, err
+		return nil, config.RedactError(err, searchSecrets(cfg)...)
 	}
 	if _, err := c.Info(ctx); err != nil {
-		return nil, fmt.Errorf("connect to %s at %s: %w", cfg.Engine, config.RedactURL(cfg.URL), err)
+		return nil, fmt.Errorf("connect to %s at %s: %w", cfg.Engine, config.RedactURL(cfg.URL), config.RedactError(err, searchSecrets(cfg)...))
 	}
 	return c, nil
 }

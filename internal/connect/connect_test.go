@@ -1,16 +1,21 @@
 package connect_test
 
 import (
+	"bytes"
+	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"log/slog"
 	"math/big"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -79,5 +84,78 @@ func TestNATSWithTLS(t *testing.T) {
 	defer nc.Close()
 	if !nc.TLSRequired() {
 		t.Error("the connection is not TLS")
+	}
+}
+
+// syncBuffer collects a logger's output across goroutines.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// A token given as a NATS URL's user authenticates (against a server that
+// requires it), and stays out of the reconnect log line and out of the
+// error of a refused token.
+func TestNATSTokenStaysOutOfLogsAndErrors(t *testing.T) {
+	const token = "NatsTokenS3cret"
+	server := natstest.Start(t, natstest.WithArgs("--auth", token), natstest.WithClientOptions(nats.Token(token)))
+	withToken := strings.Replace(server.URL, "nats://", "nats://"+token+"@", 1)
+	cfg, err := config.Load("", []string{"FANOUT_NATS_URL=" + withToken})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logs syncBuffer
+	logger := slog.New(slog.NewJSONHandler(&logs, nil))
+	nc, err := connect.NATS(cfg.NATS, "test", logger)
+	if err != nil {
+		t.Fatalf("with the token in the URL: %v", err)
+	}
+	defer nc.Close()
+	server.Stop()
+	if err := server.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	subscribertest.WaitFor(t, 20*time.Second, "the reconnect to be logged", func() (bool, string) {
+		return strings.Contains(logs.String(), "nats reconnected"), logs.String()
+	})
+	if strings.Contains(logs.String(), token) || !strings.Contains(logs.String(), `"server":"nats://xxxxx@127.0.0.1:`) {
+		t.Errorf("the reconnect log shows the token, or no server:\n%s", logs.String())
+	}
+
+	cfg.NATS.URL, cfg.NATS.Token = server.URL, "Wrong"+token
+	if nc, err := connect.NATS(cfg.NATS, "test", logger); err == nil {
+		nc.Close()
+		t.Error("connected with a wrong token")
+	} else if strings.Contains(err.Error(), token) || !strings.Contains(strings.ToLower(err.Error()), "authorization") {
+		t.Errorf("a refused token: %v; want an authorization error without the token", err)
+	}
+}
+
+// A URL pgx or go-redis refuses is quoted in their errors: the password is
+// not, and the reason is.
+func TestURLParseErrorsHidePasswords(t *testing.T) {
+	_, err := connect.PostgresConfig(config.Postgres{URL: "postgres://fanout:ParseS3cret@db/fanout?sslmode=bogus&sslpassword=ParseS3cret2"}, "test")
+	if err == nil || strings.Contains(err.Error(), "S3cret") || !strings.Contains(err.Error(), "sslmode") {
+		t.Errorf("postgres: %v; want the bad sslmode named and no password", err)
+	}
+	_, err = connect.Postgres(context.Background(), config.Postgres{URL: "host=db user=fanout password=ParseS3cret sslmode=bogus"}, "test")
+	if err == nil || strings.Contains(err.Error(), "S3cret") || !strings.Contains(err.Error(), "sslmode") {
+		t.Errorf("postgres keyword/value: %v; want the bad sslmode named and no password", err)
+	}
+	_, err = connect.Redis(context.Background(), config.Redis{URL: "redis://cache:ParseS3cret@127.0.0.1:1/%zz", Timeout: time.Second})
+	if err == nil || strings.Contains(err.Error(), "S3cret") || !strings.Contains(err.Error(), "redis.url") {
+		t.Errorf("redis: %v; want redis.url named and no password", err)
 	}
 }
