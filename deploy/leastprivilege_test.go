@@ -647,6 +647,7 @@ func TestNATSPermissions(t *testing.T) {
 	inv := ns.connect(t, "invoicing")
 	cin := ns.connect(t, "cacheinval")
 	six := ns.connect(t, "searchindex")
+	sal := ns.connect(t, "salesledger")
 
 	// The relay provisions EVENTS (auto: update, then create) and checks it
 	// (verify), and publishes with PubAcks.
@@ -676,7 +677,7 @@ func TestNATSPermissions(t *testing.T) {
 	// Each subscriber provisions the dead-letter stream and its own
 	// consumer, as the runtime does.
 	handlers := map[*natsClient]subscribers.Handler{
-		inv: invoicing.New(), cin: cacheinval.New(nil, nil), six: searchindex.New(nil, nil, cfg.Search, discard),
+		inv: invoicing.New(), cin: cacheinval.New(nil, nil), six: searchindex.New(nil, nil, cfg.Search, discard), sal: salesledger.New(),
 	}
 	for c, h := range handlers {
 		if _, err := c.js.CreateOrUpdateStream(ctx, subscribers.DeadLetterStreamConfig(cfg.Subscribers, cfg.Stream.Replicas)); err != nil {
@@ -760,6 +761,76 @@ func TestNATSPermissions(t *testing.T) {
 				return err
 			})
 			tc.c.checkClean(t)
+		}
+	})
+
+	t.Run("a dead letter a subscriber forges is refused", func(t *testing.T) {
+		// A subscriber may publish dead letters under its own name only;
+		// what it writes in them is up to it. The operator tools take the
+		// subscriber from the subject, refuse a letter that says otherwise,
+		// and check the event it names against the events stream: a forged
+		// letter redriven would write a checkpoint and make a subscriber
+		// skip a real event.
+		admin := ns.connect(t, "admin")
+		dls, err := admin.js.Stream(ctx, cfg.Subscribers.DeadLetterStream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		forge := func(c *natsClient, claimed, typ string, seq uint64, id int) *jetstream.RawStreamMsg {
+			t.Helper()
+			msg := nats.NewMsg("deadletter." + c.user + "." + typ)
+			msg.Data = []byte(`{"order_id": 1, "product_id": 1}`)
+			msg.Header.Set(subscribers.DeadSubscriberHeader, claimed)
+			msg.Header.Set(subscribers.DeadReasonHeader, "forged")
+			msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(id))
+			msg.Header.Set(subscribers.DeadSubjectHeader, "events."+typ)
+			msg.Header.Set(subscribers.DeadStreamSeqHeader, strconv.FormatUint(seq, 10))
+			ack, err := c.js.PublishMsg(ctx, msg)
+			if err != nil {
+				t.Fatalf("%s publishes a letter under its own name: %v", c.user, err)
+			}
+			m, err := dls.GetMsg(ctx, ack.Sequence)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return m
+		}
+		refused := func(c *natsClient, what string, err error) {
+			t.Helper()
+			if !errors.Is(err, subscribers.ErrDeadLetterRefused) {
+				t.Errorf("%s: %s: accepted (%v)", c.user, what, err)
+				return
+			}
+			t.Logf("refused: %s, %s: %v", c.user, what, err)
+		}
+		for _, c := range []*natsClient{inv, cin, six, sal} {
+			other := invoicing.Name
+			if c == inv {
+				other = cacheinval.Name
+			}
+			// Speaking for another subscriber.
+			_, err := subscribers.ParseDeadLetter(forge(c, other, shop.OrderCreated, orderSeq, 1), cfg.Subscribers, cfg.Stream)
+			refused(c, "a letter claiming to be "+other+"'s", err)
+
+			// In its own name, but naming an event that is not the one at
+			// the sequence given, or one it does not receive.
+			wrongID, typ := 2, shop.OrderCreated // the order's sequence holds event 1
+			if c == cin || c == six {
+				wrongID = 1 // the order event itself, which they never receive
+			}
+			dl, err := subscribers.ParseDeadLetter(forge(c, c.user, typ, orderSeq, wrongID), cfg.Subscribers, cfg.Stream)
+			if err != nil {
+				t.Fatalf("%s: a letter in its own name: %v", c.user, err)
+			}
+			refused(c, "a letter naming an event that is not its own", dl.Verify(ctx, admin.js, cfg.Stream))
+		}
+		// A letter that agrees with itself and with the stream is read.
+		dl, err := subscribers.ParseDeadLetter(forge(inv, inv.user, shop.OrderCreated, orderSeq, 1), cfg.Subscribers, cfg.Stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := dl.Verify(ctx, admin.js, cfg.Stream); err != nil || !dl.Verified || dl.Event.ID != 1 {
+			t.Errorf("a true letter: %v (verified %v, event %d)", err, dl.Verified, dl.Event.ID)
 		}
 	})
 

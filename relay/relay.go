@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
@@ -88,6 +89,12 @@ type Relay struct {
 	batches sync.WaitGroup      // deliveries in flight
 	loops   sync.WaitGroup      // claimer, listener, reaper, cleaner
 
+	// lastClaimed (unix nanoseconds) is when a claim last completed, empty
+	// or not, and lastClaimErr the error of the last one that failed:
+	// readiness reads them, with no query of its own.
+	lastClaimed  atomic.Int64
+	lastClaimErr atomic.Pointer[string]
+
 	startOnce  sync.Once
 	stopOnce   sync.Once
 	stopping   chan struct{}      // closed by Stop: claim no more
@@ -154,6 +161,7 @@ func (r *Relay) start(ctx context.Context) error {
 	hardCtx, cancelHard := context.WithCancel(context.WithoutCancel(ctx))
 	softCtx, cancelSoft := context.WithCancel(hardCtx)
 	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
+	r.lastClaimed.Store(time.Now().UnixNano())
 
 	for range claimers {
 		r.loops.Add(1)
@@ -215,6 +223,35 @@ func (r *Relay) Stop(ctx context.Context) error {
 	return r.stopErr
 }
 
+// Ready reports why this relay cannot do its work, or nil: it has not
+// completed a claim for relay.stall_after (Postgres unreachable, claims
+// failing, NATS disconnected, or every slot in flight waiting on PubAcks
+// that do not come). It reads the relay's own state and queries nothing:
+// an old row in the table (one backing off after failed publishes, say) is
+// no reason to take a working relay out of rotation.
+func (r *Relay) Ready() error {
+	select {
+	case <-r.stopping:
+		return errors.New("relay stopping")
+	default:
+	}
+	if r.cancelSoft == nil {
+		return errors.New("relay not started")
+	}
+	since := time.Since(time.Unix(0, r.lastClaimed.Load()))
+	if since <= r.cfg.StallAfter {
+		return nil
+	}
+	why := ""
+	if !r.nc.IsConnected() {
+		why = "; NATS is not connected, and claims wait for it"
+	}
+	if last := r.lastClaimErr.Load(); last != nil {
+		why += "; last claim error: " + *last
+	}
+	return fmt.Errorf("relay stalled: no claim completed for %s (relay.stall_after is %s)%s", since.Round(time.Second), r.cfg.StallAfter, why)
+}
+
 // Nudge wakes the claimer, as a writer's notification does.
 func (r *Relay) Nudge() {
 	select {
@@ -257,6 +294,8 @@ func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
 		start := time.Now()
 		rows, token, err := r.claim(hardCtx)
 		if err != nil {
+			msg := err.Error()
+			r.lastClaimErr.Store(&msg)
 			r.slots.Release(batch)
 			r.logger.Error("claim outbox batch", "error", err, "retry_in", errWait)
 			if !r.sleep(softCtx, errWait) {
@@ -266,6 +305,7 @@ func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
 			continue
 		}
 		errWait = eagerPollMin
+		r.lastClaimed.Store(time.Now().UnixNano())
 		r.slots.Release(batch - int64(len(rows)))
 		if len(rows) == 0 {
 			if !r.sleep(softCtx, idle) {

@@ -28,6 +28,10 @@ const (
 	flapWindow = 30 * time.Second
 	// stillDownEvery is how often a long outage is logged again.
 	stillDownEvery = 30 * time.Second
+	// watchEvery is how often the dependencies that are up are probed in
+	// the background, so that readiness (and the pause of new work) follows
+	// an outage even while no event arrives to find it.
+	watchEvery = 5 * time.Second
 )
 
 // health is a breaker per dependency of one runner. While any dependency
@@ -65,7 +69,25 @@ func newHealth(ctx context.Context, subscriber string, logger *slog.Logger, obs 
 		h.deps[d.Name] = &dependencyState{probe: d.Probe}
 		obs.DependencyUp(subscriber, d.Name, 0)
 	}
+	h.probes.Add(1)
+	go h.watch()
 	return h
+}
+
+// watch probes the dependencies that are up, every watchEvery, until the
+// runner stops.
+func (h *health) watch() {
+	defer h.probes.Done()
+	t := time.NewTicker(watchEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-h.ctx.Done():
+			return
+		case <-t.C:
+			h.probeAll(h.ctx)
+		}
+	}
 }
 
 // markDown opens the dependency's breaker (if it is not open already) and

@@ -441,3 +441,26 @@ func TestMissingGrantIsRefusedAtStart(t *testing.T) {
 		t.Errorf("start error %q does not say what is missing and what to do", err)
 	}
 }
+
+// An idle subscriber notices an outage too: its dependencies are probed
+// in the background, so readiness follows Postgres with no event to find
+// it, and comes back with it.
+func TestIdleSubscriberReadinessFollowsPostgres(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	pool, proxy := env.ProxiedPool()
+	r := env.StartRunner(newScripted("idle"), func(o *subscribers.Options) { o.Pool = pool })
+	if err := r.Ready(); err != nil {
+		t.Fatalf("a fresh subscriber is not ready: %v", err)
+	}
+	proxy.Cut()
+	subscribertest.WaitFor(t, 20*time.Second, "readiness to name postgres", func() (bool, string) {
+		err := r.Ready()
+		return err != nil && strings.Contains(err.Error(), "postgres"), errString(err)
+	})
+	proxy.Restore()
+	subscribertest.WaitFor(t, 20*time.Second, "readiness to come back", func() (bool, string) {
+		err := r.Ready()
+		return err == nil, errString(err)
+	})
+}

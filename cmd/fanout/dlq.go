@@ -58,16 +58,20 @@ func (e *dlqEnv) close() {
 	e.pool.Close()
 }
 
-// deadLetter is one message of the dead-letter stream.
+// deadLetter is one message of the dead-letter stream, as listed.
 type deadLetter struct {
 	Seq        uint64
-	Subscriber string
+	Subscriber string // from the subject it is stored under
 	EventID    string
 	EventType  string
 	Reason     string
 	Deliveries string
 	At         string
-	raw        *jetstream.RawStreamMsg
+	// Refused says why no command acts on this letter (it disagrees with
+	// itself: see subscribers.ParseDeadLetter), or is empty.
+	Refused string
+	parsed  subscribers.DeadLetter
+	raw     *jetstream.RawStreamMsg
 }
 
 // list returns the dead letters, of one subscriber if not empty.
@@ -96,10 +100,13 @@ func (e *dlqEnv) list(ctx context.Context, subscriber string) ([]deadLetter, err
 }
 
 func (e *dlqEnv) describe(m *jetstream.RawStreamMsg) deadLetter {
-	h := m.Header
-	return deadLetter{Seq: m.Sequence, Subscriber: h.Get(subscribers.DeadSubscriberHeader), EventID: h.Get(outbox.EventIDHeader),
-		EventType: h.Get(outbox.EventTypeHeader), Reason: h.Get(subscribers.DeadReasonHeader),
-		Deliveries: h.Get(subscribers.DeadDeliveriesHeader), At: h.Get(subscribers.DeadAtHeader), raw: m}
+	p, err := subscribers.ParseDeadLetter(m, e.a.cfg.Subscribers, e.a.cfg.Stream)
+	d := deadLetter{Seq: m.Sequence, Subscriber: p.Subscriber, EventID: m.Header.Get(outbox.EventIDHeader),
+		EventType: m.Header.Get(outbox.EventTypeHeader), Reason: p.Reason, Deliveries: p.Deliveries, At: p.At, parsed: p, raw: m}
+	if err != nil {
+		d.Refused = err.Error()
+	}
+	return d
 }
 
 // targets resolves `<seq>` or `--subscriber S` into dead letters.
@@ -119,6 +126,36 @@ func (e *dlqEnv) targets(ctx context.Context, args []string, subscriber string) 
 		return nil, fmt.Errorf("dead letter %d: %w", seq, err)
 	}
 	return []deadLetter{e.describe(m)}, nil
+}
+
+// eventOf returns the event a redrive hands to the letter's subscriber: the
+// copy in the events stream, after checking that the letter agrees with it
+// and with itself (a letter is written by its subscriber's own process, and
+// a redrive writes that subscriber's checkpoint: a forged letter must not
+// make it skip a real event). fromLetter trusts the letter's own copy of an
+// event the stream no longer holds.
+func (e *dlqEnv) eventOf(ctx context.Context, dl deadLetter, fromLetter bool) (subscribers.Event, error) {
+	if dl.Refused != "" {
+		return subscribers.Event{}, errors.New(dl.Refused)
+	}
+	p := dl.parsed
+	js, err := jetstream.New(e.nc)
+	if err != nil {
+		return subscribers.Event{}, err
+	}
+	err = p.Verify(ctx, js, e.a.cfg.Stream)
+	switch {
+	case err == nil:
+		return p.Event, nil
+	case errors.Is(err, jetstream.ErrMsgNotFound) && fromLetter:
+		if omitted := dl.raw.Header.Get(subscribers.DeadBodyOmittedHeader); omitted != "" {
+			return subscribers.Event{}, fmt.Errorf("the dead letter was stored without the event's body (%s bytes) and the stream no longer holds the event", omitted)
+		}
+		return p.Event, nil
+	case errors.Is(err, jetstream.ErrMsgNotFound):
+		return subscribers.Event{}, fmt.Errorf("%w; the events stream no longer holds the event: redrive with --from-letter to trust the dead letter's own copy", err)
+	}
+	return subscribers.Event{}, err
 }
 
 // record notes an operator's action on a dead letter.
@@ -145,6 +182,7 @@ func dlqCommand(a *app) *cobra.Command {
 		Short: "List, show, redrive or discard dead letters",
 	}
 	var subscriber, actor string
+	var fromLetter bool
 	list := &cobra.Command{
 		Use:   "list",
 		Short: "List dead letters (of one subscriber with --subscriber)",
@@ -163,7 +201,11 @@ func dlqCommand(a *app) *cobra.Command {
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
 			fmt.Fprintln(tw, "SEQ\tSUBSCRIBER\tEVENT\tTYPE\tDELIVERIES\tDEAD AT\tREASON")
 			for _, d := range ds {
-				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", d.Seq, d.Subscriber, d.EventID, d.EventType, d.Deliveries, d.At, truncate(d.Reason, 100))
+				reason := truncate(d.Reason, 100)
+				if d.Refused != "" {
+					reason = "REFUSED (" + truncate(d.Refused, 160) + ")"
+				}
+				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", d.Seq, d.Subscriber, d.EventID, d.EventType, d.Deliveries, d.At, reason)
 			}
 			tw.Flush()
 			fmt.Fprintf(cmd.OutOrStdout(), "%d dead letters\n", len(ds))
@@ -205,7 +247,15 @@ func dlqCommand(a *app) *cobra.Command {
 process, with the subscriber's checkpoint (an event it already handled is not
 handled twice). No other subscriber sees the event again. On success the dead
 letter is deleted; on failure it stays, and the error is printed. Every
-attempt is recorded in the dead_letter_actions table with --actor.`,
+attempt is recorded in the dead_letter_actions table with --actor.
+
+The subscriber is the one whose name the letter is stored under (a
+subscriber may publish dead letters under its own name only); a letter whose
+headers name another is refused. The event handed to the handler is the one
+in the events stream at the sequence the letter names, checked to be the
+same event and one the subscriber receives: a forged letter cannot make a
+subscriber checkpoint, and so skip, an event it never handled. For an event
+the stream no longer holds, --from-letter trusts the letter's own copy.`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -221,36 +271,40 @@ attempt is recorded in the dead_letter_actions table with --actor.`,
 			d := &deps{a: a, ctx: ctx, pool: e.pool, reg: nil}
 			defer d.close()
 			runners := map[string]*subscribers.Runner{}
+			// runnerOf builds the subscriber's handler, in this process,
+			// the first time one of its letters is redriven.
+			runnerOf := func(name string) (*subscribers.Runner, error) {
+				if r, ok := runners[name]; ok {
+					return r, nil
+				}
+				build, known := registry[name]
+				if !known {
+					return nil, fmt.Errorf("dead letters of %q: this binary knows no such subscriber", name)
+				}
+				h, err := build(d)
+				if err == nil && d.redisErr != nil {
+					err = d.redisErr
+				}
+				if err != nil {
+					return nil, err
+				}
+				r, err := subscribers.New(subscribers.Options{Handler: h, Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
+					Pool: e.pool, Conn: e.nc, Logger: logging.Component(a.logger, "dlq")})
+				if err != nil {
+					return nil, err
+				}
+				runners[name] = r
+				return r, nil
+			}
 			failed := 0
 			for _, dl := range ds {
-				r, ok := runners[dl.Subscriber]
-				if !ok {
-					build, known := registry[dl.Subscriber]
-					if !known {
-						return fmt.Errorf("dead letter %d belongs to %q, which this binary does not know", dl.Seq, dl.Subscriber)
-					}
-					h, err := build(d)
-					if err == nil && d.redisErr != nil {
-						err = d.redisErr
-					}
-					if err != nil {
-						return err
-					}
-					if r, err = subscribers.New(subscribers.Options{Handler: h, Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
-						Pool: e.pool, Conn: e.nc, Logger: logging.Component(a.logger, "dlq")}); err != nil {
-						return err
-					}
-					runners[dl.Subscriber] = r
-				}
-				subject := dl.raw.Header.Get(subscribers.DeadSubjectHeader)
-				ev, err := subscribers.EventFromParts(dl.raw.Data, dl.raw.Header, subject, a.cfg.Stream.SubjectPrefix)
-				if omitted := dl.raw.Header.Get(subscribers.DeadBodyOmittedHeader); err == nil && omitted != "" {
-					err = fmt.Errorf("the dead letter was stored without the event's body (%s bytes, too large to travel with the dead letter's headers); "+
-						"replay the event from stream %s at sequence %s with `fanout replay %s --from-seq`",
-						omitted, a.cfg.Stream.Name, dl.raw.Header.Get(subscribers.DeadStreamSeqHeader), dl.Subscriber)
-				}
 				outcome := "handled"
+				ev, err := e.eventOf(ctx, dl, fromLetter)
 				if err == nil {
+					var r *subscribers.Runner
+					if r, err = runnerOf(dl.Subscriber); err != nil {
+						return err
+					}
 					var handled bool
 					if handled, err = r.HandleOnce(ctx, ev); err == nil && !handled {
 						outcome = "already in the checkpoint"
@@ -277,6 +331,7 @@ attempt is recorded in the dead_letter_actions table with --actor.`,
 		},
 	}
 	redrive.Flags().StringVar(&subscriber, "subscriber", "", "redrive every dead letter of this subscriber")
+	redrive.Flags().BoolVar(&fromLetter, "from-letter", false, "for an event the events stream no longer holds (past stream.max_age): trust the dead letter's own copy")
 	redrive.Flags().StringVar(&actor, "actor", defaultActor(), "who is redriving (recorded)")
 
 	discard := &cobra.Command{
@@ -295,6 +350,9 @@ attempt is recorded in the dead_letter_actions table with --actor.`,
 				return err
 			}
 			for _, dl := range ds {
+				if dl.Refused != "" {
+					return fmt.Errorf("discard %d: %s (delete it with the nats CLI as an administrator if it must go)", dl.Seq, dl.Refused)
+				}
 				if err := e.record(ctx, "discard", dl, "discarded", actor); err != nil {
 					return err
 				}

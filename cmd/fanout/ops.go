@@ -10,9 +10,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/logging"
-	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/opsserver"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
@@ -35,30 +33,10 @@ func startOps(a *app, reg *prometheus.Registry, checks []opsserver.Check) (stop 
 	}, nil
 }
 
-func postgresCheck(pool *pgxpool.Pool) opsserver.Check {
-	return opsserver.Check{Name: "postgres", Fn: func(ctx context.Context) error { return pool.Ping(ctx) }}
-}
-
 func natsCheck(nc *nats.Conn) opsserver.Check {
 	return opsserver.Check{Name: "nats", Fn: func(context.Context) error {
 		if !nc.IsConnected() {
 			return fmt.Errorf("not connected (%s)", nc.Status())
-		}
-		return nil
-	}}
-}
-
-// stalledCheck fails when the oldest pending outbox row is older than max:
-// rows are committed but nothing publishes them.
-func stalledCheck(pool *pgxpool.Pool, max time.Duration) opsserver.Check {
-	return opsserver.Check{Name: "outbox", Fn: func(ctx context.Context) error {
-		var backlog, failed int64
-		var oldest float64
-		if err := pool.QueryRow(ctx, metrics.OutboxStateSQL).Scan(&backlog, &oldest, &failed); err != nil {
-			return err
-		}
-		if age := time.Duration(oldest * float64(time.Second)); age > max {
-			return fmt.Errorf("stalled: the oldest pending row is %s old (http.ready_max_pending_age is %s), %d rows waiting", age.Round(time.Second), max, backlog)
 		}
 		return nil
 	}}

@@ -32,7 +32,7 @@ func relayCommand(a *app) *cobra.Command {
 			defer deps.close()
 			reg.MustRegister(metrics.NewOutboxCollector(deps.pool, a.logger))
 			stopOps, err := startOps(a, reg, []opsserver.Check{
-				postgresCheck(deps.pool), natsCheck(deps.nc), stalledCheck(deps.pool, a.cfg.HTTP.ReadyMaxPendingAge),
+				natsCheck(deps.nc), {Name: "relay", Fn: func(context.Context) error { return r.Ready() }},
 			})
 			if err != nil {
 				_ = stopRelay(a, r)

@@ -293,7 +293,8 @@ func (r *run) checkDeadLetters(ctx context.Context, dead []deadLetter) {
 // plantedLetter names the planted input a dead letter answers, if any: the
 // same event and the reason the planting expects, or, for the search
 // indexer, any event about a product the mapping rejects (a rename of its
-// brand reindexes it) with the engine's rejection as the reason.
+// brand or category reindexes it) with the engine's rejection as the
+// reason.
 func (r *run) plantedLetter(dl deadLetter) (kind string, ok bool) {
 	p := r.planted
 	p.mu.Lock()
@@ -305,13 +306,16 @@ func (r *run) plantedLetter(dl deadLetter) (kind string, ok bool) {
 		return "", false
 	}
 	var body struct {
-		ProductID int64 `json:"product_id"`
-		BrandID   int64 `json:"brand_id"`
+		ProductID  int64 `json:"product_id"`
+		BrandID    int64 `json:"brand_id"`
+		CategoryID int64 `json:"category_id"`
 	}
 	_ = json.Unmarshal(dl.body, &body)
 	for id := range p.rejectedProds {
 		mentioned := strings.Contains(dl.reason, "document "+strconv.FormatInt(id, 10)+" rejected")
-		if mentioned && (body.ProductID == id || (dl.typ == shop.BrandUpdated && p.rejectedBrands[body.BrandID])) {
+		if mentioned && (body.ProductID == id ||
+			(dl.typ == shop.BrandUpdated && p.rejectedBrands[body.BrandID]) ||
+			(dl.typ == shop.CategoryUpdated && p.rejectedCats[body.CategoryID])) {
 			return plantedRejected, true
 		}
 	}
@@ -489,27 +493,9 @@ func (r *run) checkCache(ctx context.Context) {
 }
 
 // matchesAny reports whether subject matches one of the NATS subject
-// patterns ('*' one token, '>' the rest).
+// patterns.
 func matchesAny(patterns []string, subject string) bool {
-	for _, p := range patterns {
-		if matches(p, subject) {
-			return true
-		}
-	}
-	return false
-}
-
-func matches(pattern, subject string) bool {
-	pt, st := strings.Split(pattern, "."), strings.Split(subject, ".")
-	for i, tok := range pt {
-		if tok == ">" {
-			return len(st) > i
-		}
-		if i >= len(st) || (tok != "*" && tok != st[i]) {
-			return false
-		}
-	}
-	return len(pt) == len(st)
+	return slices.ContainsFunc(patterns, func(p string) bool { return subscribers.SubjectMatches(p, subject) })
 }
 
 func head(xs []string) string {

@@ -135,6 +135,11 @@ type Relay struct {
 	// ShutdownTimeout bounds the graceful finish of the batch in flight at
 	// SIGTERM. Default 30s, > 0.
 	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
+	// StallAfter: the relay reports not ready when it has completed no
+	// claim for this long (it cannot reach Postgres or NATS, or its slots
+	// are all waiting on PubAcks). Default 30s, longer than PublishTimeout
+	// + PollInterval.
+	StallAfter time.Duration `koanf:"stall_after"`
 }
 
 // Subscribers configures every subscriber's consumer and runtime.
@@ -237,10 +242,6 @@ type HTTP struct {
 	// Addr is host:port to listen on; empty disables the endpoint.
 	// Default 127.0.0.1:9464 (containers set 0.0.0.0:9464).
 	Addr string `koanf:"addr"`
-	// ReadyMaxPendingAge: the relay reports not ready when the oldest
-	// pending outbox row is older than this (the pipeline is stalled).
-	// Default 1m, > 0.
-	ReadyMaxPendingAge time.Duration `koanf:"ready_max_pending_age"`
 }
 
 // Tracing is OpenTelemetry tracing. The W3C trace context always travels
@@ -333,6 +334,7 @@ func defaults() map[string]any {
 		"relay.cleanup_interval": "1m",
 		"relay.cleanup_batch":    1000,
 		"relay.shutdown_timeout": "30s",
+		"relay.stall_after":      "30s",
 
 		"subscribers.concurrency":                4,
 		"subscribers.batch_size":                 100,
@@ -369,8 +371,7 @@ func defaults() map[string]any {
 		"search.bulk_size":            1000,
 		"search.reindex_max_failures": 0,
 
-		"http.addr":                  "127.0.0.1:9464",
-		"http.ready_max_pending_age": "1m",
+		"http.addr": "127.0.0.1:9464",
 
 		"tracing.exporter":      "none",
 		"tracing.otlp_endpoint": "",
@@ -390,6 +391,8 @@ var replacedKeys = map[string]string{
 	"subscribers.max_deliver": "replaced by subscribers.max_failures (handler failures before the dead letters; " +
 		"JetStream now redelivers without limit, and deliveries lost to an outage or a crash no longer count) " +
 		"and subscribers.max_crashes",
+	"http.ready_max_pending_age": "replaced by relay.stall_after: a relay is not ready when it makes no progress, " +
+		"no longer when the table holds an old row (one row backing off used to take every relay out of rotation)",
 }
 
 // Keys returns every configuration key, sorted.
@@ -601,6 +604,7 @@ func (c *Config) Validate() error {
 	positive("relay.cleanup_interval", c.Relay.CleanupInterval)
 	between("relay.cleanup_batch", int64(c.Relay.CleanupBatch), 1, 100000)
 	positive("relay.shutdown_timeout", c.Relay.ShutdownTimeout)
+	positive("relay.stall_after", c.Relay.StallAfter)
 
 	between("subscribers.concurrency", int64(c.Subscribers.Concurrency), 1, 256)
 	between("subscribers.batch_size", int64(c.Subscribers.BatchSize), 1, 1000)
@@ -658,7 +662,6 @@ func (c *Config) Validate() error {
 			bad("http.addr", "must be host:port such as 0.0.0.0:9464, or empty to disable (got %q)", c.HTTP.Addr)
 		}
 	}
-	positive("http.ready_max_pending_age", c.HTTP.ReadyMaxPendingAge)
 
 	oneOf("tracing.exporter", c.Tracing.Exporter, "none", "stdout", "otlp")
 	if c.Tracing.OTLPEndpoint != "" {
@@ -744,6 +747,19 @@ var crossKeyRules = []CrossKeyRule{
 		check: func(c *Config) string {
 			if c.Relay.Lease >= time.Second && c.Relay.Lease <= c.Relay.PublishTimeout {
 				return fmt.Sprintf("relay.lease (%s) must be longer than relay.publish_timeout (%s), or every slow publish would be reaped and published again", c.Relay.Lease, c.Relay.PublishTimeout)
+			}
+			return ""
+		},
+	},
+	{
+		// With every slot in flight, the next claim waits for PubAcks (up
+		// to the publish timeout), and an idle relay claims once per poll
+		// interval: neither is a stall.
+		Keys: []string{"relay.stall_after", "relay.publish_timeout", "relay.poll_interval"},
+		check: func(c *Config) string {
+			if c.Relay.StallAfter <= c.Relay.PublishTimeout+c.Relay.PollInterval {
+				return fmt.Sprintf("relay.stall_after (%s) must be longer than relay.publish_timeout (%s) + relay.poll_interval (%s), or a busy or idle relay would look stalled",
+					c.Relay.StallAfter, c.Relay.PublishTimeout, c.Relay.PollInterval)
 			}
 			return ""
 		},

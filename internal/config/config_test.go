@@ -157,6 +157,7 @@ func TestCrossKeyRules(t *testing.T) {
 		"subscribers.dead_letter_subject_prefix stream.subject_prefix": {"FANOUT_SUBSCRIBERS_DEAD_LETTER_SUBJECT_PREFIX=events"},
 		"subscribers.dead_letter_stream stream.name":                   {"FANOUT_SUBSCRIBERS_DEAD_LETTER_STREAM=EVENTS"},
 		"subscribers.dead_letter_max_age subscribers.ack_wait":         {"FANOUT_SUBSCRIBERS_DEAD_LETTER_MAX_AGE=5m"},
+		"relay.stall_after relay.publish_timeout":                      {"FANOUT_RELAY_STALL_AFTER=10s"},
 	}
 	for _, rule := range CrossKeyRules() {
 		id := rule.Keys[0] + " " + rule.Keys[1]
