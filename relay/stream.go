@@ -27,8 +27,14 @@ func StreamConfig(cfg config.Stream) jetstream.StreamConfig {
 		Storage:    jetstream.FileStorage,
 		Replicas:   cfg.Replicas,
 		Duplicates: cfg.DuplicateWindow,
+		// Events leave only by age: no API call may delete or purge them
+		// (JetStream never lets these flags be turned off again). A new
+		// subscriber replays this history, and a purge would drop events
+		// no subscriber has handled yet.
+		DenyDelete: true,
+		DenyPurge:  true,
 		Metadata: map[string]string{
-			"fanout.owner":        "fanout relay (stream.provision=auto)",
+			"fanout.owner":        "fanout provision, or the relay with stream.provision=auto",
 			"fanout.source":       "postgres table outbox",
 			"fanout.msg_id":       "outbox.id",
 			"fanout.subject_form": cfg.SubjectPrefix + ".<event_type>",
@@ -87,6 +93,9 @@ func checkStream(info *jetstream.StreamInfo, cfg config.Stream, minDuplicates ti
 	}
 	if c.Retention == jetstream.InterestPolicy {
 		logger.Warn("stream has interest retention: a new subscriber cannot replay history", "stream", c.Name)
+	}
+	if !c.DenyDelete || !c.DenyPurge {
+		logger.Warn("stream allows deleting or purging messages: events no subscriber handled yet can be removed by an API call (`fanout provision` sets deny_delete and deny_purge)", "stream", c.Name)
 	}
 	if c.Storage != jetstream.FileStorage {
 		logger.Warn("stream uses memory storage: a broker restart loses every event", "stream", c.Name)

@@ -44,6 +44,13 @@ func TestStreamProvisioning(t *testing.T) {
 	if err := EnsureStream(ctx, js, verify, minDup, logger); err != nil {
 		t.Fatalf("verify after auto: %v", err)
 	}
+	// Events leave by age only: no API call deletes or purges them.
+	if !c.DenyDelete || !c.DenyPurge {
+		t.Errorf("provisioned stream allows deletes (%v) or purges (%v)", !c.DenyDelete, !c.DenyPurge)
+	}
+	if err := s.Purge(ctx); err == nil {
+		t.Error("the events stream was purged")
+	}
 
 	// A stream owned by other tooling with a window too short for the lease.
 	c.Duplicates = time.Minute

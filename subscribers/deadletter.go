@@ -37,6 +37,11 @@ func DeadLetterStreamConfig(cfg config.Subscribers, replicas int) jetstream.Stre
 		MaxBytes:    -1,
 		Replicas:    replicas,
 		Duplicates:  config.DeadLetterDuplicateWindow,
+		// Dead letters are evidence: they leave only by age. Operators
+		// resolve them (fanout dlq redrive/discard, recorded in the
+		// dead_letter_actions table) rather than delete them.
+		DenyDelete: true,
+		DenyPurge:  true,
 		Metadata:    map[string]string{"fanout.owner": "fanout subscribers (stream.provision=auto)"},
 	}
 }

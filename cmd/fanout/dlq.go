@@ -14,6 +14,7 @@ import (
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -70,12 +71,57 @@ type deadLetter struct {
 	// Refused says why no command acts on this letter (it disagrees with
 	// itself: see subscribers.ParseDeadLetter), or is empty.
 	Refused string
+	// Resolved says how an operator resolved it (redriven, discarded), or
+	// is empty: the stream keeps resolved letters until they age out.
+	Resolved string
 	parsed  subscribers.DeadLetter
 	raw     *jetstream.RawStreamMsg
 }
 
-// list returns the dead letters, of one subscriber if not empty.
+// resolvedSQL finds the letters an operator resolved: discarded, or
+// redriven with the event handled (or found already handled). The stream
+// denies deletes, so a resolved letter stays until it ages out; this is
+// what tells it apart.
+const resolvedSQL = `
+SELECT DISTINCT ON (stream_seq, subscriber) stream_seq, subscriber, action || ' by ' || actor || ' at ' || to_char(at, 'YYYY-MM-DD"T"HH24:MI:SSOF')
+FROM dead_letter_actions
+WHERE action = 'discard' OR (action = 'redrive' AND outcome IN ('handled', 'already in the checkpoint'))
+ORDER BY stream_seq, subscriber, at DESC`
+
+// resolutions returns how each resolved letter was resolved, by sequence
+// and subscriber.
+func resolutions(ctx context.Context, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}) (map[resolvedKey]string, error) {
+	rows, err := q.Query(ctx, resolvedSQL)
+	if err != nil {
+		return nil, fmt.Errorf("read dead_letter_actions: %w", err)
+	}
+	out := map[resolvedKey]string{}
+	var seq int64
+	var subscriber, how string
+	_, err = pgx.ForEachRow(rows, []any{&seq, &subscriber, &how}, func() error {
+		out[resolvedKey{uint64(seq), subscriber}] = how
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read dead_letter_actions: %w", err)
+	}
+	return out, nil
+}
+
+type resolvedKey struct {
+	seq        uint64
+	subscriber string
+}
+
+// list returns the dead letters, of one subscriber if not empty, with how
+// each was resolved, if it was.
 func (e *dlqEnv) list(ctx context.Context, subscriber string) ([]deadLetter, error) {
+	resolved, err := resolutions(ctx, e.pool)
+	if err != nil {
+		return nil, err
+	}
 	filter := e.a.cfg.Subscribers.DeadLetterSubjectPrefix + ".>"
 	if subscriber != "" {
 		filter = e.a.cfg.Subscribers.DeadLetterSubjectPrefix + "." + subscriber + ".>"
@@ -93,10 +139,23 @@ func (e *dlqEnv) list(ctx context.Context, subscriber string) ([]deadLetter, err
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, e.describe(m))
+		d := e.describe(m)
+		d.Resolved = resolved[resolvedKey{d.Seq, d.Subscriber}]
+		out = append(out, d)
 		seq = m.Sequence + 1
 	}
 	return out, nil
+}
+
+// unresolved keeps the letters no operator has resolved yet.
+func unresolved(ds []deadLetter) []deadLetter {
+	var out []deadLetter
+	for _, d := range ds {
+		if d.Resolved == "" {
+			out = append(out, d)
+		}
+	}
+	return out
 }
 
 func (e *dlqEnv) describe(m *jetstream.RawStreamMsg) deadLetter {
@@ -115,7 +174,8 @@ func (e *dlqEnv) targets(ctx context.Context, args []string, subscriber string) 
 		return nil, errors.New("give either a dead letter's sequence number or --subscriber")
 	}
 	if subscriber != "" {
-		return e.list(ctx, subscriber)
+		ds, err := e.list(ctx, subscriber)
+		return unresolved(ds), err
 	}
 	seq, err := strconv.ParseUint(args[0], 10, 64)
 	if err != nil {
@@ -125,7 +185,13 @@ func (e *dlqEnv) targets(ctx context.Context, args []string, subscriber string) 
 	if err != nil {
 		return nil, fmt.Errorf("dead letter %d: %w", seq, err)
 	}
-	return []deadLetter{e.describe(m)}, nil
+	resolved, err := resolutions(ctx, e.pool)
+	if err != nil {
+		return nil, err
+	}
+	d := e.describe(m)
+	d.Resolved = resolved[resolvedKey{d.Seq, d.Subscriber}]
+	return []deadLetter{d}, nil
 }
 
 // eventOf returns the event a redrive hands to the letter's subscriber: the
@@ -182,7 +248,7 @@ func dlqCommand(a *app) *cobra.Command {
 		Short: "List, show, redrive or discard dead letters",
 	}
 	var subscriber, actor string
-	var fromLetter bool
+	var fromLetter, all bool
 	list := &cobra.Command{
 		Use:   "list",
 		Short: "List dead letters (of one subscriber with --subscriber)",
@@ -198,21 +264,29 @@ func dlqCommand(a *app) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			shown := ds
+			if !all {
+				shown = unresolved(ds)
+			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
 			fmt.Fprintln(tw, "SEQ\tSUBSCRIBER\tEVENT\tTYPE\tDELIVERIES\tDEAD AT\tREASON")
-			for _, d := range ds {
+			for _, d := range shown {
 				reason := truncate(d.Reason, 100)
-				if d.Refused != "" {
+				switch {
+				case d.Refused != "":
 					reason = "REFUSED (" + truncate(d.Refused, 160) + ")"
+				case d.Resolved != "":
+					reason = "RESOLVED: " + d.Resolved + " (" + truncate(d.Reason, 60) + ")"
 				}
 				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", d.Seq, d.Subscriber, d.EventID, d.EventType, d.Deliveries, d.At, reason)
 			}
 			tw.Flush()
-			fmt.Fprintf(cmd.OutOrStdout(), "%d dead letters\n", len(ds))
+			fmt.Fprintf(cmd.OutOrStdout(), "%d dead letters to resolve (%d resolved, kept until they age out: --all lists them)\n", len(unresolved(ds)), len(ds)-len(unresolved(ds)))
 			return nil
 		},
 	}
 	list.Flags().StringVar(&subscriber, "subscriber", "", "only this subscriber's dead letters")
+	list.Flags().BoolVar(&all, "all", false, "also the letters already resolved")
 
 	show := &cobra.Command{
 		Use:   "show <seq>",
@@ -242,12 +316,14 @@ func dlqCommand(a *app) *cobra.Command {
 
 	redrive := &cobra.Command{
 		Use:   "redrive <seq> | --subscriber S",
-		Short: "Hand dead letters back to their subscriber only: run its handler once more; on success the dead letter is removed",
+		Short: "Hand dead letters back to their subscriber only: run its handler once more; on success the letter is resolved",
 		Long: `redrive runs the dead letter's own subscriber's handler on the event, in this
 process, with the subscriber's checkpoint (an event it already handled is not
-handled twice). No other subscriber sees the event again. On success the dead
-letter is deleted; on failure it stays, and the error is printed. Every
-attempt is recorded in the dead_letter_actions table with --actor.
+handled twice). No other subscriber sees the event again. On success the
+letter is resolved (the dead-letter stream denies deletes: it stays, marked
+resolved, until it ages out); on failure it stays to be resolved, and the
+error is printed. Every attempt is recorded in the dead_letter_actions table
+with --actor.
 
 The subscriber is the one whose name the letter is stored under (a
 subscriber may publish dead letters under its own name only); a letter whose
@@ -298,6 +374,10 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 			}
 			failed := 0
 			for _, dl := range ds {
+				if dl.Resolved != "" {
+					fmt.Fprintf(cmd.OutOrStdout(), "%d (%s, event %s): already resolved: %s\n", dl.Seq, dl.Subscriber, dl.EventID, dl.Resolved)
+					continue
+				}
 				outcome := "handled"
 				ev, err := e.eventOf(ctx, dl, fromLetter)
 				if err == nil {
@@ -317,15 +397,10 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 				if rerr := e.record(ctx, "redrive", dl, outcome, actor); rerr != nil {
 					return fmt.Errorf("record redrive of %d: %w", dl.Seq, rerr)
 				}
-				if err == nil {
-					if derr := e.stream.DeleteMsg(ctx, dl.Seq); derr != nil {
-						return fmt.Errorf("redrove %d but could not delete it: %w", dl.Seq, derr)
-					}
-				}
 				fmt.Fprintf(cmd.OutOrStdout(), "%d (%s, event %s): %s\n", dl.Seq, dl.Subscriber, dl.EventID, outcome)
 			}
 			if failed > 0 {
-				return fmt.Errorf("%d of %d redrives failed; their dead letters remain", failed, len(ds))
+				return fmt.Errorf("%d of %d redrives failed; their dead letters remain to be resolved", failed, len(ds))
 			}
 			return nil
 		},
@@ -336,7 +411,7 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 
 	discard := &cobra.Command{
 		Use:   "discard <seq> | --subscriber S",
-		Short: "Delete dead letters for good (recorded in dead_letter_actions)",
+		Short: "Resolve dead letters without handling them (recorded in dead_letter_actions; the letters stay until they age out)",
 		Args:  cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -351,16 +426,16 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 			}
 			for _, dl := range ds {
 				if dl.Refused != "" {
-					return fmt.Errorf("discard %d: %s (delete it with the nats CLI as an administrator if it must go)", dl.Seq, dl.Refused)
+					return fmt.Errorf("discard %d: %s", dl.Seq, dl.Refused)
+				}
+				if dl.Resolved != "" {
+					continue
 				}
 				if err := e.record(ctx, "discard", dl, "discarded", actor); err != nil {
 					return err
 				}
-				if err := e.stream.DeleteMsg(ctx, dl.Seq); err != nil {
-					return fmt.Errorf("discard %d: %w", dl.Seq, err)
-				}
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "discarded %d dead letters\n", len(ds))
+			fmt.Fprintf(cmd.OutOrStdout(), "discarded %d dead letters\n", len(unresolved(ds)))
 			return nil
 		},
 	}

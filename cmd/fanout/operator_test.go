@@ -155,6 +155,14 @@ func TestOperatorCommands(t *testing.T) {
 	if ci := subscriberStatus(st, "cacheinval"); ci.Checkpoint != cacheBefore.Checkpoint || ci.Redelivered != 0 {
 		t.Errorf("the redrive reached cacheinval: before %+v, after %+v", cacheBefore, ci)
 	}
+	// The stream denies deletes: the letter stays, resolved, until it
+	// ages out; the list of letters to resolve no longer shows it.
+	if list, err := run(t, env, "dlq", "list"); err != nil || !strings.Contains(list, "0 dead letters to resolve (1 resolved") {
+		t.Errorf("dlq list after the redrive: %v\n%s", err, list)
+	}
+	if list, err := run(t, env, "dlq", "list", "--all"); err != nil || !strings.Contains(list, "RESOLVED: redrive by alice") {
+		t.Errorf("dlq list --all after the redrive: %v\n%s", err, list)
+	}
 	var actions, aliceRedrives int
 	_ = db.Pool.QueryRow(ctx, `SELECT count(*), count(*) FILTER (WHERE actor = 'alice' AND action = 'redrive' AND outcome = 'handled') FROM dead_letter_actions`).Scan(&actions, &aliceRedrives)
 	if actions != 2 || aliceRedrives != 1 {

@@ -11,6 +11,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 )
@@ -113,7 +114,7 @@ FROM outbox`).Scan(&st.Outbox.Pending, &st.Outbox.Sending, &st.Outbox.Sent, &st.
 			if err := rows.Err(); err != nil {
 				return err
 			}
-			dead, err := deadLetterCounts(ctx, js, a.cfg.Subscribers.DeadLetterStream, a.cfg.Subscribers.DeadLetterSubjectPrefix)
+			dead, err := deadLetterCounts(ctx, js, pool, a.cfg.Subscribers.DeadLetterStream, a.cfg.Subscribers.DeadLetterSubjectPrefix)
 			if err != nil {
 				return err
 			}
@@ -158,9 +159,10 @@ FROM outbox`).Scan(&st.Outbox.Pending, &st.Outbox.Sending, &st.Outbox.Sent, &st.
 	return cmd
 }
 
-// deadLetterCounts counts dead letters per subscriber from the stream's
-// per-subject state (deadletter.<subscriber>.<event_type>).
-func deadLetterCounts(ctx context.Context, js jetstream.JetStream, streamName, prefix string) (map[string]uint64, error) {
+// deadLetterCounts counts the dead letters to resolve per subscriber: the
+// stream's per-subject state (deadletter.<subscriber>.<event_type>) less
+// the letters still in it that operators resolved (dead_letter_actions).
+func deadLetterCounts(ctx context.Context, js jetstream.JetStream, pool *pgxpool.Pool, streamName, prefix string) (map[string]uint64, error) {
 	out := map[string]uint64{}
 	s, err := js.Stream(ctx, streamName)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
@@ -177,6 +179,15 @@ func deadLetterCounts(ctx context.Context, js jetstream.JetStream, streamName, p
 		parts := strings.SplitN(subject, ".", 3)
 		if len(parts) >= 2 {
 			out[parts[1]] += n
+		}
+	}
+	resolved, err := resolutions(ctx, pool)
+	if err != nil {
+		return nil, err
+	}
+	for k := range resolved {
+		if k.seq >= info.State.FirstSeq && out[k.subscriber] > 0 {
+			out[k.subscriber]--
 		}
 	}
 	return out, nil
