@@ -29,6 +29,7 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/internal/repo"
 	"github.com/fanout/fanout/outbox"
@@ -56,7 +57,7 @@ func TestMain(m *testing.M) {
 // nats-server under deploy/nats/nats-server.conf
 
 // natsUsers are the users of the configuration file.
-var natsUsers = []string{"relay", "invoicing", "cacheinval", "searchindex", "salesledger", "admin"}
+var natsUsers = []string{"relay", "invoicing", "cacheinval", "searchindex", "salesledger", "provisioner", "operator", "admin"}
 
 type natsServer struct {
 	url       string
@@ -446,6 +447,30 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 		t.Fatal(err)
 	}
 
+	// The provisioning job (`fanout provision`'s calls, as user
+	// provisioner): the streams and invoicing's consumer. The relay and
+	// invoicing then only check them (verify), as in production.
+	provNC := natsConn(t, cfg, ns, "provisioner", logger)
+	provJS, err := jetstream.New(provNC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := relay.EnsureStream(ctx, provJS, cfg.Stream, config.RepublishDelay(cfg.Relay), logger); err != nil {
+		t.Fatalf("provision the stream as provisioner: %v", err)
+	}
+	if _, err := subscribers.ProvisionDeadLetterStream(ctx, provJS, cfg.Subscribers, cfg.Stream.Replicas); err != nil {
+		t.Fatalf("provision the dead-letter stream as provisioner: %v", err)
+	}
+	provEvents, err := provJS.Stream(ctx, cfg.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := subscribers.ProvisionConsumer(ctx, provEvents, invoicing.New(), cfg.Subscribers, cfg.Stream); err != nil {
+		t.Fatalf("provision invoicing's consumer as provisioner: %v", err)
+	}
+	cfg.Stream.Provision = "verify"
+	cfg.Subscribers.DeadLetterProvision = "verify"
+
 	// The relay.
 	relayPool := rolePool(t, cfg, db.URL, "fanout_relay", connect.AsyncCommit())
 	relayNC := natsConn(t, cfg, ns, "relay", logger)
@@ -488,7 +513,8 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 		t.Fatalf("stream holds events %v, want %d and %d", seqOf, goodEvent, badEvent)
 	}
 
-	// Invoicing: first start creates its consumer and the dead-letter stream.
+	// Invoicing: it binds the consumer and the dead-letter stream the
+	// provisioner made.
 	invPool := rolePool(t, cfg, db.URL, "fanout_invoicing")
 	invNC := natsConn(t, cfg, ns, "invoicing", logger)
 	startInvoicing := func() *subscribers.Runner {
@@ -557,7 +583,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	}
 	scancel()
 
-	// A second start updates the existing consumer.
+	// A second start binds the existing consumer again.
 	startInvoicing()
 
 	// The runtime's memory of failed and redelivered events, as
@@ -632,13 +658,14 @@ func checkInboxPrefix(t *testing.T, nc *nats.Conn, user string) {
 // ---------------------------------------------------------------------------
 // NATS: what each user is refused
 
-// TestNATSPermissions provisions the stream, the dead-letter stream and the
-// subscribers' consumers with each role's own credentials (the calls the
-// relay and the subscriber runtime make), checks what each may do, and then
-// what each is refused.
+// TestNATSPermissions provisions the streams and the subscribers' consumers
+// as the provisioning identity (`fanout provision`'s calls), checks that
+// the relay and each subscriber can do their work with everything
+// provisioned (the calls they make with provisioning set to verify), and
+// then what each identity is refused.
 func TestNATSPermissions(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	cfg := loadConfig(t)
 	ns := startNATS(t)
@@ -648,13 +675,35 @@ func TestNATSPermissions(t *testing.T) {
 	cin := ns.connect(t, "cacheinval")
 	six := ns.connect(t, "searchindex")
 	sal := ns.connect(t, "salesledger")
+	prov := ns.connect(t, "provisioner")
+	op := ns.connect(t, "operator")
 
-	// The relay provisions EVENTS (auto: update, then create) and checks it
-	// (verify), and publishes with PubAcks.
+	// The provisioner creates EVENTS and DEADLETTER and every subscriber's
+	// consumer, and runs again (update) without harm.
 	minDup := config.RepublishDelay(cfg.Relay)
-	if err := relay.EnsureStream(ctx, rel.js, cfg.Stream, minDup, discard); err != nil {
-		t.Fatalf("relay provisions the stream: %v", err)
+	handlers := map[*natsClient]subscribers.Handler{
+		inv: invoicing.New(), cin: cacheinval.New(nil, nil), six: searchindex.New(nil, nil, cfg.Search, discard), sal: salesledger.New(),
 	}
+	for range 2 {
+		if err := relay.EnsureStream(ctx, prov.js, cfg.Stream, minDup, discard); err != nil {
+			t.Fatalf("provisioner provisions the stream: %v", err)
+		}
+		if _, err := subscribers.ProvisionDeadLetterStream(ctx, prov.js, cfg.Subscribers, cfg.Stream.Replicas); err != nil {
+			t.Fatalf("provisioner provisions the dead-letter stream: %v", err)
+		}
+		events, err := prov.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, h := range handlers {
+			if _, err := subscribers.ProvisionConsumer(ctx, events, h, cfg.Subscribers, cfg.Stream); err != nil {
+				t.Fatalf("provisioner provisions consumer %s: %v", h.Name(), err)
+			}
+		}
+	}
+	prov.checkClean(t)
+
+	// The relay checks EVENTS (verify) and publishes with PubAcks.
 	verify := cfg.Stream
 	verify.Provision = "verify"
 	if err := relay.EnsureStream(ctx, rel.js, verify, minDup, discard); err != nil {
@@ -674,15 +723,9 @@ func TestNATSPermissions(t *testing.T) {
 	orderSeq := publish("events."+shop.OrderCreated, 1)
 	productSeq := publish("events.product.updated", 2)
 
-	// Each subscriber provisions the dead-letter stream and its own
-	// consumer, as the runtime does.
-	handlers := map[*natsClient]subscribers.Handler{
-		inv: invoicing.New(), cin: cacheinval.New(nil, nil), six: searchindex.New(nil, nil, cfg.Search, discard), sal: salesledger.New(),
-	}
+	// Each subscriber looks up the streams and its own consumer, as the
+	// runtime does with provisioning set to verify.
 	for c, h := range handlers {
-		if _, err := c.js.CreateOrUpdateStream(ctx, subscribers.DeadLetterStreamConfig(cfg.Subscribers, cfg.Stream.Replicas)); err != nil {
-			t.Fatalf("%s provisions the dead-letter stream: %v", c.user, err)
-		}
 		if _, err := c.js.Stream(ctx, cfg.Subscribers.DeadLetterStream); err != nil {
 			t.Fatalf("%s looks up the dead-letter stream: %v", c.user, err)
 		}
@@ -690,16 +733,10 @@ func TestNATSPermissions(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s looks up the stream: %v", c.user, err)
 		}
-		want := subscribers.ConsumerConfig(h, cfg.Subscribers, cfg.Stream)
-		if _, err := s.CreateConsumer(ctx, want); err != nil {
-			t.Fatalf("%s creates its consumer: %v", c.user, err)
-		}
-		if _, err := s.UpdateConsumer(ctx, want); err != nil {
-			t.Fatalf("%s updates its consumer: %v", c.user, err)
-		}
 		if _, err := s.Consumer(ctx, h.Name()); err != nil {
 			t.Fatalf("%s looks up its consumer: %v", c.user, err)
 		}
+		c.checkClean(t)
 	}
 	eventCount := func() uint64 {
 		t.Helper()
@@ -834,41 +871,151 @@ func TestNATSPermissions(t *testing.T) {
 		}
 	})
 
-	t.Run("the search indexer replays the stream for a reindex through its replay consumer only", func(t *testing.T) {
+	t.Run("a reindex replays the stream as the operator, not as the search indexer", func(t *testing.T) {
 		var got []subscribers.Event
-		read, pos, err := searchindex.ReadEvents(ctx, six.js, cfg.Stream, 0, productSeq, func(evs []subscribers.Event) error {
+		read, pos, err := searchindex.ReadEvents(ctx, op.js, cfg.Stream, 0, productSeq, func(evs []subscribers.Event) error {
 			got = append(got, evs...)
 			return nil
 		})
 		if err != nil {
-			t.Fatalf("searchindex replays: %v", err)
+			t.Fatalf("the operator replays: %v", err)
 		}
 		if read != 1 || len(got) != 1 || got[0].ID != 2 || got[0].Type != "product.updated" || pos != productSeq {
 			t.Fatalf("replay read %d events %+v up to %d; want the product event (id 2, seq %d) only", read, got, pos, productSeq)
 		}
-		events, err := six.js.Stream(ctx, cfg.Stream.Name)
+		events, err := op.js.Stream(ctx, cfg.Stream.Name)
 		if err != nil {
 			t.Fatal(err)
 		}
 		if _, err := events.Consumer(ctx, searchindex.ReplayConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			t.Errorf("replay consumer after the replay: %v, want it deleted", err)
 		}
-		replayAll := jetstream.ConsumerConfig{Name: "searchindex_everything", AckPolicy: jetstream.AckNonePolicy}
-		six.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+replayAll.Name, func(ctx context.Context) error {
-			_, err := events.CreateConsumer(ctx, replayAll)
-			return err
-		})
-		six.checkClean(t)
-		// The replay consumer is the search indexer's, no one else's.
-		invEvents, err := inv.js.Stream(ctx, cfg.Stream.Name)
-		if err != nil {
-			t.Fatal(err)
+		op.checkClean(t)
+		// A replay consumer could carry any filter, so no subscriber may
+		// create one: it would read events that are not its own.
+		for _, c := range []*natsClient{six, inv} {
+			cEvents, err := c.js.Stream(ctx, cfg.Stream.Name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+searchindex.ReplayConsumer, func(ctx context.Context) error {
+				_, err := cEvents.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: searchindex.ReplayConsumer, AckPolicy: jetstream.AckNonePolicy})
+				return err
+			})
+			c.checkClean(t)
 		}
-		inv.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+searchindex.ReplayConsumer, func(ctx context.Context) error {
-			_, err := invEvents.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: searchindex.ReplayConsumer, AckPolicy: jetstream.AckNonePolicy})
-			return err
-		})
-		inv.checkClean(t)
+	})
+
+	t.Run("each identity is refused what it must not do", func(t *testing.T) {
+		// One refusal per API each identity must not reach, each logged.
+		type refusal struct {
+			what, subject string
+			op            func(ctx context.Context, c *natsClient) error
+		}
+		raw := func(subject, body string) func(ctx context.Context, c *natsClient) error {
+			return func(ctx context.Context, c *natsClient) error {
+				_, err := c.nc.RequestWithContext(ctx, subject, []byte(body))
+				return err
+			}
+		}
+		update := func(name string) refusal {
+			return refusal{"change stream " + name, "$JS.API.STREAM.UPDATE." + name, func(ctx context.Context, c *natsClient) error {
+				sc := relay.StreamConfig(cfg.Stream)
+				if name == cfg.Subscribers.DeadLetterStream {
+					sc = subscribers.DeadLetterStreamConfig(cfg.Subscribers, cfg.Stream.Replicas)
+				}
+				sc.MaxAge = time.Minute
+				_, err := c.js.UpdateStream(ctx, sc)
+				return err
+			}}
+		}
+		create := func(name string) refusal {
+			return refusal{"create stream " + name + "2", "$JS.API.STREAM.CREATE." + name + "2", raw("$JS.API.STREAM.CREATE."+name+"2", `{"name":"`+name+`2","subjects":["x.`+name+`"]}`)}
+		}
+		purge := func(name string) refusal {
+			return refusal{"purge stream " + name, "$JS.API.STREAM.PURGE." + name, raw("$JS.API.STREAM.PURGE."+name, `{}`)}
+		}
+		deleteStream := func(name string) refusal {
+			return refusal{"delete stream " + name, "$JS.API.STREAM.DELETE." + name, raw("$JS.API.STREAM.DELETE."+name, ``)}
+		}
+		deleteMsg := func(name string) refusal {
+			return refusal{"delete a message of " + name, "$JS.API.STREAM.MSG.DELETE." + name, raw("$JS.API.STREAM.MSG.DELETE."+name, `{"seq":1}`)}
+		}
+		getMsg := func(name string) refusal {
+			return refusal{"read a message of " + name + " by sequence", "$JS.API.STREAM.MSG.GET." + name, raw("$JS.API.STREAM.MSG.GET."+name, `{"seq":1}`)}
+		}
+		publishTo := func(subject string) refusal {
+			return refusal{"publish to " + subject, subject, func(ctx context.Context, c *natsClient) error {
+				_, err := c.js.Publish(ctx, subject, []byte(`{}`))
+				return err
+			}}
+		}
+		consumerCreate := func(name string, filter string) refusal {
+			subject := "$JS.API.CONSUMER.CREATE.EVENTS." + name
+			if filter != "" {
+				subject += "." + filter
+			}
+			return refusal{"create or change consumer " + name + " (filter " + filter + ")", subject, func(ctx context.Context, c *natsClient) error {
+				cc := jetstream.ConsumerConfig{Durable: name, AckPolicy: jetstream.AckExplicitPolicy, FilterSubject: filter}
+				_, err := c.js.CreateOrUpdateConsumer(ctx, cfg.Stream.Name, cc)
+				return err
+			}}
+		}
+		consumerDelete := func(name string) refusal {
+			return refusal{"delete consumer " + name, "$JS.API.CONSUMER.DELETE.EVENTS." + name, raw("$JS.API.CONSUMER.DELETE.EVENTS."+name, ``)}
+		}
+		common := func() []refusal {
+			return []refusal{
+				update(cfg.Stream.Name), update(cfg.Subscribers.DeadLetterStream), create(cfg.Stream.Name),
+				purge(cfg.Stream.Name), purge(cfg.Subscribers.DeadLetterStream),
+				deleteStream(cfg.Stream.Name), deleteStream(cfg.Subscribers.DeadLetterStream),
+				deleteMsg(cfg.Stream.Name), deleteMsg(cfg.Subscribers.DeadLetterStream),
+			}
+		}
+		byUser := map[*natsClient][]refusal{}
+		byUser[rel] = append(common(), getMsg(cfg.Stream.Name), consumerCreate("snoop", ""), publishTo("deadletter.invoicing.x"))
+		for c, h := range handlers {
+			name := h.Name()
+			byUser[c] = append(common(), getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream),
+				// Not even its own consumer: it could widen its filter.
+				consumerCreate(name, ""), consumerCreate(name, "events.>"), consumerDelete(name),
+				publishTo("events."+shop.OrderCreated))
+		}
+		byUser[prov] = []refusal{
+			purge(cfg.Stream.Name), purge(cfg.Subscribers.DeadLetterStream),
+			deleteStream(cfg.Stream.Name), deleteStream(cfg.Subscribers.DeadLetterStream),
+			deleteMsg(cfg.Stream.Name), deleteMsg(cfg.Subscribers.DeadLetterStream),
+			getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream), consumerDelete(invoicing.Name),
+			{"pull from consumer invoicing", "$JS.API.CONSUMER.MSG.NEXT.EVENTS." + invoicing.Name, raw("$JS.API.CONSUMER.MSG.NEXT.EVENTS."+invoicing.Name, `{"batch":1}`)},
+			publishTo("events." + shop.OrderCreated), publishTo("deadletter.invoicing.x"),
+		}
+		byUser[op] = append(common(), publishTo("events."+shop.OrderCreated), publishTo("deadletter.invoicing.x"))
+		for _, c := range []*natsClient{rel, inv, cin, six, sal, prov, op} {
+			for _, r := range byUser[c] {
+				c.deniedRequest(t, r.subject, func(ctx context.Context) error { return r.op(ctx, c) })
+				t.Logf("refused: %-11s %s (%s)", c.user, r.what, r.subject)
+			}
+			c.checkClean(t)
+		}
+		// Not even the administrator may remove events or dead letters: the
+		// streams themselves deny it.
+		admin := ns.connect(t, "admin")
+		for _, name := range []string{cfg.Stream.Name, cfg.Subscribers.DeadLetterStream} {
+			s, err := admin.js.Stream(ctx, name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Purge(ctx); err == nil {
+				t.Errorf("admin purged %s", name)
+			} else {
+				t.Logf("refused: %-11s purge stream %s (the stream denies it: %v)", "admin", name, err)
+			}
+			if err := s.DeleteMsg(ctx, 1); err == nil {
+				t.Errorf("admin deleted a message of %s", name)
+			} else {
+				t.Logf("refused: %-11s delete a message of %s (the stream denies it: %v)", "admin", name, err)
+			}
+		}
 	})
 
 	t.Run("a subscriber cannot publish events", func(t *testing.T) {
@@ -1302,6 +1449,46 @@ SELECT id FROM p`).Scan(&productID)
 		denied(t, pool, "fanout_salesledger", `SELECT * FROM products`)
 		denied(t, pool, "fanout_salesledger", `SELECT * FROM outbox`)
 		denied(t, pool, "fanout_salesledger", `INSERT INTO invoices (order_id, number, total) VALUES (1, 'x', 0)`)
+	})
+
+	t.Run("fanout_operator", func(t *testing.T) {
+		pool := rolePool(t, cfg, db.URL, "fanout_operator")
+		// What the operator commands run: status's counts (every
+		// subscriber's checkpoint, through its memberships), retry-failed,
+		// the audit trail, a reindex's reads of the catalog, and a
+		// redrive's work as a subscriber.
+		var outboxRows, checkpoints int64
+		if err := pool.QueryRow(ctx, metrics.OutboxStateSQL).Scan(&outboxRows, new(float64), new(int64)); err != nil {
+			t.Errorf("fanout_operator reads the outbox state: %v", err)
+		}
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_events`).Scan(&checkpoints); err != nil || checkpoints < 2 {
+			t.Errorf("fanout_operator reads the checkpoints: %d rows (%v), want every subscriber's", checkpoints, err)
+		}
+		if _, err := pool.Exec(ctx, `UPDATE outbox SET status = 'pending', attempts = 0, available_at = now() WHERE status = 'failed'`); err != nil {
+			t.Errorf("fanout_operator returns failed rows to pending: %v", err)
+		}
+		if _, err := pool.Exec(ctx, `INSERT INTO dead_letter_actions (action, subscriber, stream_seq, outcome, actor) VALUES ('discard', 'invoicing', 1, 'discarded', 'test')`); err != nil {
+			t.Errorf("fanout_operator records an action: %v", err)
+		}
+		if _, err := shop.LoadProducts(ctx, pool, []int64{productID}); err != nil {
+			t.Errorf("fanout_operator reads the catalog: %v", err)
+		}
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `INSERT INTO processed_events (subscriber, event_id) VALUES ('invoicing', 102)`); err != nil {
+				return err
+			}
+			return invoicing.New().HandleTx(ctx, tx, subscribers.Event{ID: 102, Type: shop.OrderCreated, Payload: []byte(fmt.Sprintf(`{"order_id": %d}`, orderID))})
+		})
+		if err != nil {
+			t.Errorf("fanout_operator redrives as invoicing: %v", err)
+		}
+		denied(t, pool, "fanout_operator", `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('x', '1', 'x.y', '{}')`)
+		denied(t, pool, "fanout_operator", `UPDATE outbox SET payload = '{}'`)
+		denied(t, pool, "fanout_operator", `DELETE FROM outbox`)
+		denied(t, pool, "fanout_operator", `UPDATE dead_letter_actions SET outcome = 'handled'`)
+		denied(t, pool, "fanout_operator", `DELETE FROM dead_letter_actions`)
+		denied(t, pool, "fanout_operator", `UPDATE products SET price = 0`)
+		denied(t, pool, "fanout_operator", `CREATE TABLE sneaky (id int)`)
 	})
 
 	for _, role := range []string{"fanout_cacheinval", "fanout_searchindex"} {

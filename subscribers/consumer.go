@@ -64,7 +64,7 @@ func ensureConsumer(ctx context.Context, stream jetstream.Stream, want jetstream
 		return existing, nil
 	case "verify":
 		if existing == nil {
-			return nil, fmt.Errorf("consumer %s does not exist (stream.provision=verify)", want.Durable)
+			return nil, fmt.Errorf("consumer %s does not exist (stream.provision=verify; `fanout provision` creates it)", want.Durable)
 		}
 		have := existing.CachedInfo().Config
 		if have.AckPolicy != jetstream.AckExplicitPolicy {
@@ -100,4 +100,12 @@ func sameSet(a, b []string) bool {
 	slices.Sort(a)
 	slices.Sort(b)
 	return slices.Equal(a, b)
+}
+
+// ProvisionConsumer creates the subscriber's durable consumer or brings it
+// to its configuration (keeping the start position of an existing one):
+// `fanout provision` runs it with the provisioning identity, so that the
+// subscribers themselves need no right to create or change consumers.
+func ProvisionConsumer(ctx context.Context, stream jetstream.Stream, h Handler, cfg config.Subscribers, streamCfg config.Stream) (jetstream.Consumer, error) {
+	return ensureConsumer(ctx, stream, ConsumerConfig(h, cfg, streamCfg), "auto")
 }

@@ -42,19 +42,32 @@ func DeadLetterStreamConfig(cfg config.Subscribers, replicas int) jetstream.Stre
 		// dead_letter_actions table) rather than delete them.
 		DenyDelete: true,
 		DenyPurge:  true,
-		Metadata:    map[string]string{"fanout.owner": "fanout subscribers (stream.provision=auto)"},
+		Metadata:   map[string]string{"fanout.owner": "fanout provision, or subscribers with subscribers.dead_letter_provision=auto"},
 	}
 }
 
-func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg config.Subscribers, replicas int, provision string) error {
-	switch provision {
+// ProvisionDeadLetterStream creates the dead-letter stream or brings it to
+// its configuration: `fanout provision` runs it with the provisioning
+// identity.
+func ProvisionDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg config.Subscribers, replicas int) (*jetstream.StreamInfo, error) {
+	s, err := js.CreateOrUpdateStream(ctx, DeadLetterStreamConfig(cfg, replicas))
+	if err != nil {
+		return nil, fmt.Errorf("provision dead-letter stream %s: %w", cfg.DeadLetterStream, err)
+	}
+	return s.CachedInfo(), nil
+}
+
+// ensureDeadLetterStream provisions the dead-letter stream (auto), checks
+// that it exists (verify), or trusts it (off), per
+// subscribers.dead_letter_provision.
+func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg config.Subscribers, replicas int) error {
+	switch cfg.DeadLetterProvision {
 	case "auto":
-		if _, err := js.CreateOrUpdateStream(ctx, DeadLetterStreamConfig(cfg, replicas)); err != nil {
-			return fmt.Errorf("provision dead-letter stream %s: %w", cfg.DeadLetterStream, err)
-		}
+		_, err := ProvisionDeadLetterStream(ctx, js, cfg, replicas)
+		return err
 	case "verify":
 		if _, err := js.Stream(ctx, cfg.DeadLetterStream); err != nil {
-			return fmt.Errorf("verify dead-letter stream %s (stream.provision=verify): %w", cfg.DeadLetterStream, err)
+			return fmt.Errorf("verify dead-letter stream %s (subscribers.dead_letter_provision=verify; `fanout provision` creates it): %w", cfg.DeadLetterStream, err)
 		}
 	}
 	return nil

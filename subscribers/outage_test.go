@@ -200,10 +200,11 @@ func TestDeadLetterStreamUnavailableLosesNothing(t *testing.T) {
 	if err := first.Stop(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	// (Provisioning off: with auto, a starting instance re-applies the
-	// dead-letter stream's configuration, which would end this outage.)
+	// (Dead-letter provisioning verify, as in production: with auto, a
+	// starting instance re-applies the dead-letter stream's configuration,
+	// which would end this outage.)
 	second := newScripted(name)
-	env.StartRunner(second, func(o *subscribers.Options) { o.Stream.Provision = "off" })
+	env.StartRunner(second, func(o *subscribers.Options) { o.Config.DeadLetterProvision = "verify" })
 	time.Sleep(3 * time.Second)
 	_, ackPending, err := env.ConsumerState(name)
 	if err != nil || ackPending != 2 {

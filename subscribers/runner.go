@@ -161,7 +161,7 @@ func (r *Runner) start(ctx context.Context) error {
 		return err
 	}
 	if err := jsretry.Do(ctx, r.logger, "provision the dead-letter stream", func() error {
-		return ensureDeadLetterStream(ctx, r.js, r.cfg, r.opts.Stream.Replicas, r.opts.Stream.Provision)
+		return ensureDeadLetterStream(ctx, r.js, r.cfg, r.opts.Stream.Replicas)
 	}); err != nil {
 		return err
 	}

@@ -74,8 +74,8 @@ type deadLetter struct {
 	// Resolved says how an operator resolved it (redriven, discarded), or
 	// is empty: the stream keeps resolved letters until they age out.
 	Resolved string
-	parsed  subscribers.DeadLetter
-	raw     *jetstream.RawStreamMsg
+	parsed   subscribers.DeadLetter
+	raw      *jetstream.RawStreamMsg
 }
 
 // resolvedSQL finds the letters an operator resolved: discarded, or

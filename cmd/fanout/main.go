@@ -40,6 +40,7 @@ FANOUT_RELAY_BATCH_SIZE). ` + "`fanout config keys`" + ` lists every key.`,
 	root.PersistentPostRun = func(*cobra.Command, []string) { app.close() }
 	root.AddCommand(
 		migrateCommand(app),
+		provisionCommand(app),
 		relayCommand(app),
 		subscribeCommand(app),
 		reindexCommand(app),

@@ -45,6 +45,15 @@
 --                       INSERT, UPDATE on product_sales (it adds each
 --                       order to its products' totals); its own checkpoint
 --                       and attempts rows.
+--   fanout_operator     LOGIN. The operator commands (fanout status, dlq,
+--                       outbox, reindex). A member of each subscriber role:
+--                       a dead letter's redrive runs that subscriber's
+--                       handler with its checkpoint, and a reindex reads the
+--                       catalog as the search indexer does. outbox: SELECT,
+--                       and UPDATE of the bookkeeping columns (retry-failed,
+--                       republish return rows to pending); it cannot write
+--                       or change an event. dead_letter_actions: SELECT and
+--                       INSERT only: the audit trail is append-only.
 --
 -- processed_events and subscriber_attempts have row-level security: each
 -- subscriber role sees and writes only the rows of its own subscriber name
@@ -56,7 +65,8 @@
 -- variable is set in psql's environment, the role's password is set from it:
 --   FANOUT_PG_MIGRATE_PASSWORD, FANOUT_PG_RELAY_PASSWORD,
 --   FANOUT_PG_INVOICING_PASSWORD, FANOUT_PG_CACHEINVAL_PASSWORD,
---   FANOUT_PG_SEARCHINDEX_PASSWORD, FANOUT_PG_SALESLEDGER_PASSWORD.
+--   FANOUT_PG_SEARCHINDEX_PASSWORD, FANOUT_PG_SALESLEDGER_PASSWORD,
+--   FANOUT_PG_OPERATOR_PASSWORD.
 -- The value may be a SCRAM-SHA-256 verifier (SCRAM-SHA-256$4096:...), which
 -- PostgreSQL stores as is; a plain password travels to the server in the
 -- ALTER ROLE statement, so make sure log_statement does not log DDL then, or
@@ -73,7 +83,7 @@ BEGIN;
 SELECT format('CREATE ROLE %I', r)
 FROM unnest(ARRAY['fanout_migrate', 'fanout_relay', 'fanout_writer',
                   'fanout_invoicing', 'fanout_cacheinval', 'fanout_searchindex',
-                  'fanout_salesledger']) AS r
+                  'fanout_salesledger', 'fanout_operator']) AS r
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = r) \gexec
 
 ALTER ROLE fanout_migrate     LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
@@ -83,6 +93,7 @@ ALTER ROLE fanout_invoicing   LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPL
 ALTER ROLE fanout_cacheinval  LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_searchindex LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_salesledger LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_operator    LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT;
 
 -- Passwords, from psql's environment when set.
 \unset fanout_password
@@ -116,23 +127,34 @@ ALTER ROLE fanout_searchindex PASSWORD :'fanout_password';
 ALTER ROLE fanout_salesledger PASSWORD :'fanout_password';
 \unset fanout_password
 \endif
+\getenv fanout_password FANOUT_PG_OPERATOR_PASSWORD
+\if :{?fanout_password}
+ALTER ROLE fanout_operator PASSWORD :'fanout_password';
+\unset fanout_password
+\endif
+
+-- The operator acts as each subscriber when it redrives that subscriber's
+-- dead letters (and as the search indexer when it reindexes).
+GRANT fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger TO fanout_operator;
 
 -- Database and schema ---------------------------------------------------------
 
 SELECT current_database() AS fanout_database \gset
 GRANT CONNECT ON DATABASE :"fanout_database"
-    TO fanout_migrate, fanout_relay, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
+    TO fanout_migrate, fanout_relay, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger,
+       fanout_operator;
 
 GRANT USAGE, CREATE ON SCHEMA public TO fanout_migrate;
 GRANT USAGE ON SCHEMA public
-    TO fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
+    TO fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger,
+       fanout_operator;
 
 -- Tables (once migrated) --------------------------------------------------------
 
 SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migrated
 FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands', 'categories',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
-                  'invoice_number_seq', 'product_sales']) AS t \gset
+                  'invoice_number_seq', 'product_sales', 'dead_letter_actions']) AS t \gset
 
 \if :fanout_migrated
 
@@ -152,9 +174,11 @@ WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::re
 
 -- Start from nothing, so that a run converges on the lists below.
 REVOKE ALL ON ALL TABLES IN SCHEMA public
-    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
+    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger,
+         fanout_operator;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
-    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
+    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger,
+         fanout_operator;
 
 -- The relay.
 GRANT SELECT, DELETE ON outbox TO fanout_relay;
@@ -205,6 +229,12 @@ GRANT SELECT ON orders, order_lines, products TO fanout_invoicing;
 GRANT INSERT ON invoices, invoice_lines TO fanout_invoicing;
 GRANT SELECT (id, order_id) ON invoices TO fanout_invoicing;
 GRANT USAGE ON SEQUENCE invoice_number_seq TO fanout_invoicing;
+
+-- The operator commands (besides what they do as the subscribers).
+GRANT SELECT ON outbox TO fanout_operator;
+GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_token, published_at)
+    ON outbox TO fanout_operator;
+GRANT SELECT, INSERT ON dead_letter_actions TO fanout_operator;
 
 -- The sales ledger.
 GRANT SELECT ON orders, order_lines TO fanout_salesledger;

@@ -96,8 +96,10 @@ type Stream struct {
 	// relay.retry_max (the longest a row's second publish can follow its
 	// first), and not exceed MaxAge. Default 10m.
 	DuplicateWindow time.Duration `koanf:"duplicate_window"`
-	// Provision is auto (create or update the stream), verify (refuse to start
-	// unless it exists and fits), or off (trust other tooling). Default auto.
+	// Provision is auto (the relay creates or updates the stream, and each
+	// subscriber its consumer), verify (they refuse to start unless the
+	// stream, or the consumer, exists and fits: `fanout provision` made
+	// them), or off (trust other tooling). Default auto.
 	Provision string `koanf:"provision"`
 }
 
@@ -187,6 +189,10 @@ type Subscribers struct {
 	// DeadLetterSubjectPrefix starts dead letters' subjects:
 	// <prefix>.<subscriber>.<event_type>. Default "deadletter".
 	DeadLetterSubjectPrefix string `koanf:"dead_letter_subject_prefix"`
+	// DeadLetterProvision is auto (each subscriber creates or updates the
+	// dead-letter stream at start), verify (it must exist: `fanout
+	// provision` made it) or off. Default auto.
+	DeadLetterProvision string `koanf:"dead_letter_provision"`
 	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30 days).
 	DeadLetterMaxAge time.Duration `koanf:"dead_letter_max_age"`
 	// ShutdownTimeout bounds the drain at SIGTERM. Default 30s, > 0.
@@ -349,6 +355,7 @@ func defaults() map[string]any {
 		"subscribers.start_time":                 "",
 		"subscribers.dead_letter_stream":         "DEADLETTER",
 		"subscribers.dead_letter_max_age":        "720h",
+		"subscribers.dead_letter_provision":      "auto",
 		"subscribers.dead_letter_subject_prefix": "deadletter",
 		"subscribers.shutdown_timeout":           "30s",
 
@@ -634,6 +641,7 @@ func (c *Config) Validate() error {
 		bad("subscribers.dead_letter_subject_prefix", "must be one subject token without '.', '*', '>' or spaces (got %q)", c.Subscribers.DeadLetterSubjectPrefix)
 	}
 	positive("subscribers.dead_letter_max_age", c.Subscribers.DeadLetterMaxAge)
+	oneOf("subscribers.dead_letter_provision", c.Subscribers.DeadLetterProvision, "auto", "verify", "off")
 	positive("subscribers.shutdown_timeout", c.Subscribers.ShutdownTimeout)
 
 	if u, err := url.Parse(c.Redis.URL); err != nil || (u.Scheme != "redis" && u.Scheme != "rediss") {

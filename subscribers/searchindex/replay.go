@@ -13,10 +13,12 @@ import (
 )
 
 // ReplayConsumer is the consumer `fanout reindex` reads the stream through.
-// Its name is fixed, not generated like an ordered consumer's, so the
-// search indexer's NATS user can be granted exactly this consumer and no
-// other (deploy/nats/nats-server.conf). Reindexes are serialized (Lock), so
-// one name is enough.
+// Its name is fixed, not generated like an ordered consumer's, so that an
+// operator can tell it apart (and a leftover one is replaced). A reindex
+// runs as the operator identity: a consumer whose filter its creator picks
+// is no right to give a subscriber's user, which could then read events
+// that are not its own (deploy/nats/nats-server.conf). Reindexes are
+// serialized (Lock), so one name is enough.
 const ReplayConsumer = "searchindex_reindex"
 
 const (
