@@ -368,7 +368,9 @@ func denied(t *testing.T, q querier, who, sql string, args ...any) {
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.Code != "42501" {
 		t.Errorf("%s: %s: got %v, want SQLSTATE 42501 (insufficient_privilege)", who, sql, err)
+		return
 	}
+	t.Logf("refused: %-18s %s", who, strings.Join(strings.Fields(sql), " "))
 }
 
 // asRole runs fn in a transaction of the superuser pool switched to role
