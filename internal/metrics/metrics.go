@@ -135,7 +135,7 @@ func (m *Subscribers) DependencyUp(s, dep string, down time.Duration) {
 }
 
 // BulkItems counts search bulk item outcomes (ok, conflict, not_found,
-// retry, rejected).
+// retry, failed, rejected: see searchindex.Handler.ObserveBulkItems).
 type BulkItems struct{ items *prometheus.CounterVec }
 
 // NewBulkItems registers the search indexer's bulk metrics.
