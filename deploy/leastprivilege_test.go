@@ -15,11 +15,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -39,6 +41,7 @@ import (
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
 	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/fanout/fanout/subscribers/registry"
 	"github.com/fanout/fanout/subscribers/salesledger"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5"
@@ -56,8 +59,9 @@ func TestMain(m *testing.M) {
 // ---------------------------------------------------------------------------
 // nats-server under deploy/nats/nats-server.conf
 
-// natsUsers are the users of the configuration file.
-var natsUsers = []string{"relay", "invoicing", "cacheinval", "searchindex", "salesledger", "provisioner", "operator", "admin"}
+// natsUsers are the users of the configuration file: fanout's own roles
+// and a user per subscriber in the registry.
+var natsUsers = append([]string{"relay", "provisioner", "operator", "admin"}, registry.Default.Names()...)
 
 type natsServer struct {
 	url       string
@@ -467,7 +471,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := subscribers.ProvisionConsumer(ctx, provEvents, invoicing.New(), cfg.Subscribers, cfg.Stream); err != nil {
+	if _, err := subscribers.ProvisionConsumer(ctx, provEvents, invoicing.Subscriber, cfg.Subscribers, cfg.Stream); err != nil {
 		t.Fatalf("provision invoicing's consumer as provisioner: %v", err)
 	}
 	cfg.Stream.Provision = "verify"
@@ -673,19 +677,20 @@ func TestNATSPermissions(t *testing.T) {
 	ns := startNATS(t)
 	discard := slog.New(slog.NewTextHandler(io.Discard, nil))
 	rel := ns.connect(t, "relay")
-	inv := ns.connect(t, "invoicing")
-	cin := ns.connect(t, "cacheinval")
-	six := ns.connect(t, "searchindex")
-	sal := ns.connect(t, "salesledger")
 	prov := ns.connect(t, "provisioner")
 	op := ns.connect(t, "operator")
+	// Every subscriber in the registry, each as its own user.
+	handlers := map[*natsClient]subscribers.Declaration{}
+	client := map[string]*natsClient{}
+	for _, d := range registry.Default.All() {
+		c := ns.connect(t, d.Name)
+		handlers[c], client[d.Name] = d, c
+	}
+	inv, cin, six := client[invoicing.Name], client[cacheinval.Name], client[searchindex.Name]
 
 	// The provisioner creates EVENTS and DEADLETTER and every subscriber's
 	// consumer, and runs again (update) without harm.
 	minDup := config.RepublishDelay(cfg.Relay)
-	handlers := map[*natsClient]subscribers.Handler{
-		inv: invoicing.New(), cin: cacheinval.New(nil, nil), six: searchindex.New(nil, nil, cfg.Search, discard), sal: salesledger.New(),
-	}
 	for range 2 {
 		if err := relay.EnsureStream(ctx, prov.js, cfg.Stream, minDup, discard); err != nil {
 			t.Fatalf("provisioner provisions the stream: %v", err)
@@ -697,9 +702,9 @@ func TestNATSPermissions(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		for _, h := range handlers {
-			if _, err := subscribers.ProvisionConsumer(ctx, events, h, cfg.Subscribers, cfg.Stream); err != nil {
-				t.Fatalf("provisioner provisions consumer %s: %v", h.Name(), err)
+		for _, d := range handlers {
+			if _, err := subscribers.ProvisionConsumer(ctx, events, d, cfg.Subscribers, cfg.Stream); err != nil {
+				t.Fatalf("provisioner provisions consumer %s: %v", d.Name, err)
 			}
 		}
 	}
@@ -727,7 +732,7 @@ func TestNATSPermissions(t *testing.T) {
 
 	// Each subscriber looks up the streams and its own consumer, as the
 	// runtime does with provisioning set to verify.
-	for c, h := range handlers {
+	for c, d := range handlers {
 		if _, err := c.js.Stream(ctx, cfg.Subscribers.DeadLetterStream); err != nil {
 			t.Fatalf("%s looks up the dead-letter stream: %v", c.user, err)
 		}
@@ -735,7 +740,7 @@ func TestNATSPermissions(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s looks up the stream: %v", c.user, err)
 		}
-		if _, err := s.Consumer(ctx, h.Name()); err != nil {
+		if _, err := s.Consumer(ctx, d.Name); err != nil {
 			t.Fatalf("%s looks up its consumer: %v", c.user, err)
 		}
 		c.checkClean(t)
@@ -842,7 +847,7 @@ func TestNATSPermissions(t *testing.T) {
 			}
 			t.Logf("refused: %s, %s: %v", c.user, what, err)
 		}
-		for _, c := range []*natsClient{inv, cin, six, sal} {
+		for c, d := range handlers {
 			other := invoicing.Name
 			if c == inv {
 				other = cacheinval.Name
@@ -854,8 +859,8 @@ func TestNATSPermissions(t *testing.T) {
 			// In its own name, but naming an event that is not the one at
 			// the sequence given, or one it does not receive.
 			wrongID, typ := 2, shop.OrderCreated // the order's sequence holds event 1
-			if c == cin || c == six {
-				wrongID = 1 // the order event itself, which they never receive
+			if !slices.Contains(d.EventTypes, shop.OrderCreated) {
+				wrongID = 1 // the order event itself, which it never receives
 			}
 			dl, err := subscribers.ParseDeadLetter(forge(c, c.user, typ, orderSeq, wrongID), cfg.Subscribers, cfg.Stream)
 			if err != nil {
@@ -976,8 +981,8 @@ func TestNATSPermissions(t *testing.T) {
 		}
 		byUser := map[*natsClient][]refusal{}
 		byUser[rel] = append(common(), getMsg(cfg.Stream.Name), consumerCreate("snoop", ""), publishTo("deadletter.invoicing.x"))
-		for c, h := range handlers {
-			name := h.Name()
+		for c, d := range handlers {
+			name := d.Name
 			byUser[c] = append(common(), getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream),
 				// Not even its own consumer: it could widen its filter.
 				consumerCreate(name, ""), consumerCreate(name, "events.>"), consumerDelete(name),
@@ -992,7 +997,7 @@ func TestNATSPermissions(t *testing.T) {
 			publishTo("events." + shop.OrderCreated), publishTo("deadletter.invoicing.x"),
 		}
 		byUser[op] = append(common(), publishTo("events."+shop.OrderCreated), publishTo("deadletter.invoicing.x"))
-		for _, c := range []*natsClient{rel, inv, cin, six, sal, prov, op} {
+		for _, c := range append([]*natsClient{rel, prov, op}, slices.Collect(maps.Keys(handlers))...) {
 			for _, r := range byUser[c] {
 				c.deniedRequest(t, r.subject, func(ctx context.Context) error { return r.op(ctx, c) })
 				t.Logf("refused: %-11s %s (%s)", c.user, r.what, r.subject)
@@ -1058,7 +1063,7 @@ func TestNATSPermissions(t *testing.T) {
 				return err
 			})
 			c.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+other, func(ctx context.Context) error {
-				_, err := events.CreateOrUpdateConsumer(ctx, subscribers.ConsumerConfig(cacheinval.New(nil, nil), cfg.Subscribers, cfg.Stream))
+				_, err := events.CreateOrUpdateConsumer(ctx, subscribers.ConsumerConfig(cacheinval.Name, cacheinval.Subscriber.EventTypes, cfg.Subscribers, cfg.Stream))
 				return err
 			})
 			c.deniedRequest(t, "$JS.API.CONSUMER.DELETE.EVENTS."+other, func(ctx context.Context) error {
@@ -1101,7 +1106,8 @@ func TestNATSPermissions(t *testing.T) {
 	})
 
 	t.Run("no user can read or forge another user's replies", func(t *testing.T) {
-		users := map[string]*natsClient{"relay": rel, "invoicing": inv, "cacheinval": cin, "searchindex": six}
+		users := maps.Clone(client)
+		users["relay"] = rel
 		// request makes user receive a reply (a JetStream API response) on
 		// its inbox.
 		request := func(user string) {
@@ -1174,7 +1180,7 @@ func TestNATSPermissions(t *testing.T) {
 	})
 
 	t.Run("the relay cannot consume", func(t *testing.T) {
-		for _, name := range []string{invoicing.Name, cacheinval.Name, searchindex.Name, salesledger.Name} {
+		for _, name := range registry.Default.Names() {
 			rel.deniedRequest(t, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, func(ctx context.Context) error {
 				_, err := rel.nc.RequestWithContext(ctx, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, []byte(`{"batch":1}`))
 				return err
@@ -1512,6 +1518,35 @@ SELECT id FROM p`).Scan(&productID)
 		})
 	}
 
+	// Every subscriber in the registry has its role, with its own
+	// checkpoints and attempts and its declared grants, and nothing of
+	// another subscriber's.
+	for _, d := range registry.Default.All() {
+		role := "fanout_" + d.Name
+		t.Run(role+" as declared", func(t *testing.T) {
+			pool := rolePool(t, cfg, db.URL, role)
+			asRole(t, db.Pool, role, func(tx pgx.Tx) {
+				if _, err := tx.Exec(ctx, `INSERT INTO processed_events (subscriber, event_id) VALUES ($1, 9001)`, d.Name); err != nil {
+					t.Errorf("%s checkpoints: %v", role, err)
+				}
+				if _, err := tx.Exec(ctx, `INSERT INTO subscriber_attempts (subscriber, event_id, failures) VALUES ($1, 9001, 1)`, d.Name); err != nil {
+					t.Errorf("%s records an attempt: %v", role, err)
+				}
+			})
+			other := invoicing.Name
+			if d.Name == other {
+				other = cacheinval.Name
+			}
+			denied(t, pool, role, `INSERT INTO processed_events (subscriber, event_id) VALUES ($1, 9002)`, other)
+			denied(t, pool, role, `INSERT INTO subscriber_attempts (subscriber, event_id) VALUES ($1, 9002)`, other)
+			denied(t, pool, role, `SELECT * FROM outbox`)
+			denied(t, pool, role, `SELECT * FROM dead_letter_actions`)
+			for _, g := range d.Grants {
+				checkGrant(t, db.Pool, role, g)
+			}
+		})
+	}
+
 	t.Run("fanout_relay", func(t *testing.T) {
 		pool := rolePool(t, cfg, db.URL, "fanout_relay")
 		denied(t, pool, "fanout_relay", `SELECT * FROM products`)
@@ -1519,6 +1554,45 @@ SELECT id FROM p`).Scan(&productID)
 		denied(t, pool, "fanout_relay", `UPDATE outbox SET event_type = 'x.y'`)
 		denied(t, pool, "fanout_relay", `DELETE FROM processed_events`)
 	})
+}
+
+// checkGrant checks that role holds grant, written as in a declaration's
+// Grants ("SELECT, INSERT ON a, b", "SELECT (id, x) ON t", "USAGE ON
+// SEQUENCE s").
+func checkGrant(t *testing.T, pool *pgxpool.Pool, role, grant string) {
+	t.Helper()
+	privs, objects, ok := strings.Cut(grant, " ON ")
+	if !ok {
+		t.Fatalf("grant %q: no ON", grant)
+	}
+	var columns []string
+	if open := strings.Index(privs, "("); open >= 0 {
+		columns = strings.Split(strings.Trim(privs[open:], "() "), ",")
+		privs = privs[:open]
+	}
+	check := `SELECT has_table_privilege($1, $2, $3)`
+	if rest, seq := strings.CutPrefix(objects, "SEQUENCE "); seq {
+		objects, check = rest, `SELECT has_sequence_privilege($1, $2, $3)`
+	}
+	for _, object := range strings.Split(objects, ",") {
+		for _, priv := range strings.Split(privs, ",") {
+			object, priv := strings.TrimSpace(object), strings.TrimSpace(priv)
+			if len(columns) > 0 {
+				for _, col := range columns {
+					var has bool
+					if err := pool.QueryRow(context.Background(), `SELECT has_column_privilege($1, $2, $3, $4)`,
+						role, object, strings.TrimSpace(col), priv).Scan(&has); err != nil || !has {
+						t.Errorf("%s: %s on %s.%s: %v (%v), declared %q", role, priv, object, col, has, err, grant)
+					}
+				}
+				continue
+			}
+			var has bool
+			if err := pool.QueryRow(context.Background(), check, role, object, priv).Scan(&has); err != nil || !has {
+				t.Errorf("%s: %s on %s: %v (%v), declared %q", role, priv, object, has, err, grant)
+			}
+		}
+	}
 }
 
 // privileges lists, one per line, the owner and grants of every table and

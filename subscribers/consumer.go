@@ -12,15 +12,16 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// ConsumerConfig is the durable consumer a subscriber gets.
-func ConsumerConfig(h Handler, cfg config.Subscribers, stream config.Stream) jetstream.ConsumerConfig {
-	filters := make([]string, 0, len(h.EventTypes()))
-	for _, t := range h.EventTypes() {
+// ConsumerConfig is the durable consumer the subscriber name gets, for its
+// event types.
+func ConsumerConfig(name string, eventTypes []string, cfg config.Subscribers, stream config.Stream) jetstream.ConsumerConfig {
+	filters := make([]string, 0, len(eventTypes))
+	for _, t := range eventTypes {
 		filters = append(filters, stream.SubjectPrefix+"."+t)
 	}
 	cc := jetstream.ConsumerConfig{
-		Durable:        h.Name(),
-		Description:    "fanout subscriber " + h.Name() + ": " + strings.Join(filters, ", "),
+		Durable:        name,
+		Description:    "fanout subscriber " + name + ": " + strings.Join(filters, ", "),
 		FilterSubjects: filters,
 		AckPolicy:      jetstream.AckExplicitPolicy,
 		AckWait:        cfg.AckWait,
@@ -32,7 +33,7 @@ func ConsumerConfig(h Handler, cfg config.Subscribers, stream config.Stream) jet
 		MaxDeliver:    -1,
 		MaxAckPending: cfg.MaxAckPending,
 		Replicas:      stream.Replicas,
-		Metadata:      map[string]string{"fanout.subscriber": h.Name()},
+		Metadata:      map[string]string{"fanout.subscriber": name},
 	}
 	switch cfg.Start {
 	case "new":
@@ -106,6 +107,6 @@ func sameSet(a, b []string) bool {
 // to its configuration (keeping the start position of an existing one):
 // `fanout provision` runs it with the provisioning identity, so that the
 // subscribers themselves need no right to create or change consumers.
-func ProvisionConsumer(ctx context.Context, stream jetstream.Stream, h Handler, cfg config.Subscribers, streamCfg config.Stream) (jetstream.Consumer, error) {
-	return ensureConsumer(ctx, stream, ConsumerConfig(h, cfg, streamCfg), "auto")
+func ProvisionConsumer(ctx context.Context, stream jetstream.Stream, d Declaration, cfg config.Subscribers, streamCfg config.Stream) (jetstream.Consumer, error) {
+	return ensureConsumer(ctx, stream, ConsumerConfig(d.Name, d.EventTypes, cfg, streamCfg), "auto")
 }

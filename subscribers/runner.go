@@ -173,7 +173,7 @@ func (r *Runner) start(ctx context.Context) error {
 	var cons jetstream.Consumer
 	err = jsretry.Do(ctx, r.logger, "provision the consumer", func() error {
 		var err error
-		cons, err = ensureConsumer(ctx, stream, ConsumerConfig(r.opts.Handler, r.cfg, r.opts.Stream), r.opts.Stream.Provision)
+		cons, err = ensureConsumer(ctx, stream, ConsumerConfig(r.opts.Handler.Name(), r.opts.Handler.EventTypes(), r.cfg, r.opts.Stream), r.opts.Stream.Provision)
 		return err
 	})
 	if err != nil {

@@ -353,14 +353,11 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 				if r, ok := runners[name]; ok {
 					return r, nil
 				}
-				build, known := registry[name]
-				if !known {
+				decl, err := subscriberRegistry.Lookup(name)
+				if err != nil {
 					return nil, fmt.Errorf("dead letters of %q: this binary knows no such subscriber", name)
 				}
-				h, err := build(d)
-				if err == nil && d.redisErr != nil {
-					err = d.redisErr
-				}
+				h, err := d.build(decl)
 				if err != nil {
 					return nil, err
 				}

@@ -52,6 +52,7 @@ FANOUT_RELAY_BATCH_SIZE). ` + "`fanout config keys`" + ` lists every key.`,
 		dlqCommand(app),
 		outboxCommand(app),
 		replayCommand(app),
+		deployCommand(),
 	)
 	return root
 }

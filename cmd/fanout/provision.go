@@ -33,10 +33,13 @@ messages. A consumer that exists keeps its position.`,
 			if len(names) == 0 {
 				names = subscriberNames()
 			}
+			var decls []subscribers.Declaration
 			for _, name := range names {
-				if _, ok := declarations[name]; !ok {
-					return fmt.Errorf("unknown subscriber %q (known: %s)", name, strings.Join(subscriberNames(), ", "))
+				d, err := subscriberRegistry.Lookup(name)
+				if err != nil {
+					return err
 				}
+				decls = append(decls, d)
 			}
 			ctx := cmd.Context()
 			nc, err := a.nats("provision")
@@ -76,12 +79,12 @@ messages. A consumer that exists keeps its position.`,
 			if err != nil {
 				return err
 			}
-			for _, name := range names {
-				h := declarations[name](a.cfg)
+			for _, d := range decls {
+				name := d.Name
 				var c jetstream.Consumer
 				if err := jsretry.Do(ctx, logger, "provision consumer "+name, func() error {
 					var err error
-					c, err = subscribers.ProvisionConsumer(ctx, stream, h, a.cfg.Subscribers, a.cfg.Stream)
+					c, err = subscribers.ProvisionConsumer(ctx, stream, d, a.cfg.Subscribers, a.cfg.Stream)
 					return err
 				}); err != nil {
 					return fmt.Errorf("subscriber %s: %w", name, err)

@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"maps"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -12,15 +10,6 @@ import (
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/nats-io/nats.go/jetstream"
 )
-
-// Every subscriber `fanout subscribe` can run is one `fanout provision`
-// provisions.
-func TestRegistryAndDeclarationsAgree(t *testing.T) {
-	reg, decl := slices.Sorted(maps.Keys(registry)), slices.Sorted(maps.Keys(declarations))
-	if !slices.Equal(reg, decl) {
-		t.Fatalf("registry %v, declarations %v", reg, decl)
-	}
-}
 
 // `fanout provision` creates both streams, with deletes and purges denied,
 // and every subscriber's consumer with its filters; then the relay and the

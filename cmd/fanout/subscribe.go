@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"sync"
 
@@ -12,9 +11,8 @@ import (
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/opsserver"
+	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/subscribers"
-	"github.com/fanout/fanout/subscribers/cacheinval"
-	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -23,48 +21,47 @@ import (
 	"github.com/spf13/cobra"
 )
 
-// deps are the shared connections subscribers are built from; the Redis
-// client is opened only if a subscriber asks for it.
+// deps are the shared connections subscribers are built from: Postgres
+// always, Redis and the search engine once, when a subscriber uses them.
 type deps struct {
 	a      *app
 	ctx    context.Context
 	pool   *pgxpool.Pool
-	reg    *prometheus.Registry
+	reg    *prometheus.Registry // nil: serve no metrics
 	checks []opsserver.Check
 
-	redisOnce sync.Once
-	rdb       *redis.Client
-	redisErr  error
+	rdb    *redis.Client
+	search *search.Client
 }
 
-func (d *deps) redis() *redis.Client {
-	d.redisOnce.Do(func() {
-		d.rdb, d.redisErr = connect.Redis(d.ctx, d.a.cfg.Redis)
-		if d.redisErr == nil {
+// build connects what d's declaration uses and builds its handler.
+func (d *deps) build(decl subscribers.Declaration) (subscribers.Handler, error) {
+	if decl.UsesService(subscribers.Redis) && d.rdb == nil {
+		rdb, err := connect.Redis(d.ctx, d.a.cfg.Redis)
+		if err != nil {
+			return nil, fmt.Errorf("subscriber %s: %w", decl.Name, err)
 		}
-	})
-	return d.rdb
-}
-
-func (d *deps) cache() *cacheinval.Cache {
-	return cacheinval.NewCache(d.redis(), d.pool, d.a.cfg.Redis.Timeout, d.a.cfg.Redis.TombstoneTTL)
-}
-
-// searchIndexer connects to the engine and makes sure the alias points at
-// an index (per search.provision) before the indexer starts.
-func (d *deps) searchIndexer() (subscribers.Handler, error) {
-	c, err := connect.Search(d.ctx, d.a.cfg.Search)
-	if err != nil {
-		return nil, err
+		d.rdb = rdb
 	}
-	if err := searchindex.EnsureIndex(d.ctx, c, d.a.cfg.Search.Alias, d.a.cfg.Search.Provision); err != nil {
-		return nil, err
+	if decl.UsesService(subscribers.Search) && d.search == nil {
+		c, err := connect.Search(d.ctx, d.a.cfg.Search)
+		if err != nil {
+			return nil, fmt.Errorf("subscriber %s: %w", decl.Name, err)
+		}
+		d.search = c
 	}
-	h := searchindex.New(c, d.pool, d.a.cfg.Search, logging.Component(d.a.logger, "searchindex"))
+	deps := subscribers.Deps{Context: d.ctx, Pool: d.pool, Config: d.a.cfg,
+		Logger: logging.Component(d.a.logger, decl.Name)}
+	if decl.UsesService(subscribers.Redis) {
+		deps.Redis = d.rdb
+	}
+	if decl.UsesService(subscribers.Search) {
+		deps.Search = d.search
+	}
 	if d.reg != nil {
-		h.ObserveBulkItems(metrics.NewBulkItems(d.reg).BulkItem)
+		deps.Metrics = d.reg
 	}
-	return h, nil
+	return decl.Build(deps)
 }
 
 func (d *deps) close() {
@@ -73,14 +70,7 @@ func (d *deps) close() {
 	}
 }
 
-func subscriberNames() []string {
-	names := make([]string, 0, len(registry))
-	for n := range registry {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	return names
-}
+func subscriberNames() []string { return subscriberRegistry.Names() }
 
 // startSubscribers starts a runner per name; stopAll drains them all within
 // subscribers.shutdown_timeout.
@@ -107,13 +97,15 @@ func startSubscribers(ctx context.Context, a *app, d *deps, names []string, nc *
 		return errors.Join(errs...)
 	}
 	for _, name := range names {
-		h, err := registry[name](d)
-		if err == nil && d.redisErr != nil {
-			err = d.redisErr
-		}
+		decl, err := subscriberRegistry.Lookup(name)
 		if err != nil {
 			_ = stopAll()
-			return nil, fmt.Errorf("subscriber %s: %w", name, err)
+			return nil, err
+		}
+		h, err := d.build(decl)
+		if err != nil {
+			_ = stopAll()
+			return nil, err
 		}
 		r, err := subscribers.New(subscribers.Options{
 			Handler: sabotaged(h), Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
@@ -159,8 +151,8 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 				}
 			}
 			for _, name := range args {
-				if _, ok := registry[name]; !ok {
-					return fmt.Errorf("unknown subscriber %q (known: %s)", name, strings.Join(subscriberNames(), ", "))
+				if _, err := subscriberRegistry.Lookup(name); err != nil {
+					return err
 				}
 			}
 			ctx := cmd.Context()

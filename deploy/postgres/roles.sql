@@ -1,3 +1,7 @@
+-- Written by `fanout deploy render` from the subscribers' declarations
+-- (subscribers/registry): edit the template in internal/deployment, or a
+-- subscriber's Grants, not this file.
+--
 -- fanout's PostgreSQL roles, each with the least privilege its code needs.
 --
 -- A DBA runs this with psql, as a superuser, connected to the database that
@@ -32,19 +36,22 @@
 --                       payload, headers) and SELECT (id) for RETURNING id.
 --                       pg_notify needs no privilege. The identity column
 --                       needs no USAGE on outbox_id_seq.
---   fanout_invoicing    LOGIN. SELECT on orders, order_lines, products;
---                       INSERT on invoices, invoice_lines; SELECT (id,
---                       order_id) on invoices (ON CONFLICT (order_id) and
---                       RETURNING need it); USAGE on invoice_number_seq;
---                       its own checkpoint rows in processed_events and
---                       its own rows in subscriber_attempts.
---   fanout_cacheinval   LOGIN. SELECT on products, brands, categories,
---                       inventory; its own checkpoint rows.
---   fanout_searchindex  LOGIN. Same as fanout_cacheinval.
---   fanout_salesledger  LOGIN. SELECT on orders, order_lines; SELECT,
---                       INSERT, UPDATE on product_sales (it adds each
---                       order to its products' totals); its own checkpoint
---                       and attempts rows.
+--   fanout_cacheinval: LOGIN. Its own checkpoint rows in processed_events
+--       and its own rows in subscriber_attempts; and
+--       SELECT ON products, brands, categories, inventory
+--   fanout_invoicing: LOGIN. Its own checkpoint rows in processed_events
+--       and its own rows in subscriber_attempts; and
+--       SELECT ON orders, order_lines, products
+--       INSERT ON invoices, invoice_lines
+--       SELECT (id, order_id) ON invoices
+--       USAGE ON SEQUENCE invoice_number_seq
+--   fanout_salesledger: LOGIN. Its own checkpoint rows in processed_events
+--       and its own rows in subscriber_attempts; and
+--       SELECT ON orders, order_lines
+--       SELECT, INSERT, UPDATE ON product_sales
+--   fanout_searchindex: LOGIN. Its own checkpoint rows in processed_events
+--       and its own rows in subscriber_attempts; and
+--       SELECT ON products, brands, categories, inventory
 --   fanout_operator     LOGIN. The operator commands (fanout status, dlq,
 --                       outbox, reindex). A member of each subscriber role:
 --                       a dead letter's redrive runs that subscriber's
@@ -57,15 +64,17 @@
 --
 -- processed_events and subscriber_attempts have row-level security: each
 -- subscriber role sees and writes only the rows of its own subscriber name
--- (invoicing, cacheinval, searchindex, salesledger), so one subscriber cannot skip,
--- replay or dead-letter another's events. The table owner (fanout_migrate)
--- and superusers bypass it.
+-- (cacheinval, invoicing, salesledger, searchindex), so one
+-- subscriber cannot skip, replay or dead-letter another's events. The table
+-- owner (fanout_migrate) and superusers bypass it.
 --
 -- Passwords are not in this file. For each LOGIN role, if the matching
 -- variable is set in psql's environment, the role's password is set from it:
 --   FANOUT_PG_MIGRATE_PASSWORD, FANOUT_PG_RELAY_PASSWORD,
---   FANOUT_PG_INVOICING_PASSWORD, FANOUT_PG_CACHEINVAL_PASSWORD,
---   FANOUT_PG_SEARCHINDEX_PASSWORD, FANOUT_PG_SALESLEDGER_PASSWORD,
+--   FANOUT_PG_CACHEINVAL_PASSWORD,
+--   FANOUT_PG_INVOICING_PASSWORD,
+--   FANOUT_PG_SALESLEDGER_PASSWORD,
+--   FANOUT_PG_SEARCHINDEX_PASSWORD,
 --   FANOUT_PG_OPERATOR_PASSWORD.
 -- The value may be a SCRAM-SHA-256 verifier (SCRAM-SHA-256$4096:...), which
 -- PostgreSQL stores as is; a plain password travels to the server in the
@@ -81,18 +90,16 @@ BEGIN;
 -- Roles -----------------------------------------------------------------------
 
 SELECT format('CREATE ROLE %I', r)
-FROM unnest(ARRAY['fanout_migrate', 'fanout_relay', 'fanout_writer',
-                  'fanout_invoicing', 'fanout_cacheinval', 'fanout_searchindex',
-                  'fanout_salesledger', 'fanout_operator']) AS r
+FROM unnest(ARRAY['fanout_migrate', 'fanout_relay', 'fanout_writer', 'fanout_operator', 'fanout_cacheinval', 'fanout_invoicing', 'fanout_salesledger', 'fanout_searchindex']) AS r
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = r) \gexec
 
 ALTER ROLE fanout_migrate     LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_relay       LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_writer      NOLOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
-ALTER ROLE fanout_invoicing   LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
-ALTER ROLE fanout_cacheinval  LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
-ALTER ROLE fanout_searchindex LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
-ALTER ROLE fanout_salesledger LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_cacheinval LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_invoicing LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_salesledger LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_searchindex LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_operator    LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT;
 
 -- Passwords, from psql's environment when set.
@@ -107,24 +114,24 @@ ALTER ROLE fanout_migrate PASSWORD :'fanout_password';
 ALTER ROLE fanout_relay PASSWORD :'fanout_password';
 \unset fanout_password
 \endif
-\getenv fanout_password FANOUT_PG_INVOICING_PASSWORD
-\if :{?fanout_password}
-ALTER ROLE fanout_invoicing PASSWORD :'fanout_password';
-\unset fanout_password
-\endif
 \getenv fanout_password FANOUT_PG_CACHEINVAL_PASSWORD
 \if :{?fanout_password}
 ALTER ROLE fanout_cacheinval PASSWORD :'fanout_password';
 \unset fanout_password
 \endif
-\getenv fanout_password FANOUT_PG_SEARCHINDEX_PASSWORD
+\getenv fanout_password FANOUT_PG_INVOICING_PASSWORD
 \if :{?fanout_password}
-ALTER ROLE fanout_searchindex PASSWORD :'fanout_password';
+ALTER ROLE fanout_invoicing PASSWORD :'fanout_password';
 \unset fanout_password
 \endif
 \getenv fanout_password FANOUT_PG_SALESLEDGER_PASSWORD
 \if :{?fanout_password}
 ALTER ROLE fanout_salesledger PASSWORD :'fanout_password';
+\unset fanout_password
+\endif
+\getenv fanout_password FANOUT_PG_SEARCHINDEX_PASSWORD
+\if :{?fanout_password}
+ALTER ROLE fanout_searchindex PASSWORD :'fanout_password';
 \unset fanout_password
 \endif
 \getenv fanout_password FANOUT_PG_OPERATOR_PASSWORD
@@ -135,19 +142,17 @@ ALTER ROLE fanout_operator PASSWORD :'fanout_password';
 
 -- The operator acts as each subscriber when it redrives that subscriber's
 -- dead letters (and as the search indexer when it reindexes).
-GRANT fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger TO fanout_operator;
+GRANT fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex TO fanout_operator;
 
 -- Database and schema ---------------------------------------------------------
 
 SELECT current_database() AS fanout_database \gset
 GRANT CONNECT ON DATABASE :"fanout_database"
-    TO fanout_migrate, fanout_relay, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger,
-       fanout_operator;
+    TO fanout_migrate, fanout_relay, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
 GRANT USAGE, CREATE ON SCHEMA public TO fanout_migrate;
 GRANT USAGE ON SCHEMA public
-    TO fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger,
-       fanout_operator;
+    TO fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
 -- Tables (once migrated) --------------------------------------------------------
 
@@ -174,11 +179,9 @@ WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::re
 
 -- Start from nothing, so that a run converges on the lists below.
 REVOKE ALL ON ALL TABLES IN SCHEMA public
-    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger,
-         fanout_operator;
+    FROM fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
-    FROM fanout_relay, fanout_writer, fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger,
-         fanout_operator;
+    FROM fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
 -- The relay.
 GRANT SELECT, DELETE ON outbox TO fanout_relay;
@@ -190,58 +193,59 @@ GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers) ON out
 GRANT SELECT (id) ON outbox TO fanout_writer;
 
 -- Subscribers: the checkpoint (insert, read, prune), restricted to their rows.
-GRANT SELECT, INSERT, DELETE ON processed_events
-    TO fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
 ALTER TABLE processed_events ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS fanout_invoicing_checkpoints ON processed_events;
-CREATE POLICY fanout_invoicing_checkpoints ON processed_events TO fanout_invoicing
-    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+GRANT SELECT, INSERT, DELETE ON processed_events TO fanout_cacheinval;
 DROP POLICY IF EXISTS fanout_cacheinval_checkpoints ON processed_events;
 CREATE POLICY fanout_cacheinval_checkpoints ON processed_events TO fanout_cacheinval
     USING (subscriber = 'cacheinval') WITH CHECK (subscriber = 'cacheinval');
-DROP POLICY IF EXISTS fanout_searchindex_checkpoints ON processed_events;
-CREATE POLICY fanout_searchindex_checkpoints ON processed_events TO fanout_searchindex
-    USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
+GRANT SELECT, INSERT, DELETE ON processed_events TO fanout_invoicing;
+DROP POLICY IF EXISTS fanout_invoicing_checkpoints ON processed_events;
+CREATE POLICY fanout_invoicing_checkpoints ON processed_events TO fanout_invoicing
+    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+GRANT SELECT, INSERT, DELETE ON processed_events TO fanout_salesledger;
 DROP POLICY IF EXISTS fanout_salesledger_checkpoints ON processed_events;
 CREATE POLICY fanout_salesledger_checkpoints ON processed_events TO fanout_salesledger
     USING (subscriber = 'salesledger') WITH CHECK (subscriber = 'salesledger');
+GRANT SELECT, INSERT, DELETE ON processed_events TO fanout_searchindex;
+DROP POLICY IF EXISTS fanout_searchindex_checkpoints ON processed_events;
+CREATE POLICY fanout_searchindex_checkpoints ON processed_events TO fanout_searchindex
+    USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
 
 -- Subscribers: what the runtime remembers of failed and redelivered events
 -- (failures, attempts whose process died), restricted to their rows.
-GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_attempts
-    TO fanout_invoicing, fanout_cacheinval, fanout_searchindex, fanout_salesledger;
 ALTER TABLE subscriber_attempts ENABLE ROW LEVEL SECURITY;
-DROP POLICY IF EXISTS fanout_invoicing_attempts ON subscriber_attempts;
-CREATE POLICY fanout_invoicing_attempts ON subscriber_attempts TO fanout_invoicing
-    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_attempts TO fanout_cacheinval;
 DROP POLICY IF EXISTS fanout_cacheinval_attempts ON subscriber_attempts;
 CREATE POLICY fanout_cacheinval_attempts ON subscriber_attempts TO fanout_cacheinval
     USING (subscriber = 'cacheinval') WITH CHECK (subscriber = 'cacheinval');
-DROP POLICY IF EXISTS fanout_searchindex_attempts ON subscriber_attempts;
-CREATE POLICY fanout_searchindex_attempts ON subscriber_attempts TO fanout_searchindex
-    USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
+GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_attempts TO fanout_invoicing;
+DROP POLICY IF EXISTS fanout_invoicing_attempts ON subscriber_attempts;
+CREATE POLICY fanout_invoicing_attempts ON subscriber_attempts TO fanout_invoicing
+    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_attempts TO fanout_salesledger;
 DROP POLICY IF EXISTS fanout_salesledger_attempts ON subscriber_attempts;
 CREATE POLICY fanout_salesledger_attempts ON subscriber_attempts TO fanout_salesledger
     USING (subscriber = 'salesledger') WITH CHECK (subscriber = 'salesledger');
+GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_attempts TO fanout_searchindex;
+DROP POLICY IF EXISTS fanout_searchindex_attempts ON subscriber_attempts;
+CREATE POLICY fanout_searchindex_attempts ON subscriber_attempts TO fanout_searchindex
+    USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
 
--- Invoicing.
+-- Each subscriber's own grants (its declaration's Grants).
+GRANT SELECT ON products, brands, categories, inventory TO fanout_cacheinval;
 GRANT SELECT ON orders, order_lines, products TO fanout_invoicing;
 GRANT INSERT ON invoices, invoice_lines TO fanout_invoicing;
 GRANT SELECT (id, order_id) ON invoices TO fanout_invoicing;
 GRANT USAGE ON SEQUENCE invoice_number_seq TO fanout_invoicing;
+GRANT SELECT ON orders, order_lines TO fanout_salesledger;
+GRANT SELECT, INSERT, UPDATE ON product_sales TO fanout_salesledger;
+GRANT SELECT ON products, brands, categories, inventory TO fanout_searchindex;
 
 -- The operator commands (besides what they do as the subscribers).
 GRANT SELECT ON outbox TO fanout_operator;
 GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_token, published_at)
     ON outbox TO fanout_operator;
 GRANT SELECT, INSERT ON dead_letter_actions TO fanout_operator;
-
--- The sales ledger.
-GRANT SELECT ON orders, order_lines TO fanout_salesledger;
-GRANT SELECT, INSERT, UPDATE ON product_sales TO fanout_salesledger;
-
--- The cache invalidator and the search indexer read the catalog.
-GRANT SELECT ON products, brands, categories, inventory TO fanout_cacheinval, fanout_searchindex;
 
 \else
 \echo 'roles.sql: fanout''s tables are not all there yet: roles, CONNECT and schema privileges done; run `fanout migrate` as fanout_migrate, then this file again for the table grants'

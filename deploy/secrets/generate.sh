@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# Written by `fanout deploy render` from the subscribers' declarations
+# (subscribers/registry): edit the template in internal/deployment, not this
+# file.
+#
 # Writes a random password into each missing secret file compose.yaml mounts.
 # Letters and digits only, starting with a letter: nats-server parses its
 # passwords as config values (see nats/nats-server.conf).
@@ -12,9 +16,12 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 chmod 0700 .
-for name in pg_superuser pg_migrate pg_relay pg_invoicing pg_cacheinval pg_searchindex pg_salesledger pg_operator \
-            nats_relay nats_invoicing nats_cacheinval nats_searchindex nats_salesledger nats_provisioner nats_operator \
-            nats_admin redis es es_searchindex; do
+for name in pg_superuser pg_migrate pg_relay pg_operator nats_relay nats_provisioner nats_operator nats_admin redis es \
+            pg_cacheinval nats_cacheinval \
+            pg_invoicing nats_invoicing \
+            pg_salesledger nats_salesledger \
+            pg_searchindex nats_searchindex es_searchindex \
+            ; do
   f=${name}_password
   if [[ ! -s $f ]]; then
     (umask 077 && printf 'p%s' "$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')" >"$f")

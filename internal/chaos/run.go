@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,7 +14,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/redis/go-redis/v9"
+
 	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/internal/faultproxy"
 	"github.com/fanout/fanout/internal/natstest"
@@ -25,16 +29,8 @@ import (
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
-	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
-	"github.com/fanout/fanout/subscribers/invoicing"
-	"github.com/fanout/fanout/subscribers/salesledger"
-	"github.com/fanout/fanout/subscribers/searchindex"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
-	"github.com/redis/go-redis/v9"
+	"github.com/fanout/fanout/subscribers/registry"
 )
 
 // Options configure a run.
@@ -55,24 +51,16 @@ type Options struct {
 }
 
 // subscriberFilters are the event types each subscriber wants, from the
-// subscribers' own packages.
+// registry's declarations: every subscriber the binary runs is in the run.
 var subscriberFilters = func() map[string][]string {
 	out := map[string][]string{}
-	for _, h := range []subscribers.Handler{invoicing.New(), salesledger.New(), cacheinval.New(nil, nil),
-		searchindex.New(nil, nil, config.Search{}, quietLogger())} {
-		out[h.Name()] = h.EventTypes()
+	for _, d := range registry.Default.All() {
+		out[d.Name] = d.EventTypes
 	}
 	return out
 }()
 
-func subscriberNames() []string {
-	names := make([]string, 0, len(subscriberFilters))
-	for n := range subscriberFilters {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	return names
-}
+func subscriberNames() []string { return registry.Default.Names() }
 
 // run is one fault-injection run's world.
 type run struct {

@@ -36,8 +36,21 @@ func (h *Handler) Dependencies() []subscribers.Dependency {
 
 // EventTypes: every product change, and brand and category renames (their
 // names are in each of their products' documents).
-func (h *Handler) EventTypes() []string {
-	return []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated}
+func (h *Handler) EventTypes() []string { return eventTypes }
+
+var eventTypes = []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated}
+
+// Subscriber declares the cache invalidator to fanout.
+var Subscriber = subscribers.Declaration{
+	Name:       Name,
+	EventTypes: eventTypes,
+	Uses:       []subscribers.Service{subscribers.Redis},
+	// It reads the products a rename touches; the cache itself fills from
+	// the catalog (see Cache).
+	Grants: []string{"SELECT ON products, brands, categories, inventory"},
+	New: func(d subscribers.Deps) (subscribers.Handler, error) {
+		return New(NewCache(d.Redis, d.Pool, d.Config.Redis.Timeout, d.Config.Redis.TombstoneTTL), d.Pool), nil
+	},
 }
 
 // Handle invalidates the products the event changed.

@@ -26,7 +26,24 @@ type Handler struct{}
 func New() Handler { return Handler{} }
 
 func (Handler) Name() string         { return Name }
-func (Handler) EventTypes() []string { return []string{shop.OrderCreated} }
+func (Handler) EventTypes() []string { return eventTypes }
+
+var eventTypes = []string{shop.OrderCreated}
+
+// Subscriber declares invoicing to fanout: one line in the registry runs,
+// provisions and deploys it.
+var Subscriber = subscribers.Declaration{
+	Name:       Name,
+	EventTypes: eventTypes,
+	Grants: []string{
+		"SELECT ON orders, order_lines, products",
+		"INSERT ON invoices, invoice_lines",
+		// ON CONFLICT (order_id) and RETURNING id read these columns.
+		"SELECT (id, order_id) ON invoices",
+		"USAGE ON SEQUENCE invoice_number_seq",
+	},
+	New: func(subscribers.Deps) (subscribers.Handler, error) { return New(), nil },
+}
 
 // ErrMalformed, ErrUnknownOrder and ErrMissingProduct (a line with no
 // snapshot whose product is gone) are the reasons an

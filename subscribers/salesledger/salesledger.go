@@ -34,7 +34,21 @@ type Handler struct{}
 func New() Handler { return Handler{} }
 
 func (Handler) Name() string         { return Name }
-func (Handler) EventTypes() []string { return []string{shop.OrderCreated} }
+func (Handler) EventTypes() []string { return eventTypes }
+
+var eventTypes = []string{shop.OrderCreated}
+
+// Subscriber declares the sales ledger to fanout.
+var Subscriber = subscribers.Declaration{
+	Name:       Name,
+	EventTypes: eventTypes,
+	Grants: []string{
+		"SELECT ON orders, order_lines",
+		// It adds each order to its products' totals.
+		"SELECT, INSERT, UPDATE ON product_sales",
+	},
+	New: func(subscribers.Deps) (subscribers.Handler, error) { return New(), nil },
+}
 
 // ErrMalformed and ErrUnknownOrder are the reasons an order.created event
 // goes to the dead letters.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/fanout/fanout/internal/metrics"
 	"log/slog"
 	"slices"
 	"strconv"
@@ -52,8 +53,28 @@ func (h *Handler) Dependencies() []subscribers.Dependency {
 
 // EventTypes: every product change, and brand and category renames (their
 // names are in the documents of all their products).
-func (h *Handler) EventTypes() []string {
-	return []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated}
+func (h *Handler) EventTypes() []string { return eventTypes }
+
+var eventTypes = []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated}
+
+// Subscriber declares the search indexer to fanout. Building it makes sure
+// the alias points at an index (per search.provision) before it starts.
+var Subscriber = subscribers.Declaration{
+	Name:       Name,
+	EventTypes: eventTypes,
+	Uses:       []subscribers.Service{subscribers.Search},
+	Grants:     []string{"SELECT ON products, brands, categories, inventory"},
+	New: func(d subscribers.Deps) (subscribers.Handler, error) {
+		cfg := d.Config.Search
+		if err := EnsureIndex(d.Context, d.Search, cfg.Alias, cfg.Provision); err != nil {
+			return nil, err
+		}
+		h := New(d.Search, d.Pool, cfg, d.Logger)
+		if d.Metrics != nil {
+			h.ObserveBulkItems(metrics.NewBulkItems(d.Metrics).BulkItem)
+		}
+		return h, nil
+	},
 }
 
 // Handle indexes one event's products.

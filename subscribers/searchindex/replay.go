@@ -61,7 +61,7 @@ func replayConsumerConfig(stream config.Stream, from uint64) jetstream.ConsumerC
 // index that lacks its changes.
 func replayFilters(stream config.Stream) []string {
 	var filters []string
-	for _, t := range (&Handler{}).EventTypes() {
+	for _, t := range eventTypes {
 		filters = append(filters, stream.SubjectPrefix+"."+t)
 	}
 	return filters

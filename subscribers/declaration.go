@@ -1,0 +1,119 @@
+package subscribers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"regexp"
+	"slices"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/search"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+)
+
+// Declaration is everything fanout knows about a subscriber: enough to run
+// it (New), to provision its consumer (Name, EventTypes), and to derive its
+// deployment (its NATS user and permissions, its Postgres role and grants,
+// its compose service and secrets; see `fanout deploy`). A subscriber's
+// package declares it; the registry (package subscribers/registry) lists
+// the declarations, one line each.
+type Declaration struct {
+	// Name is the durable consumer's name, the checkpoint's key, the NATS
+	// user and the suffix of the Postgres role (fanout_<name>). It must
+	// never change: a new name is a new subscriber that starts over.
+	Name string
+	// EventTypes are the event types wanted, as subject patterns relative
+	// to the stream's prefix: "order.created", "product.>", "*.deleted".
+	EventTypes []string
+	// Uses are the services besides Postgres and NATS (which every
+	// subscriber uses) its handler talks to: each is connected before New
+	// is called, and gets the subscriber its credentials in deployment.
+	Uses []Service
+	// Grants are the Postgres privileges its handler needs beyond its own
+	// checkpoint and attempts rows, each as in GRANT <grant> TO role, e.g.
+	// "SELECT ON orders, order_lines" or "USAGE ON SEQUENCE invoice_seq".
+	// Its role gets exactly these: a query outside them is refused.
+	Grants []string
+	// New builds the handler from the connections in deps. It may check
+	// or prepare its dependencies (an index, a schema) and fail.
+	New func(deps Deps) (Handler, error)
+}
+
+// Service is a service a subscriber's handler uses besides Postgres and
+// NATS.
+type Service string
+
+const (
+	// Redis is the cache (redis.*), connected as Deps.Redis.
+	Redis Service = "redis"
+	// Search is the search engine (search.*), connected as Deps.Search.
+	Search Service = "search"
+)
+
+// Deps are what a subscriber's handler is built from.
+type Deps struct {
+	// Context bounds New's own work (checking an index, ...), not the
+	// handler's life.
+	Context context.Context
+	Pool    *pgxpool.Pool
+	// Redis is set when the declaration uses Redis; Search when it uses
+	// the search engine.
+	Redis  *redis.Client
+	Search *search.Client
+	// Config is the whole configuration, for the settings of the services
+	// the subscriber uses (redis.timeout, search.alias, ...).
+	Config *config.Config
+	Logger *slog.Logger
+	// Metrics registers the subscriber's own metrics; nil when the process
+	// serves none (an operator command).
+	Metrics prometheus.Registerer
+}
+
+// Uses reports whether the declaration uses s.
+func (d Declaration) UsesService(s Service) bool { return slices.Contains(d.Uses, s) }
+
+// nameRE is what a subscriber's name may be: it is a durable consumer's
+// name, a NATS user whose inbox prefix must not nest in another's, a
+// subject token and part of a Postgres role name.
+var nameRE = regexp.MustCompile(`^[a-z][a-z0-9_]{0,40}$`)
+
+// Validate reports a declaration fanout cannot run or deploy.
+func (d Declaration) Validate() error {
+	var errs []error
+	if !nameRE.MatchString(d.Name) {
+		errs = append(errs, fmt.Errorf("name %q: want lower-case letters, digits and _, starting with a letter, at most 41 characters", d.Name))
+	}
+	if len(d.EventTypes) == 0 {
+		errs = append(errs, errors.New("no event types"))
+	}
+	for _, s := range d.Uses {
+		if s != Redis && s != Search {
+			errs = append(errs, fmt.Errorf("uses unknown service %q (known: %s, %s)", s, Redis, Search))
+		}
+	}
+	if d.New == nil {
+		errs = append(errs, errors.New("no constructor (New)"))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("subscriber %q: %w", d.Name, err)
+	}
+	return nil
+}
+
+// Build runs the declaration's constructor and checks that the handler it
+// returns is the one declared.
+func (d Declaration) Build(deps Deps) (Handler, error) {
+	h, err := d.New(deps)
+	if err != nil {
+		return nil, fmt.Errorf("subscriber %s: %w", d.Name, err)
+	}
+	if h.Name() != d.Name || !slices.Equal(h.EventTypes(), d.EventTypes) {
+		return nil, fmt.Errorf("subscriber %s: its handler says %q with %v, its declaration %q with %v",
+			d.Name, h.Name(), h.EventTypes(), d.Name, d.EventTypes)
+	}
+	return h, nil
+}
