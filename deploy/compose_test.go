@@ -48,6 +48,12 @@ func fanout(t *testing.T, args ...string) (string, error) {
 func loadCompose(t *testing.T) *types.Project {
 	t.Helper()
 	wd, _ := os.Getwd()
+	return loadComposeIn(t, wd)
+}
+
+// loadComposeIn parses the compose.yaml in dir.
+func loadComposeIn(t *testing.T, wd string) *types.Project {
+	t.Helper()
 	p, err := loader.LoadWithContext(context.Background(), types.ConfigDetails{
 		WorkingDir:  wd,
 		ConfigFiles: []types.ConfigFile{{Filename: filepath.Join(wd, "compose.yaml")}},

@@ -76,6 +76,13 @@ type natsServer struct {
 // one) and the store directory in its environment, and stops it when t ends.
 func startNATS(t *testing.T) *natsServer {
 	t.Helper()
+	return startNATSWith(t, natsConfPath(t), natsUsers)
+}
+
+// startNATSWith runs nats-server with the configuration file conf, whose
+// users are users.
+func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
+	t.Helper()
 	bin, err := repo.Bin("nats-server")
 	if err != nil {
 		t.Fatal(err)
@@ -88,7 +95,7 @@ func startNATS(t *testing.T) *natsServer {
 		log:       &syncBuffer{},
 	}
 	env := os.Environ()
-	for _, u := range natsUsers {
+	for _, u := range users {
 		pw := "pw" + randomHex(t, 16)
 		s.passwords[u] = pw
 		secret := pw
@@ -98,7 +105,7 @@ func startNATS(t *testing.T) *natsServer {
 		env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+secret)
 	}
 	env = append(env, "FANOUT_NATS_STORE_DIR="+filepath.Join(t.TempDir(), "jetstream"))
-	s.cmd = exec.Command(bin, "-c", natsConfPath(t), "-p", strconv.Itoa(port))
+	s.cmd = exec.Command(bin, "-c", conf, "-p", strconv.Itoa(port))
 	s.cmd.Env = env // the last of duplicate keys wins
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	if err := s.cmd.Start(); err != nil {
@@ -285,6 +292,12 @@ func applyRoles(t *testing.T, dbURL string, env ...string) string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return applyRolesFile(t, filepath.Join(root, "deploy", "postgres", "roles.sql"), dbURL, env...)
+}
+
+// applyRolesFile runs the roles script at path (see applyRoles).
+func applyRolesFile(t *testing.T, path, dbURL string, env ...string) string {
+	t.Helper()
 	psql, err := exec.LookPath("psql")
 	if err != nil {
 		psql = "/usr/lib/postgresql/15/bin/psql"
@@ -294,7 +307,7 @@ func applyRoles(t *testing.T, dbURL string, env ...string) string {
 	var out []byte
 	withRolesLock(t, func(*pgx.Conn) error {
 		cmd := exec.CommandContext(ctx, psql, "-X", "-q", "-v", "ON_ERROR_STOP=1",
-			"-f", filepath.Join(root, "deploy", "postgres", "roles.sql"), dbURL)
+			"-f", path, dbURL)
 		for _, kv := range os.Environ() {
 			if !strings.HasPrefix(kv, "FANOUT_PG_") { // a developer's shell must not set passwords here
 				cmd.Env = append(cmd.Env, kv)

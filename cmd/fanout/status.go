@@ -118,7 +118,12 @@ FROM outbox`).Scan(&st.Outbox.Pending, &st.Outbox.Sending, &st.Outbox.Sent, &st.
 			if err != nil {
 				return err
 			}
+			// Every subscriber this binary knows, and any other the stream,
+			// the checkpoints or the dead letters name.
 			names := map[string]bool{}
+			for _, n := range subscriberNames() {
+				names[n] = true
+			}
 			for n := range checkpoints {
 				names[n] = true
 			}

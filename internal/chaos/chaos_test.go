@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/subscribers/example"
+	"github.com/fanout/fanout/subscribers/registry"
 )
 
 // TestChaos is the fault-injection run, once on a single nats-server and
@@ -91,5 +93,27 @@ func TestChaosSelfTest(t *testing.T) {
 				t.Errorf("sabotage %s: the checker did not report %q (it reported %d violations: %v)", tc.sabotage, tc.want, len(rep.Violations), rep.Violations)
 			}
 		})
+	}
+}
+
+// TestChaosWithANewSubscriber: a subscriber added with its package and one
+// registry line (the template subscriber, in a binary built with the
+// fanout_example tag) takes its place in the fault run: its processes are
+// started and killed with the others, every event it wants must be in its
+// checkpoint or its dead letters, and its dead letters must match the
+// planted input.
+func TestChaosWithANewSubscriber(t *testing.T) {
+	bin := build(t, "-tags", "fanout_example")
+	reg, err := registry.Default.With(example.Subscriber)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := Run(t, Options{Duration: 30 * time.Second, Seed: 2, Rate: 40, Binary: bin, Logf: t.Logf, Subscribers: reg.All()})
+	t.Log("\n" + rep.String())
+	if !rep.Pass() {
+		t.Errorf("invariant violated: %s", rep.Violations[0])
+	}
+	if got, planted := rep.DeadLetters[example.Name][plantedMalformed], rep.Planted[plantedMalformed]; planted == 0 || got != planted {
+		t.Errorf("the new subscriber dead-lettered %d of %d planted malformed orders", got, planted)
 	}
 }

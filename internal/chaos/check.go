@@ -252,7 +252,7 @@ func (r *run) checkDeadLetters(ctx context.Context, dead []deadLetter) {
 	got := map[string]map[int64]bool{}
 	for _, dl := range dead {
 		fromSubject := strings.Split(dl.subject, ".")
-		if _, known := subscriberFilters[dl.subscriber]; !known || len(fromSubject) < 3 || fromSubject[1] != dl.subscriber {
+		if _, known := r.filters(dl.subscriber); !known || len(fromSubject) < 3 || fromSubject[1] != dl.subscriber {
 			orphans = append(orphans, fmt.Sprintf("dead letter %d on %s claims subscriber %q", dl.seq, dl.subject, dl.subscriber))
 			continue
 		}
@@ -333,7 +333,7 @@ func (r *run) checkDelivered(ctx context.Context, stream *streamContents, dead [
 		}
 		deadIDs[dl.subscriber][dl.id] = true
 	}
-	for _, name := range subscriberNames() {
+	for _, name := range r.subscriberNames() {
 		rows, err := r.pool().Query(ctx, `SELECT event_id FROM processed_events WHERE subscriber = $1`, name)
 		if err != nil {
 			rep.violate("1 (read the checkpoint of "+name+")", err.Error())
@@ -351,7 +351,7 @@ func (r *run) checkDelivered(ctx context.Context, stream *streamContents, dead [
 		var missing []string
 		wanted := 0
 		for _, ev := range stream.bySeq {
-			if !matchesAny(subscriberFilters[name], strings.TrimPrefix(ev.subj, "events.")) {
+			if filters, _ := r.filters(name); !matchesAny(filters, strings.TrimPrefix(ev.subj, "events.")) {
 				continue
 			}
 			wanted++

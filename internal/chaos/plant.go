@@ -13,7 +13,6 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers/invoicing"
-	"github.com/fanout/fanout/subscribers/salesledger"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -69,8 +68,9 @@ func (p *planted) expect(subscriber string, id int64, kind, reason string) {
 	p.letters[subscriber][id] = expectedLetter{kind: kind, reason: reason}
 }
 
-// A valid JSON payload of the wrong shape: the order subscribers
-// dead-letter it.
+// A valid JSON payload of the wrong shape: every subscriber of
+// order.created dead-letters it, with "malformed" in its reason (the
+// contract a new subscriber meets too).
 func (r *run) plantMalformedOrder(ctx context.Context) error {
 	var id int64
 	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
@@ -80,8 +80,11 @@ func (r *run) plantMalformedOrder(ctx context.Context) error {
 		return err
 	})
 	if err == nil {
-		r.planted.expect(invoicing.Name, id, plantedMalformed, invoicing.ErrMalformed.Error())
-		r.planted.expect(salesledger.Name, id, plantedMalformed, salesledger.ErrMalformed.Error())
+		for _, name := range r.subscriberNames() {
+			if filters, _ := r.filters(name); matchesAny(filters, shop.OrderCreated) {
+				r.planted.expect(name, id, plantedMalformed, "malformed")
+			}
+		}
 		r.planted.note(plantedMalformed)
 	}
 	return err

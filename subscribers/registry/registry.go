@@ -33,7 +33,7 @@ var declared = []subscribers.Declaration{
 type Registry struct{ decls []subscribers.Declaration }
 
 // Default is the registry of the subscribers fanout ships.
-var Default = MustNew(declared...)
+var Default = MustNew(append(declared, tagged...)...)
 
 // New returns a registry of decls, refusing an invalid declaration or a
 // name declared twice.
