@@ -1,0 +1,101 @@
+package example_test
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/example"
+	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// lockedBuffer is a log destination the runner's goroutines share.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) count(s string) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return strings.Count(b.buf.String(), s)
+}
+
+// The template passes the conformance suite every subscriber must pass. Its
+// effect is the line it logs for an order it checked: not idempotent by
+// itself (a second handling logs again), so exactly once only through the
+// checkpoint, which the suite proves by deleting it.
+func TestConformance(t *testing.T) {
+	logs := map[*subscribertest.Env]*lockedBuffer{}
+	var mu sync.Mutex
+	subscribertest.Run(t, subscribertest.Case{
+		Handler: func(env *subscribertest.Env) subscribers.Handler {
+			buf := &lockedBuffer{}
+			mu.Lock()
+			logs[env] = buf
+			mu.Unlock()
+			h, err := example.Subscriber.Build(subscribers.Deps{Context: context.Background(), Pool: env.DB.Pool,
+				Logger: slog.New(slog.NewTextHandler(buf, nil))})
+			if err != nil {
+				env.T.Fatal(err)
+			}
+			return h
+		},
+		Valid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, error) {
+			var orderID int64
+			err := tx.QueryRow(context.Background(), `
+WITH o AS (INSERT INTO orders (customer) VALUES ('test') RETURNING id),
+     l AS (INSERT INTO order_lines (order_id, line_no, product_id, quantity, unit_price, sku, name)
+           SELECT o.id, 1, 1, 1, 9.99, 'SKU-1', 'thing' FROM o)
+SELECT id FROM o`).Scan(&orderID)
+			return outbox.Event{AggregateType: shop.AggregateOrder, AggregateID: strconv.FormatInt(orderID, 10), Type: shop.OrderCreated,
+				Payload: shop.OrderEvent{OrderID: orderID, Customer: "test", Lines: 1}}, err
+		},
+		Effects: func(env *subscribertest.Env, ev outbox.Event) int {
+			mu.Lock()
+			buf := logs[env]
+			mu.Unlock()
+			return buf.count("order_id=" + ev.AggregateID + " ")
+		},
+		Invalid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, string, error) {
+			return outbox.Event{AggregateType: shop.AggregateOrder, AggregateID: "x", Type: shop.OrderCreated,
+				Payload: []byte(`{"order_id": "forty-two"}`)}, example.ErrMalformed.Error(), nil
+		},
+		CheckpointOnly: true,
+	})
+}
+
+// An order that does not exist is the handler's verdict, not an outage: it
+// goes to the dead letters.
+func TestUnknownOrderIsDeadLettered(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	h, err := example.Subscriber.Build(subscribers.Deps{Context: context.Background(), Pool: env.DB.Pool, Logger: slog.Default()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = pgx.BeginFunc(context.Background(), env.DB.Pool, func(tx pgx.Tx) error {
+		return h.(subscribers.TxHandler).HandleTx(context.Background(), tx, subscribers.Event{ID: 1, Type: shop.OrderCreated,
+			Payload: []byte(`{"order_id": 424242}`)})
+	})
+	if !subscribers.IsPermanent(err) || !strings.Contains(err.Error(), example.ErrUnknownOrder.Error()) {
+		t.Fatalf("unknown order: %v, want a permanent %q", err, example.ErrUnknownOrder)
+	}
+}
