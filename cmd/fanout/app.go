@@ -28,7 +28,7 @@ func (a *app) load() error {
 	if a.cfg != nil {
 		return nil
 	}
-	cfg, err := config.Load(*a.configPath, os.Environ())
+	cfg, err := config.Load(*a.configPath, os.Environ(), config.WithSubscribers(subscriberNames()...))
 	if err != nil {
 		return fmt.Errorf("configuration: %w", err)
 	}

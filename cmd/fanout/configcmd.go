@@ -19,7 +19,11 @@ func configCommand(a *app) *cobra.Command {
 		Args:  cobra.NoArgs,
 		Run: func(cmd *cobra.Command, _ []string) {
 			for _, k := range config.Keys() {
-				fmt.Fprintf(cmd.OutOrStdout(), "%-28s %s\n", k, config.EnvName(k))
+				fmt.Fprintf(cmd.OutOrStdout(), "%-40s %s\n", k, config.EnvName(k))
+			}
+			// Each subscriber's own settings, over the shared ones.
+			for _, k := range config.SubscriberOverrideKeys(subscriberNames()...) {
+				fmt.Fprintf(cmd.OutOrStdout(), "%-40s %s\n", k, config.EnvName(k))
 			}
 		},
 	})

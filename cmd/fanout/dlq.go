@@ -361,7 +361,7 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 				if err != nil {
 					return nil, err
 				}
-				r, err := subscribers.New(subscribers.Options{Handler: h, Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
+				r, err := subscribers.New(subscribers.Options{Handler: h, Config: a.cfg.Subscriber(name), Stream: a.cfg.Stream,
 					Pool: e.pool, Conn: e.nc, Logger: logging.Component(a.logger, "dlq")})
 				if err != nil {
 					return nil, err

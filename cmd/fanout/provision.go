@@ -84,7 +84,7 @@ messages. A consumer that exists keeps its position.`,
 				var c jetstream.Consumer
 				if err := jsretry.Do(ctx, logger, "provision consumer "+name, func() error {
 					var err error
-					c, err = subscribers.ProvisionConsumer(ctx, stream, d, a.cfg.Subscribers, a.cfg.Stream)
+					c, err = subscribers.ProvisionConsumer(ctx, stream, d, a.cfg.Subscriber(d.Name), a.cfg.Stream)
 					return err
 				}); err != nil {
 					return fmt.Errorf("subscriber %s: %w", name, err)

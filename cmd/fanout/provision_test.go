@@ -25,7 +25,8 @@ func TestProvisionThenVerify(t *testing.T) {
 	if out, err := run(t, verify, "relay"); err == nil || !strings.Contains(out, "fanout provision") && !strings.Contains(out, "stream.provision=verify") {
 		t.Fatalf("a relay with verify and no stream: %v\n%s; want it refused", err, out)
 	}
-	out, err := run(t, env, "provision")
+	// Invoicing's own ack wait and ack-pending bound, over the shared ones.
+	out, err := run(t, append(env, "FANOUT_SUBSCRIBERS_INVOICING_ACK_WAIT=45s", "FANOUT_SUBSCRIBERS_INVOICING_MAX_ACK_PENDING=77"), "provision")
 	if err != nil {
 		t.Fatalf("fanout provision: %v\n%s", err, out)
 	}
@@ -47,6 +48,15 @@ func TestProvisionThenVerify(t *testing.T) {
 		}
 		if c := s.CachedInfo().Config; !c.DenyDelete || !c.DenyPurge {
 			t.Errorf("stream %s allows deletes (%v) or purges (%v)", name, !c.DenyDelete, !c.DenyPurge)
+		}
+	}
+	for name, want := range map[string][2]any{"invoicing": {45 * time.Second, 77}, "salesledger": {30 * time.Second, 1000}} {
+		c, err := js.Consumer(ctx, "EVENTS", name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := c.CachedInfo().Config; got.AckWait != want[0] || got.MaxAckPending != want[1] {
+			t.Errorf("consumer %s: ack wait %s, max ack pending %d; want %v", name, got.AckWait, got.MaxAckPending, want)
 		}
 	}
 	if out, err := run(t, env, "provision"); err != nil {

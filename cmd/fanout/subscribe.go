@@ -108,7 +108,7 @@ func startSubscribers(ctx context.Context, a *app, d *deps, names []string, nc *
 			return nil, err
 		}
 		r, err := subscribers.New(subscribers.Options{
-			Handler: sabotaged(h), Config: a.cfg.Subscribers, Stream: a.cfg.Stream,
+			Handler: sabotaged(h), Config: a.cfg.Subscriber(name), Stream: a.cfg.Stream,
 			Pool: d.pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"), Observer: obs,
 			Sabotage: sabotage.subscriber,
 		})
@@ -145,7 +145,7 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 				return err
 			}
 			if start != "" {
-				a.cfg.Subscribers.Start = start
+				a.cfg.SetSubscriberStart(start)
 				if err := a.cfg.Validate(); err != nil {
 					return err
 				}

@@ -32,6 +32,10 @@ type Config struct {
 	Tracing     Tracing     `koanf:"tracing"`
 	Log         Log         `koanf:"log"`
 	Demo        Demo        `koanf:"demo"`
+
+	// overrides are the settings of the subscribers that set
+	// subscribers.<name>.* keys (see Subscriber).
+	overrides map[string]Subscribers
 }
 
 // Postgres is the connection to the source of truth.
@@ -428,7 +432,18 @@ var envNotKeys = []string{"FANOUT_CONFIG", "FANOUT_TEST_", "FANOUT_DEV_"}
 // Load builds the configuration from the defaults, the YAML file at path (if
 // path is not empty) and the FANOUT_ variables in environ (as os.Environ
 // returns them), then validates it.
-func Load(path string, environ []string) (*Config, error) {
+func Load(path string, environ []string, opts ...LoadOption) (*Config, error) {
+	var o loadOptions
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if err := checkSubscriberNames(o.subscribers); err != nil {
+		return nil, err
+	}
+	known := defaults()
+	for _, key := range SubscriberOverrideKeys(o.subscribers...) {
+		known[key] = nil
+	}
 	k := koanf.New(".")
 	if err := k.Load(confmap.Provider(defaults(), "."), nil); err != nil {
 		return nil, fmt.Errorf("load defaults: %w", err)
@@ -438,7 +453,7 @@ func Load(path string, environ []string) (*Config, error) {
 			return nil, fmt.Errorf("read config file %s: %w", path, err)
 		}
 	}
-	env, err := envValues(environ)
+	env, err := envValues(environ, known)
 	if err != nil {
 		return nil, err
 	}
@@ -446,7 +461,6 @@ func Load(path string, environ []string) (*Config, error) {
 		return nil, fmt.Errorf("load environment: %w", err)
 	}
 
-	known := defaults()
 	for _, key := range k.Keys() {
 		if why, ok := replacedKeys[key]; ok {
 			return nil, fmt.Errorf("config key %q is gone: %s", key, why)
@@ -470,6 +484,9 @@ func Load(path string, environ []string) (*Config, error) {
 	if err != nil {
 		return nil, fmt.Errorf("decode config: %w", err)
 	}
+	if err := cfg.decodeOverrides(k, o.subscribers); err != nil {
+		return nil, err
+	}
 	if err := cfg.readSecretFiles(); err != nil {
 		return nil, err
 	}
@@ -481,9 +498,9 @@ func Load(path string, environ []string) (*Config, error) {
 
 // envValues maps FANOUT_* variables onto keys. Matching against the known
 // keys, rather than splitting on "_", is what lets keys contain underscores.
-func envValues(environ []string) (map[string]any, error) {
+func envValues(environ []string, known map[string]any) (map[string]any, error) {
 	byEnv := make(map[string]string)
-	for key := range defaults() {
+	for key := range known {
 		byEnv[EnvName(key)] = key
 	}
 	out := make(map[string]any)
@@ -686,6 +703,12 @@ func (c *Config) Validate() error {
 	positive("demo.progress_interval", c.Demo.ProgressInterval)
 
 	errs = append(errs, c.crossKeyErrors()...)
+	if len(errs) == 0 {
+		// Each subscriber's own settings, once the shared ones hold.
+		if err := c.validateOverrides(); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	return errors.Join(errs...)
 }
 

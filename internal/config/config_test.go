@@ -186,3 +186,63 @@ func TestCrossKeyRules(t *testing.T) {
 		t.Errorf("case %q matches no rule", id)
 	}
 }
+
+// A subscriber's own settings (subscribers.<name>.<key>, from the file or
+// FANOUT_SUBSCRIBERS_<NAME>_<KEY>) override the shared ones for it alone.
+func TestSubscriberOverrides(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "fanout.yaml")
+	yaml := "subscribers:\n  batch_size: 50\n  searchindex:\n    batch_size: 500\n    concurrency: 8\n"
+	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	names := WithSubscribers("invoicing", "searchindex", "cache_inval")
+	cfg, err := Load(path, []string{"FANOUT_SUBSCRIBERS_INVOICING_ACK_WAIT=2m", "FANOUT_SUBSCRIBERS_INVOICING_HANDLER_TIMEOUT=90s",
+		"FANOUT_SUBSCRIBERS_CACHE_INVAL_MAX_FAILURES=3"}, names)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, six, cin, other := cfg.Subscriber("invoicing"), cfg.Subscriber("searchindex"), cfg.Subscriber("cache_inval"), cfg.Subscriber("nobody")
+	if inv.AckWait != 2*time.Minute || inv.HandlerTimeout != 90*time.Second || inv.BatchSize != 50 {
+		t.Errorf("invoicing: ack wait %s, handler timeout %s, batch %d; want 2m, 90s and the shared 50", inv.AckWait, inv.HandlerTimeout, inv.BatchSize)
+	}
+	if six.BatchSize != 500 || six.Concurrency != 8 || six.AckWait != 30*time.Second {
+		t.Errorf("searchindex: batch %d, concurrency %d, ack wait %s; want 500, 8 and the shared 30s", six.BatchSize, six.Concurrency, six.AckWait)
+	}
+	if cin.MaxFailures != 3 {
+		t.Errorf("cache_inval (a name with an underscore): max failures %d, want 3", cin.MaxFailures)
+	}
+	if other != cfg.Subscribers || cfg.Subscribers.BatchSize != 50 || cfg.Subscribers.AckWait != 30*time.Second {
+		t.Errorf("the shared settings changed: %+v", cfg.Subscribers)
+	}
+	printed := fmt.Sprint(cfg.Redacted()["subscribers"])
+	if !strings.Contains(printed, "invoicing:map[ack_wait:2m0s") {
+		t.Errorf("config print does not show invoicing's own settings: %s", printed)
+	}
+	cfg.SetSubscriberStart("new")
+	if cfg.Subscriber("invoicing").Start != "new" || cfg.Subscriber("nobody").Start != "new" {
+		t.Errorf("--start reaches every subscriber")
+	}
+
+	for _, c := range []struct {
+		env  []string
+		opts []LoadOption
+		want string
+	}{
+		// Each subscriber's settings are checked as a whole, naming it.
+		{[]string{"FANOUT_SUBSCRIBERS_INVOICING_HANDLER_TIMEOUT=40s"}, []LoadOption{names},
+			"with the subscribers.invoicing.* settings: subscribers.handler_timeout (40s) must be shorter than subscribers.ack_wait (30s)"},
+		{[]string{"FANOUT_SUBSCRIBERS_SEARCHINDEX_BATCH_SIZE=0"}, []LoadOption{names},
+			"with the subscribers.searchindex.* settings: subscribers.batch_size must be between 1 and 1000 (got 0)"},
+		// Only the runtime's keys, and only for subscribers fanout knows.
+		{[]string{"FANOUT_SUBSCRIBERS_NOBODY_ACK_WAIT=1m"}, []LoadOption{names}, "FANOUT_SUBSCRIBERS_NOBODY_ACK_WAIT names no config key"},
+		{[]string{"FANOUT_SUBSCRIBERS_INVOICING_DEAD_LETTER_STREAM=X"}, []LoadOption{names}, "names no config key"},
+		{[]string{"FANOUT_SUBSCRIBERS_INVOICING_ACK_WAIT=1m"}, nil, "names no config key"},
+		// A name that would collide with a shared key.
+		{nil, []LoadOption{WithSubscribers("start")}, `subscriber name "start" is a subscribers.* key`},
+	} {
+		_, err := Load("", c.env, c.opts...)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%v: %v, want an error containing %q", c.env, err, c.want)
+		}
+	}
+}

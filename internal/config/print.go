@@ -10,7 +10,17 @@ import (
 // (passwords, tokens) replaced by "<redacted>" when set, and the
 // credentials inside URLs masked (see RedactURL).
 func (c *Config) Redacted() map[string]any {
-	return redactStruct(reflect.ValueOf(*c))
+	out := redactStruct(reflect.ValueOf(*c))
+	subs := out["subscribers"].(map[string]any)
+	for name, o := range c.overrides {
+		all := redactStruct(reflect.ValueOf(o))
+		own := map[string]any{}
+		for _, k := range SubscriberKeys {
+			own[k] = all[k]
+		}
+		subs[name] = own
+	}
+	return out
 }
 
 func redactStruct(v reflect.Value) map[string]any {
