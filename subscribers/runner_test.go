@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"log/slog"
 	"strconv"
 	"strings"
 	"sync"
@@ -514,5 +515,18 @@ func TestTraceContextReachesTheHandler(t *testing.T) {
 	defer h.mu.Unlock()
 	if got := h.traces[id]; got != traceID {
 		t.Errorf("handler ran under trace %s, want the writer's %s", got, traceID)
+	}
+}
+
+// bothKinds implements HandleTx and Handle: which path its effects take
+// would be a guess.
+type bothKinds struct{ *scripted }
+
+func (bothKinds) HandleTx(context.Context, pgx.Tx, subscribers.Event) error { return nil }
+
+func TestNewRefusesAHandlerOfBothKinds(t *testing.T) {
+	_, err := subscribers.New(subscribers.Options{Handler: bothKinds{newScripted("both")}, Logger: slog.Default()})
+	if err == nil || !strings.Contains(err.Error(), "implements both HandleTx and Handle") {
+		t.Fatalf("New with a handler of both kinds: %v", err)
 	}
 }

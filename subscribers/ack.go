@@ -1,0 +1,141 @@
+package subscribers
+
+// The checkpoint of handled events, and their acks.
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"golang.org/x/sync/errgroup"
+)
+
+const (
+	// checkpointSQL claims the batch's events in the checkpoint; RETURNING
+	// names the ones not processed before. The ids are sorted, so two
+	// transactions claiming overlapping batches lock in the same order.
+	checkpointSQL = `
+INSERT INTO processed_events (subscriber, event_id)
+SELECT $1, id FROM unnest($2::bigint[]) AS id
+ON CONFLICT DO NOTHING
+RETURNING event_id`
+
+	processedSQL = `SELECT event_id FROM processed_events WHERE subscriber = $1 AND event_id = ANY($2)`
+)
+
+// processed returns the ids among ids already in the checkpoint.
+func (r *Runner) processed(ctx context.Context, ids []int64) ([]int64, error) {
+	ctx, cancel := r.bookkeeping(ctx)
+	defer cancel()
+	rows, err := r.opts.Pool.Query(ctx, processedSQL, r.name, ids)
+	if err != nil {
+		return nil, fmt.Errorf("read the checkpoint: %w", err)
+	}
+	done, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, fmt.Errorf("read the checkpoint: %w", err)
+	}
+	return done, nil
+}
+
+// checkpoint records handled events and forgets the attempts of every
+// event done with, in one round trip (a batch runs as one implicit
+// transaction).
+func (r *Runner) checkpoint(ctx context.Context, handled []*delivery, forget []int64) error {
+	ctx, cancel := r.bookkeeping(ctx)
+	defer cancel()
+	ids := eventIDs(handled)
+	b := &pgx.Batch{}
+	if len(ids) > 0 {
+		b.Queue(`
+INSERT INTO processed_events (subscriber, event_id)
+SELECT $1, id FROM unnest($2::bigint[]) AS id
+ON CONFLICT DO NOTHING`, r.name, ids)
+	}
+	if len(forget) > 0 {
+		b.Queue(forgetAttemptsSQL, r.name, forget)
+	}
+	if b.Len() == 0 {
+		return nil
+	}
+	return r.opts.Pool.SendBatch(ctx, b).Close()
+}
+
+// succeeded acks a committed batch (double ack: the server confirms, so a
+// lost ack cannot make JetStream redeliver behind our back unnoticed).
+func (r *Runner) succeeded(ctx context.Context, ds []*delivery, fresh int, start time.Time) {
+	r.beforeAck(ctx, ds)
+	if ctx.Err() != nil {
+		return // hard stop: the events come back after the ack wait, and are skipped
+	}
+	if r.opts.Sabotage.AckBeforeCommit == 0 {
+		r.ack(ctx, ds, true)
+	}
+	r.health.handlerWorked()
+	r.obs.Handled(r.name, fresh, time.Since(start))
+	r.logger.Debug("batch handled", "events", fresh, "skipped", len(ds)-fresh, "redelivered", redelivered(ds), "first_event_id", ds[0].ev.ID, "took", time.Since(start))
+	if skipped := len(ds) - fresh; skipped > 0 {
+		r.obs.Skipped(r.name, skipped)
+	}
+}
+
+// redelivered counts the deliveries that were not an event's first.
+func redelivered(ds []*delivery) int {
+	n := 0
+	for _, d := range ds {
+		if d.ev.Delivery > 1 {
+			n++
+		}
+	}
+	return n
+}
+
+func (r *Runner) beforeAck(ctx context.Context, ds []*delivery) {
+	if r.opts.BeforeAck == nil || len(ds) == 0 {
+		return
+	}
+	ids := make([]int64, len(ds))
+	for i, d := range ds {
+		ids[i] = d.ev.ID
+	}
+	r.opts.BeforeAck(ctx, ids)
+}
+
+// ackParallelism bounds concurrent double acks: each is a round trip.
+const ackParallelism = 64
+
+func (r *Runner) ack(ctx context.Context, ds []*delivery, double bool) {
+	defer func() {
+		for _, d := range ds {
+			d.settled.Store(true)
+		}
+	}()
+	if !double {
+		for _, d := range ds {
+			for _, m := range d.msgs() {
+				if err := m.Ack(); err != nil {
+					r.logger.Warn("ack", "event_id", d.ev.ID, "error", err)
+				}
+			}
+		}
+		return
+	}
+	g, gctx := errgroup.WithContext(context.WithoutCancel(ctx))
+	g.SetLimit(ackParallelism)
+	for _, d := range ds {
+		for _, m := range d.msgs() {
+			g.Go(func() error {
+				actx, cancel := context.WithTimeout(gctx, 5*time.Second)
+				defer cancel()
+				if err := m.DoubleAck(actx); err != nil {
+					// The effect is committed with its checkpoint: a
+					// redelivery will be skipped.
+					r.logger.Warn("double ack", "event_id", d.ev.ID, "error", err)
+				}
+				return nil
+			})
+		}
+	}
+	_ = g.Wait()
+}

@@ -1,0 +1,214 @@
+package subscribers
+
+// From the consumer to the workers: batches of deliveries, kept alive
+// while they are worked on.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// gatherWait is how long the dispatcher waits for more messages to fill a
+// batch once it has one: short, so a lone event is not held back.
+const gatherWait = 2 * time.Millisecond
+
+// dispatch groups received messages into batches for the workers, until
+// the iterator is drained or stopped. While a dependency is down it pulls
+// nothing: the events in hand wait for it, and new ones would only wait too.
+func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- []jetstream.Msg) {
+	defer close(batches)
+	for {
+		if !r.health.waitUp(softCtx) {
+			return
+		}
+		msg, err := r.iter.Next(jetstream.NextContext(hardCtx))
+		if err != nil {
+			if errors.Is(err, jetstream.ErrMsgIteratorClosed) || hardCtx.Err() != nil {
+				return
+			}
+			r.logger.Warn("receive", "error", err)
+			continue
+		}
+		batch := []jetstream.Msg{msg}
+		closed := false
+		for len(batch) < r.cfg.BatchSize {
+			m, err := r.iter.Next(jetstream.NextMaxWait(gatherWait))
+			if err != nil {
+				closed = errors.Is(err, jetstream.ErrMsgIteratorClosed)
+				break
+			}
+			batch = append(batch, m)
+		}
+		select {
+		case batches <- batch:
+		case <-hardCtx.Done():
+			return
+		}
+		if closed {
+			return
+		}
+	}
+}
+
+// delivery is one received message and the event it carries, with what the
+// runtime has learned about it so far.
+type delivery struct {
+	msg jetstream.Msg
+	ev  Event
+	// deadReason, once set, is the event's fate: the dead letters. It is
+	// kept while the dead-letter stream is unavailable, so the handler does
+	// not run again meanwhile.
+	deadReason string
+	// opened: an attempt is open in subscriber_attempts for this delivery.
+	opened bool
+	// hasRow: subscriber_attempts may hold a row for the event.
+	hasRow bool
+	// mark: a redelivery, whose attempts are recorded (opened before the
+	// handler runs, closed with the outcome).
+	mark bool
+	// dups are other deliveries of the same event in the batch (the event
+	// stored twice in the stream, or one message delivered twice into the
+	// pull buffer): they share this delivery's fate.
+	dups    []*delivery
+	settled atomic.Bool // acked, naked or termed
+}
+
+// msgs are the delivery's message and its duplicates'.
+func (d *delivery) msgs() []jetstream.Msg {
+	out := make([]jetstream.Msg, 0, 1+len(d.dups))
+	out = append(out, d.msg)
+	for _, dup := range d.dups {
+		out = append(out, dup.msg)
+	}
+	return out
+}
+
+// result is what became of one delivery's attempt.
+type result struct {
+	kind  resultKind
+	err   error
+	delay time.Duration // for resultSnooze
+}
+
+type resultKind int
+
+const (
+	resultDone      resultKind = iota // effect and checkpoint committed, acked
+	resultFailed                      // the handler failed on the event: counted
+	resultPermanent                   // the handler says never: dead letter
+	resultSnooze                      // RetryAfter: nak with its delay, not counted
+	resultRetry                       // a connection broke or a transaction conflicted: nak, not counted
+	resultOutage                      // a dependency is down: hold the event
+	resultAbandoned                   // the runner stops: leave it unacked
+)
+
+// process takes a batch from delivery to its outcome. Events held by an
+// outage stay in hand (kept alive with in-progress signals) and are tried
+// again when every dependency answers; their deliveries cost them nothing.
+func (r *Runner) process(softCtx, hardCtx context.Context, msgs []jetstream.Msg) {
+	ds := make([]*delivery, 0, len(msgs))
+	first := make(map[int64]*delivery, len(msgs))
+	for _, m := range msgs {
+		ev, err := r.parse(m)
+		d := &delivery{msg: m, ev: ev}
+		if err != nil {
+			d.deadReason = err.Error()
+		} else if p := first[ev.ID]; p != nil {
+			// One attempt for the event; the copy shares its fate (a copy
+			// acked as a duplicate while the first failed would lose the
+			// event, if both are the same stream message).
+			p.dups = append(p.dups, d)
+			continue
+		} else {
+			first[ev.ID] = d
+		}
+		ds = append(ds, d)
+	}
+	stop := r.keepAlive(ds)
+	defer stop()
+	for len(ds) > 0 {
+		if !r.health.waitUp(softCtx) {
+			// Stopping during an outage: let the events go; another
+			// instance (or the next start) gets them after the ack wait.
+			r.closeAttempts(ds)
+			return
+		}
+		ds = r.attempt(hardCtx, ds)
+	}
+}
+
+// keepAlive tells JetStream the batch is still being worked on (or held
+// for an outage), so it is not redelivered to another instance meanwhile.
+func (r *Runner) keepAlive(ds []*delivery) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(r.cfg.AckWait / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				for _, d := range ds {
+					if !d.settled.Load() {
+						for _, m := range d.msgs() {
+							_ = m.InProgress()
+						}
+					}
+				}
+			}
+		}
+	}()
+	return func() {
+		close(done)
+		wg.Wait()
+	}
+}
+
+func (r *Runner) parse(m jetstream.Msg) (Event, error) {
+	return EventFromMsg(m, r.opts.Stream.SubjectPrefix)
+}
+
+// EventFromMsg reads the event a relayed message carries; subjectPrefix is
+// the stream's (stream.subject_prefix). Its error says why a message is not
+// an outbox event; the Event is filled as far as it could be.
+func EventFromMsg(m jetstream.Msg, subjectPrefix string) (Event, error) {
+	ev, err := EventFromParts(m.Data(), m.Headers(), m.Subject(), subjectPrefix)
+	if md, merr := m.Metadata(); merr == nil {
+		ev.StreamSeq, ev.Delivery = md.Sequence.Stream, md.NumDelivered
+	}
+	return ev, err
+}
+
+// EventFromParts reads an event from a message's body, headers and subject
+// (for messages read from a stream directly, such as dead letters).
+func EventFromParts(data []byte, h nats.Header, subject, subjectPrefix string) (Event, error) {
+	ev := Event{Payload: data, Headers: h, Subject: subject}
+	ev.Type = strings.TrimPrefix(subject, subjectPrefix+".")
+	idText := h.Get(outbox.EventIDHeader)
+	id, err := strconv.ParseInt(idText, 10, 64)
+	if err != nil || id <= 0 {
+		return ev, fmt.Errorf("message carries no valid %s header (got %q): not an outbox event", outbox.EventIDHeader, idText)
+	}
+	ev.ID = id
+	if t := h.Get(outbox.EventTypeHeader); t != "" {
+		ev.Type = t
+	}
+	ev.AggregateType = h.Get(outbox.AggregateTypeHeader)
+	ev.AggregateID = h.Get(outbox.AggregateIDHeader)
+	ev.CreatedAt, _ = time.Parse(time.RFC3339Nano, h.Get(outbox.CreatedAtHeader))
+	return ev, nil
+}

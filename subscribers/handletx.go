@@ -1,0 +1,144 @@
+package subscribers
+
+// The transactional path: a TxHandler's effects and the checkpoints of its
+// batch commit in one transaction.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// handleTx handles a batch in one transaction with its checkpoint rows; if
+// the batch fails for anything but an outage, it rolls back and each event
+// is handled alone, so one bad event never holds up the others.
+func (r *Runner) handleTx(ctx context.Context, ds []*delivery) []result {
+	results := make([]result, len(ds))
+	start := time.Now()
+	fresh, err := r.txBatch(ctx, ds)
+	if err == nil {
+		r.succeeded(ctx, ds, fresh, start)
+		return results
+	}
+	verdict := r.judge(ctx, err)
+	if len(ds) == 1 || verdict.kind == resultOutage || verdict.kind == resultAbandoned {
+		for i := range results {
+			results[i] = verdict
+		}
+		return results
+	}
+	r.logger.Debug("batch failed, handling its events one by one", "events", len(ds), "error", err)
+	for i, d := range ds {
+		one := []*delivery{d}
+		fresh, err := r.txBatch(ctx, one)
+		if err != nil {
+			results[i] = r.judge(ctx, err)
+			if k := results[i].kind; k == resultOutage || k == resultAbandoned {
+				for j := i + 1; j < len(ds); j++ {
+					results[j] = results[i]
+				}
+				break
+			}
+			continue
+		}
+		r.succeeded(ctx, one, fresh, time.Now())
+	}
+	return results
+}
+
+// txBatch runs the handler on the batch's new events in one transaction and
+// returns how many were new.
+func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh int, err error) {
+	ids := eventIDs(ds)
+	forget := rowIDs(ds)
+	// A hung handler must not hold its events forever (the in-progress
+	// signals would keep them from being redelivered): bound the attempt.
+	actx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout)
+	defer cancel()
+	tx, err := r.opts.Pool.Begin(actx)
+	if err != nil {
+		return 0, fmt.Errorf("begin: %w", err)
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
+	fresh, err = r.inTx(actx, tx, ds, ids, forget)
+	if err == nil {
+		if r.opts.Sabotage.AckBeforeCommit > 0 {
+			r.ack(ctx, ds, false)
+			time.Sleep(r.opts.Sabotage.AckBeforeCommit)
+		}
+		err = tx.Commit(actx)
+	}
+	err = r.timedOut(ctx, actx, err)
+	var ee *eventError
+	if errors.As(err, &ee) {
+		err = ee.err
+	}
+	if err != nil {
+		return 0, err
+	}
+	return fresh, nil
+}
+
+func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forget []int64) (fresh int, err error) {
+	rows, err := tx.Query(ctx, checkpointSQL, r.name, ids)
+	if err != nil {
+		return 0, fmt.Errorf("checkpoint: %w", err)
+	}
+	newIDs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return 0, fmt.Errorf("checkpoint: %w", err)
+	}
+	todo := make(map[int64]bool, len(newIDs))
+	for _, id := range newIDs {
+		todo[id] = true
+	}
+	var evs []Event
+	for _, d := range ds {
+		if todo[d.ev.ID] {
+			delete(todo, d.ev.ID) // a duplicate in the same batch runs once
+			evs = append(evs, d.ev)
+		}
+	}
+	if bh, ok := r.txH.(BatchTxHandler); ok && len(evs) > 1 {
+		if err := r.callBatchTx(ctx, bh, tx, evs); err != nil {
+			return 0, fmt.Errorf("batch of %d events: %w", len(evs), err)
+		}
+	} else {
+		for _, ev := range evs {
+			if err := r.callTx(ctx, tx, ev); err != nil {
+				return 0, &eventError{id: ev.ID, err: err}
+			}
+		}
+	}
+	if len(forget) > 0 {
+		if _, err := tx.Exec(ctx, forgetAttemptsSQL, r.name, forget); err != nil {
+			return 0, fmt.Errorf("forget attempts: %w", err)
+		}
+	}
+	return len(newIDs), nil
+}
+
+// eventError carries a handler's error out of the transaction unchanged.
+type eventError struct {
+	id  int64
+	err error
+}
+
+func (e *eventError) Error() string { return fmt.Sprintf("event %d: %v", e.id, e.err) }
+
+func (r *Runner) callTx(ctx context.Context, tx pgx.Tx, ev Event) (err error) {
+	defer recoverHandler(ev, &err)
+	ctx, span := r.eventContext(ctx, ev)
+	defer span.End()
+	return r.txH.HandleTx(ctx, tx, ev)
+}
+
+func (r *Runner) callBatchTx(ctx context.Context, bh BatchTxHandler, tx pgx.Tx, evs []Event) (err error) {
+	defer recoverHandler(evs[0], &err)
+	ctx, span := r.batchContext(ctx, evs)
+	defer span.End()
+	return bh.HandleBatchTx(ctx, tx, evs)
+}

@@ -1,0 +1,36 @@
+package subscribers
+
+import (
+	"time"
+)
+
+// Observer is told what a runner does; metrics implement it. Its methods
+// are called from several goroutines and must not block.
+type Observer interface {
+	// Handled reports events whose effect committed, and how long their
+	// batch took.
+	Handled(subscriber string, n int, took time.Duration)
+	// Skipped reports events already in the checkpoint (redeliveries,
+	// duplicate publishes).
+	Skipped(subscriber string, n int)
+	// Retried reports events naked for a later redelivery.
+	Retried(subscriber string, n int)
+	// DeadLettered reports events sent to the dead letters.
+	DeadLettered(subscriber string, n int)
+	// DependencyDown reports that a dependency stopped answering: the
+	// subscriber holds its events and takes no new ones.
+	DependencyDown(subscriber, dependency string)
+	// DependencyUp reports that a dependency answers (again, after down;
+	// 0 when it is first known).
+	DependencyUp(subscriber, dependency string, down time.Duration)
+}
+
+// NopObserver ignores everything.
+type NopObserver struct{}
+
+func (NopObserver) Handled(string, int, time.Duration)         {}
+func (NopObserver) Skipped(string, int)                        {}
+func (NopObserver) Retried(string, int)                        {}
+func (NopObserver) DeadLettered(string, int)                   {}
+func (NopObserver) DependencyDown(string, string)              {}
+func (NopObserver) DependencyUp(string, string, time.Duration) {}

@@ -1,0 +1,29 @@
+package subscribers
+
+import (
+	"context"
+)
+
+// HandleOnce runs the subscriber's handler on one event outside the
+// consumer, with the same checkpoint semantics (operators redriving a dead
+// letter use it): an event already in the checkpoint is not handled again
+// and handled is false.
+func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err error) {
+	d := &delivery{ev: ev, hasRow: true}
+	if r.txH != nil {
+		fresh, err := r.txBatch(ctx, []*delivery{d})
+		return fresh == 1, err
+	}
+	var done bool
+	if err := r.opts.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM processed_events WHERE subscriber = $1 AND event_id = $2)`, r.name, ev.ID).Scan(&done); err != nil {
+		return false, err
+	}
+	if done {
+		return false, nil
+	}
+	if err := r.call(ctx, ev); err != nil {
+		return false, err
+	}
+	err = r.checkpoint(ctx, []*delivery{d}, []int64{ev.ID})
+	return err == nil, err
+}

@@ -1,0 +1,128 @@
+package subscribers
+
+// What becomes of each delivery: the handler's verdict judged, then ack,
+// nak with backoff, or the dead letters.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// handle runs the handler on the deliveries and records the successes.
+func (r *Runner) handle(ctx context.Context, ds []*delivery) []result {
+	if r.txH != nil {
+		return r.handleTx(ctx, ds)
+	}
+	return r.handleEach(ctx, ds)
+}
+
+// judge classifies a failed attempt. A dependency that is down is never
+// the event's fault: if the handler did not name one (Unavailable), the
+// dependencies are probed before the failure is charged to the event.
+func (r *Runner) judge(ctx context.Context, err error) result {
+	if ctx.Err() != nil {
+		return result{kind: resultAbandoned, err: err}
+	}
+	if IsPermanent(err) {
+		return result{kind: resultPermanent, err: err}
+	}
+	if dep, ok := IsUnavailable(err); ok {
+		r.health.markDown(dep, err)
+		return result{kind: resultOutage, err: err}
+	}
+	if delay, ok := retryDelay(err); ok {
+		return result{kind: resultSnooze, err: err, delay: delay}
+	}
+	if r.health.probeAll(ctx) {
+		return result{kind: resultOutage, err: err}
+	}
+	if connectivity(err) || conflict(err) {
+		return result{kind: resultRetry, err: err}
+	}
+	return result{kind: resultFailed, err: err}
+}
+
+// settle gives each failed delivery its fate and returns those held.
+func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (held []*delivery) {
+	// Attempts close before any nak: a redelivery that found its event's
+	// attempt still open would take it for a crash.
+	var closing []*delivery
+	for i, d := range ds {
+		switch results[i].kind {
+		case resultSnooze, resultRetry, resultOutage, resultAbandoned:
+			closing = append(closing, d)
+		}
+	}
+	closed := r.closeAttempts(closing)
+	for i, d := range ds {
+		res := results[i]
+		switch res.kind {
+		case resultDone:
+		case resultPermanent:
+			d.deadReason = res.err.Error()
+			if !r.deadLetter(ctx, d) {
+				held = append(held, d)
+			}
+		case resultFailed:
+			failures, err := r.recordFailure(ctx, d, res.err)
+			if err != nil {
+				// The failure cannot be counted: the store is down.
+				held = append(held, r.heldBy(ctx, []*delivery{d}, err)...)
+				continue
+			}
+			if failures >= r.cfg.MaxFailures {
+				d.deadReason = fmt.Sprintf("gave up after %d failures (subscribers.max_failures): %v", failures, res.err)
+				if !r.deadLetter(ctx, d) {
+					held = append(held, d)
+				}
+				continue
+			}
+			delay := r.backoff(uint64(failures))
+			r.nak(d, delay)
+			r.logger.Warn("event failed, will retry", "event_id", d.ev.ID, "event_type", d.ev.Type,
+				"failures", failures, "max_failures", r.cfg.MaxFailures, "retry_in", delay, "error", res.err)
+		case resultSnooze, resultRetry:
+			if !closed {
+				// Naked with its attempt open, it would come back as a
+				// suspect: wait for the store, then try again.
+				held = append(held, r.heldBy(ctx, []*delivery{d}, errors.New("close the attempt: the checkpoint store does not answer"))...)
+				continue
+			}
+			delay := res.delay
+			if res.kind == resultRetry {
+				delay = r.backoff(d.ev.Delivery)
+				r.logger.Warn("event failed on a broken connection or a conflict with another transaction; retrying without counting it against the event",
+					"event_id", d.ev.ID, "event_type", d.ev.Type, "retry_in", delay, "error", res.err)
+			}
+			r.nak(d, delay)
+		case resultOutage:
+			held = append(held, d)
+		case resultAbandoned:
+			// Hard stop: the failure is ours, not the event's. Left
+			// unacked, it is redelivered after the ack wait.
+		}
+	}
+	return held
+}
+
+func (r *Runner) nak(d *delivery, delay time.Duration) {
+	for _, m := range d.msgs() {
+		if err := m.NakWithDelay(delay); err != nil {
+			r.logger.Warn("nak", "event_id", d.ev.ID, "error", err)
+		}
+	}
+	d.settled.Store(true)
+	r.obs.Retried(r.name, 1)
+}
+
+// backoff is retry_min doubled per failure (or delivery) after the first,
+// capped at retry_max.
+func (r *Runner) backoff(n uint64) time.Duration {
+	d := r.cfg.RetryMin
+	for i := uint64(1); i < n && d < r.cfg.RetryMax; i++ {
+		d *= 2
+	}
+	return min(d, r.cfg.RetryMax)
+}
