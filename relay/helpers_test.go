@@ -223,6 +223,7 @@ func (h *harness) streamMessages() []*jetstream.RawStreamMsg {
 
 // recorder is an Observer that remembers what it saw.
 type recorder struct {
+	NopObserver
 	mu        sync.Mutex
 	published []Published
 	claimed   int
@@ -240,7 +241,6 @@ func (r *recorder) Published(ev []Published) {
 func (r *recorder) Retried(n int) { r.mu.Lock(); r.retried += n; r.mu.Unlock() }
 func (r *recorder) Failed(n int)  { r.mu.Lock(); r.failed += n; r.mu.Unlock() }
 func (r *recorder) Reaped(n int)  { r.mu.Lock(); r.reaped += n; r.mu.Unlock() }
-func (r *recorder) Deleted(int)   {}
 
 func (r *recorder) snapshot() (published []Published, reaped int) {
 	r.mu.Lock()

@@ -163,13 +163,14 @@ func (r *Relay) start(ctx context.Context) error {
 	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
 	r.lastClaimed.Store(time.Now().UnixNano())
 
-	for range claimers {
-		r.loops.Add(1)
-		go func() {
-			defer r.loops.Done()
-			r.claimLoop(softCtx, hardCtx)
-		}()
-	}
+	// One claim loop: a claim is one backend updating a batch of rows,
+	// and the loop claims again as soon as the batch is handed to the
+	// publisher, so publishing never waits for a claim.
+	r.loops.Add(1)
+	go func() {
+		defer r.loops.Done()
+		r.claimLoop(softCtx, hardCtx)
+	}()
 	if r.cfg.Listen {
 		r.loops.Add(1)
 		go func() {
@@ -259,11 +260,6 @@ func (r *Relay) Nudge() {
 	default:
 	}
 }
-
-// claimers is how many goroutines claim batches concurrently. A claim is
-// one backend updating a batch of rows, CPU-bound on one core; with two,
-// one claims while the other's batch is being published.
-var claimers = 1
 
 // eagerPollMin is the first wait after a claim that found nothing; it
 // doubles up to the poll interval.

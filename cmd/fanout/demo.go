@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -62,28 +63,31 @@ func upCommand(a *app) *cobra.Command {
 			if _, err := schema.Migrate(ctx, pool, logging.Component(a.logger, "migrate")); err != nil {
 				return err
 			}
+			// What is started is stopped in reverse order, once, however
+			// up ends: the subscribers drain before the relay stops.
+			var running supervisor
+			defer func() { _ = running.stop() }()
 			var published atomic.Int64
-			r, conns, err := startRelay(ctx, a, countPublished{&published})
+			r, conns, err := startRelay(ctx, a, countPublished{n: &published})
 			if err != nil {
 				return err
 			}
-			defer conns.close()
+			running.add(func() error { conns.close(); return nil })
+			running.add(func() error { return stopRelay(a, r) })
 			names := subscriberNames()
 			sd := &deps{a: a, ctx: ctx, pool: pool}
-			defer sd.close()
+			running.add(func() error { sd.close(); return nil })
 			stopSubscribers, err := startSubscribers(ctx, a, sd, names, conns.nc, nil)
 			if err != nil {
-				_ = stopRelay(a, r)
 				return err
 			}
+			running.add(stopSubscribers)
 			d, err := newDriver(ctx, a, pool)
 			if err != nil {
-				_ = stopSubscribers()
-				_ = stopRelay(a, r)
 				return err
 			}
 			fmt.Printf("fanout up: relay publishing to stream %s on %s, subscribers %s, demo writing %d/s.\n"+
-				"Try: .bin/nats stream info %s, or fanout status. Ctrl-C stops.\n",
+				"Try: .bin/nats stream info %s, or go run ./cmd/fanout status. Ctrl-C stops.\n",
 				a.cfg.Stream.Name, config.RedactURL(a.cfg.NATS.URL), strings.Join(names, ", "), a.cfg.Demo.Rate, a.cfg.Stream.Name)
 			js, err := jetstream.New(conns.nc)
 			if err != nil {
@@ -91,11 +95,7 @@ func upCommand(a *app) *cobra.Command {
 			}
 			go progress(ctx, a, pool, d, &published, js, names)
 			runErr := d.Run(ctx)
-			stopErr := stopSubscribers()
-			if err := stopRelay(a, r); err != nil {
-				return err
-			}
-			return errors.Join(runErr, stopErr)
+			return errors.Join(runErr, running.stop())
 		},
 	}
 }
@@ -113,14 +113,32 @@ func newDriver(ctx context.Context, a *app, pool *pgxpool.Pool) (*demo.Driver, e
 }
 
 // countPublished counts the relay's published rows for the progress line.
-type countPublished struct{ n *atomic.Int64 }
+type countPublished struct {
+	relay.NopObserver
+	n *atomic.Int64
+}
 
-func (c countPublished) Claimed(int, time.Duration)     {}
 func (c countPublished) Published(ev []relay.Published) { c.n.Add(int64(len(ev))) }
-func (c countPublished) Retried(int)                    {}
-func (c countPublished) Failed(int)                     {}
-func (c countPublished) Reaped(int)                     {}
-func (c countPublished) Deleted(int)                    {}
+
+// supervisor stops what up started, in reverse order, once.
+type supervisor struct {
+	once  sync.Once
+	stops []func() error
+	err   error
+}
+
+func (s *supervisor) add(stop func() error) { s.stops = append(s.stops, stop) }
+
+func (s *supervisor) stop() error {
+	s.once.Do(func() {
+		var errs []error
+		for i := len(s.stops) - 1; i >= 0; i-- {
+			errs = append(errs, s.stops[i]())
+		}
+		s.err = errors.Join(errs...)
+	})
+	return s.err
+}
 
 // progress prints a line every demo.progress_interval until ctx ends.
 func progress(ctx context.Context, a *app, pool *pgxpool.Pool, d *demo.Driver, published *atomic.Int64, js jetstream.JetStream, names []string) {

@@ -28,8 +28,10 @@ func NewRegistry() *prometheus.Registry {
 // latencyBuckets span 1 ms to about 30 s.
 var latencyBuckets = prometheus.ExponentialBuckets(0.001, 2, 16)
 
-// Relay implements relay.Observer.
+// Relay implements relay.Observer. It embeds the no-op observer, so a
+// method added to the interface compiles before it is measured.
 type Relay struct {
+	relay.NopObserver
 	claimed, published, duplicates, retried, failed, reaped, deleted prometheus.Counter
 	claimSeconds, latency                                            prometheus.Histogram
 }
@@ -82,6 +84,7 @@ func (m *Relay) Deleted(n int) { m.deleted.Add(float64(n)) }
 
 // Subscribers implements subscribers.Observer.
 type Subscribers struct {
+	subscribers.NopObserver
 	handled, skipped, retried, dead *prometheus.CounterVec
 	seconds                         *prometheus.HistogramVec
 	dependencyUp                    *prometheus.GaugeVec
