@@ -1,0 +1,250 @@
+package deploy_test
+
+// These tests run the real relay and subscribers under the production
+// nats-server configuration (deploy/nats/nats-server.conf) and the database
+// roles of deploy/postgres/roles.sql, and show what each role may and may
+// not do: every refusal is the server's own (a NATS permissions violation
+// naming the subject, SQLSTATE 42501 from PostgreSQL).
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/subscribers/registry"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// ---------------------------------------------------------------------------
+// nats-server under deploy/nats/nats-server.conf
+
+// natsUsers are the users of the configuration file: fanout's own roles
+// and a user per subscriber in the registry.
+var natsUsers = append([]string{"relay", "provisioner", "operator", "admin"}, registry.Default.Names()...)
+
+type natsServer struct {
+	url       string
+	passwords map[string]string // plain passwords, as the clients send them
+	cmd       *exec.Cmd
+	exited    chan struct{}
+	log       *syncBuffer
+}
+
+// startNATS runs the pinned nats-server with the production configuration
+// file on a free port, the passwords (bcrypt hashes, except admin's plain
+// one) and the store directory in its environment, and stops it when t ends.
+func startNATS(t *testing.T) *natsServer {
+	t.Helper()
+	return startNATSWith(t, natsConfPath(t), natsUsers)
+}
+
+// startNATSWith runs nats-server with the configuration file conf, whose
+// users are users.
+func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
+	t.Helper()
+	bin, err := repo.Bin("nats-server")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := freePort(t)
+	s := &natsServer{
+		url:       fmt.Sprintf("nats://127.0.0.1:%d", port),
+		passwords: make(map[string]string),
+		exited:    make(chan struct{}),
+		log:       &syncBuffer{},
+	}
+	env := os.Environ()
+	for _, u := range users {
+		pw := "pw" + randomHex(t, 16)
+		s.passwords[u] = pw
+		secret := pw
+		if u != "admin" {
+			secret = bcryptHash(t, pw)
+		}
+		env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+secret)
+	}
+	env = append(env, "FANOUT_NATS_STORE_DIR="+filepath.Join(t.TempDir(), "jetstream"))
+	s.cmd = exec.Command(bin, "-c", conf, "-p", strconv.Itoa(port))
+	s.cmd.Env = env // the last of duplicate keys wins
+	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
+	if err := s.cmd.Start(); err != nil {
+		t.Fatalf("start nats-server: %v", err)
+	}
+	go func() {
+		_ = s.cmd.Wait()
+		close(s.exited)
+	}()
+	t.Cleanup(s.stop)
+
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		nc, err := nats.Connect(s.url, nats.UserInfo("admin", s.passwords["admin"]), nats.Timeout(time.Second))
+		if err == nil {
+			js, jerr := jetstream.New(nc)
+			if jerr == nil {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+				_, jerr = js.AccountInfo(ctx)
+				cancel()
+			}
+			nc.Close()
+			if jerr == nil {
+				return s
+			}
+			err = jerr
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nats-server on port %d not ready: %v\n%s", port, err, s.log.String())
+		}
+		select {
+		case <-s.exited:
+			t.Fatalf("nats-server exited at start:\n%s", s.log.String())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func (s *natsServer) stop() {
+	select {
+	case <-s.exited:
+		return
+	default:
+	}
+	_ = s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.exited:
+	case <-time.After(10 * time.Second):
+		_ = s.cmd.Process.Kill()
+		<-s.exited
+	}
+}
+
+func natsConfPath(t *testing.T) string {
+	t.Helper()
+	root, err := repo.Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return filepath.Join(root, "deploy", "nats", "nats-server.conf")
+}
+
+// bcryptHash hashes a password as `nats server passwd` does (at the lowest
+// cost, to keep the test fast).
+func bcryptHash(t *testing.T, pw string) string {
+	t.Helper()
+	cli, err := repo.Bin("nats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(cli, "server", "passwd", "--pass", pw, "--cost", "4").CombinedOutput()
+	if err != nil {
+		t.Fatalf("nats server passwd: %v\n%s", err, out)
+	}
+	h := strings.TrimSpace(string(out))
+	if !strings.HasPrefix(h, "$2a$") {
+		t.Fatalf("nats server passwd printed %q, not a bcrypt hash", h)
+	}
+	return h
+}
+
+// natsClient is one user's connection; its async errors (the server's
+// permissions violations) arrive on errs.
+type natsClient struct {
+	user       string
+	nc         *nats.Conn
+	js         jetstream.JetStream
+	errs       chan error
+	unexpected []error
+}
+
+// connect connects as user through the production code path
+// (connect.NATS with nats.user and nats.password: its inboxes are
+// _INBOX_<user>), and takes over the connection's async errors.
+func (s *natsServer) connect(t *testing.T, user string) *natsClient {
+	t.Helper()
+	c := &natsClient{user: user, errs: make(chan error, 1000)}
+	cfg := config.NATS{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 5 * time.Second}
+	nc, err := connect.NATS(cfg, "leastprivilege-"+user, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil {
+		t.Fatalf("connect as %s: %v", user, err)
+	}
+	t.Cleanup(nc.Close)
+	nc.SetErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+		select {
+		case c.errs <- err:
+		default:
+		}
+	})
+	checkInboxPrefix(t, nc, user)
+	c.nc = nc
+	if c.js, err = jetstream.New(nc); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// waitViolation waits for the server's permissions violation for kind
+// ("Publish" or "Subscription") on subject. Other async errors are kept
+// for checkClean.
+func (c *natsClient) waitViolation(t *testing.T, kind, subject string) {
+	t.Helper()
+	want := fmt.Sprintf("%s to %q", kind, subject)
+	deadline := time.NewTimer(15 * time.Second)
+	defer deadline.Stop()
+	for {
+		select {
+		case err := <-c.errs:
+			if errors.Is(err, nats.ErrPermissionViolation) && strings.Contains(err.Error(), want) {
+				return
+			}
+			c.unexpected = append(c.unexpected, err)
+		case <-deadline.C:
+			t.Fatalf("%s: no permissions violation for %s within 15s: the server allowed it", c.user, want)
+		}
+	}
+}
+
+// deniedRequest runs op, a request on subject that the user may not make:
+// the server must report the violation, and op must not succeed.
+func (c *natsClient) deniedRequest(t *testing.T, subject string, op func(ctx context.Context) error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res := make(chan error, 1)
+	go func() { res <- op(ctx) }()
+	c.waitViolation(t, "Publish", subject)
+	cancel() // the request has no answer coming: stop waiting for one
+	if err := <-res; err == nil {
+		t.Errorf("%s: request on %s succeeded", c.user, subject)
+	}
+}
+
+// checkClean fails t if the server reported anything else than the
+// violations the test provoked. A last denied publish serves as a marker:
+// the server answers in order and the client reports errors in order, so
+// once its violation arrives every earlier one has.
+func (c *natsClient) checkClean(t *testing.T) {
+	t.Helper()
+	marker := "leastprivilege.checkpoint." + c.user
+	if err := c.nc.Publish(marker, nil); err != nil {
+		t.Fatal(err)
+	}
+	c.waitViolation(t, "Publish", marker)
+	for _, err := range c.unexpected {
+		t.Errorf("%s: unexpected async error: %v", c.user, err)
+	}
+	c.unexpected = nil
+}

@@ -1,0 +1,663 @@
+package deploy_test
+
+// These tests run the real relay and subscribers under the production
+// nats-server configuration (deploy/nats/nats-server.conf) and the database
+// roles of deploy/postgres/roles.sql, and show what each role may and may
+// not do: every refusal is the server's own (a NATS permissions violation
+// naming the subject, SQLSTATE 42501 from PostgreSQL).
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"maps"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/cacheinval"
+	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/fanout/fanout/subscribers/registry"
+	"github.com/fanout/fanout/subscribers/searchindex"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// ---------------------------------------------------------------------------
+// NATS: what each user is refused
+
+// TestNATSPermissions provisions the streams and the subscribers' consumers
+// as the provisioning identity (`fanout provision`'s calls), checks that
+// the relay and each subscriber can do their work with everything
+// provisioned (the calls they make with provisioning set to verify), and
+// then what each identity is refused.
+func TestNATSPermissions(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	cfg := loadConfig(t)
+	ns := startNATS(t)
+	discard := slog.New(slog.NewTextHandler(io.Discard, nil))
+	rel := ns.connect(t, "relay")
+	prov := ns.connect(t, "provisioner")
+	op := ns.connect(t, "operator")
+	// Every subscriber in the registry, each as its own user.
+	handlers := map[*natsClient]subscribers.Declaration{}
+	client := map[string]*natsClient{}
+	for _, d := range registry.Default.All() {
+		c := ns.connect(t, d.Name)
+		handlers[c], client[d.Name] = d, c
+	}
+	inv, cin, six := client[invoicing.Name], client[cacheinval.Name], client[searchindex.Name]
+
+	// The provisioner creates EVENTS and DEADLETTER and every subscriber's
+	// consumer, and runs again (update) without harm.
+	minDup := config.RepublishDelay(cfg.Relay)
+	for range 2 {
+		if err := relay.EnsureStream(ctx, prov.js, cfg.Stream, minDup, discard); err != nil {
+			t.Fatalf("provisioner provisions the stream: %v", err)
+		}
+		if _, err := subscribers.ProvisionDeadLetterStream(ctx, prov.js, cfg.Subscribers, cfg.Stream.Replicas); err != nil {
+			t.Fatalf("provisioner provisions the dead-letter stream: %v", err)
+		}
+		events, err := prov.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range handlers {
+			if _, err := subscribers.ProvisionConsumer(ctx, events, d, cfg.Subscribers, cfg.Stream); err != nil {
+				t.Fatalf("provisioner provisions consumer %s: %v", d.Name, err)
+			}
+		}
+	}
+	prov.checkClean(t)
+
+	// The relay checks EVENTS (verify) and publishes with PubAcks.
+	verify := cfg.Stream
+	verify.Provision = "verify"
+	if err := relay.EnsureStream(ctx, rel.js, verify, minDup, discard); err != nil {
+		t.Fatalf("relay verifies the stream: %v", err)
+	}
+	publish := func(subject string, id int) uint64 {
+		t.Helper()
+		msg := nats.NewMsg(subject)
+		msg.Data = []byte(`{"order_id": 1, "product_id": 1}`)
+		msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(id))
+		ack, err := rel.js.PublishMsg(ctx, msg, jetstream.WithMsgID(strconv.Itoa(id)), jetstream.WithExpectStream(cfg.Stream.Name))
+		if err != nil {
+			t.Fatalf("relay publishes %s: %v", subject, err)
+		}
+		return ack.Sequence
+	}
+	orderSeq := publish("events."+shop.OrderCreated, 1)
+	productSeq := publish("events.product.updated", 2)
+
+	// Each subscriber looks up the streams and its own consumer, as the
+	// runtime does with provisioning set to verify.
+	for c, d := range handlers {
+		if _, err := c.js.Stream(ctx, cfg.Subscribers.DeadLetterStream); err != nil {
+			t.Fatalf("%s looks up the dead-letter stream: %v", c.user, err)
+		}
+		s, err := c.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatalf("%s looks up the stream: %v", c.user, err)
+		}
+		if _, err := s.Consumer(ctx, d.Name); err != nil {
+			t.Fatalf("%s looks up its consumer: %v", c.user, err)
+		}
+		c.checkClean(t)
+	}
+	eventCount := func() uint64 {
+		t.Helper()
+		info, err := rel.js.Stream(ctx, cfg.Stream.Name) // STREAM.INFO, allowed to the relay
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.CachedInfo().State.Msgs
+	}
+
+	t.Run("a subscriber works its own consumer", func(t *testing.T) {
+		for _, tc := range []struct {
+			c         *natsClient
+			name, typ string
+			seq       uint64
+		}{
+			{inv, invoicing.Name, shop.OrderCreated, orderSeq},
+			{six, searchindex.Name, "product.updated", productSeq},
+		} {
+			events, err := tc.c.js.Stream(ctx, cfg.Stream.Name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c, err := events.Consumer(ctx, tc.name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			batch, err := c.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []jetstream.Msg
+			for m := range batch.Messages() {
+				got = append(got, m)
+			}
+			if len(got) != 1 || got[0].Subject() != "events."+tc.typ {
+				t.Fatalf("%s fetched %d messages (%v), want its %s", tc.name, len(got), batch.Error(), tc.typ)
+			}
+			if err := got[0].InProgress(); err != nil {
+				t.Fatal(err)
+			}
+			if err := got[0].DoubleAck(ctx); err != nil {
+				t.Fatalf("%s acks: %v", tc.name, err)
+			}
+			ack, err := tc.c.js.Publish(ctx, "deadletter."+tc.name+"."+tc.typ, []byte("{}"))
+			if err != nil || ack.Stream != cfg.Subscribers.DeadLetterStream {
+				t.Fatalf("%s publishes its dead letter: %v", tc.name, err)
+			}
+			info, err := c.Info(ctx)
+			if err != nil || info.AckFloor.Stream != tc.seq || info.NumAckPending != 0 {
+				t.Fatalf("%s consumer after the ack: %+v (%v)", tc.name, info, err)
+			}
+			tc.c.checkClean(t) // none of the above was refused
+			// It reads only what its consumer delivers: no event by
+			// sequence (the cache invalidator has no business reading
+			// orders).
+			tc.c.deniedRequest(t, "$JS.API.STREAM.MSG.GET.EVENTS", func(ctx context.Context) error {
+				_, err := events.GetMsg(ctx, tc.seq)
+				return err
+			})
+			tc.c.checkClean(t)
+		}
+	})
+
+	t.Run("a dead letter a subscriber forges is refused", func(t *testing.T) {
+		// A subscriber may publish dead letters under its own name only;
+		// what it writes in them is up to it. The operator tools take the
+		// subscriber from the subject, refuse a letter that says otherwise,
+		// and check the event it names against the events stream: a forged
+		// letter redriven would write a checkpoint and make a subscriber
+		// skip a real event.
+		admin := ns.connect(t, "admin")
+		dls, err := admin.js.Stream(ctx, cfg.Subscribers.DeadLetterStream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		forge := func(c *natsClient, claimed, typ string, seq uint64, id int) *jetstream.RawStreamMsg {
+			t.Helper()
+			msg := nats.NewMsg("deadletter." + c.user + "." + typ)
+			msg.Data = []byte(`{"order_id": 1, "product_id": 1}`)
+			msg.Header.Set(subscribers.DeadSubscriberHeader, claimed)
+			msg.Header.Set(subscribers.DeadReasonHeader, "forged")
+			msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(id))
+			msg.Header.Set(subscribers.DeadSubjectHeader, "events."+typ)
+			msg.Header.Set(subscribers.DeadStreamSeqHeader, strconv.FormatUint(seq, 10))
+			ack, err := c.js.PublishMsg(ctx, msg)
+			if err != nil {
+				t.Fatalf("%s publishes a letter under its own name: %v", c.user, err)
+			}
+			m, err := dls.GetMsg(ctx, ack.Sequence)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return m
+		}
+		refused := func(c *natsClient, what string, err error) {
+			t.Helper()
+			if !errors.Is(err, subscribers.ErrDeadLetterRefused) {
+				t.Errorf("%s: %s: accepted (%v)", c.user, what, err)
+				return
+			}
+			t.Logf("refused: %s, %s: %v", c.user, what, err)
+		}
+		for c, d := range handlers {
+			other := invoicing.Name
+			if c == inv {
+				other = cacheinval.Name
+			}
+			// Speaking for another subscriber.
+			_, err := subscribers.ParseDeadLetter(forge(c, other, shop.OrderCreated, orderSeq, 1), cfg.Subscribers, cfg.Stream)
+			refused(c, "a letter claiming to be "+other+"'s", err)
+
+			// In its own name, but naming an event that is not the one at
+			// the sequence given, or one it does not receive.
+			wrongID, typ := 2, shop.OrderCreated // the order's sequence holds event 1
+			if !slices.Contains(d.EventTypes, shop.OrderCreated) {
+				wrongID = 1 // the order event itself, which it never receives
+			}
+			dl, err := subscribers.ParseDeadLetter(forge(c, c.user, typ, orderSeq, wrongID), cfg.Subscribers, cfg.Stream)
+			if err != nil {
+				t.Fatalf("%s: a letter in its own name: %v", c.user, err)
+			}
+			refused(c, "a letter naming an event that is not its own", dl.Verify(ctx, admin.js, cfg.Stream))
+		}
+		// A letter that agrees with itself and with the stream is read.
+		dl, err := subscribers.ParseDeadLetter(forge(inv, inv.user, shop.OrderCreated, orderSeq, 1), cfg.Subscribers, cfg.Stream)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := dl.Verify(ctx, admin.js, cfg.Stream); err != nil || !dl.Verified || dl.Event.ID != 1 {
+			t.Errorf("a true letter: %v (verified %v, event %d)", err, dl.Verified, dl.Event.ID)
+		}
+	})
+
+	t.Run("a reindex replays the stream as the operator, not as the search indexer", func(t *testing.T) {
+		var got []subscribers.Event
+		read, pos, err := searchindex.ReadEvents(ctx, op.js, cfg.Stream, 0, productSeq, func(evs []subscribers.Event) error {
+			got = append(got, evs...)
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("the operator replays: %v", err)
+		}
+		if read != 1 || len(got) != 1 || got[0].ID != 2 || got[0].Type != "product.updated" || pos != productSeq {
+			t.Fatalf("replay read %d events %+v up to %d; want the product event (id 2, seq %d) only", read, got, pos, productSeq)
+		}
+		events, err := op.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := events.Consumer(ctx, searchindex.ReplayConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
+			t.Errorf("replay consumer after the replay: %v, want it deleted", err)
+		}
+		op.checkClean(t)
+		// A replay consumer could carry any filter, so no subscriber may
+		// create one: it would read events that are not its own.
+		for _, c := range []*natsClient{six, inv} {
+			cEvents, err := c.js.Stream(ctx, cfg.Stream.Name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+searchindex.ReplayConsumer, func(ctx context.Context) error {
+				_, err := cEvents.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: searchindex.ReplayConsumer, AckPolicy: jetstream.AckNonePolicy})
+				return err
+			})
+			c.checkClean(t)
+		}
+	})
+
+	t.Run("each identity is refused what it must not do", func(t *testing.T) {
+		// One refusal per API each identity must not reach, each logged.
+		type refusal struct {
+			what, subject string
+			op            func(ctx context.Context, c *natsClient) error
+		}
+		raw := func(subject, body string) func(ctx context.Context, c *natsClient) error {
+			return func(ctx context.Context, c *natsClient) error {
+				_, err := c.nc.RequestWithContext(ctx, subject, []byte(body))
+				return err
+			}
+		}
+		update := func(name string) refusal {
+			return refusal{"change stream " + name, "$JS.API.STREAM.UPDATE." + name, func(ctx context.Context, c *natsClient) error {
+				sc := relay.StreamConfig(cfg.Stream)
+				if name == cfg.Subscribers.DeadLetterStream {
+					sc = subscribers.DeadLetterStreamConfig(cfg.Subscribers, cfg.Stream.Replicas)
+				}
+				sc.MaxAge = time.Minute
+				_, err := c.js.UpdateStream(ctx, sc)
+				return err
+			}}
+		}
+		create := func(name string) refusal {
+			return refusal{"create stream " + name + "2", "$JS.API.STREAM.CREATE." + name + "2", raw("$JS.API.STREAM.CREATE."+name+"2", `{"name":"`+name+`2","subjects":["x.`+name+`"]}`)}
+		}
+		purge := func(name string) refusal {
+			return refusal{"purge stream " + name, "$JS.API.STREAM.PURGE." + name, raw("$JS.API.STREAM.PURGE."+name, `{}`)}
+		}
+		deleteStream := func(name string) refusal {
+			return refusal{"delete stream " + name, "$JS.API.STREAM.DELETE." + name, raw("$JS.API.STREAM.DELETE."+name, ``)}
+		}
+		deleteMsg := func(name string) refusal {
+			return refusal{"delete a message of " + name, "$JS.API.STREAM.MSG.DELETE." + name, raw("$JS.API.STREAM.MSG.DELETE."+name, `{"seq":1}`)}
+		}
+		getMsg := func(name string) refusal {
+			return refusal{"read a message of " + name + " by sequence", "$JS.API.STREAM.MSG.GET." + name, raw("$JS.API.STREAM.MSG.GET."+name, `{"seq":1}`)}
+		}
+		publishTo := func(subject string) refusal {
+			return refusal{"publish to " + subject, subject, func(ctx context.Context, c *natsClient) error {
+				_, err := c.js.Publish(ctx, subject, []byte(`{}`))
+				return err
+			}}
+		}
+		consumerCreate := func(name string, filter string) refusal {
+			subject := "$JS.API.CONSUMER.CREATE.EVENTS." + name
+			if filter != "" {
+				subject += "." + filter
+			}
+			return refusal{"create or change consumer " + name + " (filter " + filter + ")", subject, func(ctx context.Context, c *natsClient) error {
+				cc := jetstream.ConsumerConfig{Durable: name, AckPolicy: jetstream.AckExplicitPolicy, FilterSubject: filter}
+				_, err := c.js.CreateOrUpdateConsumer(ctx, cfg.Stream.Name, cc)
+				return err
+			}}
+		}
+		consumerDelete := func(name string) refusal {
+			return refusal{"delete consumer " + name, "$JS.API.CONSUMER.DELETE.EVENTS." + name, raw("$JS.API.CONSUMER.DELETE.EVENTS."+name, ``)}
+		}
+		common := func() []refusal {
+			return []refusal{
+				update(cfg.Stream.Name), update(cfg.Subscribers.DeadLetterStream), create(cfg.Stream.Name),
+				purge(cfg.Stream.Name), purge(cfg.Subscribers.DeadLetterStream),
+				deleteStream(cfg.Stream.Name), deleteStream(cfg.Subscribers.DeadLetterStream),
+				deleteMsg(cfg.Stream.Name), deleteMsg(cfg.Subscribers.DeadLetterStream),
+			}
+		}
+		byUser := map[*natsClient][]refusal{}
+		byUser[rel] = append(common(), getMsg(cfg.Stream.Name), consumerCreate("snoop", ""), publishTo("deadletter.invoicing.x"))
+		for c, d := range handlers {
+			name := d.Name
+			byUser[c] = append(common(), getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream),
+				// Not even its own consumer: it could widen its filter.
+				consumerCreate(name, ""), consumerCreate(name, "events.>"), consumerDelete(name),
+				publishTo("events."+shop.OrderCreated))
+		}
+		byUser[prov] = []refusal{
+			purge(cfg.Stream.Name), purge(cfg.Subscribers.DeadLetterStream),
+			deleteStream(cfg.Stream.Name), deleteStream(cfg.Subscribers.DeadLetterStream),
+			deleteMsg(cfg.Stream.Name), deleteMsg(cfg.Subscribers.DeadLetterStream),
+			getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream), consumerDelete(invoicing.Name),
+			{"pull from consumer invoicing", "$JS.API.CONSUMER.MSG.NEXT.EVENTS." + invoicing.Name, raw("$JS.API.CONSUMER.MSG.NEXT.EVENTS."+invoicing.Name, `{"batch":1}`)},
+			publishTo("events." + shop.OrderCreated), publishTo("deadletter.invoicing.x"),
+		}
+		byUser[op] = append(common(), publishTo("events."+shop.OrderCreated), publishTo("deadletter.invoicing.x"))
+		for _, c := range append([]*natsClient{rel, prov, op}, slices.Collect(maps.Keys(handlers))...) {
+			for _, r := range byUser[c] {
+				c.deniedRequest(t, r.subject, func(ctx context.Context) error { return r.op(ctx, c) })
+				t.Logf("refused: %-11s %s (%s)", c.user, r.what, r.subject)
+			}
+			c.checkClean(t)
+		}
+		// Not even the administrator may remove events or dead letters: the
+		// streams themselves deny it.
+		admin := ns.connect(t, "admin")
+		for _, name := range []string{cfg.Stream.Name, cfg.Subscribers.DeadLetterStream} {
+			s, err := admin.js.Stream(ctx, name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Purge(ctx); err == nil {
+				t.Errorf("admin purged %s", name)
+			} else {
+				t.Logf("refused: %-11s purge stream %s (the stream denies it: %v)", "admin", name, err)
+			}
+			if err := s.DeleteMsg(ctx, 1); err == nil {
+				t.Errorf("admin deleted a message of %s", name)
+			} else {
+				t.Logf("refused: %-11s delete a message of %s (the stream denies it: %v)", "admin", name, err)
+			}
+		}
+	})
+
+	t.Run("a subscriber cannot publish events", func(t *testing.T) {
+		before := eventCount()
+		subject := "events." + shop.OrderCreated
+		if err := inv.nc.Publish(subject, []byte(`{"order_id": 666}`)); err != nil {
+			t.Fatal(err)
+		}
+		inv.waitViolation(t, "Publish", subject)
+		inv.deniedRequest(t, subject, func(ctx context.Context) error {
+			_, err := inv.js.Publish(ctx, subject, []byte(`{"order_id": 667}`))
+			return err
+		})
+		for _, c := range []*natsClient{cin, six} {
+			c.deniedRequest(t, "events.product.updated", func(ctx context.Context) error {
+				_, err := c.js.Publish(ctx, "events.product.updated", []byte(`{"product_id": 1}`))
+				return err
+			})
+		}
+		if after := eventCount(); after != before {
+			t.Errorf("stream %s went from %d to %d messages", cfg.Stream.Name, before, after)
+		}
+	})
+
+	t.Run("a subscriber cannot touch another subscriber's consumer", func(t *testing.T) {
+		other := "cacheinval"
+		for _, c := range []*natsClient{inv, six} {
+			events, err := c.js.Stream(ctx, cfg.Stream.Name)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.deniedRequest(t, "$JS.API.CONSUMER.INFO.EVENTS."+other, func(ctx context.Context) error {
+				_, err := events.Consumer(ctx, other)
+				return err
+			})
+			c.deniedRequest(t, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+other, func(ctx context.Context) error {
+				_, err := c.nc.RequestWithContext(ctx, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+other, []byte(`{"batch":1}`))
+				return err
+			})
+			c.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+other, func(ctx context.Context) error {
+				_, err := events.CreateOrUpdateConsumer(ctx, subscribers.ConsumerConfig(cacheinval.Name, cacheinval.Subscriber.EventTypes, cfg.Subscribers, cfg.Stream))
+				return err
+			})
+			c.deniedRequest(t, "$JS.API.CONSUMER.DELETE.EVENTS."+other, func(ctx context.Context) error {
+				return events.DeleteConsumer(ctx, other)
+			})
+			c.deniedRequest(t, "deadletter.cacheinval.product.updated", func(ctx context.Context) error {
+				_, err := c.js.Publish(ctx, "deadletter.cacheinval.product.updated", []byte("{}"))
+				return err
+			})
+			ackSubject := "$JS.ACK.EVENTS." + other + ".1.2.2.1700000000000000000.0"
+			if err := c.nc.Publish(ackSubject, []byte("+ACK")); err != nil {
+				t.Fatal(err)
+			}
+			c.waitViolation(t, "Publish", ackSubject)
+			advisory := "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.EVENTS." + other
+			sub, err := c.nc.Subscribe(advisory, func(*nats.Msg) {})
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.waitViolation(t, "Subscription", advisory)
+			_ = sub.Unsubscribe()
+			c.deniedRequest(t, "$JS.API.STREAM.DELETE.EVENTS", func(ctx context.Context) error {
+				return c.js.DeleteStream(ctx, cfg.Stream.Name)
+			})
+			c.checkClean(t)
+		}
+		// cacheinval's consumer delivered nothing to anyone.
+		s, err := cin.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := s.Consumer(ctx, other)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ci := c.CachedInfo(); ci.Delivered.Consumer != 0 || ci.NumPending != 1 {
+			t.Errorf("cacheinval consumer: delivered %d, pending %d; want 0 and 1", ci.Delivered.Consumer, ci.NumPending)
+		}
+		cin.checkClean(t)
+	})
+
+	t.Run("no user can read or forge another user's replies", func(t *testing.T) {
+		users := maps.Clone(client)
+		users["relay"] = rel
+		// request makes user receive a reply (a JetStream API response) on
+		// its inbox.
+		request := func(user string) {
+			t.Helper()
+			if _, err := users[user].js.Stream(ctx, cfg.Stream.Name); err != nil {
+				t.Fatalf("%s looks up the stream: %v", user, err)
+			}
+		}
+		// The replies really travel on _INBOX_<user>: the admin, who may
+		// subscribe to anything, sees invoicing's.
+		admin := ns.connect(t, "admin")
+		seen := make(chan *nats.Msg, 100)
+		spy, err := admin.nc.ChanSubscribe("_INBOX_invoicing.>", seen)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := admin.nc.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		request("invoicing")
+		select {
+		case m := <-seen:
+			if !strings.HasPrefix(m.Subject, "_INBOX_invoicing.") {
+				t.Errorf("admin's subscription to _INBOX_invoicing.> got %s", m.Subject)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatal("invoicing's reply did not travel on _INBOX_invoicing.")
+		}
+		_ = spy.Unsubscribe()
+
+		// No other user may subscribe there, nor to the default inboxes,
+		// nor publish (forge a reply) there.
+		for user, c := range users {
+			snooped := make(chan *nats.Msg, 100)
+			subjects := []string{"_INBOX.>", ">"}
+			for other := range users {
+				if other != user {
+					subjects = append(subjects, "_INBOX_"+other+".>")
+				}
+			}
+			for _, subject := range subjects {
+				sub, err := c.nc.ChanSubscribe(subject, snooped)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer sub.Unsubscribe() //nolint:errcheck
+				c.waitViolation(t, "Subscription", subject)
+			}
+			for other := range users {
+				if other == user {
+					continue
+				}
+				request(other)
+				forged := "_INBOX_" + other + ".forged"
+				if err := c.nc.Publish(forged, []byte(`{"type":"io.nats.jetstream.api.v1.stream_info_response"}`)); err != nil {
+					t.Fatal(err)
+				}
+				c.waitViolation(t, "Publish", forged)
+			}
+			if err := c.nc.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case m := <-snooped:
+				t.Errorf("%s read %s", user, m.Subject)
+			default:
+			}
+			c.checkClean(t)
+		}
+	})
+
+	t.Run("the relay cannot consume", func(t *testing.T) {
+		for _, name := range registry.Default.Names() {
+			rel.deniedRequest(t, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, func(ctx context.Context) error {
+				_, err := rel.nc.RequestWithContext(ctx, "$JS.API.CONSUMER.MSG.NEXT.EVENTS."+name, []byte(`{"batch":1}`))
+				return err
+			})
+			rel.deniedRequest(t, "$JS.API.CONSUMER.INFO.EVENTS."+name, func(ctx context.Context) error {
+				_, err := rel.js.Consumer(ctx, cfg.Stream.Name, name)
+				return err
+			})
+		}
+		rel.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS.snoop", func(ctx context.Context) error {
+			_, err := rel.js.CreateConsumer(ctx, cfg.Stream.Name, jetstream.ConsumerConfig{Durable: "snoop", AckPolicy: jetstream.AckExplicitPolicy})
+			return err
+		})
+		s, err := rel.js.Stream(ctx, cfg.Stream.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rel.deniedRequest(t, "$JS.API.STREAM.MSG.GET.EVENTS", func(ctx context.Context) error {
+			_, err := s.GetMsg(ctx, orderSeq)
+			return err
+		})
+		rel.deniedRequest(t, "$JS.API.STREAM.DELETE.EVENTS", func(ctx context.Context) error {
+			return rel.js.DeleteStream(ctx, cfg.Stream.Name)
+		})
+		sub, err := rel.nc.Subscribe("events.>", func(*nats.Msg) {})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rel.waitViolation(t, "Subscription", "events.>")
+		_ = sub.Unsubscribe()
+		if err := rel.nc.Publish("deadletter.invoicing.x", nil); err != nil {
+			t.Fatal(err)
+		}
+		rel.waitViolation(t, "Publish", "deadletter.invoicing.x")
+		rel.checkClean(t)
+	})
+
+	t.Run("wrong or missing credentials are refused", func(t *testing.T) {
+		for _, opts := range [][]nats.Option{
+			{nats.UserInfo("relay", ns.passwords["invoicing"])},
+			{nats.UserInfo("relay", "")},
+			{},
+		} {
+			nc, err := nats.Connect(ns.url, append(opts, nats.Timeout(5*time.Second))...)
+			if err == nil {
+				nc.Close()
+				t.Error("connected with wrong credentials")
+			} else if !strings.Contains(strings.ToLower(err.Error()), "authorization violation") {
+				t.Errorf("wrong credentials: got %v, want an authorization violation", err)
+			}
+		}
+	})
+}
+
+// TestNATSConfigNeedsItsSecrets: the configuration names its secrets only by
+// environment variable, and the server refuses to start without them.
+func TestNATSConfigNeedsItsSecrets(t *testing.T) {
+	t.Parallel()
+	bin, err := repo.Bin("nats-server")
+	if err != nil {
+		t.Fatal(err)
+	}
+	conf := natsConfPath(t)
+	body, err := os.ReadFile(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vars := []string{"FANOUT_NATS_STORE_DIR"}
+	for _, u := range natsUsers {
+		v := "FANOUT_NATS_" + strings.ToUpper(u) + "_PASSWORD"
+		vars = append(vars, v)
+		if !strings.Contains(string(body), "password: $"+v) {
+			t.Errorf("%s does not take user %s's password from $%s", conf, u, v)
+		}
+	}
+	var base []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "FANOUT_NATS_") {
+			base = append(base, kv)
+		}
+	}
+	check := func(env []string) (string, error) {
+		cmd := exec.Command(bin, "-c", conf, "-t")
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	all := append([]string(nil), base...)
+	for _, v := range vars {
+		all = append(all, v+"=x"+v)
+	}
+	if out, err := check(all); err != nil {
+		t.Fatalf("nats-server -t with every variable set: %v\n%s", err, out)
+	}
+	for i, missing := range vars {
+		env := append([]string(nil), base...)
+		for j, v := range vars {
+			if j != i {
+				env = append(env, v+"=x"+v)
+			}
+		}
+		out, err := check(env)
+		if err == nil || !strings.Contains(out, missing) {
+			t.Errorf("nats-server -t without %s: %v, %q; want a refusal naming it", missing, err, out)
+		}
+	}
+}
