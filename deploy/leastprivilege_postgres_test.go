@@ -17,7 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/schema"
@@ -207,14 +206,21 @@ SELECT id FROM p`).Scan(&productID)
 		// subscriber's checkpoint, through its memberships), retry-failed,
 		// the audit trail, a reindex's reads of the catalog, and a
 		// redrive's work as a subscriber.
-		var outboxRows, checkpoints int64
-		if err := pool.QueryRow(ctx, metrics.OutboxStateSQL).Scan(&outboxRows, new(float64), new(int64)); err != nil {
-			t.Errorf("fanout_operator reads the outbox state: %v", err)
+		var checkpoints int64
+		store := outbox.NewStore(pool)
+		if _, err := store.Backlog(ctx); err != nil {
+			t.Errorf("fanout_operator reads the outbox backlog: %v", err)
+		}
+		if _, err := store.CountSent(ctx); err != nil {
+			t.Errorf("fanout_operator counts the sent rows: %v", err)
 		}
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_events`).Scan(&checkpoints); err != nil || checkpoints < 2 {
 			t.Errorf("fanout_operator reads the checkpoints: %d rows (%v), want every subscriber's", checkpoints, err)
 		}
-		if _, err := pool.Exec(ctx, `UPDATE outbox SET status = 'pending', attempts = 0, available_at = now() WHERE status = 'failed'`); err != nil {
+		if _, _, err := store.Republish(ctx, time.Now().Add(time.Hour)); err != nil {
+			t.Errorf("fanout_operator republishes sent rows: %v", err)
+		}
+		if _, err := store.RetryFailed(ctx); err != nil {
 			t.Errorf("fanout_operator returns failed rows to pending: %v", err)
 		}
 		if _, err := pool.Exec(ctx, `INSERT INTO dead_letter_actions (action, subscriber, stream_seq, outcome, actor) VALUES ('discard', 'invoicing', 1, 'discarded', 'test')`); err != nil {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -144,7 +145,7 @@ func TestStaleLeaseCannotMark(t *testing.T) {
 	if _, err := h.db.Pool.Exec(ctx, `UPDATE outbox SET claimed_at = now() - interval '1 hour'`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := h.db.Pool.Exec(ctx, reapSQL, time.Minute.Seconds()); err != nil {
+	if _, err := outbox.NewStore(h.db.Pool).Reap(ctx, time.Minute); err != nil {
 		t.Fatal(err)
 	}
 	rows2, currentToken, err := current.claim(ctx)
@@ -190,7 +191,7 @@ func TestFailedPublishBacksOff(t *testing.T) {
 			t.Fatal(err)
 		}
 		err := h.db.Pool.QueryRow(ctx, `
-SELECT attempts, last_error, available_at FROM outbox WHERE id = $1 AND status = 'pending'`, rows[0].id).Scan(&attempts, &lastError, &availableAt)
+SELECT attempts, last_error, available_at FROM outbox WHERE id = $1 AND status = 'pending'`, rows[0].ID).Scan(&attempts, &lastError, &availableAt)
 		if err != nil {
 			t.Fatal(err)
 		}

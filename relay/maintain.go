@@ -8,64 +8,34 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// reapSQL returns rows whose lease expired to `pending`. Their relay died or
-// stalled after claiming them; whether it published them or not, publishing
-// again is safe (JetStream drops the duplicate within its window).
-const reapSQL = `
-WITH expired AS (
-    SELECT id
-    FROM outbox
-    WHERE published_at IS NULL AND status = 'sending' AND claimed_at < now() - make_interval(secs => $1::float8)
-    LIMIT 1000
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE outbox o
-SET status = 'pending', claimed_at = NULL, lease_token = NULL,
-    last_error = 'lease expired: its relay died or stalled before recording the publish'
-FROM expired
-WHERE o.id = expired.id`
-
 func (r *Relay) reapLoop(ctx context.Context) {
 	r.every(ctx, r.cfg.ReapInterval, "reap expired leases", func(ctx context.Context) (int64, error) {
-		ct, err := r.pool.Exec(ctx, reapSQL, r.cfg.Lease.Seconds())
+		n, err := r.store.Reap(ctx, r.cfg.Lease)
 		if err != nil {
 			return 0, err
 		}
-		if n := ct.RowsAffected(); n > 0 {
+		if n > 0 {
 			r.obs.Reaped(int(n))
 			r.logger.Warn("reaped rows whose lease expired", "rows", n, "lease", r.cfg.Lease)
 			r.Nudge()
 		}
-		return ct.RowsAffected(), nil
+		return n, nil
 	})
 }
 
-// cleanupSQL deletes one small batch of sent rows past their retention;
-// small batches keep each transaction short and the table from bloating.
-// Old sent rows hold the lowest ids, so the walk up the primary key finds
-// them first (there is no index on status = 'sent': see the schema).
-const cleanupSQL = `
-DELETE FROM outbox
-WHERE id IN (
-    SELECT id
-    FROM outbox
-    WHERE status = 'sent' AND published_at < now() - make_interval(secs => $1::float8)
-    ORDER BY id
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-)`
-
+// cleanupLoop deletes sent rows past their retention in small batches:
+// each transaction stays short and the table does not bloat.
 func (r *Relay) cleanupLoop(ctx context.Context) {
 	r.every(ctx, r.cfg.CleanupInterval, "delete sent rows past retention", func(ctx context.Context) (int64, error) {
 		var total int64
 		for ctx.Err() == nil {
-			ct, err := r.pool.Exec(ctx, cleanupSQL, r.cfg.SentRetention.Seconds(), r.cfg.CleanupBatch)
+			n, err := r.store.DeleteSent(ctx, r.cfg.SentRetention, r.cfg.CleanupBatch)
 			if err != nil {
 				return total, err
 			}
-			total += ct.RowsAffected()
-			r.obs.Deleted(int(ct.RowsAffected()))
-			if ct.RowsAffected() < int64(r.cfg.CleanupBatch) {
+			total += n
+			r.obs.Deleted(int(n))
+			if n < int64(r.cfg.CleanupBatch) {
 				break
 			}
 		}

@@ -275,8 +275,8 @@ func TestEventOfExactlyMaxPayload(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := h.newRelay(nil, nil)
-	probe, err := r.message(row{id: 1, aggregateType: "product", aggregateID: "1", eventType: "product.updated",
-		payload: []byte(`""`), headers: []byte(`{}`), createdAt: pgtype.Timestamptz{Time: at, Valid: true}}, 0)
+	probe, err := r.message(row{ID: 1, AggregateType: "product", AggregateID: "1", EventType: "product.updated",
+		Payload: []byte(`""`), Headers: []byte(`{}`), CreatedAt: pgtype.Timestamptz{Time: at, Valid: true}}, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

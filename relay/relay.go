@@ -77,6 +77,7 @@ type Relay struct {
 	cfg    config.Relay
 	stream config.Stream
 	pool   *pgxpool.Pool
+	store  *outbox.Store
 	nc     *nats.Conn
 	js     jetstream.JetStream
 	logger *slog.Logger
@@ -131,6 +132,7 @@ func New(opts Options) (*Relay, error) {
 		cfg:      opts.Relay,
 		stream:   opts.Stream,
 		pool:     opts.Pool,
+		store:    outbox.NewStore(opts.Pool),
 		nc:       opts.Conn,
 		js:       js,
 		logger:   opts.Logger,
@@ -338,15 +340,7 @@ func (r *Relay) sleep(ctx context.Context, d time.Duration) bool {
 }
 
 // row is one claimed outbox row.
-type row struct {
-	id            int64
-	aggregateType string
-	aggregateID   string
-	eventType     string
-	payload       []byte
-	headers       []byte // the jsonb column as text; message() decodes it
-	createdAt     pgtype.Timestamptz
-}
+type row = outbox.Claimed
 
 // outcome of one row's publish.
 type outcome struct {
@@ -371,10 +365,10 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 	for i, rw := range rows {
 		msg, err := r.message(rw, maxPayload)
 		if err != nil {
-			results[i] = outcome{permanent: true, err: rowReason(rw.id, err)}
+			results[i] = outcome{permanent: true, err: rowReason(rw.ID, err)}
 			continue
 		}
-		if r.sabotage.SkipPublish != nil && r.sabotage.SkipPublish(rw.id) {
+		if r.sabotage.SkipPublish != nil && r.sabotage.SkipPublish(rw.ID) {
 			results[i] = outcome{acked: true, ackedAt: time.Now()} // a lie
 			continue
 		}
@@ -382,7 +376,7 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 			jetstream.WithMsgID(msg.Header[outbox.EventIDHeader][0]),
 			jetstream.WithExpectStream(r.stream.Name))
 		if err != nil {
-			results[i] = classify(rw.id, err)
+			results[i] = classify(rw.ID, err)
 			continue
 		}
 		futures[i] = f
@@ -404,7 +398,7 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 		case ack := <-f.Ok():
 			results[i] = outcome{acked: true, duplicate: ack.Duplicate, ackedAt: time.Now()}
 		case err := <-f.Err():
-			results[i] = classify(rows[i].id, err)
+			results[i] = classify(rows[i].ID, err)
 		case <-deadline.C:
 			timedOut = true
 			results[i] = outcome{err: "no PubAck within relay.publish_timeout"}
@@ -416,7 +410,7 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 	if r.testHookBeforeRecord != nil {
 		ids := make([]int64, len(rows))
 		for i := range rows {
-			ids[i] = rows[i].id
+			ids[i] = rows[i].ID
 		}
 		r.testHookBeforeRecord(ctx, ids)
 	}
@@ -430,22 +424,22 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 // nothing the relay sends can make the server drop its connection (which
 // would stall every row, not just this one).
 func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
-	if err := outbox.ValidEventType(rw.eventType); err != nil {
+	if err := outbox.ValidEventType(rw.EventType); err != nil {
 		return nil, err
 	}
-	if err := outbox.ValidateAggregate(rw.aggregateType, rw.aggregateID); err != nil {
+	if err := outbox.ValidateAggregate(rw.AggregateType, rw.AggregateID); err != nil {
 		return nil, err
 	}
-	if rw.createdAt.InfinityModifier != pgtype.Finite {
-		return nil, fmt.Errorf("%w: created_at is %s, not a point in time", outbox.ErrInvalidEvent, rw.createdAt.InfinityModifier)
+	if rw.CreatedAt.InfinityModifier != pgtype.Finite {
+		return nil, fmt.Errorf("%w: created_at is %s, not a point in time", outbox.ErrInvalidEvent, rw.CreatedAt.InfinityModifier)
 	}
-	headers, err := decodeHeaders(rw.headers)
+	headers, err := decodeHeaders(rw.Headers)
 	if err != nil {
 		return nil, err
 	}
 	msg := &nats.Msg{
-		Subject: outbox.Subject(r.stream.SubjectPrefix, rw.eventType),
-		Data:    rw.payload,
+		Subject: outbox.Subject(r.stream.SubjectPrefix, rw.EventType),
+		Data:    rw.Payload,
 		Header:  make(nats.Header, len(headers)+7),
 	}
 	// ValidateHeaders refused the names the relay sets below, so a
@@ -453,13 +447,13 @@ func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
 	for k, v := range headers {
 		msg.Header[k] = []string{v}
 	}
-	id := strconv.FormatInt(rw.id, 10)
+	id := strconv.FormatInt(rw.ID, 10)
 	// The keys are constants already in canonical form: no Set needed.
 	msg.Header[outbox.EventIDHeader] = []string{id}
-	msg.Header[outbox.EventTypeHeader] = []string{rw.eventType}
-	msg.Header[outbox.AggregateTypeHeader] = []string{rw.aggregateType}
-	msg.Header[outbox.AggregateIDHeader] = []string{rw.aggregateID}
-	msg.Header[outbox.CreatedAtHeader] = []string{rw.createdAt.Time.UTC().Format(time.RFC3339Nano)}
+	msg.Header[outbox.EventTypeHeader] = []string{rw.EventType}
+	msg.Header[outbox.AggregateTypeHeader] = []string{rw.AggregateType}
+	msg.Header[outbox.AggregateIDHeader] = []string{rw.AggregateID}
+	msg.Header[outbox.CreatedAtHeader] = []string{rw.CreatedAt.Time.UTC().Format(time.RFC3339Nano)}
 
 	// The publish options set these two as well, to the same values.
 	// Setting them here lets msg.Size count the header block exactly as
@@ -514,5 +508,5 @@ func rowReason(id int64, err error) string {
 
 // sortRows orders a claimed batch by id, so one relay publishes in id order.
 func sortRows(rows []row) {
-	slices.SortFunc(rows, func(a, b row) int { return cmp.Compare(a.id, b.id) })
+	slices.SortFunc(rows, func(a, b row) int { return cmp.Compare(a.ID, b.ID) })
 }

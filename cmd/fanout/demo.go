@@ -13,6 +13,7 @@ import (
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema"
 	"github.com/fanout/fanout/shop"
@@ -152,12 +153,8 @@ func progress(ctx context.Context, a *app, pool *pgxpool.Pool, d *demo.Driver, p
 		case <-t.C:
 		}
 		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		var pending, sending, failed int64
-		err := pool.QueryRow(qctx, `
-SELECT count(*) FILTER (WHERE status = 'pending'),
-       count(*) FILTER (WHERE status = 'sending'),
-       count(*) FILTER (WHERE status = 'failed')
-FROM outbox WHERE status <> 'sent'`).Scan(&pending, &sending, &failed)
+		b, err := outbox.NewStore(pool).Backlog(qctx)
+		pending, sending, failed := b.Pending, b.Sending, b.Failed
 		cancel()
 		if err != nil {
 			a.logger.Warn("progress query", "error", err)

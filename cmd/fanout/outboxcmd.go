@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/spf13/cobra"
 )
 
@@ -25,15 +26,11 @@ func outboxCommand(a *app) *cobra.Command {
 				return err
 			}
 			defer pool.Close()
-			ct, err := pool.Exec(cmd.Context(), `
-UPDATE outbox
-SET status = 'pending', attempts = 0, available_at = now(), claimed_at = NULL, lease_token = NULL,
-    last_error = 'retried by an operator after: ' || coalesce(last_error, '')
-WHERE published_at IS NULL AND status = 'failed'`)
+			n, err := outbox.NewStore(pool).RetryFailed(cmd.Context())
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%d failed rows returned to pending\n", ct.RowsAffected())
+			fmt.Fprintf(cmd.OutOrStdout(), "%d failed rows returned to pending\n", n)
 			return nil
 		},
 	})
@@ -63,17 +60,11 @@ had already handled.`,
 				return err
 			}
 			defer pool.Close()
-			var oldest *time.Time
-			_ = pool.QueryRow(cmd.Context(), `SELECT min(published_at) FROM outbox WHERE status = 'sent'`).Scan(&oldest)
-			ct, err := pool.Exec(cmd.Context(), `
-UPDATE outbox
-SET status = 'pending', published_at = NULL, available_at = now(), claimed_at = NULL, lease_token = NULL,
-    last_error = 'republished by an operator'
-WHERE status = 'sent' AND published_at >= $1`, t)
+			n, oldest, err := outbox.NewStore(pool).Republish(cmd.Context(), t)
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%d sent rows since %s returned to pending for the relay to publish again\n", ct.RowsAffected(), t.UTC().Format(time.RFC3339))
+			fmt.Fprintf(cmd.OutOrStdout(), "%d sent rows since %s returned to pending for the relay to publish again\n", n, t.UTC().Format(time.RFC3339))
 			if oldest != nil && oldest.After(t) {
 				fmt.Fprintf(cmd.OutOrStdout(), "note: the oldest retained sent row is from %s; events sent before that are no longer in the outbox\n", oldest.UTC().Format(time.RFC3339))
 			}

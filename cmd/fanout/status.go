@@ -11,6 +11,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
@@ -75,14 +76,17 @@ func statusCommand(a *app) *cobra.Command {
 				return err
 			}
 			var st Status
-			err = pool.QueryRow(ctx, `
-SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE status = 'sending'),
-       count(*) FILTER (WHERE status = 'sent'), count(*) FILTER (WHERE status = 'failed'),
-       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8
-FROM outbox`).Scan(&st.Outbox.Pending, &st.Outbox.Sending, &st.Outbox.Sent, &st.Outbox.Failed, &st.Outbox.OldestPendingAge)
+			store := outbox.NewStore(pool)
+			backlog, err := store.Backlog(ctx)
 			if err != nil {
 				return fmt.Errorf("outbox: %w", err)
 			}
+			sent, err := store.CountSent(ctx)
+			if err != nil {
+				return fmt.Errorf("outbox: %w", err)
+			}
+			st.Outbox.Pending, st.Outbox.Sending, st.Outbox.Sent, st.Outbox.Failed = backlog.Pending, backlog.Sending, sent, backlog.Failed
+			st.Outbox.OldestPendingAge = backlog.OldestPending.Seconds()
 			// A stream not created yet (a fresh installation, the relay not
 			// started) is a state to report, not an error.
 			st.Stream.Name = a.cfg.Stream.Name

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -157,7 +158,7 @@ const scrapeTimeout = 3 * time.Second
 
 // outboxCollector reads the backlog from Postgres on each scrape.
 type outboxCollector struct {
-	pool                    *pgxpool.Pool
+	store                   *outbox.Store
 	logger                  *slog.Logger
 	backlog, oldest, failed *prometheus.Desc
 }
@@ -166,7 +167,7 @@ type outboxCollector struct {
 // the age of the oldest pending row, and failed rows.
 func NewOutboxCollector(pool *pgxpool.Pool, logger *slog.Logger) prometheus.Collector {
 	return &outboxCollector{
-		pool: pool, logger: logger,
+		store: outbox.NewStore(pool), logger: logger,
 		backlog: prometheus.NewDesc("fanout_outbox_backlog_rows", "Outbox rows not yet published (pending or sending).", nil, nil),
 		oldest:  prometheus.NewDesc("fanout_outbox_oldest_pending_age_seconds", "Age of the oldest pending outbox row (0 if none).", nil, nil),
 		failed:  prometheus.NewDesc("fanout_outbox_failed_rows", "Outbox rows marked failed.", nil, nil),
@@ -179,25 +180,17 @@ func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.failed
 }
 
-// OutboxStateSQL reads the backlog over the unsent index.
-const OutboxStateSQL = `
-SELECT count(*) FILTER (WHERE status IN ('pending', 'sending')),
-       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0)::float8,
-       count(*) FILTER (WHERE status = 'failed')
-FROM outbox WHERE published_at IS NULL`
-
 func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
 	ctx, cancel := context.WithTimeout(context.Background(), scrapeTimeout)
 	defer cancel()
-	var backlog, failed int64
-	var oldest float64
-	if err := c.pool.QueryRow(ctx, OutboxStateSQL).Scan(&backlog, &oldest, &failed); err != nil {
+	b, err := c.store.Backlog(ctx)
+	if err != nil {
 		c.logger.Warn("metrics: read outbox state", "error", err)
 		return
 	}
-	ch <- prometheus.MustNewConstMetric(c.backlog, prometheus.GaugeValue, float64(backlog))
-	ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, oldest)
-	ch <- prometheus.MustNewConstMetric(c.failed, prometheus.GaugeValue, float64(failed))
+	ch <- prometheus.MustNewConstMetric(c.backlog, prometheus.GaugeValue, float64(b.Pending+b.Sending))
+	ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, b.OldestPending.Seconds())
+	ch <- prometheus.MustNewConstMetric(c.failed, prometheus.GaugeValue, float64(b.Failed))
 }
 
 // consumerCollector reads each subscriber's consumer state on each scrape.

@@ -1,0 +1,121 @@
+package outbox_test
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// The store's operations on a database of its own (the package's relay
+// works the shared one): each row moves as its method says, and only the
+// rows its lease token holds.
+func TestStore(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	store := outbox.NewStore(db.Pool)
+	var ids []int64
+	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		for range 6 {
+			id, err := outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: "1", Type: "order.created",
+				Payload: json.RawMessage(`{"order_id": 1}`)})
+			if err != nil {
+				return err
+			}
+			ids = append(ids, id)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	backlog := func() outbox.Backlog {
+		t.Helper()
+		b, err := store.Backlog(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	if b := backlog(); b.Pending != 6 || b.Sending != 0 || b.Failed != 0 || b.OldestPending <= 0 {
+		t.Fatalf("backlog of 6 new rows: %+v", b)
+	}
+
+	token := pgtype.UUID{Bytes: [16]byte{1}, Valid: true}
+	claimed, err := store.Claim(ctx, 4, token)
+	if err != nil || len(claimed) != 4 || claimed[0].ID != ids[0] || string(claimed[0].Headers) == "" {
+		t.Fatalf("claim 4: %d rows %+v (%v)", len(claimed), claimed, err)
+	}
+	if b := backlog(); b.Pending != 2 || b.Sending != 4 {
+		t.Fatalf("after the claim: %+v", b)
+	}
+	// Another relay's token changes nothing.
+	if sent, err := store.Record(ctx, pgtype.UUID{Bytes: [16]byte{2}, Valid: true}, outbox.Outcomes{Sent: ids[:4]}); err != nil || sent != 0 {
+		t.Fatalf("record under a stale token: %d marked (%v)", sent, err)
+	}
+	sent, err := store.Record(ctx, token, outbox.Outcomes{
+		Sent:  ids[:2],
+		Retry: ids[2:3], RetryReasons: []string{"nats down"}, RetryMin: time.Hour, RetryMax: 2 * time.Hour,
+		Failed: ids[3:4], FailedReasons: []string{"too big"},
+	})
+	if err != nil || sent != 2 {
+		t.Fatalf("record: %d sent (%v)", sent, err)
+	}
+	if b := backlog(); b.Pending != 3 || b.Sending != 0 || b.Failed != 1 {
+		t.Fatalf("after the record: %+v", b)
+	}
+	if n, err := store.CountSent(ctx); err != nil || n != 2 {
+		t.Fatalf("sent rows: %d (%v)", n, err)
+	}
+	// The retried row backs off: only the two never claimed are due.
+	if again, err := store.Claim(ctx, 10, token); err != nil || len(again) != 2 || again[0].ID != ids[4] {
+		t.Fatalf("claim after a retry: %+v (%v), want the two rows never claimed", again, err)
+	}
+	// Their relay dies: the reaper returns them once their lease is over.
+	if n, err := store.Reap(ctx, time.Hour); err != nil || n != 0 {
+		t.Fatalf("reap of a live lease: %d (%v)", n, err)
+	}
+	if _, err := db.Pool.Exec(ctx, `UPDATE outbox SET claimed_at = now() - interval '2 hours' WHERE status = 'sending'`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := store.Reap(ctx, time.Hour); err != nil || n != 2 {
+		t.Fatalf("reap of expired leases: %d (%v)", n, err)
+	}
+
+	if n, err := store.RetryFailed(ctx); err != nil || n != 1 {
+		t.Fatalf("retry failed: %d (%v)", n, err)
+	}
+	var lastError string
+	if err := db.Pool.QueryRow(ctx, `SELECT last_error FROM outbox WHERE id = $1 AND status = 'pending' AND attempts = 0`, ids[3]).Scan(&lastError); err != nil ||
+		lastError != "retried by an operator after: too big" {
+		t.Fatalf("the retried failed row: %q (%v)", lastError, err)
+	}
+
+	n, oldest, err := store.Republish(ctx, time.Now().Add(-time.Minute))
+	if err != nil || n != 2 || oldest == nil {
+		t.Fatalf("republish the last minute: %d rows, oldest retained %v (%v)", n, oldest, err)
+	}
+	if n, err := store.CountSent(ctx); err != nil || n != 0 {
+		t.Fatalf("sent rows after the republish: %d (%v)", n, err)
+	}
+
+	// Sent rows past their retention go, in batches.
+	if _, err := db.Pool.Exec(ctx, `UPDATE outbox SET status = 'sent', published_at = now() - interval '2 hours'`); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := store.DeleteSent(ctx, 3*time.Hour, 10); err != nil || n != 0 {
+		t.Fatalf("delete sent within retention: %d (%v)", n, err)
+	}
+	if n, err := store.DeleteSent(ctx, time.Hour, 4); err != nil || n != 4 {
+		t.Fatalf("delete a batch of 4 past retention: %d (%v)", n, err)
+	}
+	if n, err := store.CountSent(ctx); err != nil || n != 2 {
+		t.Fatalf("sent rows left: %d (%v)", n, err)
+	}
+}
