@@ -1,6 +1,6 @@
 package subscribers
 
-// The checkpoint of handled events, and their acks.
+// Recording handled events in the checkpoint, and acking them.
 
 import (
 	"context"
@@ -9,19 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"golang.org/x/sync/errgroup"
-)
-
-const (
-	// checkpointSQL claims the batch's events in the checkpoint; RETURNING
-	// names the ones not processed before. The ids are sorted, so two
-	// transactions claiming overlapping batches lock in the same order.
-	checkpointSQL = `
-INSERT INTO processed_events (subscriber, event_id)
-SELECT $1, id FROM unnest($2::bigint[]) AS id
-ON CONFLICT DO NOTHING
-RETURNING event_id`
-
-	processedSQL = `SELECT event_id FROM processed_events WHERE subscriber = $1 AND event_id = ANY($2)`
 )
 
 // processed returns the ids among ids already in the checkpoint.
@@ -48,10 +35,7 @@ func (r *Runner) checkpoint(ctx context.Context, handled []*delivery, forget []i
 	ids := eventIDs(handled)
 	b := &pgx.Batch{}
 	if len(ids) > 0 {
-		b.Queue(`
-INSERT INTO processed_events (subscriber, event_id)
-SELECT $1, id FROM unnest($2::bigint[]) AS id
-ON CONFLICT DO NOTHING`, r.name, ids)
+		b.Queue(recordSQL, r.name, ids)
 	}
 	if len(forget) > 0 {
 		b.Queue(forgetAttemptsSQL, r.name, forget)

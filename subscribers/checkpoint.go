@@ -2,9 +2,57 @@ package subscribers
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
+
+// Every statement on processed_events, the subscribers' checkpoint: one
+// row per (subscriber, event) handled.
+const (
+	// checkpointSQL claims the batch's events in the checkpoint; RETURNING
+	// names the ones not processed before. The ids are sorted, so two
+	// transactions claiming overlapping batches lock in the same order.
+	checkpointSQL = `
+INSERT INTO processed_events (subscriber, event_id)
+SELECT $1, id FROM unnest($2::bigint[]) AS id
+ON CONFLICT DO NOTHING
+RETURNING event_id`
+
+	// recordSQL records events handled outside Postgres.
+	recordSQL = `
+INSERT INTO processed_events (subscriber, event_id)
+SELECT $1, id FROM unnest($2::bigint[]) AS id
+ON CONFLICT DO NOTHING`
+
+	processedSQL = `SELECT event_id FROM processed_events WHERE subscriber = $1 AND event_id = ANY($2)`
+
+	isProcessedSQL = `SELECT EXISTS (SELECT FROM processed_events WHERE subscriber = $1 AND event_id = $2)`
+
+	countCheckpointsSQL = `SELECT subscriber, count(*) FROM processed_events GROUP BY subscriber`
+)
+
+// CountCheckpoints returns each subscriber's number of checkpoint rows.
+func CountCheckpoints(ctx context.Context, pool *pgxpool.Pool) (map[string]int64, error) {
+	rows, err := pool.Query(ctx, countCheckpointsSQL)
+	if err != nil {
+		return nil, fmt.Errorf("count checkpoints: %w", err)
+	}
+	counts := map[string]int64{}
+	var name string
+	var n int64
+	_, err = pgx.ForEachRow(rows, []any{&name, &n}, func() error {
+		counts[name] = n
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("count checkpoints: %w", err)
+	}
+	return counts, nil
+}
 
 // pruneSQL deletes one batch of a subscriber's checkpoint rows older than the
 // stream's max age: past it, the stream no longer holds the event, so it can

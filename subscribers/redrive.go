@@ -15,7 +15,7 @@ func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err er
 		return fresh == 1, err
 	}
 	var done bool
-	if err := r.opts.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM processed_events WHERE subscriber = $1 AND event_id = $2)`, r.name, ev.ID).Scan(&done); err != nil {
+	if err := r.opts.Pool.QueryRow(ctx, isProcessedSQL, r.name, ev.ID).Scan(&done); err != nil {
 		return false, err
 	}
 	if done {

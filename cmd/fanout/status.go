@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
@@ -102,20 +103,8 @@ func statusCommand(a *app) *cobra.Command {
 				st.Stream.FirstSeq, st.Stream.LastSeq = info.State.FirstSeq, info.State.LastSeq
 			}
 
-			checkpoints := map[string]int64{}
-			rows, err := pool.Query(ctx, `SELECT subscriber, count(*) FROM processed_events GROUP BY subscriber`)
+			checkpoints, err := subscribers.CountCheckpoints(ctx, pool)
 			if err != nil {
-				return err
-			}
-			for rows.Next() {
-				var s string
-				var n int64
-				if err := rows.Scan(&s, &n); err != nil {
-					return err
-				}
-				checkpoints[s] = n
-			}
-			if err := rows.Err(); err != nil {
 				return err
 			}
 			dead, err := deadLetterCounts(ctx, js, pool, a.cfg.Subscribers.DeadLetterStream, a.cfg.Subscribers.DeadLetterSubjectPrefix)
