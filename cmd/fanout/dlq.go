@@ -12,9 +12,8 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/logging"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/operator"
 	"github.com/fanout/fanout/subscribers"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -23,10 +22,9 @@ import (
 
 // dlqEnv is what the dead-letter commands work with.
 type dlqEnv struct {
-	a      *app
-	pool   *pgxpool.Pool
-	nc     *nats.Conn
-	stream jetstream.Stream
+	*operator.DeadLetters
+	pool *pgxpool.Pool
+	nc   *nats.Conn
 }
 
 func openDLQ(ctx context.Context, a *app) (*dlqEnv, error) {
@@ -44,14 +42,14 @@ func openDLQ(ctx context.Context, a *app) (*dlqEnv, error) {
 	}
 	js, err := jetstream.New(nc)
 	if err == nil {
-		var s jetstream.Stream
-		if s, err = js.Stream(ctx, a.cfg.Subscribers.DeadLetterStream); err == nil {
-			return &dlqEnv{a: a, pool: pool, nc: nc, stream: s}, nil
+		var d *operator.DeadLetters
+		if d, err = operator.OpenDeadLetters(ctx, pool, js, a.cfg.Stream, a.cfg.Subscribers); err == nil {
+			return &dlqEnv{DeadLetters: d, pool: pool, nc: nc}, nil
 		}
 	}
 	nc.Close()
 	pool.Close()
-	return nil, fmt.Errorf("dead-letter stream %s: %w", a.cfg.Subscribers.DeadLetterStream, err)
+	return nil, err
 }
 
 func (e *dlqEnv) close() {
@@ -59,178 +57,25 @@ func (e *dlqEnv) close() {
 	e.pool.Close()
 }
 
-// deadLetter is one message of the dead-letter stream, as listed.
-type deadLetter struct {
-	Seq        uint64
-	Subscriber string // from the subject it is stored under
-	EventID    string
-	EventType  string
-	Reason     string
-	Deliveries string
-	At         string
-	// Refused says why no command acts on this letter (it disagrees with
-	// itself: see subscribers.ParseDeadLetter), or is empty.
-	Refused string
-	// Resolved says how an operator resolved it (redriven, discarded), or
-	// is empty: the stream keeps resolved letters until they age out.
-	Resolved string
-	parsed   subscribers.DeadLetter
-	raw      *jetstream.RawStreamMsg
-}
-
-// resolvedSQL finds the letters an operator resolved: discarded, or
-// redriven with the event handled (or found already handled). The stream
-// denies deletes, so a resolved letter stays until it ages out; this is
-// what tells it apart.
-const resolvedSQL = `
-SELECT DISTINCT ON (stream_seq, subscriber) stream_seq, subscriber, action || ' by ' || actor || ' at ' || to_char(at, 'YYYY-MM-DD"T"HH24:MI:SSOF')
-FROM dead_letter_actions
-WHERE action = 'discard' OR (action = 'redrive' AND outcome IN ('handled', 'already in the checkpoint'))
-ORDER BY stream_seq, subscriber, at DESC`
-
-// resolutions returns how each resolved letter was resolved, by sequence
-// and subscriber.
-func resolutions(ctx context.Context, q interface {
-	Query(context.Context, string, ...any) (pgx.Rows, error)
-}) (map[resolvedKey]string, error) {
-	rows, err := q.Query(ctx, resolvedSQL)
-	if err != nil {
-		return nil, fmt.Errorf("read dead_letter_actions: %w", err)
-	}
-	out := map[resolvedKey]string{}
-	var seq int64
-	var subscriber, how string
-	_, err = pgx.ForEachRow(rows, []any{&seq, &subscriber, &how}, func() error {
-		out[resolvedKey{uint64(seq), subscriber}] = how
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("read dead_letter_actions: %w", err)
-	}
-	return out, nil
-}
-
-type resolvedKey struct {
-	seq        uint64
-	subscriber string
-}
-
-// list returns the dead letters, of one subscriber if not empty, with how
-// each was resolved, if it was.
-func (e *dlqEnv) list(ctx context.Context, subscriber string) ([]deadLetter, error) {
-	resolved, err := resolutions(ctx, e.pool)
-	if err != nil {
-		return nil, err
-	}
-	filter := e.a.cfg.Subscribers.DeadLetterSubjectPrefix + ".>"
-	if subscriber != "" {
-		filter = e.a.cfg.Subscribers.DeadLetterSubjectPrefix + "." + subscriber + ".>"
-	}
-	info, err := e.stream.Info(ctx)
-	if err != nil {
-		return nil, err
-	}
-	var out []deadLetter
-	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; {
-		m, err := e.stream.GetMsg(ctx, seq, jetstream.WithGetMsgSubject(filter))
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			break
-		}
-		if err != nil {
-			return nil, err
-		}
-		d := e.describe(m)
-		d.Resolved = resolved[resolvedKey{d.Seq, d.Subscriber}]
-		out = append(out, d)
-		seq = m.Sequence + 1
-	}
-	return out, nil
-}
-
-// unresolved keeps the letters no operator has resolved yet.
-func unresolved(ds []deadLetter) []deadLetter {
-	var out []deadLetter
-	for _, d := range ds {
-		if d.Resolved == "" {
-			out = append(out, d)
-		}
-	}
-	return out
-}
-
-func (e *dlqEnv) describe(m *jetstream.RawStreamMsg) deadLetter {
-	p, err := subscribers.ParseDeadLetter(m, e.a.cfg.Subscribers, e.a.cfg.Stream)
-	d := deadLetter{Seq: m.Sequence, Subscriber: p.Subscriber, EventID: m.Header.Get(outbox.EventIDHeader),
-		EventType: m.Header.Get(outbox.EventTypeHeader), Reason: p.Reason, Deliveries: p.Deliveries, At: p.At, parsed: p, raw: m}
-	if err != nil {
-		d.Refused = err.Error()
-	}
-	return d
-}
-
-// targets resolves `<seq>` or `--subscriber S` into dead letters.
-func (e *dlqEnv) targets(ctx context.Context, args []string, subscriber string) ([]deadLetter, error) {
+// targets resolves `<seq>` or `--subscriber S` into dead letters: the
+// subscriber's unresolved ones, or the one at seq.
+func (e *dlqEnv) targets(ctx context.Context, args []string, subscriber string) ([]operator.Letter, error) {
 	if (len(args) == 1) == (subscriber != "") {
 		return nil, errors.New("give either a dead letter's sequence number or --subscriber")
 	}
 	if subscriber != "" {
-		ds, err := e.list(ctx, subscriber)
-		return unresolved(ds), err
+		ls, err := e.List(ctx, subscriber)
+		return operator.Unresolved(ls), err
 	}
 	seq, err := strconv.ParseUint(args[0], 10, 64)
 	if err != nil {
 		return nil, fmt.Errorf("%q is not a sequence number (see `fanout dlq list`)", args[0])
 	}
-	m, err := e.stream.GetMsg(ctx, seq)
-	if err != nil {
-		return nil, fmt.Errorf("dead letter %d: %w", seq, err)
-	}
-	resolved, err := resolutions(ctx, e.pool)
+	l, err := e.Get(ctx, seq)
 	if err != nil {
 		return nil, err
 	}
-	d := e.describe(m)
-	d.Resolved = resolved[resolvedKey{d.Seq, d.Subscriber}]
-	return []deadLetter{d}, nil
-}
-
-// eventOf returns the event a redrive hands to the letter's subscriber: the
-// copy in the events stream, after checking that the letter agrees with it
-// and with itself (a letter is written by its subscriber's own process, and
-// a redrive writes that subscriber's checkpoint: a forged letter must not
-// make it skip a real event). fromLetter trusts the letter's own copy of an
-// event the stream no longer holds.
-func (e *dlqEnv) eventOf(ctx context.Context, dl deadLetter, fromLetter bool) (subscribers.Event, error) {
-	if dl.Refused != "" {
-		return subscribers.Event{}, errors.New(dl.Refused)
-	}
-	p := dl.parsed
-	js, err := jetstream.New(e.nc)
-	if err != nil {
-		return subscribers.Event{}, err
-	}
-	err = p.Verify(ctx, js, e.a.cfg.Stream)
-	switch {
-	case err == nil:
-		return p.Event, nil
-	case errors.Is(err, jetstream.ErrMsgNotFound) && fromLetter:
-		if omitted := dl.raw.Header.Get(subscribers.DeadBodyOmittedHeader); omitted != "" {
-			return subscribers.Event{}, fmt.Errorf("the dead letter was stored without the event's body (%s bytes) and the stream no longer holds the event", omitted)
-		}
-		return p.Event, nil
-	case errors.Is(err, jetstream.ErrMsgNotFound):
-		return subscribers.Event{}, fmt.Errorf("%w; the events stream no longer holds the event: redrive with --from-letter to trust the dead letter's own copy", err)
-	}
-	return subscribers.Event{}, err
-}
-
-// record notes an operator's action on a dead letter.
-func (e *dlqEnv) record(ctx context.Context, action string, d deadLetter, outcome, actor string) error {
-	id, _ := strconv.ParseInt(d.EventID, 10, 64)
-	_, err := e.pool.Exec(ctx, `
-INSERT INTO dead_letter_actions (action, subscriber, event_id, stream_seq, outcome, actor)
-VALUES ($1, $2, nullif($3, 0), $4, $5, $6)`, action, d.Subscriber, id, int64(d.Seq), outcome, actor)
-	return err
+	return []operator.Letter{l}, nil
 }
 
 func defaultActor() string {
@@ -260,13 +105,13 @@ func dlqCommand(a *app) *cobra.Command {
 				return err
 			}
 			defer e.close()
-			ds, err := e.list(ctx, subscriber)
+			ds, err := e.List(ctx, subscriber)
 			if err != nil {
 				return err
 			}
 			shown := ds
 			if !all {
-				shown = unresolved(ds)
+				shown = operator.Unresolved(ds)
 			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
 			fmt.Fprintln(tw, "SEQ\tSUBSCRIBER\tEVENT\tTYPE\tDELIVERIES\tDEAD AT\tREASON")
@@ -281,7 +126,7 @@ func dlqCommand(a *app) *cobra.Command {
 				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", d.Seq, d.Subscriber, d.EventID, d.EventType, d.Deliveries, d.At, reason)
 			}
 			tw.Flush()
-			fmt.Fprintf(cmd.OutOrStdout(), "%d dead letters to resolve (%d resolved, kept until they age out: --all lists them)\n", len(unresolved(ds)), len(ds)-len(unresolved(ds)))
+			fmt.Fprintf(cmd.OutOrStdout(), "%d dead letters to resolve (%d resolved, kept until they age out: --all lists them)\n", len(operator.Unresolved(ds)), len(ds)-len(operator.Unresolved(ds)))
 			return nil
 		},
 	}
@@ -303,7 +148,7 @@ func dlqCommand(a *app) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			m := ds[0].raw
+			m := ds[0].Raw
 			w := cmd.OutOrStdout()
 			fmt.Fprintf(w, "seq %d, subject %s, stored %s\n", m.Sequence, m.Subject, m.Time.UTC().Format(time.RFC3339))
 			for k, vs := range m.Header {
@@ -369,32 +214,17 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 				runners[name] = r
 				return r, nil
 			}
+			done, err := e.Redrive(ctx, ds, runnerOf, fromLetter, actor)
 			failed := 0
-			for _, dl := range ds {
-				if dl.Resolved != "" {
-					fmt.Fprintf(cmd.OutOrStdout(), "%d (%s, event %s): already resolved: %s\n", dl.Seq, dl.Subscriber, dl.EventID, dl.Resolved)
-					continue
-				}
-				outcome := "handled"
-				ev, err := e.eventOf(ctx, dl, fromLetter)
-				if err == nil {
-					var r *subscribers.Runner
-					if r, err = runnerOf(dl.Subscriber); err != nil {
-						return err
-					}
-					var handled bool
-					if handled, err = r.HandleOnce(ctx, ev); err == nil && !handled {
-						outcome = "already in the checkpoint"
-					}
-				}
-				if err != nil {
-					outcome = "failed: " + err.Error()
+			for _, r := range done {
+				l := r.Letter
+				fmt.Fprintf(cmd.OutOrStdout(), "%d (%s, event %s): %s\n", l.Seq, l.Subscriber, l.EventID, r.Outcome)
+				if r.Err != nil {
 					failed++
 				}
-				if rerr := e.record(ctx, "redrive", dl, outcome, actor); rerr != nil {
-					return fmt.Errorf("record redrive of %d: %w", dl.Seq, rerr)
-				}
-				fmt.Fprintf(cmd.OutOrStdout(), "%d (%s, event %s): %s\n", dl.Seq, dl.Subscriber, dl.EventID, outcome)
+			}
+			if err != nil {
+				return err
 			}
 			if failed > 0 {
 				return fmt.Errorf("%d of %d redrives failed; their dead letters remain to be resolved", failed, len(ds))
@@ -421,18 +251,11 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 			if err != nil {
 				return err
 			}
-			for _, dl := range ds {
-				if dl.Refused != "" {
-					return fmt.Errorf("discard %d: %s", dl.Seq, dl.Refused)
-				}
-				if dl.Resolved != "" {
-					continue
-				}
-				if err := e.record(ctx, "discard", dl, "discarded", actor); err != nil {
-					return err
-				}
+			n, err := e.Discard(ctx, ds, actor)
+			if err != nil {
+				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "discarded %d dead letters\n", len(unresolved(ds)))
+			fmt.Fprintf(cmd.OutOrStdout(), "discarded %d dead letters\n", n)
 			return nil
 		},
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/fanout/fanout/internal/natstest"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/internal/redistest"
+	"github.com/fanout/fanout/operator"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
@@ -33,26 +34,26 @@ func run(t *testing.T, env []string, args ...string) (string, error) {
 	return string(out), err
 }
 
-func status(t *testing.T, env []string) Status {
+func status(t *testing.T, env []string) operator.Status {
 	t.Helper()
 	out, err := run(t, env, "status", "--json")
 	if err != nil {
 		t.Fatalf("fanout status --json: %v\n%s", err, out)
 	}
-	var st Status
+	var st operator.Status
 	if err := json.Unmarshal([]byte(out[strings.Index(out, "{"):]), &st); err != nil {
 		t.Fatalf("status output: %v\n%s", err, out)
 	}
 	return st
 }
 
-func subscriberStatus(st Status, name string) SubscriberStatus {
+func subscriberStatus(st operator.Status, name string) operator.SubscriberStatus {
 	for _, s := range st.Subscribers {
 		if s.Name == name {
 			return s
 		}
 	}
-	return SubscriberStatus{}
+	return operator.SubscriberStatus{}
 }
 
 // The operator's tools against a running pipeline of real processes:
@@ -111,7 +112,7 @@ func TestOperatorCommands(t *testing.T) {
 		_ = db.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices`).Scan(&n)
 		return n
 	}
-	var st Status
+	var st operator.Status
 	subscribertest.WaitFor(t, 30*time.Second, "the pipeline to settle", func() (bool, string) {
 		st = status(t, env)
 		si, ci := subscriberStatus(st, "searchindex"), subscriberStatus(st, "cacheinval")

@@ -1,0 +1,168 @@
+package operator_test
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/operator"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func orderEvent(orderID int64) outbox.Event {
+	return outbox.Event{AggregateType: shop.AggregateOrder, AggregateID: strconv.FormatInt(orderID, 10), Type: shop.OrderCreated,
+		Payload: shop.OrderEvent{OrderID: orderID, Customer: "test", Lines: 1}}
+}
+
+// Dead letters of orders that did not exist yet: listed, counted, a forged
+// one refused, one discarded, the others redriven once their orders exist,
+// every action in the audit trail; and the status reports it all.
+func TestDeadLettersAndStatus(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := subscribertest.NewEnv(t)
+	cfg := env.Config
+
+	// A status before anything ran: no stream, every known subscriber
+	// without a consumer.
+	st, err := operator.ReadStatus(ctx, operator.Sources{Pool: env.DB.Pool, JS: env.JS, Stream: cfg.Stream, Subscribers: cfg.Subscribers, Known: []string{"later"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if i := indexOf(st, "later"); i < 0 || !st.Subscribers[i].ConsumerGone {
+		t.Errorf("a known subscriber without a consumer: %+v", st.Subscribers)
+	}
+
+	// Three orders invoicing does not find: three dead letters.
+	const missing = 1 << 40
+	ids := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+		return []outbox.Event{orderEvent(missing), orderEvent(missing + 1), orderEvent(missing + 2)}, nil
+	})
+	env.StartRunner(invoicing.New(), nil)
+	subscribertest.WaitFor(t, 30*time.Second, "three dead letters", func() (bool, string) {
+		n := len(env.DeadLetters(invoicing.Name))
+		return n == 3, strconv.Itoa(n)
+	})
+	env.WaitIdle(invoicing.Name, 15*time.Second)
+	// A letter that speaks for invoicing, published by someone else under
+	// another subscriber's name.
+	forged := nats.NewMsg(cfg.Subscribers.DeadLetterSubjectPrefix + ".salesledger." + shop.OrderCreated)
+	forged.Data = []byte(`{}`)
+	forged.Header.Set(subscribers.DeadSubscriberHeader, invoicing.Name)
+	forged.Header.Set(outbox.EventIDHeader, strconv.FormatInt(ids[0], 10))
+	if _, err := env.JS.PublishMsg(ctx, forged); err != nil {
+		t.Fatal(err)
+	}
+
+	dl, err := operator.OpenDeadLetters(ctx, env.DB.Pool, env.JS, cfg.Stream, cfg.Subscribers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	all, err := dl.List(ctx, "")
+	if err != nil || len(all) != 4 {
+		t.Fatalf("list: %d letters (%v), want 4", len(all), err)
+	}
+	letters, err := dl.List(ctx, invoicing.Name)
+	if err != nil || len(letters) != 3 {
+		t.Fatalf("invoicing's letters: %d (%v)", len(letters), err)
+	}
+	for i, l := range letters {
+		if l.Refused != "" || l.Resolved != "" || l.EventID != strconv.FormatInt(ids[i], 10) || !strings.Contains(l.Reason, invoicing.ErrUnknownOrder.Error()) {
+			t.Errorf("letter %d: %+v", i, l)
+		}
+	}
+	forgedLetter := all[3]
+	if forgedLetter.Subscriber != "salesledger" || !strings.Contains(forgedLetter.Refused, "may not speak for another") {
+		t.Errorf("the forged letter: subscriber %q, refused %q", forgedLetter.Subscriber, forgedLetter.Refused)
+	}
+	if _, err := dl.Discard(ctx, []operator.Letter{forgedLetter}, "test"); err == nil {
+		t.Error("a forged letter was discarded")
+	}
+
+	// One discarded: resolved, no longer counted.
+	if n, err := dl.Discard(ctx, letters[:1], "ada"); err != nil || n != 1 {
+		t.Fatalf("discard: %d (%v)", n, err)
+	}
+	counts, err := operator.Counts(ctx, env.DB.Pool, env.JS, cfg.Subscribers)
+	if err != nil || counts[invoicing.Name] != 2 || counts["salesledger"] != 1 {
+		t.Errorf("counts after a discard: %v (%v), want invoicing 2 and the forged letter's 1", counts, err)
+	}
+	again, err := dl.Get(ctx, letters[0].Seq)
+	if err != nil || !strings.HasPrefix(again.Resolved, "discard by ada at ") {
+		t.Errorf("the discarded letter: resolved %q (%v)", again.Resolved, err)
+	}
+
+	// The orders appear; the other two are redriven to invoicing alone.
+	var orderIDs []int64
+	err = pgx.BeginFunc(ctx, env.DB.Pool, func(tx pgx.Tx) error {
+		for _, id := range []int64{missing + 1, missing + 2} {
+			if _, err := tx.Exec(ctx, `INSERT INTO orders (id, customer) OVERRIDING SYSTEM VALUE VALUES ($1, 'late')`, id); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO order_lines (order_id, line_no, product_id, sku, name, quantity, unit_price) VALUES ($1, 1, 1, 'S', 'thing', 2, 5)`, id); err != nil {
+				return err
+			}
+			orderIDs = append(orderIDs, id)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	runner := env.NewRunner(invoicing.New(), nil)
+	runnerOf := func(name string) (*subscribers.Runner, error) {
+		if name != invoicing.Name {
+			t.Fatalf("redrive asked for subscriber %s", name)
+		}
+		return runner, nil
+	}
+	letters, err = dl.List(ctx, invoicing.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done, err := dl.Redrive(ctx, letters, runnerOf, false, "ada")
+	if err != nil || len(done) != 3 {
+		t.Fatalf("redrive: %+v (%v)", done, err)
+	}
+	if !done[0].Skipped || done[1].Outcome != operator.OutcomeHandled || done[2].Outcome != operator.OutcomeHandled {
+		t.Errorf("redrive outcomes: %+v", done)
+	}
+	var invoices int
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices WHERE order_id = ANY($1)`, orderIDs).Scan(&invoices); err != nil || invoices != 2 {
+		t.Errorf("invoices after the redrive: %d (%v)", invoices, err)
+	}
+	var actions int
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM dead_letter_actions WHERE actor = 'ada'`).Scan(&actions); err != nil || actions != 3 {
+		t.Errorf("audit trail: %d actions by ada (%v), want a discard and two redrives", actions, err)
+	}
+
+	st, err = operator.ReadStatus(ctx, operator.Sources{Pool: env.DB.Pool, JS: env.JS, Stream: cfg.Stream, Subscribers: cfg.Subscribers, Known: []string{invoicing.Name}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	i := indexOf(st, invoicing.Name)
+	if st.Stream.Missing || st.Stream.Messages != 3 || i < 0 || st.Subscribers[i].DeadLetters != 0 || st.Subscribers[i].Checkpoint != 2 ||
+		st.Subscribers[i].ConsumerGone || st.Outbox.Sent != 3 {
+		t.Errorf("status: %+v", st)
+	}
+}
+
+func indexOf(st operator.Status, name string) int {
+	for i, s := range st.Subscribers {
+		if s.Name == name {
+			return i
+		}
+	}
+	return -1
+}

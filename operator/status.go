@@ -1,0 +1,142 @@
+package operator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// Status is what `fanout status` reports.
+type Status struct {
+	Outbox struct {
+		Pending          int64   `json:"pending"`
+		Sending          int64   `json:"sending"`
+		Sent             int64   `json:"sent"`
+		Failed           int64   `json:"failed"`
+		OldestPendingAge float64 `json:"oldest_pending_age_seconds"`
+	} `json:"outbox"`
+	Stream struct {
+		Name     string `json:"name"`
+		Messages uint64 `json:"messages"`
+		Bytes    uint64 `json:"bytes"`
+		FirstSeq uint64 `json:"first_seq"`
+		LastSeq  uint64 `json:"last_seq"`
+		// Missing: the stream does not exist yet (the relay creates it).
+		Missing bool `json:"missing,omitempty"`
+	} `json:"stream"`
+	Subscribers []SubscriberStatus `json:"subscribers"`
+}
+
+// SubscriberStatus is one subscriber's state.
+type SubscriberStatus struct {
+	Name         string `json:"name"`
+	Pending      uint64 `json:"pending"`
+	AckPending   int    `json:"ack_pending"`
+	Redelivered  int    `json:"redelivered"`
+	Checkpoint   int64  `json:"checkpoint_rows"`
+	DeadLetters  uint64 `json:"dead_letters"`
+	ConsumerGone bool   `json:"consumer_missing,omitempty"`
+}
+
+// Sources are what a status is read from.
+type Sources struct {
+	Pool        *pgxpool.Pool
+	JS          jetstream.JetStream
+	Stream      config.Stream
+	Subscribers config.Subscribers
+	// Known are the subscribers the binary runs: each is reported, with or
+	// without a consumer.
+	Known []string
+}
+
+// ReadStatus reads the outbox, the events stream, every subscriber's
+// consumer, checkpoint and dead letters to resolve. Subscribers are those
+// known, and any other the stream, the checkpoints or the dead letters
+// name. A stream not created yet is a state to report, not an error.
+func ReadStatus(ctx context.Context, src Sources) (Status, error) {
+	var st Status
+	store := outbox.NewStore(src.Pool)
+	backlog, err := store.Backlog(ctx)
+	if err != nil {
+		return st, fmt.Errorf("outbox: %w", err)
+	}
+	sent, err := store.CountSent(ctx)
+	if err != nil {
+		return st, fmt.Errorf("outbox: %w", err)
+	}
+	st.Outbox.Pending, st.Outbox.Sending, st.Outbox.Sent, st.Outbox.Failed = backlog.Pending, backlog.Sending, sent, backlog.Failed
+	st.Outbox.OldestPendingAge = backlog.OldestPending.Seconds()
+
+	st.Stream.Name = src.Stream.Name
+	stream, err := src.JS.Stream(ctx, src.Stream.Name)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		st.Stream.Missing = true
+		stream = nil
+	case err != nil:
+		return st, fmt.Errorf("stream %s: %w", src.Stream.Name, err)
+	default:
+		info := stream.CachedInfo()
+		st.Stream.Messages, st.Stream.Bytes = info.State.Msgs, info.State.Bytes
+		st.Stream.FirstSeq, st.Stream.LastSeq = info.State.FirstSeq, info.State.LastSeq
+	}
+
+	checkpoints, err := subscribers.CountCheckpoints(ctx, src.Pool)
+	if err != nil {
+		return st, err
+	}
+	dead, err := Counts(ctx, src.Pool, src.JS, src.Subscribers)
+	if err != nil {
+		return st, err
+	}
+	names := map[string]bool{}
+	for _, n := range src.Known {
+		names[n] = true
+	}
+	for n := range checkpoints {
+		names[n] = true
+	}
+	for n := range dead {
+		names[n] = true
+	}
+	consumers := map[string]*jetstream.ConsumerInfo{}
+	if stream != nil {
+		lister := stream.ListConsumers(ctx)
+		for ci := range lister.Info() {
+			consumers[ci.Name] = ci
+			names[ci.Name] = true
+		}
+		if err := lister.Err(); err != nil {
+			return st, err
+		}
+	}
+	for n := range names {
+		s := SubscriberStatus{Name: n, Checkpoint: checkpoints[n], DeadLetters: dead[n]}
+		if ci, ok := consumers[n]; ok {
+			s.Pending, s.AckPending, s.Redelivered = ci.NumPending, ci.NumAckPending, ci.NumRedelivered
+		} else {
+			s.ConsumerGone = true
+		}
+		st.Subscribers = append(st.Subscribers, s)
+	}
+	slices.SortFunc(st.Subscribers, func(x, y SubscriberStatus) int { return strings.Compare(x.Name, y.Name) })
+	return st, nil
+}
+
+// subscriberOf reads the subscriber from a dead letter's subject
+// (<prefix>.<subscriber>.<event_type>).
+func subscriberOf(subject string) (string, bool) {
+	parts := strings.SplitN(subject, ".", 3)
+	if len(parts) < 3 || parts[1] == "" {
+		return "", false
+	}
+	return parts[1], true
+}
