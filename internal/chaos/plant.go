@@ -33,6 +33,10 @@ const (
 type expectedLetter struct {
 	kind   string // planted kind
 	reason string // a substring of the dead letter's reason
+	// product, for a product the search mapping rejects: the load may
+	// delete it before the indexer reaches the event, which the indexer
+	// then rightly handles as a deletion (it indexes current state).
+	product int64
 }
 
 // planted remembers the bad input and where each must end.
@@ -187,6 +191,11 @@ func (r *run) plantRejectedProduct(ctx context.Context) error {
 		r.planted.rejectedCats[categoryID] = true
 		r.planted.mu.Unlock()
 		r.planted.expect("searchindex", eventID, plantedRejected, "document "+strconv.FormatInt(productID, 10)+" rejected by index")
+		r.planted.mu.Lock()
+		l := r.planted.letters["searchindex"][eventID]
+		l.product = productID
+		r.planted.letters["searchindex"][eventID] = l
+		r.planted.mu.Unlock()
 		r.planted.note(plantedRejected)
 	}
 	return err

@@ -24,6 +24,9 @@ type Report struct {
 	OutboxRows   int64
 	FailedRows   int64
 	DeadLetters  map[string]map[string]int // subscriber -> planted kind (or NOT PLANTED: reason) -> letters
+	// PlantedDeleted counts rejected products the load deleted before the
+	// indexer reached their event: indexed as gone, no letter expected.
+	PlantedDeleted int
 	// Counted from every process's logs, across restarts.
 	JetStreamDuplicates int64 // publishes JetStream recognized (after crashes, reaped leases)
 	CheckpointSkips     int64 // deliveries the checkpoints absorbed
@@ -65,6 +68,9 @@ func (r *Report) String() string {
 		}
 	}
 	fmt.Fprintf(&b, "  dead letters: %d, by subscriber and reason (an outage must add none):\n", letters)
+	if r.PlantedDeleted > 0 {
+		fmt.Fprintf(&b, "    (%d rejected products deleted by the load before the indexer reached them: indexed as gone, no letter due)\n", r.PlantedDeleted)
+	}
 	for _, s := range sortedKeys(r.DeadLetters) {
 		for _, k := range sortedKeys(r.DeadLetters[s]) {
 			fmt.Fprintf(&b, "    %-12s %-52s %d\n", s, k, r.DeadLetters[s][k])
