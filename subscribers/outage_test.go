@@ -18,7 +18,12 @@ import (
 )
 
 // txScripted is scripted as a TxHandler: its effect would be in Postgres.
-type txScripted struct{ *scripted }
+// It holds the script rather than embedding it, so it is not also an
+// EventHandler (the runtime refuses a handler of both kinds).
+type txScripted struct{ scripted *scripted }
+
+func (s txScripted) Name() string         { return s.scripted.Name() }
+func (s txScripted) EventTypes() []string { return s.scripted.EventTypes() }
 
 func (s txScripted) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
 	if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
