@@ -300,7 +300,7 @@ func TestNATSPermissions(t *testing.T) {
 		}
 		update := func(name string) refusal {
 			return refusal{"change stream " + name, "$JS.API.STREAM.UPDATE." + name, func(ctx context.Context, c *natsClient) error {
-				sc := relay.StreamConfig(cfg.Stream)
+				sc := relay.JetStreamConfig(cfg.Stream)
 				if name == cfg.Subscribers.DeadLetterStream {
 					sc = subscribers.DeadLetterStreamConfig(cfg.Subscribers, cfg.Stream.Replicas)
 				}

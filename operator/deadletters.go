@@ -10,8 +10,8 @@ import (
 	"fmt"
 	"strconv"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -25,12 +25,12 @@ type DeadLetters struct {
 	pool   *pgxpool.Pool
 	js     jetstream.JetStream
 	stream jetstream.Stream
-	events config.Stream
-	subs   config.Subscribers
+	events relay.StreamConfig
+	subs   subscribers.Config
 }
 
 // OpenDeadLetters binds the dead-letter stream subs.DeadLetterStream.
-func OpenDeadLetters(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, events config.Stream, subs config.Subscribers) (*DeadLetters, error) {
+func OpenDeadLetters(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, events relay.StreamConfig, subs subscribers.Config) (*DeadLetters, error) {
 	s, err := js.Stream(ctx, subs.DeadLetterStream)
 	if err != nil {
 		return nil, fmt.Errorf("dead-letter stream %s: %w", subs.DeadLetterStream, err)
@@ -266,7 +266,7 @@ func (d *DeadLetters) Redrive(ctx context.Context, ls []Letter, runnerOf func(su
 // Counts counts the letters to resolve per subscriber: the stream's
 // per-subject state (<prefix>.<subscriber>.<event_type>) less the letters
 // still in it that operators resolved. A stream not created yet has none.
-func Counts(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, subs config.Subscribers) (map[string]uint64, error) {
+func Counts(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, subs subscribers.Config) (map[string]uint64, error) {
 	out := map[string]uint64{}
 	s, err := js.Stream(ctx, subs.DeadLetterStream)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {

@@ -7,8 +7,8 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
@@ -50,8 +50,8 @@ type SubscriberStatus struct {
 type Sources struct {
 	Pool        *pgxpool.Pool
 	JS          jetstream.JetStream
-	Stream      config.Stream
-	Subscribers config.Subscribers
+	Stream      relay.StreamConfig
+	Subscribers subscribers.Config
 	// Known are the subscribers the binary runs: each is reported, with or
 	// without a consumer.
 	Known []string

@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -120,7 +119,7 @@ func TestStuckSendingRowIsReaped(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec := &recorder{}
-	h.startRelay(func(c *config.Relay) { c.Lease = 5 * time.Second; c.ReapInterval = 50 * time.Millisecond }, rec)
+	h.startRelay(func(c *Config) { c.Lease = 5 * time.Second; c.ReapInterval = 50 * time.Millisecond }, rec)
 	h.waitAllSent(5, 15*time.Second)
 	if _, reaped := rec.snapshot(); reaped != 5 {
 		t.Errorf("reaped %d rows, want 5", reaped)
@@ -221,7 +220,7 @@ func TestSentRowsDeletedAfterRetention(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t)
 	writeMany(t, h.db.Pool, 30)
-	h.startRelay(func(c *config.Relay) {
+	h.startRelay(func(c *Config) {
 		c.SentRetention = 300 * time.Millisecond
 		c.CleanupInterval = 100 * time.Millisecond
 		c.CleanupBatch = 7 // several small deletes

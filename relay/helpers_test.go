@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/natstest"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/outbox"
@@ -25,15 +24,18 @@ type harness struct {
 	t    testing.TB
 	db   *pgtest.DB
 	nats *natstest.Server
-	cfg  *config.Config
+	cfg  *testConfig
+}
+
+// testConfig is the relay's and the stream's settings for one test.
+type testConfig struct {
+	Relay  Config
+	Stream StreamConfig
 }
 
 func newHarness(t testing.TB, opts ...natstest.Option) *harness {
 	t.Helper()
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := &testConfig{Relay: DefaultConfig(), Stream: DefaultStreamConfig()}
 	cfg.Relay.PollInterval = 50 * time.Millisecond
 	cfg.Relay.RetryMin = 50 * time.Millisecond
 	cfg.Relay.RetryMax = 500 * time.Millisecond
@@ -61,7 +63,7 @@ func (h *harness) connect() *nats.Conn {
 
 // startRelay starts a relay with the harness config, adjusted by mutate,
 // and stops it when the test ends.
-func (h *harness) startRelay(mutate func(*config.Relay), obs Observer) *Relay {
+func (h *harness) startRelay(mutate func(*Config), obs Observer) *Relay {
 	h.t.Helper()
 	r := h.newRelay(mutate, obs)
 	h.start(r)
@@ -69,7 +71,7 @@ func (h *harness) startRelay(mutate func(*config.Relay), obs Observer) *Relay {
 }
 
 // newRelay returns a relay that is not started yet.
-func (h *harness) newRelay(mutate func(*config.Relay), obs Observer) *Relay {
+func (h *harness) newRelay(mutate func(*Config), obs Observer) *Relay {
 	h.t.Helper()
 	rc := h.cfg.Relay
 	if mutate != nil {

@@ -14,7 +14,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -61,8 +60,8 @@ func (NopObserver) Deleted(int)                {}
 
 // Options are the relay's collaborators.
 type Options struct {
-	Relay    config.Relay
-	Stream   config.Stream
+	Relay    Config
+	Stream   StreamConfig
 	Pool     *pgxpool.Pool
 	Conn     *nats.Conn
 	Logger   *slog.Logger
@@ -74,8 +73,8 @@ type Options struct {
 
 // Relay publishes outbox rows. Start it with Start, stop it with Stop.
 type Relay struct {
-	cfg    config.Relay
-	stream config.Stream
+	cfg    Config
+	stream StreamConfig
 	pool   *pgxpool.Pool
 	store  *outbox.Store
 	nc     *nats.Conn
@@ -156,7 +155,7 @@ func (r *Relay) Start(ctx context.Context) error {
 
 func (r *Relay) start(ctx context.Context) error {
 	if err := jsretry.Do(ctx, r.logger, "provision the stream", func() error {
-		return EnsureStream(ctx, r.js, r.stream, config.RepublishDelay(r.cfg), r.logger)
+		return EnsureStream(ctx, r.js, r.stream, RepublishDelay(r.cfg), r.logger)
 	}); err != nil {
 		return err
 	}

@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5"
 )
@@ -110,7 +109,7 @@ func TestWriteRefusesEventsThatCanNeverBePublished(t *testing.T) {
 func TestTwoRelaysStoreEveryRowOnce(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t)
-	small := func(c *config.Relay) { c.BatchSize = 50; c.MaxInFlight = 200 }
+	small := func(c *Config) { c.BatchSize = 50; c.MaxInFlight = 200 }
 	a, b := &recorder{}, &recorder{}
 	h.startRelay(small, a)
 	h.startRelay(small, b)
@@ -150,7 +149,7 @@ func TestRelayDiesBetweenPubAckAndMark(t *testing.T) {
 
 	acked := make(chan struct{})
 	var once sync.Once
-	dying := h.newRelay(func(c *config.Relay) { c.Listen = false }, nil)
+	dying := h.newRelay(func(c *Config) { c.Listen = false }, nil)
 	dying.testHookBeforeRecord = func(ctx context.Context, _ []int64) {
 		once.Do(func() { close(acked) })
 		<-ctx.Done() // never record: the process dies here
@@ -176,7 +175,7 @@ func TestRelayDiesBetweenPubAckAndMark(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec := &recorder{}
-	h.startRelay(func(c *config.Relay) {
+	h.startRelay(func(c *Config) {
 		c.Lease = 30 * time.Second
 		c.PublishTimeout = time.Second
 		c.ReapInterval = 100 * time.Millisecond

@@ -8,12 +8,11 @@ import (
 	"slices"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
 // StreamConfig is the stream that stream.provision=auto creates.
-func StreamConfig(cfg config.Stream) jetstream.StreamConfig {
+func JetStreamConfig(cfg StreamConfig) jetstream.StreamConfig {
 	return jetstream.StreamConfig{
 		Name: cfg.Name,
 		Description: "fanout: domain events relayed from the Postgres outbox. " +
@@ -49,10 +48,10 @@ var ErrStreamUnfit = errors.New("stream unfit for fanout")
 // EnsureStream creates or updates the stream (provision auto), checks it
 // (verify), or does nothing (off). In auto and verify it refuses a stream
 // whose duplicates window is not longer than minDuplicates (the longest a
-// row's second publish can follow its first, config.RepublishDelay): the
+// row's second publish can follow its first, RepublishDelay): the
 // stream would then store that row twice.
-func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg config.Stream, minDuplicates time.Duration, logger *slog.Logger) error {
-	want := StreamConfig(cfg)
+func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig, minDuplicates time.Duration, logger *slog.Logger) error {
+	want := JetStreamConfig(cfg)
 	var info *jetstream.StreamInfo
 	switch cfg.Provision {
 	case "off":
@@ -77,7 +76,7 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg config.Stream
 	return checkStream(info, cfg, minDuplicates, logger)
 }
 
-func checkStream(info *jetstream.StreamInfo, cfg config.Stream, minDuplicates time.Duration, logger *slog.Logger) error {
+func checkStream(info *jetstream.StreamInfo, cfg StreamConfig, minDuplicates time.Duration, logger *slog.Logger) error {
 	c := info.Config
 	var errs []error
 	if need := minDuplicates; c.Duplicates <= need {

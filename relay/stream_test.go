@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -21,7 +20,7 @@ func TestStreamProvisioning(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	logger := testLogger(t)
-	minDup := config.RepublishDelay(h.cfg.Relay)
+	minDup := RepublishDelay(h.cfg.Relay)
 
 	verify := h.cfg.Stream
 	verify.Provision = "verify"

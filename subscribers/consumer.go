@@ -8,13 +8,13 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/relay"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
 // ConsumerConfig is the durable consumer the subscriber name gets, for its
 // event types.
-func ConsumerConfig(name string, eventTypes []string, cfg config.Subscribers, stream config.Stream) jetstream.ConsumerConfig {
+func ConsumerConfig(name string, eventTypes []string, cfg Config, stream relay.StreamConfig) jetstream.ConsumerConfig {
 	filters := make([]string, 0, len(eventTypes))
 	for _, t := range eventTypes {
 		filters = append(filters, stream.SubjectPrefix+"."+t)
@@ -107,6 +107,6 @@ func sameSet(a, b []string) bool {
 // to its configuration (keeping the start position of an existing one):
 // `fanout provision` runs it with the provisioning identity, so that the
 // subscribers themselves need no right to create or change consumers.
-func ProvisionConsumer(ctx context.Context, stream jetstream.Stream, d Declaration, cfg config.Subscribers, streamCfg config.Stream) (jetstream.Consumer, error) {
+func ProvisionConsumer(ctx context.Context, stream jetstream.Stream, d Declaration, cfg Config, streamCfg relay.StreamConfig) (jetstream.Consumer, error) {
 	return ensureConsumer(ctx, stream, ConsumerConfig(d.Name, d.EventTypes, cfg, streamCfg), "auto")
 }

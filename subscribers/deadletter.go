@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/relay"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -25,7 +25,7 @@ const (
 )
 
 // DeadLetterStreamConfig is the stream that holds dead letters.
-func DeadLetterStreamConfig(cfg config.Subscribers, replicas int) jetstream.StreamConfig {
+func DeadLetterStreamConfig(cfg Config, replicas int) jetstream.StreamConfig {
 	return jetstream.StreamConfig{
 		Name:        cfg.DeadLetterStream,
 		Description: "fanout: events a subscriber gave up on, with the original body and headers, the subscriber, the reason and the delivery count",
@@ -36,7 +36,7 @@ func DeadLetterStreamConfig(cfg config.Subscribers, replicas int) jetstream.Stre
 		MaxMsgs:     -1,
 		MaxBytes:    -1,
 		Replicas:    replicas,
-		Duplicates:  config.DeadLetterDuplicateWindow,
+		Duplicates:  DeadLetterDuplicateWindow,
 		// Dead letters are evidence: they leave only by age. Operators
 		// resolve them (fanout dlq redrive/discard, recorded in the
 		// dead_letter_actions table) rather than delete them.
@@ -49,7 +49,7 @@ func DeadLetterStreamConfig(cfg config.Subscribers, replicas int) jetstream.Stre
 // ProvisionDeadLetterStream creates the dead-letter stream or brings it to
 // its configuration: `fanout provision` runs it with the provisioning
 // identity.
-func ProvisionDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg config.Subscribers, replicas int) (*jetstream.StreamInfo, error) {
+func ProvisionDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg Config, replicas int) (*jetstream.StreamInfo, error) {
 	s, err := js.CreateOrUpdateStream(ctx, DeadLetterStreamConfig(cfg, replicas))
 	if err != nil {
 		return nil, fmt.Errorf("provision dead-letter stream %s: %w", cfg.DeadLetterStream, err)
@@ -60,7 +60,7 @@ func ProvisionDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg 
 // ensureDeadLetterStream provisions the dead-letter stream (auto), checks
 // that it exists (verify), or trusts it (off), per
 // subscribers.dead_letter_provision.
-func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg config.Subscribers, replicas int) error {
+func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg Config, replicas int) error {
 	switch cfg.DeadLetterProvision {
 	case "auto":
 		_, err := ProvisionDeadLetterStream(ctx, js, cfg, replicas)
@@ -180,7 +180,7 @@ var ErrDeadLetterRefused = errors.New("dead letter refused")
 // ParseDeadLetter reads m, a message of the dead-letter stream. It refuses
 // a letter stored outside cfg's subject prefix, or whose subscriber header
 // names another subscriber than its subject.
-func ParseDeadLetter(m *jetstream.RawStreamMsg, cfg config.Subscribers, stream config.Stream) (DeadLetter, error) {
+func ParseDeadLetter(m *jetstream.RawStreamMsg, cfg Config, stream relay.StreamConfig) (DeadLetter, error) {
 	h := m.Header
 	dl := DeadLetter{Seq: m.Sequence, Reason: h.Get(DeadReasonHeader), Deliveries: h.Get(DeadDeliveriesHeader), At: h.Get(DeadAtHeader), Raw: m}
 	rest, ok := strings.CutPrefix(m.Subject, cfg.DeadLetterSubjectPrefix+".")
@@ -206,7 +206,7 @@ func ParseDeadLetter(m *jetstream.RawStreamMsg, cfg config.Subscribers, stream c
 // one the subscriber's consumer wants; dl.Event becomes that copy. An event
 // the stream no longer holds (past stream.max_age) returns an error wrapping
 // jetstream.ErrMsgNotFound: the caller decides whether to trust the letter.
-func (dl *DeadLetter) Verify(ctx context.Context, js jetstream.JetStream, stream config.Stream) error {
+func (dl *DeadLetter) Verify(ctx context.Context, js jetstream.JetStream, stream relay.StreamConfig) error {
 	seq, err := strconv.ParseUint(dl.Raw.Header.Get(DeadStreamSeqHeader), 10, 64)
 	if err != nil || seq == 0 {
 		return fmt.Errorf("%w: letter %d names no stream sequence (%s)", ErrDeadLetterRefused, dl.Seq, DeadStreamSeqHeader)

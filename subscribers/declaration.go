@@ -8,7 +8,6 @@ import (
 	"regexp"
 	"slices"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/search"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
@@ -64,16 +63,24 @@ type Deps struct {
 	// the search engine.
 	Redis  *redis.Client
 	Search *search.Client
-	// Config is the whole configuration, for the settings of the services
-	// the subscriber uses (redis.timeout, search.alias, ...).
-	Config *config.Config
-	Logger *slog.Logger
+	// Settings reads the settings of the services the subscriber uses
+	// (redis.timeout, search.alias, ...); nil when there are none.
+	Settings Settings
+	Logger   *slog.Logger
 	// Metrics registers the subscriber's own metrics; nil when the process
 	// serves none (an operator command).
 	Metrics prometheus.Registerer
 }
 
-// Uses reports whether the declaration uses s.
+// Settings reads one section of the configuration: key is its first key
+// ("redis", "search"), v a pointer to a struct whose fields carry koanf
+// tags (`koanf:"timeout"`) for the settings wanted. internal/config
+// implements it; a program embedding the runtime can too.
+type Settings interface {
+	Section(key string, v any) error
+}
+
+// UsesService reports whether the declaration uses s.
 func (d Declaration) UsesService(s Service) bool { return slices.Contains(d.Uses, s) }
 
 // nameRE is what a subscriber's name may be: it is a durable consumer's

@@ -12,9 +12,9 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -25,8 +25,8 @@ import (
 // Options are a runner's collaborators.
 type Options struct {
 	Handler  Handler
-	Config   config.Subscribers
-	Stream   config.Stream
+	Config   Config
+	Stream   relay.StreamConfig
 	Pool     *pgxpool.Pool
 	Conn     *nats.Conn
 	Logger   *slog.Logger
@@ -55,7 +55,7 @@ type Runner struct {
 	name    string
 	eventH  EventHandler
 	txH     TxHandler
-	cfg     config.Subscribers
+	cfg     Config
 	logger  *slog.Logger
 	obs     Observer
 	js      jetstream.JetStream

@@ -50,7 +50,7 @@ func (d *deps) build(decl subscribers.Declaration) (subscribers.Handler, error) 
 		}
 		d.search = c
 	}
-	deps := subscribers.Deps{Context: d.ctx, Pool: d.pool, Config: d.a.cfg,
+	deps := subscribers.Deps{Context: d.ctx, Pool: d.pool, Settings: d.a.cfg,
 		Logger: logging.Component(d.a.logger, decl.Name)}
 	if decl.UsesService(subscribers.Redis) {
 		deps.Redis = d.rdb

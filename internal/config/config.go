@@ -10,7 +10,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/go-viper/mapstructure/v2"
 	"github.com/knadh/koanf/parsers/yaml"
 	"github.com/knadh/koanf/providers/confmap"
@@ -81,127 +83,17 @@ type NATS struct {
 	RequestTimeout time.Duration `koanf:"request_timeout"`
 }
 
-// Stream is the JetStream stream that carries the events.
-type Stream struct {
-	// Name of the stream. Default "EVENTS".
-	Name string `koanf:"name"`
-	// SubjectPrefix is the first subject token: events go to
-	// <prefix>.<event_type>. Default "events".
-	SubjectPrefix string `koanf:"subject_prefix"`
-	// Replicas is 1 on one server, 3 in a cluster. Default 1, 1..5.
-	Replicas int `koanf:"replicas"`
-	// MaxAge is how long events stay, so a new subscriber can replay history.
-	// Default 168h (7 days), > 0.
-	MaxAge time.Duration `koanf:"max_age"`
-	// MaxBytes caps the stream's size; -1 is unlimited. Default -1.
-	MaxBytes int64 `koanf:"max_bytes"`
-	// DuplicateWindow is how long JetStream remembers Nats-Msg-Ids. It must
-	// exceed relay.lease + relay.publish_timeout + relay.reap_interval +
-	// relay.retry_max (the longest a row's second publish can follow its
-	// first), and not exceed MaxAge. Default 10m.
-	DuplicateWindow time.Duration `koanf:"duplicate_window"`
-	// Provision is auto (the relay creates or updates the stream, and each
-	// subscriber its consumer), verify (they refuse to start unless the
-	// stream, or the consumer, exists and fits: `fanout provision` made
-	// them), or off (trust other tooling). Default auto.
-	Provision string `koanf:"provision"`
-}
+// Stream is the JetStream stream that carries the events (package relay
+// owns its settings and their checks).
+type Stream = relay.StreamConfig
 
-// Relay moves outbox rows onto the stream.
-type Relay struct {
-	// BatchSize is how many rows one claim takes. Default 1000, 1..10000.
-	BatchSize int `koanf:"batch_size"`
-	// MaxInFlight bounds rows claimed and not yet recorded (so also
-	// unacknowledged async publishes). Default 4000, 1..100000.
-	MaxInFlight int `koanf:"max_in_flight"`
-	// PublishTimeout bounds the wait for one PubAck. Default 10s, > 0.
-	PublishTimeout time.Duration `koanf:"publish_timeout"`
-	// Lease is how long a claim lasts before the reaper may hand the row to
-	// another relay. Default 2m, >= 1s, and more than PublishTimeout.
-	Lease time.Duration `koanf:"lease"`
-	// PollInterval is the longest the relay waits between claims when no
-	// wake-up arrives: a lost wake-up costs at most this much latency.
-	// Default 500ms, 1ms..1m.
-	PollInterval time.Duration `koanf:"poll_interval"`
-	// Listen subscribes to the writers' wake-up notifications. Default true.
-	Listen bool `koanf:"listen"`
-	// ReapInterval is how often expired leases are looked for. Default 10s, > 0.
-	ReapInterval time.Duration `koanf:"reap_interval"`
-	// RetryMin and RetryMax bound the exponential backoff of a failed
-	// publish. Defaults 1s and 5m, 0 < min <= max.
-	RetryMin time.Duration `koanf:"retry_min"`
-	RetryMax time.Duration `koanf:"retry_max"`
-	// SentRetention is how long sent rows are kept (for republish after a
-	// broker loses data); 0 deletes them at the next cleanup. Default 1h.
-	SentRetention time.Duration `koanf:"sent_retention"`
-	// CleanupInterval is how often old sent rows are deleted. Default 1m, > 0.
-	CleanupInterval time.Duration `koanf:"cleanup_interval"`
-	// CleanupBatch is how many rows one delete removes. Default 1000, 1..100000.
-	CleanupBatch int `koanf:"cleanup_batch"`
-	// ShutdownTimeout bounds the graceful finish of the batch in flight at
-	// SIGTERM. Default 30s, > 0.
-	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
-	// StallAfter: the relay reports not ready when it has completed no
-	// claim for this long (it cannot reach Postgres or NATS, or its slots
-	// are all waiting on PubAcks). Default 30s, longer than PublishTimeout
-	// + PollInterval.
-	StallAfter time.Duration `koanf:"stall_after"`
-}
+// Relay moves outbox rows onto the stream (package relay owns its settings
+// and their checks).
+type Relay = relay.Config
 
-// Subscribers configures every subscriber's consumer and runtime.
-type Subscribers struct {
-	// Concurrency is how many batches one instance handles at once.
-	// Default 4, 1..256.
-	Concurrency int `koanf:"concurrency"`
-	// BatchSize is how many events one handler transaction takes (for
-	// subscribers whose effect is in Postgres). Default 100, 1..1000.
-	BatchSize int `koanf:"batch_size"`
-	// AckWait is how long JetStream waits for an ack before redelivering;
-	// long work sends in-progress signals. Default 30s, >= 1s.
-	AckWait time.Duration `koanf:"ack_wait"`
-	// HandlerTimeout bounds one handler call (one batch, for subscribers
-	// whose effect is in Postgres); past it the handler's context is
-	// cancelled and the attempt counts as failed (unless a dependency is
-	// down). Default 20s, >= 100ms, and shorter than AckWait.
-	HandlerTimeout time.Duration `koanf:"handler_timeout"`
-	// MaxFailures is how many times the handler may fail on an event (by
-	// its own verdict, while every dependency answers) before the event
-	// goes to the dead letters. Deliveries lost to an outage or a crash do
-	// not count. Default 10, 1..1000.
-	MaxFailures int `koanf:"max_failures"`
-	// MaxCrashes is how many times the process may die while handling an
-	// event (an attempt begun and never ended) before the event goes to the
-	// dead letters unhandled. Default 3, 2..100 (with 1, the events that
-	// died beside a crashing one would be dead-lettered with it: the second
-	// crash is the one that isolates the culprit).
-	MaxCrashes int `koanf:"max_crashes"`
-	// MaxAckPending bounds unacknowledged events per consumer, across
-	// instances. Default 1000, 1..100000.
-	MaxAckPending int `koanf:"max_ack_pending"`
-	// RetryMin and RetryMax bound the delay of a nak after a failed attempt,
-	// which doubles with each failure. Defaults 1s and 1m.
-	RetryMin time.Duration `koanf:"retry_min"`
-	RetryMax time.Duration `koanf:"retry_max"`
-	// Start is where a new subscriber's consumer begins: all (the stream's
-	// whole history), new (only events after its creation), or time (from
-	// StartTime). It matters only when the consumer is created. Default all.
-	Start string `koanf:"start"`
-	// StartTime is an RFC 3339 time, for Start = time.
-	StartTime string `koanf:"start_time"`
-	// DeadLetterStream holds events that failed for good. Default DEADLETTER.
-	DeadLetterStream string `koanf:"dead_letter_stream"`
-	// DeadLetterSubjectPrefix starts dead letters' subjects:
-	// <prefix>.<subscriber>.<event_type>. Default "deadletter".
-	DeadLetterSubjectPrefix string `koanf:"dead_letter_subject_prefix"`
-	// DeadLetterProvision is auto (each subscriber creates or updates the
-	// dead-letter stream at start), verify (it must exist: `fanout
-	// provision` made it) or off. Default auto.
-	DeadLetterProvision string `koanf:"dead_letter_provision"`
-	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30 days).
-	DeadLetterMaxAge time.Duration `koanf:"dead_letter_max_age"`
-	// ShutdownTimeout bounds the drain at SIGTERM. Default 30s, > 0.
-	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
-}
+// Subscribers configures every subscriber's consumer and runtime (package
+// subscribers owns its settings and their checks).
+type Subscribers = subscribers.Config
 
 // Redis is the cache the cache invalidator keeps honest.
 type Redis struct {
@@ -218,34 +110,9 @@ type Redis struct {
 	TombstoneTTL time.Duration `koanf:"tombstone_ttl"`
 }
 
-// Search is the search engine the search indexer keeps in step with SQL.
-type Search struct {
-	// Engine is elasticsearch or opensearch. Default elasticsearch.
-	Engine string `koanf:"engine"`
-	// URL is one or more comma-separated node URLs. Default DefaultSearchURL.
-	URL string `koanf:"url"`
-	// Username and Password authenticate with HTTP basic auth. Secret.
-	Username     string `koanf:"username"`
-	Password     string `koanf:"password"`
-	PasswordFile string `koanf:"password_file"`
-	// CAFile is a PEM file of CAs to trust for https. Default empty (system roots).
-	CAFile string `koanf:"ca_file"`
-	// InsecureSkipVerify disables certificate checks (test clusters only). Default false.
-	InsecureSkipVerify bool `koanf:"insecure_skip_verify"`
-	// Timeout bounds each request. Default 10s, > 0.
-	Timeout time.Duration `koanf:"timeout"`
-	// Alias is the name searches and the indexer use; it points at
-	// <alias>-v<N>. Default "products".
-	Alias string `koanf:"alias"`
-	// Provision is auto (create the first index and the alias if missing),
-	// verify (refuse to start without them) or off. Default auto.
-	Provision string `koanf:"provision"`
-	// BulkSize is the most operations in one bulk request. Default 1000, 1..10000.
-	BulkSize int `koanf:"bulk_size"`
-	// ReindexMaxFailures is how many documents may fail in a reindex before
-	// it aborts without swapping the alias. Default 0, >= 0.
-	ReindexMaxFailures int `koanf:"reindex_max_failures"`
-}
+// Search is the search engine and the product index (package searchindex
+// owns the type).
+type Search = searchindex.Config
 
 // HTTP is each role's operations endpoint: /metrics, /livez, /readyz.
 type HTTP struct {
@@ -290,11 +157,11 @@ type Demo struct {
 const (
 	DefaultPostgresURL = "postgres://fanout@127.0.0.1:55432/fanout?sslmode=disable"
 	DefaultNATSURL     = "nats://127.0.0.1:4222"
-	DefaultStreamName  = "EVENTS"
-	DefaultSubjectRoot = "events"
-	DefaultBatchSize   = 1000
-	DefaultMaxInFlight = 4000
-	DefaultLease       = 2 * time.Minute
+	DefaultStreamName  = relay.DefaultStreamName
+	DefaultSubjectRoot = relay.DefaultSubjectPrefix
+	DefaultBatchSize   = relay.DefaultBatchSize
+	DefaultMaxInFlight = relay.DefaultMaxInFlight
+	DefaultLease       = relay.DefaultLease
 	DefaultRedisURL    = "redis://127.0.0.1:56379/0"
 	DefaultSearchURL   = "http://127.0.0.1:9200"
 )
@@ -594,72 +461,15 @@ func (c *Config) Validate() error {
 	positive("nats.connect_timeout", c.NATS.ConnectTimeout)
 	positive("nats.request_timeout", c.NATS.RequestTimeout)
 
-	if !validStreamName(c.Stream.Name) {
-		bad("stream.name", "must be a non-empty name without spaces, '.', '*', '>' or path separators (got %q)", c.Stream.Name)
-	}
-	if !outbox.ValidSubjectToken(c.Stream.SubjectPrefix) {
-		bad("stream.subject_prefix", "must be one subject token without '.', '*', '>' or spaces (got %q)", c.Stream.SubjectPrefix)
-	}
-	between("stream.replicas", int64(c.Stream.Replicas), 1, 5)
-	positive("stream.max_age", c.Stream.MaxAge)
-	if c.Stream.MaxBytes == 0 || c.Stream.MaxBytes < -1 {
-		bad("stream.max_bytes", "must be -1 (unlimited) or a positive byte count (got %d)", c.Stream.MaxBytes)
-	}
-	positive("stream.duplicate_window", c.Stream.DuplicateWindow)
-	oneOf("stream.provision", c.Stream.Provision, "auto", "verify", "off")
-
-	between("relay.batch_size", int64(c.Relay.BatchSize), 1, 10000)
-	between("relay.max_in_flight", int64(c.Relay.MaxInFlight), 1, 100000)
-	positive("relay.publish_timeout", c.Relay.PublishTimeout)
-	if c.Relay.Lease < time.Second {
-		bad("relay.lease", "must be at least 1s (got %s)", c.Relay.Lease)
-	}
-	if c.Relay.PollInterval < time.Millisecond || c.Relay.PollInterval > time.Minute {
-		bad("relay.poll_interval", "must be between 1ms and 1m (got %s)", c.Relay.PollInterval)
-	}
-	positive("relay.reap_interval", c.Relay.ReapInterval)
-	positive("relay.retry_min", c.Relay.RetryMin)
-	if c.Relay.RetryMax < c.Relay.RetryMin {
-		bad("relay.retry_max", "must be at least relay.retry_min (%s) (got %s)", c.Relay.RetryMin, c.Relay.RetryMax)
-	}
-	if c.Relay.SentRetention < 0 {
-		bad("relay.sent_retention", "must be 0 or a positive duration (got %s)", c.Relay.SentRetention)
-	}
-	positive("relay.cleanup_interval", c.Relay.CleanupInterval)
-	between("relay.cleanup_batch", int64(c.Relay.CleanupBatch), 1, 100000)
-	positive("relay.shutdown_timeout", c.Relay.ShutdownTimeout)
-	positive("relay.stall_after", c.Relay.StallAfter)
-
-	between("subscribers.concurrency", int64(c.Subscribers.Concurrency), 1, 256)
-	between("subscribers.batch_size", int64(c.Subscribers.BatchSize), 1, 1000)
-	if c.Subscribers.AckWait < time.Second {
-		bad("subscribers.ack_wait", "must be at least 1s (got %s)", c.Subscribers.AckWait)
-	}
-	if c.Subscribers.HandlerTimeout < 100*time.Millisecond {
-		bad("subscribers.handler_timeout", "must be at least 100ms (got %s)", c.Subscribers.HandlerTimeout)
-	}
-	between("subscribers.max_failures", int64(c.Subscribers.MaxFailures), 1, 1000)
-	between("subscribers.max_crashes", int64(c.Subscribers.MaxCrashes), 2, 100)
-	between("subscribers.max_ack_pending", int64(c.Subscribers.MaxAckPending), 1, 100000)
-	positive("subscribers.retry_min", c.Subscribers.RetryMin)
-	if c.Subscribers.RetryMax < c.Subscribers.RetryMin {
-		bad("subscribers.retry_max", "must be at least subscribers.retry_min (%s) (got %s)", c.Subscribers.RetryMin, c.Subscribers.RetryMax)
-	}
-	oneOf("subscribers.start", c.Subscribers.Start, "all", "new", "time")
-	if c.Subscribers.Start == "time" {
-		if _, err := time.Parse(time.RFC3339, c.Subscribers.StartTime); err != nil {
-			bad("subscribers.start_time", "must be an RFC 3339 time such as 2026-01-02T15:04:05Z when subscribers.start is time (got %q)", c.Subscribers.StartTime)
+	for _, err := range []error{c.Stream.Validate(), c.Relay.Validate()} {
+		if err != nil {
+			errs = append(errs, err)
 		}
 	}
-	if !validStreamName(c.Subscribers.DeadLetterStream) {
-		bad("subscribers.dead_letter_stream", "must be a non-empty name without spaces, '.', '*', '>' or path separators (got %q)", c.Subscribers.DeadLetterStream)
+
+	if err := c.Subscribers.Validate(); err != nil {
+		errs = append(errs, err)
 	}
-	if !outbox.ValidSubjectToken(c.Subscribers.DeadLetterSubjectPrefix) {
-		bad("subscribers.dead_letter_subject_prefix", "must be one subject token without '.', '*', '>' or spaces (got %q)", c.Subscribers.DeadLetterSubjectPrefix)
-	}
-	positive("subscribers.dead_letter_max_age", c.Subscribers.DeadLetterMaxAge)
-	oneOf("subscribers.dead_letter_provision", c.Subscribers.DeadLetterProvision, "auto", "verify", "off")
-	positive("subscribers.shutdown_timeout", c.Subscribers.ShutdownTimeout)
 
 	if u, err := url.Parse(c.Redis.URL); err != nil || (u.Scheme != "redis" && u.Scheme != "rediss") {
 		bad("redis.url", "must be a redis:// or rediss:// URL (got %q)", RedactURL(c.Redis.URL))
@@ -854,20 +664,13 @@ var crossKeyRules = []CrossKeyRule{
 }
 
 // DeadLetterDuplicateWindow is how long the dead-letter stream remembers a
-// dead letter's id (subscriber and event sequence): a subscriber that dies
-// between storing a dead letter and terminating its event publishes it again
-// on the redelivery, an ack wait or a restart later, and must not store it
-// twice.
-const DeadLetterDuplicateWindow = 10 * time.Minute
+// dead letter's id (see subscribers.DeadLetterDuplicateWindow).
+const DeadLetterDuplicateWindow = subscribers.DeadLetterDuplicateWindow
 
 // RepublishDelay is the longest a row's second publish can follow its
 // first: a lost PubAck or mark leaves it to the reaper (lease, then up to a
 // reap interval) or to its retry backoff (after the publish timeout, up to
 // retry_max). The stream's duplicates window must be longer.
-func RepublishDelay(r Relay) time.Duration {
-	return r.Lease + r.PublishTimeout + r.ReapInterval + r.RetryMax
-}
+func RepublishDelay(r Relay) time.Duration { return relay.RepublishDelay(r) }
 
-func validStreamName(s string) bool {
-	return outbox.ValidSubjectToken(s) && !strings.ContainsAny(s, `/\`)
-}
+func validStreamName(s string) bool { return relay.ValidStreamName(s) }

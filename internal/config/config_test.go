@@ -7,6 +7,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/subscribers"
 )
 
 func TestDefaultsAreValid(t *testing.T) {
@@ -244,5 +247,66 @@ func TestSubscriberOverrides(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%v: %v, want an error containing %q", c.env, err, c.want)
 		}
+	}
+}
+
+// The packages own their settings' defaults: what Load gives without a file
+// or a variable is what they say, so an embedding program gets the same.
+func TestPackageDefaultsAreTheDefaults(t *testing.T) {
+	cfg, err := Load("", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Relay != relay.DefaultConfig() {
+		t.Errorf("relay: loaded %+v, relay.DefaultConfig %+v", cfg.Relay, relay.DefaultConfig())
+	}
+	if cfg.Stream != relay.DefaultStreamConfig() {
+		t.Errorf("stream: loaded %+v, relay.DefaultStreamConfig %+v", cfg.Stream, relay.DefaultStreamConfig())
+	}
+	if cfg.Subscribers != subscribers.DefaultConfig() {
+		t.Errorf("subscribers: loaded %+v, subscribers.DefaultConfig %+v", cfg.Subscribers, subscribers.DefaultConfig())
+	}
+	// Each package's Validate names its keys.
+	for _, c := range []struct {
+		err  error
+		want []string
+	}{
+		{relay.Config{}.Validate(), []string{"relay.batch_size", "relay.lease", "relay.poll_interval", "relay.stall_after"}},
+		{relay.StreamConfig{}.Validate(), []string{"stream.name", "stream.subject_prefix", "stream.replicas", "stream.provision"}},
+		{subscribers.Config{}.Validate(), []string{"subscribers.concurrency", "subscribers.ack_wait", "subscribers.max_crashes", "subscribers.dead_letter_stream"}},
+	} {
+		for _, key := range c.want {
+			if c.err == nil || !strings.Contains(c.err.Error(), key+" ") {
+				t.Errorf("zero settings: %v, want %s named", c.err, key)
+			}
+		}
+	}
+	for _, err := range []error{relay.DefaultConfig().Validate(), relay.DefaultStreamConfig().Validate(), subscribers.DefaultConfig().Validate()} {
+		if err != nil {
+			t.Errorf("defaults refused: %v", err)
+		}
+	}
+}
+
+// Section hands a subscriber the settings of a service it uses, into its
+// own view of them or the section's own type.
+func TestSection(t *testing.T) {
+	cfg, err := Load("", []string{"FANOUT_REDIS_TIMEOUT=3s", "FANOUT_SEARCH_ALIAS=items"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var redis struct {
+		Timeout      time.Duration `koanf:"timeout"`
+		TombstoneTTL time.Duration `koanf:"tombstone_ttl"`
+	}
+	if err := cfg.Section("redis", &redis); err != nil || redis.Timeout != 3*time.Second || redis.TombstoneTTL != 10*time.Second {
+		t.Errorf("redis section: %+v (%v)", redis, err)
+	}
+	var search Search
+	if err := cfg.Section("search", &search); err != nil || search.Alias != "items" || search.BulkSize != 1000 {
+		t.Errorf("search section: %+v (%v)", search, err)
+	}
+	if err := cfg.Section("nosuch", &redis); err == nil {
+		t.Error("an unknown section was read")
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"reflect"
 	"slices"
 	"strings"
 
@@ -122,4 +123,43 @@ func (c *Config) validateOverrides() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// Section reads the section key ("redis", "search", ...) into v: a pointer
+// to that section's own type, or to any struct whose koanf tags name the
+// settings wanted. It is how a subscriber reads the settings of the
+// services it uses (subscribers.Settings).
+func (c *Config) Section(key string, v any) error {
+	cv := reflect.ValueOf(c).Elem()
+	for i := range cv.NumField() {
+		f := cv.Type().Field(i)
+		if f.Tag.Get("koanf") != key {
+			continue
+		}
+		out := reflect.ValueOf(v)
+		if out.Kind() != reflect.Pointer || out.IsNil() {
+			return fmt.Errorf("config section %s: want a non-nil pointer, got %T", key, v)
+		}
+		if out.Elem().Type() == f.Type {
+			out.Elem().Set(cv.Field(i))
+			return nil
+		}
+		if err := decode(structToMap(cv.Field(i)), v); err != nil {
+			return fmt.Errorf("config section %s: %w", key, err)
+		}
+		return nil
+	}
+	return fmt.Errorf("no config section %q", key)
+}
+
+// structToMap lists a settings struct's fields by their koanf keys, values
+// as they are (durations stay durations).
+func structToMap(v reflect.Value) map[string]any {
+	out := map[string]any{}
+	for i := range v.NumField() {
+		if key := v.Type().Field(i).Tag.Get("koanf"); key != "" && v.Type().Field(i).IsExported() {
+			out[key] = v.Field(i).Interface()
+		}
+	}
+	return out
 }

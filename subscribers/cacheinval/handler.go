@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
@@ -49,7 +50,14 @@ var Subscriber = subscribers.Declaration{
 	// the catalog (see Cache).
 	Grants: []string{"SELECT ON products, brands, categories, inventory"},
 	New: func(d subscribers.Deps) (subscribers.Handler, error) {
-		return New(NewCache(d.Redis, d.Pool, d.Config.Redis.Timeout, d.Config.Redis.TombstoneTTL), d.Pool), nil
+		var redis struct {
+			Timeout      time.Duration `koanf:"timeout"`
+			TombstoneTTL time.Duration `koanf:"tombstone_ttl"`
+		}
+		if err := d.Settings.Section("redis", &redis); err != nil {
+			return nil, err
+		}
+		return New(NewCache(d.Redis, d.Pool, redis.Timeout, redis.TombstoneTTL), d.Pool), nil
 	},
 }
 

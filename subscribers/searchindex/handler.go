@@ -4,13 +4,13 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"github.com/fanout/fanout/internal/metrics"
 	"log/slog"
 	"slices"
 	"strconv"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/metrics"
+
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
@@ -28,7 +28,7 @@ type Handler struct {
 }
 
 // New returns the search indexer writing through cfg.Alias.
-func New(client *search.Client, pool *pgxpool.Pool, cfg config.Search, logger *slog.Logger) *Handler {
+func New(client *search.Client, pool *pgxpool.Pool, cfg Config, logger *slog.Logger) *Handler {
 	return &Handler{
 		syncer: syncer{client: client, pool: pool, bulkSize: cfg.BulkSize, logger: logger,
 			retryWaits: []time.Duration{200 * time.Millisecond, 800 * time.Millisecond}},
@@ -65,7 +65,10 @@ var Subscriber = subscribers.Declaration{
 	Uses:       []subscribers.Service{subscribers.Search},
 	Grants:     []string{"SELECT ON products, brands, categories, inventory"},
 	New: func(d subscribers.Deps) (subscribers.Handler, error) {
-		cfg := d.Config.Search
+		var cfg Config
+		if err := d.Settings.Section("search", &cfg); err != nil {
+			return nil, err
+		}
 		if err := EnsureIndex(d.Context, d.Search, cfg.Alias, cfg.Provision); err != nil {
 			return nil, err
 		}

@@ -6,7 +6,6 @@ import (
 	"strconv"
 	"strings"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/schema"
 	"github.com/fanout/fanout/search"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -92,7 +91,7 @@ func EnsureIndex(ctx context.Context, c *search.Client, alias, provision string)
 // the swap). It returns the index left, the index now current and what the
 // repair did; when some documents could not be repaired, the alias has
 // moved all the same and the error wraps ErrNotRepaired.
-func Rollback(ctx context.Context, c *search.Client, pool *pgxpool.Pool, cfg config.Search) (from, to string, repair RepairReport, err error) {
+func Rollback(ctx context.Context, c *search.Client, pool *pgxpool.Pool, cfg Config) (from, to string, repair RepairReport, err error) {
 	from, err = Current(ctx, c, cfg.Alias)
 	if err != nil {
 		return "", "", repair, err

@@ -13,7 +13,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/shop"
@@ -31,8 +31,8 @@ type Reindexer struct {
 	Client *search.Client
 	Pool   *pgxpool.Pool
 	JS     jetstream.JetStream
-	Stream config.Stream
-	Search config.Search
+	Stream relay.StreamConfig
+	Search Config
 	Logger *slog.Logger
 	// Progress receives the progress bar (nil: none).
 	Progress io.Writer

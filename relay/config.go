@@ -1,0 +1,169 @@
+package relay
+
+import (
+	"strings"
+	"time"
+
+	"github.com/fanout/fanout/internal/validate"
+	"github.com/fanout/fanout/outbox"
+)
+
+// Config is the relay's configuration (the relay.* keys). DefaultConfig
+// holds the defaults; Validate names every key that is wrong.
+type Config struct {
+	// BatchSize is how many rows one claim takes. Default 1000, 1..10000.
+	BatchSize int `koanf:"batch_size"`
+	// MaxInFlight bounds rows claimed and not yet recorded (so also
+	// unacknowledged async publishes). Default 4000, 1..100000, and at
+	// least BatchSize.
+	MaxInFlight int `koanf:"max_in_flight"`
+	// PublishTimeout bounds the wait for one PubAck. Default 10s, > 0.
+	PublishTimeout time.Duration `koanf:"publish_timeout"`
+	// Lease is how long a claim lasts before the reaper may hand the row to
+	// another relay. Default 2m, >= 1s, and more than PublishTimeout.
+	Lease time.Duration `koanf:"lease"`
+	// PollInterval is the longest the relay waits between claims when no
+	// wake-up arrives: a lost wake-up costs at most this much latency.
+	// Default 500ms, 1ms..1m.
+	PollInterval time.Duration `koanf:"poll_interval"`
+	// Listen subscribes to the writers' wake-up notifications. Default true.
+	Listen bool `koanf:"listen"`
+	// ReapInterval is how often expired leases are looked for. Default 10s, > 0.
+	ReapInterval time.Duration `koanf:"reap_interval"`
+	// RetryMin and RetryMax bound the exponential backoff of a failed
+	// publish. Defaults 1s and 5m, 0 < min <= max.
+	RetryMin time.Duration `koanf:"retry_min"`
+	RetryMax time.Duration `koanf:"retry_max"`
+	// SentRetention is how long sent rows are kept (for republish after a
+	// broker loses data); 0 deletes them at the next cleanup. Default 1h.
+	SentRetention time.Duration `koanf:"sent_retention"`
+	// CleanupInterval is how often old sent rows are deleted. Default 1m, > 0.
+	CleanupInterval time.Duration `koanf:"cleanup_interval"`
+	// CleanupBatch is how many rows one delete removes. Default 1000, 1..100000.
+	CleanupBatch int `koanf:"cleanup_batch"`
+	// ShutdownTimeout bounds the graceful finish of the batch in flight at
+	// SIGTERM. Default 30s, > 0.
+	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
+	// StallAfter: the relay reports not ready when it has completed no
+	// claim for this long (it cannot reach Postgres or NATS, or its slots
+	// are all waiting on PubAcks). Default 30s, longer than PublishTimeout
+	// + PollInterval.
+	StallAfter time.Duration `koanf:"stall_after"`
+}
+
+// Defaults the configuration files and the tests refer to.
+const (
+	DefaultBatchSize   = 1000
+	DefaultMaxInFlight = 4000
+	DefaultLease       = 2 * time.Minute
+)
+
+// DefaultConfig returns the relay's defaults.
+func DefaultConfig() Config {
+	return Config{
+		BatchSize: DefaultBatchSize, MaxInFlight: DefaultMaxInFlight, PublishTimeout: 10 * time.Second,
+		Lease: DefaultLease, PollInterval: 500 * time.Millisecond, Listen: true, ReapInterval: 10 * time.Second,
+		RetryMin: time.Second, RetryMax: 5 * time.Minute, SentRetention: time.Hour, CleanupInterval: time.Minute,
+		CleanupBatch: 1000, ShutdownTimeout: 30 * time.Second, StallAfter: 30 * time.Second,
+	}
+}
+
+// Validate checks each relay.* key alone; the rules that tie keys together
+// (here and across packages) are internal/config's, and New refuses the
+// ones it cannot run with.
+func (c Config) Validate() error {
+	var v validate.Errors
+	v.Between("relay.batch_size", int64(c.BatchSize), 1, 10000)
+	v.Between("relay.max_in_flight", int64(c.MaxInFlight), 1, 100000)
+	v.Positive("relay.publish_timeout", c.PublishTimeout)
+	if c.Lease < time.Second {
+		v.Bad("relay.lease", "must be at least 1s (got %s)", c.Lease)
+	}
+	if c.PollInterval < time.Millisecond || c.PollInterval > time.Minute {
+		v.Bad("relay.poll_interval", "must be between 1ms and 1m (got %s)", c.PollInterval)
+	}
+	v.Positive("relay.reap_interval", c.ReapInterval)
+	v.Positive("relay.retry_min", c.RetryMin)
+	if c.RetryMax < c.RetryMin {
+		v.Bad("relay.retry_max", "must be at least relay.retry_min (%s) (got %s)", c.RetryMin, c.RetryMax)
+	}
+	if c.SentRetention < 0 {
+		v.Bad("relay.sent_retention", "must be 0 or a positive duration (got %s)", c.SentRetention)
+	}
+	v.Positive("relay.cleanup_interval", c.CleanupInterval)
+	v.Between("relay.cleanup_batch", int64(c.CleanupBatch), 1, 100000)
+	v.Positive("relay.shutdown_timeout", c.ShutdownTimeout)
+	v.Positive("relay.stall_after", c.StallAfter)
+	return v.Err()
+}
+
+// RepublishDelay is the longest a row's second publish can follow its first:
+// a relay that published and died holds the row for its lease, the reaper
+// notices within an interval, and a failed publish may back off retry_max.
+// stream.duplicate_window must be longer, so JetStream drops the repeat.
+func RepublishDelay(r Config) time.Duration {
+	return r.Lease + r.PublishTimeout + r.ReapInterval + r.RetryMax
+}
+
+// StreamConfig is the JetStream stream that carries the events (the
+// stream.* keys). The subscribers read it too.
+type StreamConfig struct {
+	// Name of the stream. Default "EVENTS".
+	Name string `koanf:"name"`
+	// SubjectPrefix is the first subject token: events go to
+	// <prefix>.<event_type>. Default "events".
+	SubjectPrefix string `koanf:"subject_prefix"`
+	// Replicas is 1 on one server, 3 in a cluster. Default 1, 1..5.
+	Replicas int `koanf:"replicas"`
+	// MaxAge is how long events stay, so a new subscriber can replay history.
+	// Default 168h (7 days), > 0.
+	MaxAge time.Duration `koanf:"max_age"`
+	// MaxBytes caps the stream's size; -1 is unlimited. Default -1.
+	MaxBytes int64 `koanf:"max_bytes"`
+	// DuplicateWindow is how long JetStream remembers Nats-Msg-Ids. It must
+	// exceed RepublishDelay of the relay's settings (the longest a row's
+	// second publish can follow its first), and not exceed MaxAge.
+	// Default 10m.
+	DuplicateWindow time.Duration `koanf:"duplicate_window"`
+	// Provision is auto (the relay creates or updates the stream, and each
+	// subscriber its consumer), verify (they refuse to start unless the
+	// stream, or the consumer, exists and fits: `fanout provision` made
+	// them), or off (trust other tooling). Default auto.
+	Provision string `koanf:"provision"`
+}
+
+// Stream defaults.
+const (
+	DefaultStreamName    = "EVENTS"
+	DefaultSubjectPrefix = "events"
+)
+
+// DefaultStreamConfig returns the stream's defaults.
+func DefaultStreamConfig() StreamConfig {
+	return StreamConfig{Name: DefaultStreamName, SubjectPrefix: DefaultSubjectPrefix, Replicas: 1, MaxAge: 168 * time.Hour,
+		MaxBytes: -1, DuplicateWindow: 10 * time.Minute, Provision: "auto"}
+}
+
+// Validate checks each stream.* key alone.
+func (s StreamConfig) Validate() error {
+	var v validate.Errors
+	if !ValidStreamName(s.Name) {
+		v.Bad("stream.name", "must be a non-empty name without spaces, '.', '*', '>' or path separators (got %q)", s.Name)
+	}
+	if !outbox.ValidSubjectToken(s.SubjectPrefix) {
+		v.Bad("stream.subject_prefix", "must be one subject token without '.', '*', '>' or spaces (got %q)", s.SubjectPrefix)
+	}
+	v.Between("stream.replicas", int64(s.Replicas), 1, 5)
+	v.Positive("stream.max_age", s.MaxAge)
+	if s.MaxBytes == 0 || s.MaxBytes < -1 {
+		v.Bad("stream.max_bytes", "must be -1 (unlimited) or a positive byte count (got %d)", s.MaxBytes)
+	}
+	v.Positive("stream.duplicate_window", s.DuplicateWindow)
+	v.OneOf("stream.provision", s.Provision, "auto", "verify", "off")
+	return v.Err()
+}
+
+// ValidStreamName reports whether s can name a JetStream stream.
+func ValidStreamName(s string) bool {
+	return outbox.ValidSubjectToken(s) && !strings.ContainsAny(s, `/\`)
+}

@@ -1,0 +1,121 @@
+package subscribers
+
+import (
+	"time"
+
+	"github.com/fanout/fanout/internal/validate"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+)
+
+// Config is the subscriber runtime's configuration (the subscribers.*
+// keys; a subscriber may override the runtime keys for itself, see
+// internal/config). DefaultConfig holds the defaults; Validate names every
+// key that is wrong.
+type Config struct {
+	// Concurrency is how many batches one instance handles at once.
+	// Default 4, 1..256.
+	Concurrency int `koanf:"concurrency"`
+	// BatchSize is how many events one handler transaction takes (for
+	// subscribers whose effect is in Postgres). Default 100, 1..1000.
+	BatchSize int `koanf:"batch_size"`
+	// AckWait is how long JetStream waits for an ack before redelivering;
+	// long work sends in-progress signals. Default 30s, >= 1s.
+	AckWait time.Duration `koanf:"ack_wait"`
+	// HandlerTimeout bounds one handler call (one batch, for subscribers
+	// whose effect is in Postgres); past it the handler's context is
+	// cancelled and the attempt counts as failed (unless a dependency is
+	// down). Default 20s, >= 100ms, and shorter than AckWait.
+	HandlerTimeout time.Duration `koanf:"handler_timeout"`
+	// MaxFailures is how many times the handler may fail on an event (by
+	// its own verdict, while every dependency answers) before the event
+	// goes to the dead letters. Deliveries lost to an outage or a crash do
+	// not count. Default 10, 1..1000.
+	MaxFailures int `koanf:"max_failures"`
+	// MaxCrashes is how many times the process may die while handling an
+	// event (an attempt begun and never ended) before the event goes to the
+	// dead letters unhandled. Default 3, 2..100 (with 1, the events that
+	// died beside a crashing one would be dead-lettered with it: the second
+	// crash is the one that isolates the culprit).
+	MaxCrashes int `koanf:"max_crashes"`
+	// MaxAckPending bounds unacknowledged events per consumer, across
+	// instances. Default 1000, 1..100000.
+	MaxAckPending int `koanf:"max_ack_pending"`
+	// RetryMin and RetryMax bound the delay of a nak after a failed attempt,
+	// which doubles with each failure. Defaults 1s and 1m.
+	RetryMin time.Duration `koanf:"retry_min"`
+	RetryMax time.Duration `koanf:"retry_max"`
+	// Start is where a new subscriber's consumer begins: all (the stream's
+	// whole history), new (only events after its creation), or time (from
+	// StartTime). It matters only when the consumer is created. Default all.
+	Start string `koanf:"start"`
+	// StartTime is an RFC 3339 time, for Start = time.
+	StartTime string `koanf:"start_time"`
+	// DeadLetterStream holds events that failed for good. Default DEADLETTER.
+	DeadLetterStream string `koanf:"dead_letter_stream"`
+	// DeadLetterSubjectPrefix starts dead letters' subjects:
+	// <prefix>.<subscriber>.<event_type>. Default "deadletter".
+	DeadLetterSubjectPrefix string `koanf:"dead_letter_subject_prefix"`
+	// DeadLetterProvision is auto (each subscriber creates or updates the
+	// dead-letter stream at start), verify (it must exist: `fanout
+	// provision` made it) or off. Default auto.
+	DeadLetterProvision string `koanf:"dead_letter_provision"`
+	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30 days).
+	DeadLetterMaxAge time.Duration `koanf:"dead_letter_max_age"`
+	// ShutdownTimeout bounds the drain at SIGTERM. Default 30s, > 0.
+	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
+}
+
+// DeadLetterDuplicateWindow is how long the dead-letter stream remembers a
+// dead letter's id (subscriber and event sequence): a subscriber that dies
+// between storing a dead letter and terminating its event publishes it again
+// on the redelivery, an ack wait or a restart later, and must not store it
+// twice.
+const DeadLetterDuplicateWindow = 10 * time.Minute
+
+// DefaultConfig returns the runtime's defaults.
+func DefaultConfig() Config {
+	return Config{
+		Concurrency: 4, BatchSize: 100, AckWait: 30 * time.Second, HandlerTimeout: 20 * time.Second,
+		MaxFailures: 10, MaxCrashes: 3, MaxAckPending: 1000, RetryMin: time.Second, RetryMax: time.Minute,
+		Start: "all", DeadLetterStream: "DEADLETTER", DeadLetterSubjectPrefix: "deadletter", DeadLetterProvision: "auto",
+		DeadLetterMaxAge: 720 * time.Hour, ShutdownTimeout: 30 * time.Second,
+	}
+}
+
+// Validate checks each subscribers.* key alone; the rules that tie keys
+// together are internal/config's.
+func (c Config) Validate() error {
+	var v validate.Errors
+	v.Between("subscribers.concurrency", int64(c.Concurrency), 1, 256)
+	v.Between("subscribers.batch_size", int64(c.BatchSize), 1, 1000)
+	if c.AckWait < time.Second {
+		v.Bad("subscribers.ack_wait", "must be at least 1s (got %s)", c.AckWait)
+	}
+	if c.HandlerTimeout < 100*time.Millisecond {
+		v.Bad("subscribers.handler_timeout", "must be at least 100ms (got %s)", c.HandlerTimeout)
+	}
+	v.Between("subscribers.max_failures", int64(c.MaxFailures), 1, 1000)
+	v.Between("subscribers.max_crashes", int64(c.MaxCrashes), 2, 100)
+	v.Between("subscribers.max_ack_pending", int64(c.MaxAckPending), 1, 100000)
+	v.Positive("subscribers.retry_min", c.RetryMin)
+	if c.RetryMax < c.RetryMin {
+		v.Bad("subscribers.retry_max", "must be at least subscribers.retry_min (%s) (got %s)", c.RetryMin, c.RetryMax)
+	}
+	v.OneOf("subscribers.start", c.Start, "all", "new", "time")
+	if c.Start == "time" {
+		if _, err := time.Parse(time.RFC3339, c.StartTime); err != nil {
+			v.Bad("subscribers.start_time", "must be an RFC 3339 time such as 2026-01-02T15:04:05Z when subscribers.start is time (got %q)", c.StartTime)
+		}
+	}
+	if !relay.ValidStreamName(c.DeadLetterStream) {
+		v.Bad("subscribers.dead_letter_stream", "must be a non-empty name without spaces, '.', '*', '>' or path separators (got %q)", c.DeadLetterStream)
+	}
+	if !outbox.ValidSubjectToken(c.DeadLetterSubjectPrefix) {
+		v.Bad("subscribers.dead_letter_subject_prefix", "must be one subject token without '.', '*', '>' or spaces (got %q)", c.DeadLetterSubjectPrefix)
+	}
+	v.Positive("subscribers.dead_letter_max_age", c.DeadLetterMaxAge)
+	v.OneOf("subscribers.dead_letter_provision", c.DeadLetterProvision, "auto", "verify", "off")
+	v.Positive("subscribers.shutdown_timeout", c.ShutdownTimeout)
+	return v.Err()
+}

@@ -1,0 +1,33 @@
+package searchindex
+
+import "time"
+
+// Config is the search engine and the product index the indexer and the
+// reindex work with (the search.* keys; internal/config checks them).
+type Config struct {
+	// Engine is elasticsearch or opensearch. Default elasticsearch.
+	Engine string `koanf:"engine"`
+	// URL is one or more comma-separated node URLs. Default DefaultSearchURL.
+	URL string `koanf:"url"`
+	// Username and Password authenticate with HTTP basic auth. Secret.
+	Username     string `koanf:"username"`
+	Password     string `koanf:"password"`
+	PasswordFile string `koanf:"password_file"`
+	// CAFile is a PEM file of CAs to trust for https. Default empty (system roots).
+	CAFile string `koanf:"ca_file"`
+	// InsecureSkipVerify disables certificate checks (test clusters only). Default false.
+	InsecureSkipVerify bool `koanf:"insecure_skip_verify"`
+	// Timeout bounds each request. Default 10s, > 0.
+	Timeout time.Duration `koanf:"timeout"`
+	// Alias is the name searches and the indexer use; it points at
+	// <alias>-v<N>. Default "products".
+	Alias string `koanf:"alias"`
+	// Provision is auto (create the first index and the alias if missing),
+	// verify (refuse to start without them) or off. Default auto.
+	Provision string `koanf:"provision"`
+	// BulkSize is the most operations in one bulk request. Default 1000, 1..10000.
+	BulkSize int `koanf:"bulk_size"`
+	// ReindexMaxFailures is how many documents may fail in a reindex before
+	// it aborts without swapping the alias. Default 0, >= 0.
+	ReindexMaxFailures int `koanf:"reindex_max_failures"`
+}
