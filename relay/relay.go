@@ -66,9 +66,8 @@ type Options struct {
 	Conn     *nats.Conn
 	Logger   *slog.Logger
 	Observer Observer // optional
-	// Sabotage is deliberately broken behaviour for the fault run's
-	// self-test; never set in production (see Sabotage).
-	Sabotage Sabotage
+	// TestHooks are for tests only; leave them zero.
+	TestHooks TestHooks
 }
 
 // Relay publishes outbox rows. Start it with Start, stop it with Stop.
@@ -82,7 +81,7 @@ type Relay struct {
 	logger *slog.Logger
 	obs    Observer
 
-	sabotage Sabotage
+	hooks TestHooks
 
 	wake    chan struct{}
 	slots   *semaphore.Weighted // rows claimed and not yet recorded
@@ -136,7 +135,7 @@ func New(opts Options) (*Relay, error) {
 		js:       js,
 		logger:   opts.Logger,
 		obs:      obs,
-		sabotage: opts.Sabotage,
+		hooks:    opts.TestHooks,
 		wake:     make(chan struct{}, 1),
 		slots:    semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
 		stopping: make(chan struct{}),
@@ -367,7 +366,7 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 			results[i] = outcome{permanent: true, err: rowReason(rw.ID, err)}
 			continue
 		}
-		if r.sabotage.SkipPublish != nil && r.sabotage.SkipPublish(rw.ID) {
+		if r.hooks.SkipPublish != nil && r.hooks.SkipPublish(rw.ID) {
 			results[i] = outcome{acked: true, ackedAt: time.Now()} // a lie
 			continue
 		}

@@ -65,9 +65,9 @@ func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh int, err er
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
 	fresh, err = r.inTx(actx, tx, ds, ids, forget)
 	if err == nil {
-		if r.opts.Sabotage.AckBeforeCommit > 0 {
+		if r.opts.TestHooks.AckBeforeCommit > 0 {
 			r.ack(ctx, ds, false)
-			time.Sleep(r.opts.Sabotage.AckBeforeCommit)
+			time.Sleep(r.opts.TestHooks.AckBeforeCommit)
 		}
 		err = tx.Commit(actx)
 	}

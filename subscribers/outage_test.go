@@ -249,7 +249,7 @@ func TestCheckpointedEventIsNeverDeadLettered(t *testing.T) {
 	var once sync.Once
 	crashNow := make(chan struct{})
 	r := env.StartRunner(h, func(o *subscribers.Options) {
-		o.BeforeAck = func(ctx context.Context, ids []int64) {
+		o.TestHooks.BeforeAck = func(ctx context.Context, ids []int64) {
 			once.Do(func() { close(crashNow) })
 			<-ctx.Done()
 		}

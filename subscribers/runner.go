@@ -31,21 +31,22 @@ type Options struct {
 	Conn     *nats.Conn
 	Logger   *slog.Logger
 	Observer Observer // optional
-	// BeforeAck, when set, runs after a batch's effects and checkpoints are
-	// recorded and before its messages are acked. Fault-injection tests use
-	// it to die at the worst moment.
-	BeforeAck func(ctx context.Context, ids []int64)
-	// Sabotage is deliberately broken behaviour, for the fault run's
-	// self-test only (it proves the checker catches it). Never set it in
-	// production: only a binary built with the fanout_sabotage tag does.
-	Sabotage Sabotage
+	// TestHooks are for tests only; leave them zero.
+	TestHooks TestHooks
 }
 
-// Sabotage breaks the runtime's guarantees on purpose.
-type Sabotage struct {
-	// AckBeforeCommit acks a TxHandler's batch before its transaction
-	// commits, and waits this long in between: a crash in that window
-	// loses the events.
+// TestHooks let tests reach the moments faults matter (and the fault run's
+// self-test break the runtime on purpose, to prove its checker catches
+// it). Production leaves them zero: only tests, and binaries built with
+// the fanout_sabotage tag, set them. The relay has the same kind.
+type TestHooks struct {
+	// BeforeAck, when set, runs after a batch's effects and checkpoints are
+	// recorded and before its messages are acked: a test dies there, at
+	// the worst moment.
+	BeforeAck func(ctx context.Context, ids []int64)
+	// AckBeforeCommit (sabotage) acks a TxHandler's batch before its
+	// transaction commits, and waits this long in between: a crash in that
+	// window loses the events.
 	AckBeforeCommit time.Duration
 }
 

@@ -69,13 +69,13 @@ func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, 
 	}
 	deps := relayDeps{pool: pool, nc: nc}
 	r, err := relay.New(relay.Options{
-		Relay:    a.cfg.Relay,
-		Stream:   a.cfg.Stream,
-		Pool:     pool,
-		Conn:     nc,
-		Logger:   logging.Component(a.logger, "relay"),
-		Observer: obs,
-		Sabotage: sabotage.relay,
+		Relay:     a.cfg.Relay,
+		Stream:    a.cfg.Stream,
+		Pool:      pool,
+		Conn:      nc,
+		Logger:    logging.Component(a.logger, "relay"),
+		Observer:  obs,
+		TestHooks: sabotage.relay,
 	})
 	if err == nil {
 		err = r.Start(ctx)

@@ -10,8 +10,8 @@ import (
 // every binary but one built with the fanout_sabotage tag and started with
 // FANOUT_TEST_SABOTAGE naming a kind (sabotage_on.go).
 var sabotage struct {
-	relay      relay.Sabotage
-	subscriber subscribers.Sabotage
+	relay      relay.TestHooks
+	subscriber subscribers.TestHooks
 	// handler, if set, wraps each subscriber's handler.
 	handler func(subscribers.Handler) subscribers.Handler
 }

@@ -110,7 +110,7 @@ func startSubscribers(ctx context.Context, a *app, d *deps, names []string, nc *
 		r, err := subscribers.New(subscribers.Options{
 			Handler: sabotaged(h), Config: a.cfg.Subscriber(name), Stream: a.cfg.Stream,
 			Pool: d.pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"), Observer: obs,
-			Sabotage: sabotage.subscriber,
+			TestHooks: sabotage.subscriber,
 		})
 		if err == nil {
 			err = r.Start(ctx)

@@ -88,7 +88,7 @@ func Run(t *testing.T, c Case) {
 		recorded := make(chan struct{})
 		var once sync.Once
 		dying := env.NewRunner(base, func(o *subscribers.Options) {
-			o.BeforeAck = func(ctx context.Context, _ []int64) {
+			o.TestHooks.BeforeAck = func(ctx context.Context, _ []int64) {
 				once.Do(func() { close(recorded) })
 				<-ctx.Done()
 			}
