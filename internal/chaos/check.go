@@ -64,14 +64,23 @@ type streamContents struct {
 	byID  map[int64][]uint64 // event id -> the sequences holding it
 }
 
+// readPatience is how long reading a stream rides out a cluster that is
+// not answering yet.
+const readPatience = 2 * time.Minute
+
 // readStream reads every message of EVENTS up to the last sequence the
 // stream reports, and fails unless it got all of them.
 func (r *run) readStream(ctx context.Context) (*streamContents, error) {
-	s, err := r.js.Stream(ctx, "EVENTS")
-	if err != nil {
-		return nil, err
-	}
-	info, err := s.Info(ctx)
+	start := time.Now()
+	var s jetstream.Stream
+	var info *jetstream.StreamInfo
+	err := tryEverySecond(func() bool { return time.Since(start) > readPatience }, func(ictx context.Context) error {
+		var err error
+		if s, err = r.js.Stream(ictx, "EVENTS"); err == nil {
+			info, err = s.Info(ictx)
+		}
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
@@ -79,15 +88,41 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 	if info.State.Msgs == 0 {
 		return out, nil
 	}
-	oc, err := s.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
-	if err != nil {
-		return nil, err
-	}
+	// A cluster may still be electing leaders after the heal: a request
+	// that finds no responder, or times out, is tried again (for up to
+	// readPatience) from the sequence after the last one read, so nothing
+	// is read twice or skipped.
+	deadline := time.Now().Add(readPatience)
+	var oc jetstream.Consumer
 	last := uint64(0)
+	retry := func(err error) error {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("fetch after sequence %d: %w", last, err)
+		}
+		r.o.Logf("chaos: reading the stream after sequence %d: %v (tried again)", last, err)
+		oc = nil
+		time.Sleep(time.Second)
+		return nil
+	}
 	for last < info.State.LastSeq {
+		if oc == nil {
+			cfg := jetstream.OrderedConsumerConfig{}
+			if last > 0 {
+				cfg.DeliverPolicy, cfg.OptStartSeq = jetstream.DeliverByStartSequencePolicy, last+1
+			}
+			if oc, err = s.OrderedConsumer(ctx, cfg); err != nil {
+				if err := retry(err); err != nil {
+					return nil, err
+				}
+				continue
+			}
+		}
 		batch, err := oc.Fetch(1000, jetstream.FetchMaxWait(5*time.Second))
 		if err != nil {
-			return nil, fmt.Errorf("fetch after sequence %d: %w", last, err)
+			if err := retry(err); err != nil {
+				return nil, err
+			}
+			continue
 		}
 		n := 0
 		for m := range batch.Messages() {
@@ -105,10 +140,15 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 			out.byID[id] = append(out.byID[id], last)
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
-			return nil, fmt.Errorf("fetch after sequence %d: %w", last, err)
+			if err := retry(err); err != nil {
+				return nil, err
+			}
+			continue
 		}
 		if n == 0 {
-			return nil, fmt.Errorf("the stream reports messages up to sequence %d, but nothing came after %d", info.State.LastSeq, last)
+			if err := retry(fmt.Errorf("the stream reports messages up to sequence %d, but nothing came", info.State.LastSeq)); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if uint64(len(out.bySeq)) != info.State.Msgs {
@@ -224,13 +264,22 @@ func (r *run) deadLetters(ctx context.Context) ([]deadLetter, error) {
 		return nil, err
 	}
 	var out []deadLetter
+	start := time.Now()
 	for seq := info.State.FirstSeq; seq <= info.State.LastSeq && info.State.Msgs > 0; seq++ {
-		m, err := s.GetMsg(ctx, seq)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			continue // deleted (by an operator; nothing here deletes)
-		}
+		var m *jetstream.RawStreamMsg
+		err := tryEverySecond(func() bool { return time.Since(start) > readPatience }, func(ictx context.Context) error {
+			var err error
+			m, err = s.GetMsg(ictx, seq)
+			if errors.Is(err, jetstream.ErrMsgNotFound) {
+				return nil
+			}
+			return err
+		})
 		if err != nil {
 			return nil, fmt.Errorf("dead letter %d: %w", seq, err)
+		}
+		if m == nil {
+			continue // deleted (by an operator; nothing here deletes)
 		}
 		id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
 		out = append(out, deadLetter{seq: seq, subject: m.Subject, subscriber: m.Header.Get(subscribers.DeadSubscriberHeader), id: id,
