@@ -673,4 +673,3 @@ const DeadLetterDuplicateWindow = subscribers.DeadLetterDuplicateWindow
 // retry_max). The stream's duplicates window must be longer.
 func RepublishDelay(r Relay) time.Duration { return relay.RepublishDelay(r) }
 
-func validStreamName(s string) bool { return relay.ValidStreamName(s) }
