@@ -672,4 +672,3 @@ const DeadLetterDuplicateWindow = subscribers.DeadLetterDuplicateWindow
 // reap interval) or to its retry backoff (after the publish timeout, up to
 // retry_max). The stream's duplicates window must be longer.
 func RepublishDelay(r Relay) time.Duration { return relay.RepublishDelay(r) }
-
