@@ -49,7 +49,7 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	ids := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
 		return []outbox.Event{orderEvent(missing), orderEvent(missing + 1), orderEvent(missing + 2)}, nil
 	})
-	env.StartRunner(invoicing.New(), nil)
+	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
 	subscribertest.WaitFor(t, 30*time.Second, "three dead letters", func() (bool, string) {
 		n := len(env.DeadLetters(invoicing.Name))
 		return n == 3, strconv.Itoa(n)
@@ -120,7 +120,7 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	runner := env.NewRunner(invoicing.New(), nil)
+	runner := env.NewRunner(subscribers.Tx(invoicing.New()), nil)
 	runnerOf := func(name string) (*subscribers.Runner, error) {
 		if name != invoicing.Name {
 			t.Fatalf("redrive asked for subscriber %s", name)

@@ -116,10 +116,13 @@ func (d Declaration) Validate() error {
 func (d Declaration) Build(deps Deps) (Handler, error) {
 	h, err := d.New(deps)
 	if err != nil {
-		return nil, fmt.Errorf("subscriber %s: %w", d.Name, err)
+		return Handler{}, fmt.Errorf("subscriber %s: %w", d.Name, err)
+	}
+	if h.named == nil {
+		return Handler{}, fmt.Errorf("subscriber %s: its constructor returned no handler", d.Name)
 	}
 	if h.Name() != d.Name || !slices.Equal(h.EventTypes(), d.EventTypes) {
-		return nil, fmt.Errorf("subscriber %s: its handler says %q with %v, its declaration %q with %v",
+		return Handler{}, fmt.Errorf("subscriber %s: its handler says %q with %v, its declaration %q with %v",
 			d.Name, h.Name(), h.EventTypes(), d.Name, d.EventTypes)
 	}
 	return h, nil

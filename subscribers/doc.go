@@ -1,10 +1,14 @@
 // Package subscribers is the consumer runtime every subscriber runs on, and
 // the parent of one package per subscriber (invoicing, cacheinval, ...).
 //
-// A subscriber is a Handler: a name (its durable consumer's name, stable
-// forever), the event types it wants, and a method that handles one event;
-// a DependentHandler also names what it needs besides Postgres, with a
-// probe each. The runtime gives each subscriber one durable pull consumer on
+// A subscriber has a name (its durable consumer's name, stable forever),
+// the event types it wants, and a method that handles one event: HandleTx
+// (a TxHandler, whose effects commit with its checkpoint) or Handle (an
+// EventHandler, whose effects live outside Postgres). Which one runs is
+// chosen where the handler is made, by the compiler: subscribers.Tx(h) or
+// subscribers.Each(h) make the Handler the runtime takes. A
+// DependentHandler also names what it needs besides Postgres, with a probe
+// each. The runtime gives each subscriber one durable pull consumer on
 // the events stream, shared by all its instances, and turns the handler's
 // result into the message's fate:
 //

@@ -55,7 +55,7 @@ func ExampleNew() {
 	if err := cfg.Validate(); err != nil {
 		panic(err) // names the key: "subscribers.concurrency must be between 1 and 256 (got 0)"
 	}
-	r, err := subscribers.New(subscribers.Options{Handler: auditLog{}, Config: cfg, Stream: relay.DefaultStreamConfig(),
+	r, err := subscribers.New(subscribers.Options{Handler: subscribers.Tx(auditLog{}), Config: cfg, Stream: relay.DefaultStreamConfig(),
 		Pool: pool, Conn: nc, Logger: slog.Default()})
 	if err != nil {
 		panic(err)

@@ -24,9 +24,10 @@ type Event struct {
 	Delivery      uint64 // 1 on the first delivery
 }
 
-// Handler names a subscriber and the events it wants. A subscriber also
-// implements EventHandler or TxHandler.
-type Handler interface {
+// Named is what every handler is: a subscriber's name and the events it
+// wants. A handler also implements EventHandler or TxHandler, and is made
+// into a Handler by Tx or Each.
+type Named interface {
 	// Name is the durable consumer's name and the checkpoint's key. It must
 	// never change: a new name is a new subscriber that starts over.
 	Name() string
@@ -35,11 +36,46 @@ type Handler interface {
 	EventTypes() []string
 }
 
+// Handler is a subscriber's handler of one kind, chosen where it is made
+// and checked by the compiler: Tx for a handler whose effects are in
+// Postgres (committed with its checkpoint), Each for one whose effects are
+// outside it. A type that implements both is run as the kind its
+// constructor names, never by a guess.
+type Handler struct {
+	named Named
+	tx    TxHandler
+	each  EventHandler
+}
+
+// Tx is h as a handler whose effects commit with its checkpoint, in the
+// runtime's transaction.
+func Tx(h TxHandler) Handler { return Handler{named: h, tx: h} }
+
+// Each is h as a handler whose effects live outside Postgres, event by
+// event (or batch by batch, for a BatchEventHandler).
+func Each(h EventHandler) Handler { return Handler{named: h, each: h} }
+
+// Name is the subscriber's name.
+func (h Handler) Name() string { return h.named.Name() }
+
+// EventTypes are the event types it wants.
+func (h Handler) EventTypes() []string { return h.named.EventTypes() }
+
+// Unwrap returns the handler as its author wrote it, for the optional
+// capabilities it may have (DependentHandler, the batch interfaces).
+func (h Handler) Unwrap() Named { return h.named }
+
+// TxHandler returns the handler if it was made by Tx.
+func (h Handler) TxHandler() (TxHandler, bool) { return h.tx, h.tx != nil }
+
+// EventHandler returns the handler if it was made by Each.
+func (h Handler) EventHandler() (EventHandler, bool) { return h.each, h.each != nil }
+
 // EventHandler handles one event whose effect lives outside Postgres (a
 // cache, a search index). It must be idempotent: after a crash the runtime
 // may deliver an event whose effect already happened.
 type EventHandler interface {
-	Handler
+	Named
 	Handle(ctx context.Context, ev Event) error
 }
 
@@ -47,7 +83,7 @@ type EventHandler interface {
 // which also holds the event's checkpoint row. It must not commit or roll
 // back tx.
 type TxHandler interface {
-	Handler
+	Named
 	HandleTx(ctx context.Context, tx pgx.Tx, ev Event) error
 }
 
@@ -159,7 +195,7 @@ type Dependency struct {
 // DependentHandler is a Handler that names what it depends on besides
 // Postgres (the runtime's own checkpoint store, always probed).
 type DependentHandler interface {
-	Handler
+	Named
 	Dependencies() []Dependency
 }
 

@@ -82,8 +82,8 @@ type Runner struct {
 // New checks the handler and returns a runner; nothing runs until Start.
 func New(opts Options) (*Runner, error) {
 	h := opts.Handler
-	if h == nil {
-		return nil, errors.New("subscriber: no handler")
+	if h.named == nil {
+		return nil, errors.New("subscriber: no handler (make one with subscribers.Tx or subscribers.Each)")
 	}
 	if !outbox.ValidSubjectToken(h.Name()) || strings.ContainsAny(h.Name(), `/\`) {
 		return nil, fmt.Errorf("subscriber name %q: must be one subject token (letters, digits, '-', '_')", h.Name())
@@ -96,20 +96,8 @@ func New(opts Options) (*Runner, error) {
 	if r.obs == nil {
 		r.obs = NopObserver{}
 	}
-	// The handler's kind decides where its effects commit; a handler of
-	// both kinds would have one silently chosen for it.
-	txH, isTx := h.(TxHandler)
-	eventH, isEvent := h.(EventHandler)
-	switch {
-	case isTx && isEvent:
-		return nil, fmt.Errorf("subscriber %s implements both HandleTx and Handle: a subscriber's effects are either in Postgres (HandleTx) or outside it (Handle)", h.Name())
-	case isTx:
-		r.txH = txH
-	case isEvent:
-		r.eventH = eventH
-	default:
-		return nil, fmt.Errorf("subscriber %s implements neither Handle nor HandleTx", h.Name())
-	}
+	// The handler's kind was chosen where it was made (Tx or Each).
+	r.txH, r.eventH = h.tx, h.each
 	js, err := jetstream.New(opts.Conn)
 	if err != nil {
 		return nil, err
@@ -197,7 +185,7 @@ func (r *Runner) start(ctx context.Context) error {
 // declares.
 func (r *Runner) dependencies() []Dependency {
 	deps := []Dependency{{Name: DependencyPostgres, Probe: r.opts.Pool.Ping}}
-	if dh, ok := r.opts.Handler.(DependentHandler); ok {
+	if dh, ok := r.opts.Handler.Unwrap().(DependentHandler); ok {
 		deps = append(deps, dh.Dependencies()...)
 	}
 	// The dead-letter stream has no probe: after the backoff, the held dead

@@ -119,7 +119,7 @@ func TestOutcomes(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	h := newScripted("outcomes")
-	env.StartRunner(h, nil)
+	env.StartRunner(subscribers.Each(h), nil)
 	ids := write(env,
 		testEvent("fail", 2),      // nak twice, then ack
 		testEvent("retry", 0),     // RetryAfter 700ms, then ack
@@ -178,7 +178,7 @@ func TestHungHandlerIsCutOffAndDeadLettered(t *testing.T) {
 	env.Config.Subscribers.MaxFailures = 2
 	env.Config.Subscribers.HandlerTimeout = 300 * time.Millisecond
 	h := newScripted("hung")
-	env.StartRunner(h, nil)
+	env.StartRunner(subscribers.Each(h), nil)
 	id := write(env, testEvent("hang", 0))[0]
 	subscribertest.WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) {
 		return len(env.DeadLetters(h.name)) == 1, strconv.Itoa(len(h.deliveries(id))) + " deliveries"
@@ -201,7 +201,7 @@ func TestCrashLoopEventEndsInDeadLetters(t *testing.T) {
 	crashes := 0
 	for crashes < 3 && len(env.DeadLetters("crashloop")) == 0 {
 		h := newScripted("crashloop")
-		r := env.StartRunner(h, nil)
+		r := env.StartRunner(subscribers.Each(h), nil)
 		if id == 0 {
 			id = write(env, testEvent("hang", 0))[0]
 		}
@@ -210,7 +210,7 @@ func TestCrashLoopEventEndsInDeadLetters(t *testing.T) {
 		crashes++
 	}
 	survivor := newScripted("crashloop")
-	env.StartRunner(survivor, nil)
+	env.StartRunner(subscribers.Each(survivor), nil)
 	subscribertest.WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) { return len(env.DeadLetters("crashloop")) == 1, "" })
 	if r := env.DeadLetters("crashloop")[0].Header.Get(subscribers.DeadReasonHeader); !strings.Contains(r, "its handling never ended 2 times") {
 		t.Errorf("reason %q", r)
@@ -235,7 +235,7 @@ func TestCrashLoopSparesItsBatchMates(t *testing.T) {
 	// dead-lettered, the last instance runs on undisturbed.
 	for restart := 0; restart < 10; restart++ {
 		h := newScripted("mates")
-		r := env.StartRunner(h, nil)
+		r := env.StartRunner(subscribers.Each(h), nil)
 		subscribertest.WaitFor(t, 15*time.Second, "the poison or the dead letter", func() (bool, string) {
 			return len(h.deliveries(poison)) > 0 || len(env.DeadLetters("mates")) > 0, ""
 		})
@@ -265,7 +265,7 @@ func TestLongWorkIsKeptAlive(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	env.Config.Subscribers.AckWait = 2 * time.Second
 	h := newScripted("slow")
-	env.StartRunner(h, nil)
+	env.StartRunner(subscribers.Each(h), nil)
 	id := write(env, outbox.Event{AggregateType: "test", AggregateID: "1", Type: "test.event", Payload: script{Behave: "slow", Millis: 5000}})[0]
 	subscribertest.WaitFor(t, 20*time.Second, "the slow event", func() (bool, string) { return h.isDone(id), "" })
 	env.WaitIdle(h.name, 15*time.Second)
@@ -279,7 +279,7 @@ func TestStopDrainsEventsInHand(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	h := newScripted("drain")
-	r := env.StartRunner(h, nil)
+	r := env.StartRunner(subscribers.Each(h), nil)
 	id := write(env, testEvent("slow", 0))[0]
 	subscribertest.WaitFor(t, 15*time.Second, "the slow event to start", func() (bool, string) { return len(h.deliveries(id)) == 1, "" })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -302,8 +302,8 @@ func TestInstancesShareTheConsumer(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	env.Config.Subscribers.BatchSize = 5
 	a, b := newScripted("shared"), newScripted("shared")
-	env.StartRunner(a, nil)
-	env.StartRunner(b, nil)
+	env.StartRunner(subscribers.Each(a), nil)
+	env.StartRunner(subscribers.Each(b), nil)
 	var ids []int64
 	for range 40 {
 		ids = append(ids, write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))...)
@@ -327,7 +327,7 @@ func TestStoppedSubscriberCatchesUp(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	first := newScripted("catchup")
-	r := env.StartRunner(first, nil)
+	r := env.StartRunner(subscribers.Each(first), nil)
 	before := write(env, testEvent("ok", 0))
 	subscribertest.WaitFor(t, 15*time.Second, "the first event", func() (bool, string) { return first.isDone(before[0]), "" })
 	if err := r.Stop(context.Background()); err != nil {
@@ -338,7 +338,7 @@ func TestStoppedSubscriberCatchesUp(t *testing.T) {
 		missed = append(missed, write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))...)
 	}
 	later := newScripted("catchup")
-	env.StartRunner(later, nil)
+	env.StartRunner(subscribers.Each(later), nil)
 	env.WaitSent(missed...)
 	env.WaitIdle("catchup", 10*time.Second)
 	for _, id := range missed {
@@ -358,15 +358,15 @@ func TestAddingASubscriber(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	existing := newScripted("existing")
-	env.StartRunner(existing, nil)
+	env.StartRunner(subscribers.Each(existing), nil)
 	history := write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))
 	env.WaitSent(history...)
 	env.WaitIdle("existing", 10*time.Second)
 
 	replaying := newScripted("audit-all")
-	env.StartRunner(replaying, nil) // subscribers.start = all (the default)
+	env.StartRunner(subscribers.Each(replaying), nil) // subscribers.start = all (the default)
 	onlyNew := newScripted("audit-new")
-	env.StartRunner(onlyNew, func(o *subscribers.Options) { o.Config.Start = "new" })
+	env.StartRunner(subscribers.Each(onlyNew), func(o *subscribers.Options) { o.Config.Start = "new" })
 	env.WaitIdle("audit-all", 10*time.Second)
 
 	fresh := write(env, testEvent("ok", 0))
@@ -396,13 +396,13 @@ func TestConsumerConfiguration(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	h := newScripted("configured", "test.a", "test.b.>")
-	env.StartRunner(newScripted("provisions-the-dead-letter-stream"), nil)
+	env.StartRunner(subscribers.Each(newScripted("provisions-the-dead-letter-stream")), nil)
 
-	verify := env.NewRunner(h, func(o *subscribers.Options) { o.Stream.Provision = "verify" })
+	verify := env.NewRunner(subscribers.Each(h), func(o *subscribers.Options) { o.Stream.Provision = "verify" })
 	if err := verify.Start(context.Background()); err == nil || !strings.Contains(err.Error(), "does not exist") {
 		t.Fatalf("verify with no consumer: %v", err)
 	}
-	env.StartRunner(h, nil)
+	env.StartRunner(subscribers.Each(h), nil)
 	ctx := context.Background()
 	c, err := env.JS.Consumer(ctx, env.Config.Stream.Name, "configured")
 	if err != nil {
@@ -415,14 +415,14 @@ func TestConsumerConfiguration(t *testing.T) {
 		t.Errorf("consumer config: %+v", cc)
 	}
 	// Another instance with verify binds to it.
-	env.StartRunner(newScripted("configured", "test.a", "test.b.>"), func(o *subscribers.Options) { o.Stream.Provision = "verify" })
+	env.StartRunner(subscribers.Each(newScripted("configured", "test.a", "test.b.>")), func(o *subscribers.Options) { o.Stream.Provision = "verify" })
 }
 
 func TestCheckpointPrune(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	env.Config.Stream.MaxAge = time.Hour
-	r := env.NewRunner(newScripted("pruned"), nil)
+	r := env.NewRunner(subscribers.Each(newScripted("pruned")), nil)
 	ctx := context.Background()
 	_, err := env.DB.Pool.Exec(ctx, `
 INSERT INTO processed_events (subscriber, event_id, processed_at)
@@ -449,7 +449,7 @@ func TestSubscriberWaitsForTheStream(t *testing.T) {
 	env.Config.Stream.Name = "LATER"
 	env.Config.Stream.SubjectPrefix = "later"
 	h := newScripted("early")
-	r := env.NewRunner(h, nil)
+	r := env.NewRunner(subscribers.Each(h), nil)
 	started := make(chan error, 1)
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -491,7 +491,7 @@ func TestTraceContextReachesTheHandler(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	h := &traceRecorder{scripted: newScripted("traced"), traces: map[int64]trace.TraceID{}}
-	env.StartRunner(h, nil)
+	env.StartRunner(subscribers.Each(h), nil)
 	traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
 	spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
 	ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
@@ -519,14 +519,21 @@ func TestTraceContextReachesTheHandler(t *testing.T) {
 }
 
 // bothKinds implements HandleTx and Handle: which path its effects take
-// would be a guess.
+// is the constructor's choice, never a guess.
 type bothKinds struct{ *scripted }
 
 func (bothKinds) HandleTx(context.Context, pgx.Tx, subscribers.Event) error { return nil }
 
-func TestNewRefusesAHandlerOfBothKinds(t *testing.T) {
-	_, err := subscribers.New(subscribers.Options{Handler: bothKinds{newScripted("both")}, Logger: slog.Default()})
-	if err == nil || !strings.Contains(err.Error(), "implements both HandleTx and Handle") {
-		t.Fatalf("New with a handler of both kinds: %v", err)
+func TestTheHandlerKindIsTheConstructors(t *testing.T) {
+	both := bothKinds{newScripted("both")}
+	if _, ok := subscribers.Tx(both).EventHandler(); ok {
+		t.Error("a handler made by Tx also runs as an EventHandler")
+	}
+	if _, ok := subscribers.Each(both).TxHandler(); ok {
+		t.Error("a handler made by Each also runs as a TxHandler")
+	}
+	_, err := subscribers.New(subscribers.Options{Logger: slog.Default()})
+	if err == nil || !strings.Contains(err.Error(), "subscribers.Tx or subscribers.Each") {
+		t.Fatalf("New without a handler: %v", err)
 	}
 }

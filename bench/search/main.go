@@ -245,7 +245,7 @@ LIMIT $1`, *updates, *products)
 			}
 			defer nc.Close()
 			h := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
-			r, err := subscribers.New(subscribers.Options{Handler: h, Config: b.cfg.Subscribers, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
+			r, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: b.cfg.Subscribers, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
 			if err != nil {
 				return err
 			}
@@ -288,7 +288,7 @@ func (b *bench) freshness(ctx context.Context) error {
 		return err
 	}
 	defer r.Stop(ctx) //nolint:errcheck
-	sub, err := subscribers.New(subscribers.Options{Handler: searchindex.New(b.client, b.pool, b.cfg.Search, quiet), Config: sc,
+	sub, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(searchindex.New(b.client, b.pool, b.cfg.Search, quiet)), Config: sc,
 		Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet})
 	if err != nil {
 		return err

@@ -28,8 +28,8 @@ func init() {
 	case "handle-twice":
 		// The sales ledger handles one event in 25 twice.
 		sabotage.handler = func(h subscribers.Handler) subscribers.Handler {
-			if l, ok := h.(salesledger.Handler); ok {
-				return twice{l}
+			if l, ok := h.Unwrap().(salesledger.Handler); ok {
+				return subscribers.Tx(twice{l})
 			}
 			return h
 		}

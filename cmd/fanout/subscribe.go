@@ -39,14 +39,14 @@ func (d *deps) build(decl subscribers.Declaration) (subscribers.Handler, error) 
 	if decl.UsesService(subscribers.Redis) && d.rdb == nil {
 		rdb, err := connect.Redis(d.ctx, d.a.cfg.Redis)
 		if err != nil {
-			return nil, fmt.Errorf("subscriber %s: %w", decl.Name, err)
+			return subscribers.Handler{}, fmt.Errorf("subscriber %s: %w", decl.Name, err)
 		}
 		d.rdb = rdb
 	}
 	if decl.UsesService(subscribers.Search) && d.search == nil {
 		c, err := connect.Search(d.ctx, d.a.cfg.Search)
 		if err != nil {
-			return nil, fmt.Errorf("subscriber %s: %w", decl.Name, err)
+			return subscribers.Handler{}, fmt.Errorf("subscriber %s: %w", decl.Name, err)
 		}
 		d.search = c
 	}

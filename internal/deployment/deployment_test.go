@@ -60,7 +60,7 @@ func TestANewSubscriberGetsItsDeployment(t *testing.T) {
 		EventTypes: []string{"order.created", "product.>"},
 		Uses:       []subscribers.Service{subscribers.Redis},
 		Grants:     []string{"SELECT ON orders"},
-		New:        func(subscribers.Deps) (subscribers.Handler, error) { return nil, nil },
+		New:        func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Handler{}, nil },
 	}
 	reg, err := registry.Default.With(extra)
 	if err != nil {

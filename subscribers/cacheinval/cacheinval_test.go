@@ -71,7 +71,7 @@ func TestConformance(t *testing.T) {
 		Handler: func(env *subscribertest.Env) subscribers.Handler {
 			defer lock()()
 			f := get(env)
-			return cacheinval.New(f.cache, env.DB.Pool)
+			return subscribers.Each(cacheinval.New(f.cache, env.DB.Pool))
 		},
 		Valid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, error) {
 			defer lock()()
@@ -108,7 +108,7 @@ func TestProductAndBrandEventsInvalidate(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	f := newFixture(env)
-	env.StartRunner(cacheinval.New(f.cache, env.DB.Pool), nil)
+	env.StartRunner(subscribers.Each(cacheinval.New(f.cache, env.DB.Pool)), nil)
 	ctx := context.Background()
 
 	var all []int64
@@ -207,7 +207,7 @@ func TestCategoryRenameInvalidatesItsProducts(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	f := newFixture(env)
-	env.StartRunner(cacheinval.New(f.cache, env.DB.Pool), nil)
+	env.StartRunner(subscribers.Each(cacheinval.New(f.cache, env.DB.Pool)), nil)
 	ctx := context.Background()
 	// A second category, holding every other product (behind fanout's
 	// back: no event, nothing invalidated).

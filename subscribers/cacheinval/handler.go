@@ -55,9 +55,9 @@ var Subscriber = subscribers.Declaration{
 			TombstoneTTL time.Duration `koanf:"tombstone_ttl"`
 		}
 		if err := d.Settings.Section("redis", &redis); err != nil {
-			return nil, err
+			return subscribers.Handler{}, err
 		}
-		return New(NewCache(d.Redis, d.Pool, redis.Timeout, redis.TombstoneTTL), d.Pool), nil
+		return subscribers.Each(New(NewCache(d.Redis, d.Pool, redis.Timeout, redis.TombstoneTTL), d.Pool)), nil
 	},
 }
 

@@ -34,7 +34,7 @@ var Subscriber = subscribers.Declaration{
 	// Exactly the statements HandleTx runs; the role gets nothing else.
 	Grants: []string{"SELECT ON orders, order_lines"},
 	New: func(d subscribers.Deps) (subscribers.Handler, error) {
-		return &Handler{logger: d.Logger}, nil
+		return subscribers.Tx(&Handler{logger: d.Logger}), nil
 	},
 }
 

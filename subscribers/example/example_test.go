@@ -92,7 +92,8 @@ func TestUnknownOrderIsDeadLettered(t *testing.T) {
 		t.Fatal(err)
 	}
 	err = pgx.BeginFunc(context.Background(), env.DB.Pool, func(tx pgx.Tx) error {
-		return h.(subscribers.TxHandler).HandleTx(context.Background(), tx, subscribers.Event{ID: 1, Type: shop.OrderCreated,
+		tx2, _ := h.TxHandler()
+		return tx2.HandleTx(context.Background(), tx, subscribers.Event{ID: 1, Type: shop.OrderCreated,
 			Payload: []byte(`{"order_id": 424242}`)})
 	})
 	if !subscribers.IsPermanent(err) || !strings.Contains(err.Error(), example.ErrUnknownOrder.Error()) {

@@ -42,7 +42,7 @@ var Subscriber = subscribers.Declaration{
 		"SELECT (id, order_id) ON invoices",
 		"USAGE ON SEQUENCE invoice_number_seq",
 	},
-	New: func(subscribers.Deps) (subscribers.Handler, error) { return New(), nil },
+	New: func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Tx(New()), nil },
 }
 
 // ErrMalformed, ErrUnknownOrder and ErrMissingProduct (a line with no

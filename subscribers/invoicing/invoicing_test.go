@@ -71,7 +71,7 @@ func invoicesOf(env *subscribertest.Env, orderID int64) int {
 var conformance = subscribertest.Case{
 	Handler: func(env *subscribertest.Env) subscribers.Handler {
 		seedCatalog(env.T, env)
-		return invoicing.New()
+		return subscribers.Tx(invoicing.New())
 	},
 	Valid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, error) {
 		id, err := insertOrder(context.Background(), tx)
@@ -92,7 +92,7 @@ func TestInvoiceContents(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
-	env.StartRunner(invoicing.New(), nil)
+	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
 	var orderID int64
 	env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
 		var err error
@@ -121,8 +121,8 @@ func TestExactlyOneInvoicePerOrderWithTwoInstancesAndDuplicates(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
-	env.StartRunner(invoicing.New(), nil)
-	env.StartRunner(invoicing.New(), nil)
+	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
 	const orders = 200
 	var ids []int64
 	for range orders / 20 {
@@ -180,7 +180,8 @@ func TestFailsThreeTimesThenSucceedsMakesOneInvoice(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
-	h := &flaky{fails: map[int64]int{}, n: 3}
+	fl := &flaky{fails: map[int64]int{}, n: 3}
+	h := subscribers.Tx(fl)
 	env.StartRunner(h, nil)
 	var orderID int64
 	id := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
@@ -193,10 +194,10 @@ func TestFailsThreeTimesThenSucceedsMakesOneInvoice(t *testing.T) {
 	if n := invoicesOf(env, orderID); n != 1 {
 		t.Errorf("%d invoices, want 1", n)
 	}
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.fails[id] != 3 {
-		t.Errorf("handler failed %d times, want 3", h.fails[id])
+	fl.mu.Lock()
+	defer fl.mu.Unlock()
+	if fl.fails[id] != 3 {
+		t.Errorf("handler failed %d times, want 3", fl.fails[id])
 	}
 	if len(env.DeadLetters(invoicing.Name)) != 0 {
 		t.Error("a retried event reached the dead letters")
@@ -207,7 +208,7 @@ func TestBadOrdersGoToDeadLettersAndOthersFlow(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
-	env.StartRunner(invoicing.New(), nil)
+	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
 	var good int64
 	env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
 		ctx := context.Background()
@@ -261,7 +262,7 @@ func TestProductDeletedAfterTheOrderIsStillInvoiced(t *testing.T) {
 		_, err = shop.DeleteProduct(ctx, tx, productID)
 		return nil, err
 	})
-	env.StartRunner(invoicing.New(), nil)
+	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
 	subscribertest.WaitFor(t, 10*time.Second, "the invoice", func() (bool, string) { return invoicesOf(env, orderID) == 1, "" })
 	var lineSKU string
 	if err := env.DB.Pool.QueryRow(ctx, `SELECT l.sku FROM invoice_lines l JOIN invoices i ON i.id = l.invoice_id WHERE i.order_id = $1`, orderID).Scan(&lineSKU); err != nil || lineSKU != sku {

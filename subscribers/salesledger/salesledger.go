@@ -47,7 +47,7 @@ var Subscriber = subscribers.Declaration{
 		// It adds each order to its products' totals.
 		"SELECT, INSERT, UPDATE ON product_sales",
 	},
-	New: func(subscribers.Deps) (subscribers.Handler, error) { return New(), nil },
+	New: func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Tx(New()), nil },
 }
 
 // ErrMalformed and ErrUnknownOrder are the reasons an order.created event

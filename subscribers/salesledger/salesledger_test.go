@@ -56,7 +56,7 @@ func TestConformance(t *testing.T) {
 	subscribertest.Run(t, subscribertest.Case{
 		Handler: func(env *subscribertest.Env) subscribers.Handler {
 			seedCatalog(env.T, env)
-			return salesledger.New()
+			return subscribers.Tx(salesledger.New())
 		},
 		Valid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, error) {
 			id, err := insertOrder(context.Background(), tx)
@@ -87,8 +87,8 @@ func TestLedgerEqualsOrderLinesWithTwoInstancesAndDuplicates(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
-	env.StartRunner(salesledger.New(), nil)
-	env.StartRunner(salesledger.New(), nil)
+	env.StartRunner(subscribers.Tx(salesledger.New()), nil)
+	env.StartRunner(subscribers.Tx(salesledger.New()), nil)
 	rows, err := env.DB.Pool.Query(context.Background(), `SELECT id FROM products ORDER BY id`)
 	if err != nil {
 		t.Fatal(err)

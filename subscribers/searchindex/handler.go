@@ -67,16 +67,16 @@ var Subscriber = subscribers.Declaration{
 	New: func(d subscribers.Deps) (subscribers.Handler, error) {
 		var cfg Config
 		if err := d.Settings.Section("search", &cfg); err != nil {
-			return nil, err
+			return subscribers.Handler{}, err
 		}
 		if err := EnsureIndex(d.Context, d.Search, cfg.Alias, cfg.Provision); err != nil {
-			return nil, err
+			return subscribers.Handler{}, err
 		}
 		h := New(d.Search, d.Pool, cfg, d.Logger)
 		if d.Metrics != nil {
 			h.ObserveBulkItems(metrics.NewBulkItems(d.Metrics).BulkItem)
 		}
-		return h, nil
+		return subscribers.Each(h), nil
 	},
 }
 

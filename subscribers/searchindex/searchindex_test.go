@@ -54,7 +54,12 @@ func newFixture(t *testing.T, engine string, products int) *fixture {
 	return f
 }
 
-func (f *fixture) handler() *searchindex.Handler {
+func (f *fixture) handler() subscribers.Handler {
+	return subscribers.Each(f.indexer())
+}
+
+// indexer is the search indexer itself, for what the tests call directly.
+func (f *fixture) indexer() *searchindex.Handler {
 	return searchindex.New(f.client, f.env.DB.Pool, f.env.Config.Search, f.env.Logger)
 }
 
@@ -412,11 +417,11 @@ SELECT count(*) FILTER (WHERE event_type = 'product.deleted'), count(*) FILTER (
 func TestCategoryRenameReachesItsProducts(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 60)
-	h := f.handler()
+	h := f.indexer()
 	var mu sync.Mutex
 	items := map[string]int{}
 	h.ObserveBulkItems(func(outcome string) { mu.Lock(); items[outcome]++; mu.Unlock() })
-	f.env.StartRunner(h, nil)
+	f.env.StartRunner(subscribers.Each(h), nil)
 	f.env.Settle(searchindex.Name)
 	ctx := context.Background()
 	_ = f.client.Refresh(ctx, f.alias)
@@ -509,11 +514,11 @@ func TestMissingIndexIsRetriedThenDeadLettered(t *testing.T) {
 	f := newFixture(t, search.OpenSearch, 3)
 	const maxFailures = 3
 	f.env.Config.Subscribers.MaxFailures = maxFailures
-	h := f.handler()
+	h := f.indexer()
 	var mu sync.Mutex
 	items := map[string]int{}
 	h.ObserveBulkItems(func(outcome string) { mu.Lock(); items[outcome]++; mu.Unlock() })
-	f.env.StartRunner(h, nil)
+	f.env.StartRunner(subscribers.Each(h), nil)
 	f.env.Settle(searchindex.Name)
 	ctx := context.Background()
 

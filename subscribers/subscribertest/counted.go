@@ -37,11 +37,11 @@ func Counted(h subscribers.Handler) (subscribers.Handler, *Calls) { return count
 
 func counted(h subscribers.Handler) (subscribers.Handler, *Calls) {
 	calls := &Calls{n: map[int64]int{}}
-	switch hh := h.(type) {
-	case subscribers.TxHandler:
-		return countedTx{hh, calls}, calls
-	case subscribers.EventHandler:
-		return countedEvent{hh, calls}, calls
+	if hh, ok := h.TxHandler(); ok {
+		return subscribers.Tx(countedTx{hh, calls}), calls
+	}
+	if hh, ok := h.EventHandler(); ok {
+		return subscribers.Each(countedEvent{hh, calls}), calls
 	}
 	return h, calls
 }

@@ -129,7 +129,7 @@ func Run(t *testing.T, c Case) {
 		case !c.CheckpointOnly && n != 1:
 			t.Errorf("effects = %d after handling the event again, want 1 (the handler must be idempotent)", n)
 		}
-		if _, ok := base.(subscribers.TxHandler); c.CheckpointOnly && !ok {
+		if _, ok := base.TxHandler(); c.CheckpointOnly && !ok {
 			t.Error("CheckpointOnly needs a TxHandler: only a checkpoint in the effect's own transaction makes it exactly once")
 		}
 	})
@@ -188,8 +188,7 @@ func Run(t *testing.T, c Case) {
 			Payload: payload, CreatedAt: time.Now(), Delivery: 1}
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
-		switch hh := h.(type) {
-		case subscribers.TxHandler:
+		if hh, ok := h.TxHandler(); ok {
 			tx, err := env.DB.Pool.Begin(context.Background())
 			if err != nil {
 				t.Fatal(err)
@@ -199,7 +198,8 @@ func Run(t *testing.T, c Case) {
 			if err == nil {
 				t.Error("HandleTx with a cancelled context returned nil")
 			}
-		case subscribers.EventHandler:
+		}
+		if hh, ok := h.EventHandler(); ok {
 			if err := hh.Handle(ctx, ev); err == nil {
 				t.Error("Handle with a cancelled context returned nil")
 			}
