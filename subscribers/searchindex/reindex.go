@@ -21,7 +21,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
-	"github.com/schollz/progressbar/v3"
 	"golang.org/x/sync/errgroup"
 )
 
@@ -34,7 +33,8 @@ type Reindexer struct {
 	Stream relay.StreamConfig
 	Search Config
 	Logger *slog.Logger
-	// Progress receives the progress bar (nil: none).
+	// Progress receives the load's progress (nil: none): a bar on a
+	// terminal, plain lines elsewhere.
 	Progress io.Writer
 	// Loaders is how many bulk requests are in flight during the load.
 	Loaders int
@@ -214,7 +214,7 @@ func (r *Reindexer) load(ctx context.Context, index string) (total, loaded int64
 	if err := tx.QueryRow(ctx, `SELECT count(*) FROM products`).Scan(&total); err != nil {
 		return 0, 0, nil, err
 	}
-	bar := r.bar(total)
+	bar := newProgress(r.Progress, total)
 
 	loaders := max(r.Loaders, 1)
 	batches := make(chan []search.Op, loaders)
@@ -238,9 +238,7 @@ func (r *Reindexer) load(ctx context.Context, index string) (total, loaded int64
 				}
 				loaded += ok
 				mu.Unlock()
-				if bar != nil {
-					_ = bar.Add(len(ops))
-				}
+				bar.add(len(ops))
 			}
 			return nil
 		})
@@ -273,27 +271,8 @@ func (r *Reindexer) load(ctx context.Context, index string) (total, loaded int64
 		})
 	})
 	err = g.Wait()
-	if bar != nil {
-		_ = bar.Finish()
-		fmt.Fprintln(r.Progress)
-	}
+	bar.finish()
 	return total, loaded, failures, err
-}
-
-func (r *Reindexer) bar(total int64) *progressbar.ProgressBar {
-	if r.Progress == nil {
-		return nil
-	}
-	return progressbar.NewOptions64(total,
-		progressbar.OptionSetWriter(r.Progress),
-		progressbar.OptionSetDescription("loading"),
-		progressbar.OptionShowCount(),
-		progressbar.OptionShowIts(),
-		progressbar.OptionSetItsString("docs"),
-		progressbar.OptionSetPredictTime(true),
-		progressbar.OptionThrottle(200*time.Millisecond),
-		progressbar.OptionFullWidth(),
-	)
 }
 
 // replay applies the product, brand and category events after seq (up to
