@@ -329,7 +329,11 @@ func (r *run) waitConsumers() {
 			return
 		}
 		if time.Now().After(deadline) {
-			r.t.Fatalf("the roles did not come up: %s (logs in %s)", missing, r.logDir)
+			// The log directory goes with the test: show why here.
+			for _, role := range r.roles {
+				r.t.Logf("%s's last log lines:\n%s", role.Name, tailFile(filepath.Join(r.logDir, role.Name+".log"), 12))
+			}
+			r.t.Fatalf("the roles did not come up: %s", missing)
 		}
 		time.Sleep(300 * time.Millisecond)
 	}
@@ -462,4 +466,14 @@ func (r *run) pool() *pgxpool.Pool { return r.db.Pool }
 
 func inTx(ctx context.Context, pool *pgxpool.Pool, fn func(pgx.Tx) error) error {
 	return pgx.BeginFunc(ctx, pool, fn)
+}
+
+// tailFile returns the last n lines of the file at path (or why not).
+func tailFile(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }

@@ -68,7 +68,13 @@ func (d *Driver) Run(ctx context.Context) error {
 		} else if ctx.Err() != nil {
 			return nil
 		}
-		if err := d.writeOne(ctx); err != nil {
+		// A write once begun finishes (bounded), even if ctx ends
+		// meanwhile: a commit cut off by a cancellation may have happened
+		// or not, and Written must count every write that did.
+		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), writeTimeout)
+		err := d.writeOne(wctx)
+		cancel()
+		if err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -79,6 +85,9 @@ func (d *Driver) Run(ctx context.Context) error {
 		d.written.Add(1)
 	}
 }
+
+// writeTimeout bounds one write of the driver.
+const writeTimeout = 10 * time.Second
 
 func (d *Driver) writeOne(ctx context.Context) error {
 	op := d.Rand.IntN(100)
