@@ -24,6 +24,7 @@ import (
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/internal/syncbuf"
 	"github.com/fanout/fanout/subscribers/registry"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -41,7 +42,7 @@ type natsServer struct {
 	passwords map[string]string // plain passwords, as the clients send them
 	cmd       *exec.Cmd
 	exited    chan struct{}
-	log       *syncBuffer
+	log       *syncbuf.Buffer
 }
 
 // startNATS runs the pinned nats-server with the production configuration
@@ -65,7 +66,7 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 		url:       fmt.Sprintf("nats://127.0.0.1:%d", port),
 		passwords: make(map[string]string),
 		exited:    make(chan struct{}),
-		log:       &syncBuffer{},
+		log:       &syncbuf.Buffer{},
 	}
 	env := os.Environ()
 	for _, u := range users {

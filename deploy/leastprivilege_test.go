@@ -7,7 +7,6 @@ package deploy_test
 // naming the subject, SQLSTATE 42501 from PostgreSQL).
 
 import (
-	"bytes"
 	"crypto/rand"
 	"encoding/hex"
 	"net"
@@ -67,24 +66,6 @@ func randomHex(t *testing.T, n int) string {
 		t.Fatal(err)
 	}
 	return hex.EncodeToString(b)
-}
-
-// syncBuffer is a bytes.Buffer safe for a process's output and the test.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // logRecorder keeps the lines a slog.TextHandler writes (one per record).

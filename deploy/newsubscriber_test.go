@@ -16,6 +16,7 @@ import (
 	"github.com/compose-spec/compose-go/v2/types"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/internal/syncbuf"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
@@ -130,9 +131,9 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	if err != nil {
 		t.Fatal(err)
 	}
-	start := func(name string, env []string, args ...string) *syncBuffer {
+	start := func(name string, env []string, args ...string) *syncbuf.Buffer {
 		t.Helper()
-		logs := &syncBuffer{}
+		logs := &syncbuf.Buffer{}
 		cmd := fanoutCmd(env, args...)
 		cmd.Stdout, cmd.Stderr = logs, logs
 		if err := cmd.Start(); err != nil {

@@ -13,6 +13,7 @@ import (
 	"github.com/fanout/fanout/internal/tracing"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // app holds what every subcommand loads: the configuration and the logger.
@@ -61,4 +62,19 @@ func (a *app) postgres(ctx context.Context, role string, opts ...connect.Postgre
 
 func (a *app) nats(role string) (*nats.Conn, error) {
 	return connect.NATS(a.cfg.NATS, role, logging.Component(a.logger, "nats"))
+}
+
+// jetStream connects to NATS as role and returns the connection, for the
+// caller to close, and its JetStream API.
+func (a *app) jetStream(role string) (*nats.Conn, jetstream.JetStream, error) {
+	nc, err := a.nats(role)
+	if err != nil {
+		return nil, nil, err
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		nc.Close()
+		return nil, nil, err
+	}
+	return nc, js, nil
 }

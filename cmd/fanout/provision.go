@@ -42,15 +42,11 @@ messages. A consumer that exists keeps its position.`,
 				decls = append(decls, d)
 			}
 			ctx := cmd.Context()
-			nc, err := a.nats("provision")
+			nc, js, err := a.jetStream("provision")
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
-			js, err := jetstream.New(nc)
-			if err != nil {
-				return err
-			}
 			logger := logging.Component(a.logger, "provision")
 			out := cmd.OutOrStdout()
 

@@ -13,7 +13,6 @@ import (
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 )
 
@@ -95,15 +94,11 @@ non-zero.`,
 				printRepair(out, rep)
 				return repairError(err, rep)
 			}
-			nc, err := a.nats("reindex")
+			nc, js, err := a.jetStream("reindex")
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
-			js, err := jetstream.New(nc)
-			if err != nil {
-				return err
-			}
 			r := &searchindex.Reindexer{Client: client, Pool: pool, JS: js, Stream: a.cfg.Stream, Search: a.cfg.Search,
 				Logger: logging.Component(a.logger, "reindex"), Progress: os.Stderr, Loaders: loaders}
 			rep, err := r.Reindex(ctx)

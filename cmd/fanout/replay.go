@@ -30,15 +30,11 @@ subscribers.start = all or time (the default is all).`,
 				return errors.New("give exactly one of --from-time and --from-seq")
 			}
 			ctx := cmd.Context()
-			nc, err := a.nats("replay")
+			nc, js, err := a.jetStream("replay")
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
-			js, err := jetstream.New(nc)
-			if err != nil {
-				return err
-			}
 			name := args[0]
 			if _, err := js.Consumer(ctx, a.cfg.Stream.Name, name); err != nil {
 				return fmt.Errorf("subscriber %s: %w", name, err)

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/operator"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 )
 
@@ -30,15 +29,11 @@ func statusCommand(a *app) *cobra.Command {
 				return err
 			}
 			defer pool.Close()
-			nc, err := a.nats("status")
+			nc, js, err := a.jetStream("status")
 			if err != nil {
 				return err
 			}
 			defer nc.Close()
-			js, err := jetstream.New(nc)
-			if err != nil {
-				return err
-			}
 			st, err := operator.ReadStatus(ctx, operator.Sources{Pool: pool, JS: js, Stream: a.cfg.Stream,
 				Subscribers: a.cfg.Subscribers, Known: subscriberNames()})
 			if err != nil {

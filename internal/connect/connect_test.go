@@ -1,7 +1,6 @@
 package connect_test
 
 import (
-	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -15,13 +14,13 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/natstest"
+	"github.com/fanout/fanout/internal/syncbuf"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
@@ -87,24 +86,6 @@ func TestNATSWithTLS(t *testing.T) {
 	}
 }
 
-// syncBuffer collects a logger's output across goroutines.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // A token given as a NATS URL's user authenticates (against a server that
 // requires it), and stays out of the reconnect log line and out of the
 // error of a refused token.
@@ -116,7 +97,7 @@ func TestNATSTokenStaysOutOfLogsAndErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var logs syncBuffer
+	var logs syncbuf.Buffer
 	logger := slog.New(slog.NewJSONHandler(&logs, nil))
 	nc, err := connect.NATS(cfg.NATS, "test", logger)
 	if err != nil {

@@ -1,7 +1,6 @@
 package tracing_test
 
 import (
-	"bytes"
 	"context"
 	"io"
 	"net/http"
@@ -12,26 +11,10 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/internal/syncbuf"
 	"github.com/fanout/fanout/internal/tracing"
 	"go.opentelemetry.io/otel"
 )
-
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // The OTLP exporter's credentials (its headers, and what is in its
 // endpoint's URL) reach the collector, or are said not to, and never the
@@ -52,7 +35,7 @@ func TestOTLPCredentialsStayOutOfLogs(t *testing.T) {
 	t.Setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-general=GeneralS3cret")
 	t.Setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "authorization=Bearer%20HeaderS3cret,x-api-key=KeyS3cret,x-other:MalformedS3cret")
 
-	var logs syncBuffer
+	var logs syncbuf.Buffer
 	logger := logging.New(&logs, "json", "info")
 	endpoint := strings.Replace(collector.URL, "http://", "http://otel:UserinfoS3cret@", 1) + "/v1/traces?api_key=QueryS3cret"
 	ctx := context.Background()

@@ -1,7 +1,6 @@
 package example_test
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"strconv"
@@ -9,6 +8,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/fanout/fanout/internal/syncbuf"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
@@ -20,34 +20,16 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// lockedBuffer is a log destination the runner's goroutines share.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) count(s string) int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return strings.Count(b.buf.String(), s)
-}
-
 // The template passes the conformance suite every subscriber must pass. Its
 // effect is the line it logs for an order it checked: not idempotent by
 // itself (a second handling logs again), so exactly once only through the
 // checkpoint, which the suite proves by deleting it.
 func TestConformance(t *testing.T) {
-	logs := map[*subscribertest.Env]*lockedBuffer{}
+	logs := map[*subscribertest.Env]*syncbuf.Buffer{}
 	var mu sync.Mutex
 	subscribertest.Run(t, subscribertest.Case{
 		Handler: func(env *subscribertest.Env) subscribers.Handler {
-			buf := &lockedBuffer{}
+			buf := &syncbuf.Buffer{}
 			mu.Lock()
 			logs[env] = buf
 			mu.Unlock()
@@ -72,7 +54,7 @@ SELECT id FROM o`).Scan(&orderID)
 			mu.Lock()
 			buf := logs[env]
 			mu.Unlock()
-			return buf.count("order_id=" + ev.AggregateID + " ")
+			return strings.Count(buf.String(), "order_id="+ev.AggregateID+" ")
 		},
 		Invalid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, string, error) {
 			return outbox.Event{AggregateType: shop.AggregateOrder, AggregateID: "x", Type: shop.OrderCreated,
