@@ -33,6 +33,9 @@ type Status struct {
 		Missing bool `json:"missing,omitempty"`
 	} `json:"stream"`
 	Subscribers []SubscriberStatus `json:"subscribers"`
+	// Stages are the last minute's stage latencies, when Sources.Ops names
+	// endpoints to read them from.
+	Stages *Stages `json:"stages,omitempty"`
 }
 
 // SubscriberStatus is one subscriber's state.
@@ -55,6 +58,9 @@ type Sources struct {
 	// Known are the subscribers the binary runs: each is reported, with or
 	// without a consumer.
 	Known []string
+	// Ops are the roles' operations endpoints (host:port) to read the stage
+	// latencies from; none, no stages.
+	Ops []string
 }
 
 // ReadStatus reads the outbox, the events stream, every subscriber's
@@ -128,6 +134,10 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 		st.Subscribers = append(st.Subscribers, s)
 	}
 	slices.SortFunc(st.Subscribers, func(x, y SubscriberStatus) int { return strings.Compare(x.Name, y.Name) })
+	if len(src.Ops) > 0 {
+		stages := ReadStages(ctx, src.Ops)
+		st.Stages = &stages
+	}
 	return st, nil
 }
 

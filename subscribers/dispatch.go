@@ -25,7 +25,7 @@ const gatherWait = 2 * time.Millisecond
 // dispatch groups received messages into batches for the workers, until
 // the iterator is drained or stopped. While a dependency is down it pulls
 // nothing: the events in hand wait for it, and new ones would only wait too.
-func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- []jetstream.Msg) {
+func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- received) {
 	defer close(batches)
 	for {
 		if !r.health.waitUp(softCtx) {
@@ -39,15 +39,15 @@ func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- []jet
 			r.logger.Warn("receive", "error", err)
 			continue
 		}
-		batch := []jetstream.Msg{msg}
+		batch := received{msgs: []jetstream.Msg{msg}, at: time.Now()}
 		closed := false
-		for len(batch) < r.cfg.BatchSize {
+		for len(batch.msgs) < r.cfg.BatchSize {
 			m, err := r.iter.Next(jetstream.NextMaxWait(gatherWait))
 			if err != nil {
 				closed = errors.Is(err, jetstream.ErrMsgIteratorClosed)
 				break
 			}
-			batch = append(batch, m)
+			batch.msgs = append(batch.msgs, m)
 		}
 		select {
 		case batches <- batch:
@@ -60,11 +60,20 @@ func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- []jet
 	}
 }
 
+// received is a batch of messages as the dispatcher took them from the
+// consumer, and when (the first arrived then; the others were waiting in the
+// client's buffer or came within gatherWait).
+type received struct {
+	msgs []jetstream.Msg
+	at   time.Time
+}
+
 // delivery is one received message and the event it carries, with what the
 // runtime has learned about it so far.
 type delivery struct {
-	msg jetstream.Msg
-	ev  Event
+	msg         jetstream.Msg
+	ev          Event
+	deliveredAt time.Time
 	// deadReason, once set, is the event's fate: the dead letters. It is
 	// kept while the dead-letter stream is unavailable, so the handler does
 	// not run again meanwhile.
@@ -115,12 +124,12 @@ const (
 // process takes a batch from delivery to its outcome. Events held by an
 // outage stay in hand (kept alive with in-progress signals) and are tried
 // again when every dependency answers; their deliveries cost them nothing.
-func (r *Runner) process(softCtx, hardCtx context.Context, msgs []jetstream.Msg) {
-	ds := make([]*delivery, 0, len(msgs))
-	first := make(map[int64]*delivery, len(msgs))
-	for _, m := range msgs {
+func (r *Runner) process(softCtx, hardCtx context.Context, batch received) {
+	ds := make([]*delivery, 0, len(batch.msgs))
+	first := make(map[int64]*delivery, len(batch.msgs))
+	for _, m := range batch.msgs {
 		ev, err := r.parse(m)
-		d := &delivery{msg: m, ev: ev}
+		d := &delivery{msg: m, ev: ev, deliveredAt: batch.at}
 		if err != nil {
 			d.deadReason = err.Error()
 		} else if p := first[ev.ID]; p != nil {
@@ -188,7 +197,7 @@ func (r *Runner) parse(m jetstream.Msg) (Event, error) {
 func EventFromMsg(m jetstream.Msg, subjectPrefix string) (Event, error) {
 	ev, err := EventFromParts(m.Data(), m.Headers(), m.Subject(), subjectPrefix)
 	if md, merr := m.Metadata(); merr == nil {
-		ev.StreamSeq, ev.Delivery = md.Sequence.Stream, md.NumDelivered
+		ev.StreamSeq, ev.Delivery, ev.StoredAt = md.Sequence.Stream, md.NumDelivered, md.Timestamp
 	}
 	return ev, err
 }

@@ -164,6 +164,7 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 		r.health.handlerWorked()
 	}
 	r.obs.Handled(r.name, len(handled), time.Since(start))
+	r.timed(handled, eventIDs(handled))
 	r.logger.Debug("batch handled", "events", len(handled), "skipped", len(skipped), "redelivered", redelivered(ds), "took", time.Since(start))
 	if len(skipped) > 0 {
 		r.obs.Skipped(r.name, len(skipped))

@@ -16,12 +16,13 @@ type Event struct {
 	Type          string // e.g. "order.created"
 	AggregateType string
 	AggregateID   string
-	CreatedAt     time.Time
+	CreatedAt     time.Time // the outbox row's created_at: its writer's transaction
 	Payload       []byte
 	Headers       nats.Header
 	Subject       string
 	StreamSeq     uint64
-	Delivery      uint64 // 1 on the first delivery
+	StoredAt      time.Time // when the stream stored it: its PubAck (the server's clock)
+	Delivery      uint64    // 1 on the first delivery
 }
 
 // Named is what every handler is: a subscriber's name and the events it

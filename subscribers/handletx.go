@@ -50,8 +50,8 @@ func (r *Runner) handleTx(ctx context.Context, ds []*delivery) []result {
 }
 
 // txBatch runs the handler on the batch's new events in one transaction and
-// returns how many were new.
-func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh int, err error) {
+// returns their ids.
+func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh []int64, err error) {
 	ids := eventIDs(ds)
 	forget := rowIDs(ds)
 	// A hung handler must not hold its events forever (the in-progress
@@ -60,7 +60,7 @@ func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh int, err er
 	defer cancel()
 	tx, err := r.opts.Pool.Begin(actx)
 	if err != nil {
-		return 0, fmt.Errorf("begin: %w", err)
+		return nil, fmt.Errorf("begin: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
 	fresh, err = r.inTx(actx, tx, ds, ids, forget)
@@ -77,19 +77,19 @@ func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh int, err er
 		err = ee.err
 	}
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	return fresh, nil
 }
 
-func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forget []int64) (fresh int, err error) {
+func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forget []int64) (fresh []int64, err error) {
 	rows, err := tx.Query(ctx, checkpointSQL, r.name, ids)
 	if err != nil {
-		return 0, fmt.Errorf("checkpoint: %w", err)
+		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
 	newIDs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
 	if err != nil {
-		return 0, fmt.Errorf("checkpoint: %w", err)
+		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
 	todo := make(map[int64]bool, len(newIDs))
 	for _, id := range newIDs {
@@ -104,21 +104,21 @@ func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forge
 	}
 	if bh, ok := r.txH.(BatchTxHandler); ok && len(evs) > 1 {
 		if err := r.callBatchTx(ctx, bh, tx, evs); err != nil {
-			return 0, fmt.Errorf("batch of %d events: %w", len(evs), err)
+			return nil, fmt.Errorf("batch of %d events: %w", len(evs), err)
 		}
 	} else {
 		for _, ev := range evs {
 			if err := r.callTx(ctx, tx, ev); err != nil {
-				return 0, &eventError{id: ev.ID, err: err}
+				return nil, &eventError{id: ev.ID, err: err}
 			}
 		}
 	}
 	if len(forget) > 0 {
 		if _, err := tx.Exec(ctx, forgetAttemptsSQL, r.name, forget); err != nil {
-			return 0, fmt.Errorf("forget attempts: %w", err)
+			return nil, fmt.Errorf("forget attempts: %w", err)
 		}
 	}
-	return len(newIDs), nil
+	return newIDs, nil
 }
 
 // eventError carries a handler's error out of the transaction unchanged.

@@ -23,6 +23,21 @@ type Observer interface {
 	// DependencyUp reports that a dependency answers (again, after down;
 	// 0 when it is first known).
 	DependencyUp(subscriber, dependency string, down time.Duration)
+	// Timed reports, for events just handled, when each passed each stage
+	// of its way.
+	Timed(subscriber string, events []EventTimes)
+}
+
+// EventTimes are when one event passed each stage of its way to a
+// subscriber. Committed is the outbox row's created_at (its writer's
+// transaction, on Postgres's clock); Stored is when the stream stored it,
+// which is when the relay's PubAck was sent (on the NATS server's clock);
+// Delivered is when the runtime took it from its consumer, and Handled when
+// its effect and checkpoint had committed (on this process's clock). On one
+// machine, or with synchronised clocks, the differences are the stages:
+// commit → PubAck, PubAck → delivered, delivered → handled.
+type EventTimes struct {
+	Committed, Stored, Delivered, Handled time.Time
 }
 
 // NopObserver ignores everything.
@@ -34,3 +49,4 @@ func (NopObserver) Retried(string, int)                        {}
 func (NopObserver) DeadLettered(string, int)                   {}
 func (NopObserver) DependencyDown(string, string)              {}
 func (NopObserver) DependencyUp(string, string, time.Duration) {}
+func (NopObserver) Timed(string, []EventTimes)                 {}

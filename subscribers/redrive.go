@@ -12,7 +12,7 @@ func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err er
 	d := &delivery{ev: ev, hasRow: true}
 	if r.txH != nil {
 		fresh, err := r.txBatch(ctx, []*delivery{d})
-		return fresh == 1, err
+		return len(fresh) == 1, err
 	}
 	var done bool
 	if err := r.opts.Pool.QueryRow(ctx, isProcessedSQL, r.name, ev.ID).Scan(&done); err != nil {

@@ -155,7 +155,7 @@ func (r *Runner) start(ctx context.Context) error {
 	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
 	r.health = newHealth(hardCtx, r.name, r.logger, r.obs, r.dependencies())
 
-	batches := make(chan []jetstream.Msg)
+	batches := make(chan received)
 	r.loops.Add(2)
 	go func() {
 		defer r.loops.Done()

@@ -13,6 +13,8 @@ import (
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/internal/metrics"
+	"github.com/fanout/fanout/internal/opsserver"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema"
@@ -69,20 +71,33 @@ func upCommand(a *app) *cobra.Command {
 			var running supervisor
 			defer func() { _ = running.stop() }()
 			var published atomic.Int64
-			r, conns, err := startRelay(ctx, a, countPublished{n: &published})
+			reg := metrics.NewRegistry()
+			r, conns, err := startRelay(ctx, a, countPublished{Observer: metrics.NewRelay(reg), n: &published})
 			if err != nil {
 				return err
 			}
 			running.add(func() error { conns.close(); return nil })
 			running.add(func() error { return stopRelay(a, r) })
 			names := subscriberNames()
-			sd := &deps{a: a, ctx: ctx, pool: pool}
+			sd := &deps{a: a, ctx: ctx, pool: pool, reg: reg, checks: []opsserver.Check{
+				natsCheck(conns.nc), {Name: "relay", Fn: func(context.Context) error { return r.Ready() }},
+			}}
 			running.add(func() error { sd.close(); return nil })
-			stopSubscribers, err := startSubscribers(ctx, a, sd, names, conns.nc, nil)
+			stopSubscribers, err := startSubscribers(ctx, a, sd, names, conns.nc, metrics.NewSubscribers(reg))
 			if err != nil {
 				return err
 			}
 			running.add(stopSubscribers)
+			js, err := jetstream.New(conns.nc)
+			if err != nil {
+				return err
+			}
+			reg.MustRegister(metrics.NewOutboxCollector(pool, a.logger), metrics.NewConsumerCollector(js, a.cfg.Stream.Name, names, a.logger))
+			stopOps, err := startOps(a, reg, sd.checks)
+			if err != nil {
+				return err
+			}
+			running.add(func() error { stopOps(); return nil })
 			d, err := newDriver(ctx, a, pool)
 			if err != nil {
 				return err
@@ -90,10 +105,6 @@ func upCommand(a *app) *cobra.Command {
 			fmt.Printf("fanout up: relay publishing to stream %s on %s, subscribers %s, demo writing %d/s.\n"+
 				"Try: .bin/nats stream info %s, or go run ./cmd/fanout status. Ctrl-C stops.\n",
 				a.cfg.Stream.Name, config.RedactURL(a.cfg.NATS.URL), strings.Join(names, ", "), a.cfg.Demo.Rate, a.cfg.Stream.Name)
-			js, err := jetstream.New(conns.nc)
-			if err != nil {
-				return err
-			}
 			go progress(ctx, a, pool, d, &published, js, names)
 			runErr := d.Run(ctx)
 			return errors.Join(runErr, running.stop())
@@ -113,13 +124,17 @@ func newDriver(ctx context.Context, a *app, pool *pgxpool.Pool) (*demo.Driver, e
 	return &demo.Driver{Pool: pool, Rate: a.cfg.Demo.Rate, Mix: demo.DefaultMix, Rand: rng, Logger: logging.Component(a.logger, "demo")}, nil
 }
 
-// countPublished counts the relay's published rows for the progress line.
+// countPublished counts the relay's published rows for the progress line,
+// and tells Observer.
 type countPublished struct {
-	relay.NopObserver
+	relay.Observer
 	n *atomic.Int64
 }
 
-func (c countPublished) Published(ev []relay.Published) { c.n.Add(int64(len(ev))) }
+func (c countPublished) Published(ev []relay.Published) {
+	c.n.Add(int64(len(ev)))
+	c.Observer.Published(ev)
+}
 
 // supervisor stops what up started, in reverse order, once.
 type supervisor struct {

@@ -5,9 +5,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strings"
 	"text/tabwriter"
 	"time"
 
+	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/operator"
 	"github.com/spf13/cobra"
 )
@@ -16,8 +18,15 @@ func statusCommand(a *app) *cobra.Command {
 	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "status",
-		Short: "Outbox backlog, stream size, and each subscriber's lag, checkpoint and dead letters",
-		Args:  cobra.NoArgs,
+		Short: "Outbox backlog, stream size, each subscriber's lag, checkpoint and dead letters, and the last minute's latency of each stage",
+		Long: `Outbox backlog, stream size, each subscriber's lag, checkpoint and dead
+letters, read from Postgres and JetStream; and the latency of each stage of
+an event's way over the last minute (commit → PubAck, PubAck → delivered,
+delivered → handled, and for the search indexer handled → searchable), read
+from the running roles' operations endpoints: http.peers (host:port,
+comma-separated; FANOUT_HTTP_PEERS), or http.addr, where ` + "`fanout up`" + ` serves
+them all.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := a.load(); err != nil {
 				return err
@@ -35,7 +44,7 @@ func statusCommand(a *app) *cobra.Command {
 			}
 			defer nc.Close()
 			st, err := operator.ReadStatus(ctx, operator.Sources{Pool: pool, JS: js, Stream: a.cfg.Stream,
-				Subscribers: a.cfg.Subscribers, Known: subscriberNames()})
+				Subscribers: a.cfg.Subscribers, Known: subscriberNames(), Ops: a.cfg.HTTP.PeerList()})
 			if err != nil {
 				return err
 			}
@@ -71,4 +80,52 @@ func printStatus(w io.Writer, st operator.Status) {
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\n", s.Name, pending, s.AckPending, s.Redelivered, s.Checkpoint, s.DeadLetters)
 	}
 	tw.Flush()
+	if st.Stages != nil {
+		printStages(w, *st.Stages)
+	}
+}
+
+// stageNames are the stages as status prints them.
+var stageNames = map[string]string{
+	metrics.StagePublished:  "commit → PubAck",
+	metrics.StageDelivered:  "PubAck → delivered",
+	metrics.StageHandled:    "delivered → handled",
+	metrics.StageSearchable: "handled → searchable",
+}
+
+func printStages(w io.Writer, st operator.Stages) {
+	fmt.Fprintf(w, "\nlatency by stage, last minute (from %s)\n", strings.Join(st.From, ", "))
+	for _, u := range st.Unreachable {
+		fmt.Fprintf(w, "  not read: %s\n", u)
+	}
+	if len(st.Latencies) == 0 {
+		fmt.Fprintln(w, "  no events in the last minute")
+		return
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "STAGE\tSUBSCRIBER\tEVENTS\tP50\tP99")
+	for _, l := range st.Latencies {
+		name := stageNames[l.Stage]
+		if name == "" {
+			name = l.Stage
+		}
+		sub := l.Subscriber
+		if sub == "" {
+			sub = "(relay)"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\n", name, sub, l.Events, fmtMs(l.P50Ms), fmtMs(l.P99Ms))
+	}
+	tw.Flush()
+}
+
+// fmtMs prints milliseconds with the precision that matters at their size.
+func fmtMs(ms float64) string {
+	switch {
+	case ms < 10:
+		return fmt.Sprintf("%.1fms", ms)
+	case ms < 10000:
+		return fmt.Sprintf("%.0fms", ms)
+	default:
+		return fmt.Sprintf("%.1fs", ms/1000)
+	}
 }

@@ -119,6 +119,33 @@ type HTTP struct {
 	// Addr is host:port to listen on; empty disables the endpoint.
 	// Default 127.0.0.1:9464 (containers set 0.0.0.0:9464).
 	Addr string `koanf:"addr"`
+	// Peers are the operations endpoints (host:port, comma-separated) of
+	// the running roles, which `fanout status` reads the last minute's
+	// stage latencies from. Empty: Addr, where `fanout up` serves every
+	// role's. Default empty.
+	Peers string `koanf:"peers"`
+}
+
+// PeerList is Peers as a list, or Addr when Peers is empty (and nothing
+// when both are). An address listening on every interface (0.0.0.0:9464,
+// :9464) is read on the loopback.
+func (h HTTP) PeerList() []string {
+	raw := h.Peers
+	if strings.TrimSpace(raw) == "" {
+		raw = h.Addr
+	}
+	var out []string
+	for _, p := range strings.Split(raw, ",") {
+		p = strings.TrimSpace(p)
+		if p == "" {
+			continue
+		}
+		if host, port, err := net.SplitHostPort(p); err == nil && (host == "" || host == "0.0.0.0" || host == "::") {
+			p = net.JoinHostPort("127.0.0.1", port)
+		}
+		out = append(out, p)
+	}
+	return out
 }
 
 // Tracing is OpenTelemetry tracing. The W3C trace context always travels
@@ -247,9 +274,11 @@ func defaults() map[string]any {
 		"search.alias":                "products",
 		"search.provision":            "auto",
 		"search.bulk_size":            1000,
+		"search.refresh_after":        "200ms",
 		"search.reindex_max_failures": 0,
 
-		"http.addr": "127.0.0.1:9464",
+		"http.addr":  "127.0.0.1:9464",
+		"http.peers": "",
 
 		"tracing.exporter":      "none",
 		"tracing.otlp_endpoint": "",
@@ -488,6 +517,9 @@ func (c *Config) Validate() error {
 	}
 	oneOf("search.provision", c.Search.Provision, "auto", "verify", "off")
 	between("search.bulk_size", int64(c.Search.BulkSize), 1, 10000)
+	if c.Search.RefreshAfter < 0 || c.Search.RefreshAfter > time.Minute {
+		bad("search.refresh_after", "must be between 0 (off) and 1m (got %s)", c.Search.RefreshAfter)
+	}
 	if c.Search.ReindexMaxFailures < 0 {
 		bad("search.reindex_max_failures", "must be 0 or more (got %d)", c.Search.ReindexMaxFailures)
 	}
@@ -495,6 +527,11 @@ func (c *Config) Validate() error {
 	if c.HTTP.Addr != "" {
 		if _, _, err := net.SplitHostPort(c.HTTP.Addr); err != nil {
 			bad("http.addr", "must be host:port such as 0.0.0.0:9464, or empty to disable (got %q)", c.HTTP.Addr)
+		}
+	}
+	for _, p := range c.HTTP.PeerList() {
+		if _, _, err := net.SplitHostPort(p); err != nil {
+			bad("http.peers", "must be comma-separated host:port pairs such as relay:9464,searchindex:9464 (got %q)", p)
 		}
 	}
 

@@ -34,7 +34,8 @@ var latencyBuckets = prometheus.ExponentialBuckets(0.001, 2, 16)
 type Relay struct {
 	relay.NopObserver
 	claimed, published, duplicates, retried, failed, reaped, deleted prometheus.Counter
-	claimSeconds, latency                                            prometheus.Histogram
+	claimSeconds                                                     prometheus.Histogram
+	stages                                                           *StageRecorder
 }
 
 var _ relay.Observer = (*Relay)(nil)
@@ -56,10 +57,9 @@ func NewRelay(reg prometheus.Registerer) *Relay {
 		deleted:    c("deleted_rows_total", "Sent rows deleted after their retention."),
 		claimSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "fanout", Subsystem: "relay", Name: "claim_seconds",
 			Help: "Time to claim one batch.", Buckets: latencyBuckets}),
-		latency: prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "fanout", Subsystem: "relay", Name: "publish_latency_seconds",
-			Help: "From the outbox insert (the writer's transaction time) to the PubAck.", Buckets: latencyBuckets}),
+		stages: StagesOf(reg),
 	}
-	reg.MustRegister(m.claimSeconds, m.latency)
+	reg.MustRegister(m.claimSeconds)
 	return m
 }
 
@@ -70,12 +70,14 @@ func (m *Relay) Claimed(n int, took time.Duration) {
 
 func (m *Relay) Published(evs []relay.Published) {
 	m.published.Add(float64(len(evs)))
-	for _, e := range evs {
+	took := make([]time.Duration, len(evs))
+	for i, e := range evs {
 		if e.Duplicate {
 			m.duplicates.Inc()
 		}
-		m.latency.Observe(e.AckedAt.Sub(e.CreatedAt).Seconds())
+		took[i] = e.AckedAt.Sub(e.CreatedAt)
 	}
+	m.stages.Observe(StagePublished, "", took...)
 }
 
 func (m *Relay) Retried(n int) { m.retried.Add(float64(n)) }
@@ -90,6 +92,7 @@ type Subscribers struct {
 	seconds                         *prometheus.HistogramVec
 	dependencyUp                    *prometheus.GaugeVec
 	outages, outageSeconds          *prometheus.CounterVec
+	stages                          *StageRecorder
 }
 
 var _ subscribers.Observer = (*Subscribers)(nil)
@@ -108,6 +111,7 @@ func NewSubscribers(reg prometheus.Registerer) *Subscribers {
 		dead:    c("dead_lettered_events_total", "Events sent to the dead letters."),
 		seconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "batch_seconds",
 			Help: "Time to handle one batch, checkpoint included.", Buckets: latencyBuckets}, []string{"subscriber"}),
+		stages: StagesOf(reg),
 	}
 	m.dependencyUp = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "dependency_up",
 		Help: "1 while the subscriber's dependency answers, 0 while it is down (the subscriber then holds its events and takes no new ones)."},
@@ -136,6 +140,21 @@ func (m *Subscribers) DependencyDown(s, dep string) {
 func (m *Subscribers) DependencyUp(s, dep string, down time.Duration) {
 	m.dependencyUp.WithLabelValues(s, dep).Set(1)
 	m.outageSeconds.WithLabelValues(s, dep).Add(down.Seconds())
+}
+
+func (m *Subscribers) Timed(s string, evs []subscribers.EventTimes) {
+	delivered := make([]time.Duration, 0, len(evs))
+	handled := make([]time.Duration, 0, len(evs))
+	for _, e := range evs {
+		if !e.Stored.IsZero() && !e.Delivered.IsZero() {
+			delivered = append(delivered, e.Delivered.Sub(e.Stored))
+		}
+		if !e.Delivered.IsZero() {
+			handled = append(handled, e.Handled.Sub(e.Delivered))
+		}
+	}
+	m.stages.Observe(StageDelivered, s, delivered...)
+	m.stages.Observe(StageHandled, s, handled...)
 }
 
 // BulkItems counts search bulk item outcomes (ok, conflict, not_found,

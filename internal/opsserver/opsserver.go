@@ -1,7 +1,8 @@
 // Package opsserver is each role's operations endpoint: /metrics for
 // Prometheus, /livez (the process answers) and /readyz (its dependencies
 // answer and the pipeline is not stalled), for orchestrators and for
-// `fanout healthcheck` in images without a shell.
+// `fanout healthcheck` in images without a shell, and /stages (the stage
+// latencies of the last minute, as bucket counts) for `fanout status`.
 package opsserver
 
 import (
@@ -14,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/fanout/fanout/internal/metrics"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
@@ -43,6 +45,11 @@ func Start(addr string, reg *prometheus.Registry, checks []Check, logger *slog.L
 		w.Header().Set("Content-Type", "text/plain")
 		_, _ = w.Write([]byte("ok\n"))
 	})
+	stages := metrics.StagesOf(reg)
+	mux.HandleFunc("/stages", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(stages.LastMinute())
+	})
 	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
 		failures := Ready(r.Context(), checks)
 		w.Header().Set("Content-Type", "application/json")
@@ -62,7 +69,7 @@ func Start(addr string, reg *prometheus.Registry, checks []Check, logger *slog.L
 			logger.Error("operations endpoint", "error", err)
 		}
 	}()
-	logger.Info("operations endpoint listening", "addr", ln.Addr().String(), "paths", "/metrics /livez /readyz")
+	logger.Info("operations endpoint listening", "addr", ln.Addr().String(), "paths", "/metrics /livez /readyz /stages")
 	return s, nil
 }
 

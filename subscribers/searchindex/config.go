@@ -27,6 +27,13 @@ type Config struct {
 	Provision string `koanf:"provision"`
 	// BulkSize is the most operations in one bulk request. Default 1000, 1..10000.
 	BulkSize int `koanf:"bulk_size"`
+	// RefreshAfter is how soon after a write the indexer refreshes the index
+	// (one refresh for every write made meanwhile), so a change is
+	// searchable within about this long instead of waiting for the index's
+	// refresh_interval; it also measures write → searchable
+	// (fanout_stage_seconds, stage handled_to_searchable). 0 leaves
+	// visibility to refresh_interval, unmeasured. Default 200ms, 0..1m.
+	RefreshAfter time.Duration `koanf:"refresh_after"`
 	// ReindexMaxFailures is how many documents may fail in a reindex before
 	// it aborts without swapping the alias. Default 0, >= 0.
 	ReindexMaxFailures int `koanf:"reindex_max_failures"`

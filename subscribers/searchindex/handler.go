@@ -24,15 +24,33 @@ const Name = "searchindex"
 // Handler indexes product documents.
 type Handler struct {
 	syncer
-	alias string
+	alias   string
+	refresh *refresher // nil when search.refresh_after is 0
 }
 
 // New returns the search indexer writing through cfg.Alias.
 func New(client *search.Client, pool *pgxpool.Pool, cfg Config, logger *slog.Logger) *Handler {
-	return &Handler{
+	h := &Handler{
 		syncer: syncer{client: client, pool: pool, bulkSize: cfg.BulkSize, logger: logger,
 			retryWaits: []time.Duration{200 * time.Millisecond, 800 * time.Millisecond}},
 		alias: cfg.Alias,
+	}
+	if cfg.RefreshAfter > 0 {
+		timeout := cfg.Timeout
+		if timeout <= 0 {
+			timeout = 10 * time.Second
+		}
+		h.refresh = &refresher{client: client, index: cfg.Alias, after: cfg.RefreshAfter, timeout: timeout, logger: logger}
+	}
+	return h
+}
+
+// ObserveSearchable has f told, after each refresh the indexer makes, how
+// long each event's write waited to become searchable (nothing when
+// search.refresh_after is 0).
+func (h *Handler) ObserveSearchable(f func([]time.Duration)) {
+	if h.refresh != nil {
+		h.refresh.observe = f
 	}
 }
 
@@ -75,6 +93,8 @@ var Subscriber = subscribers.Declaration{
 		h := New(d.Search, d.Pool, cfg, d.Logger)
 		if d.Metrics != nil {
 			h.ObserveBulkItems(metrics.NewBulkItems(d.Metrics).BulkItem)
+			stages := metrics.StagesOf(d.Metrics)
+			h.ObserveSearchable(func(took []time.Duration) { stages.Observe(metrics.StageSearchable, Name, took...) })
 		}
 		return subscribers.Each(h), nil
 	},
@@ -137,6 +157,16 @@ func (h *Handler) HandleBatch(ctx context.Context, evs []subscribers.Event) []er
 	if err != nil {
 		return fill(errs, fmt.Errorf("index %d products: %w", len(ids), err))
 	}
+	writtenAt := time.Now()
+	defer func() {
+		written := 0
+		for _, err := range errs {
+			if err == nil {
+				written++
+			}
+		}
+		h.refresh.written(written, writtenAt)
+	}()
 	for i := range evs {
 		if errs[i] != nil {
 			continue

@@ -1,0 +1,201 @@
+package metrics_test
+
+import (
+	"context"
+	"log/slog"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/metrics"
+	"github.com/fanout/fanout/internal/natstest"
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// counting handles test.* events, after a delay, and counts them.
+type counting struct {
+	name  string
+	delay time.Duration
+	mu    sync.Mutex
+	n     int
+}
+
+func (c *counting) Name() string         { return c.name }
+func (c *counting) EventTypes() []string { return []string{"test.>"} }
+func (c *counting) Handle(ctx context.Context, _ subscribers.Event) error {
+	select {
+	case <-time.After(c.delay):
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	c.mu.Lock()
+	c.n++
+	c.mu.Unlock()
+	return nil
+}
+
+func (c *counting) handled() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n
+}
+
+// pipeline is a real relay and subscriber runtime reporting into one
+// registry's stage recorder.
+type pipeline struct {
+	t      *testing.T
+	cfg    *config.Config
+	db     *pgtest.DB
+	url    string
+	stages *metrics.StageRecorder
+	reg    *prometheus.Registry
+}
+
+func (p *pipeline) conn() *nats.Conn {
+	nc, err := nats.Connect(p.url)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	p.t.Cleanup(nc.Close)
+	return nc
+}
+
+func (p *pipeline) startRelay() {
+	r, err := relay.New(relay.Options{Relay: p.cfg.Relay, Stream: p.cfg.Stream, Pool: p.db.Pool, Conn: p.conn(),
+		Logger: slog.New(slog.DiscardHandler), Observer: metrics.NewRelay(p.reg)})
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Start(ctx); err != nil {
+		p.t.Fatal(err)
+	}
+	p.t.Cleanup(func() { _ = r.Stop(context.Background()) })
+}
+
+func (p *pipeline) startSubscriber(h *counting) {
+	r, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: p.cfg.Subscribers, Stream: p.cfg.Stream,
+		Pool: p.db.Pool, Conn: p.conn(), Logger: slog.New(slog.DiscardHandler), Observer: metrics.NewSubscribers(p.reg)})
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Start(ctx); err != nil {
+		p.t.Fatal(err)
+	}
+	p.t.Cleanup(func() { _ = r.Stop(context.Background()) })
+}
+
+// write commits n events, gap apart.
+func (p *pipeline) write(n int, gap time.Duration) {
+	for i := range n {
+		time.Sleep(gap)
+		err := pgx.BeginFunc(context.Background(), p.db.Pool, func(tx pgx.Tx) error {
+			_, err := outbox.Write(context.Background(), tx, outbox.Event{AggregateType: "test", AggregateID: strconv.Itoa(i), Type: "test.stage", Payload: map[string]int{"i": i}})
+			return err
+		})
+		if err != nil {
+			p.t.Fatal(err)
+		}
+	}
+}
+
+func (p *pipeline) waitHandled(h *counting, n int) {
+	deadline := time.Now().Add(30 * time.Second)
+	for h.handled() < n {
+		if time.Now().After(deadline) {
+			p.t.Fatalf("%d of %d events handled after 30 s", h.handled(), n)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond) // the checkpoint and ack after the last
+}
+
+// quantiles reads each stage's p50 and p99 (seconds) for subscriber (the
+// relay's stage is read whatever subscriber is asked).
+func (p *pipeline) quantiles(subscriber string) map[string][2]float64 {
+	out := map[string][2]float64{}
+	for _, w := range p.stages.LastMinute() {
+		if w.Subscriber == subscriber || w.Stage == metrics.StagePublished {
+			out[w.Stage] = [2]float64{w.Quantile(0.5), w.Quantile(0.99)}
+		}
+	}
+	return out
+}
+
+func newPipeline(t *testing.T) *pipeline {
+	cfg, err := config.Load("", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Relay.PollInterval = 20 * time.Millisecond
+	reg := prometheus.NewRegistry()
+	return &pipeline{t: t, cfg: cfg, db: pgtest.NewDB(t), url: natstest.Start(t).URL, reg: reg, stages: metrics.StagesOf(reg)}
+}
+
+// Delaying one stage on purpose moves that stage's latency, and only
+// that one's: the stage histograms say where an event's time goes.
+func TestStageLatencyFollowsTheDelayedStage(t *testing.T) {
+	const events = 20
+	t.Run("relay late", func(t *testing.T) {
+		p := newPipeline(t)
+		h := &counting{name: "stages"}
+		// The subscriber waits on the stream; the relay starts 1.5 s
+		// after the writes committed.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		js, err := jetstream.New(p.conn())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := relay.EnsureStream(ctx, js, p.cfg.Stream, 0, slog.New(slog.DiscardHandler)); err != nil {
+			t.Fatal(err)
+		}
+		p.startSubscriber(h)
+		p.write(events, 0)
+		time.Sleep(1500 * time.Millisecond)
+		p.startRelay()
+		p.waitHandled(h, events)
+		q := p.quantiles(h.name)
+		t.Logf("p50/p99 s: %v", q)
+		if got := q[metrics.StagePublished][0]; got < 1.2 {
+			t.Errorf("commit → PubAck p50 %.3fs with the relay 1.5 s late, want >= 1.2s", got)
+		}
+		for _, stage := range []string{metrics.StageDelivered, metrics.StageHandled} {
+			if got := q[stage][1]; got > 0.5 || len(q[stage]) == 0 {
+				t.Errorf("%s p99 %.3fs, want under 0.5s (that stage was not delayed)", stage, got)
+			}
+		}
+	})
+	t.Run("handler slow", func(t *testing.T) {
+		p := newPipeline(t)
+		h := &counting{name: "stages", delay: 300 * time.Millisecond}
+		p.startRelay()
+		p.startSubscriber(h)
+		// Written slower than the 4 workers handle them, so no event
+		// waits for a worker (that wait would show before delivery).
+		p.write(events, 150*time.Millisecond)
+		p.waitHandled(h, events)
+		q := p.quantiles(h.name)
+		t.Logf("p50/p99 s: %v", q)
+		if got := q[metrics.StageHandled][0]; got < 0.3 {
+			t.Errorf("delivered → handled p50 %.3fs with a 300 ms handler, want >= 0.3s", got)
+		}
+		for _, stage := range []string{metrics.StagePublished, metrics.StageDelivered} {
+			if got := q[stage][1]; got > 0.5 || len(q[stage]) == 0 {
+				t.Errorf("%s p99 %.3fs, want under 0.5s (that stage was not delayed)", stage, got)
+			}
+		}
+	})
+}
