@@ -10,7 +10,9 @@
 //	latency: commit → PubAck p50/p99 at a steady 1,000 writes/s
 //
 // Each part uses a fresh database and a fresh stream; nothing is shared with
-// the demo's data.
+// the demo's data. Each figure is measured -runs times (default 3), each
+// run after the database is settled (benchkit.Settle), and printed as the
+// median and the range of the runs.
 package main
 
 import (
@@ -29,6 +31,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/fanout/fanout/internal/benchkit"
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/pgtest"
@@ -43,7 +46,7 @@ import (
 
 var (
 	rows        = flag.Int("rows", 200_000, "rows for the drain and raw publish runs")
-	naiveFor    = flag.Duration("naive", 20*time.Second, "how long the naive publisher runs")
+	naiveFor    = flag.Duration("naive", 10*time.Second, "how long the naive publisher runs")
 	writerFor   = flag.Duration("writer", 10*time.Second, "how long each writer-cost run lasts")
 	latencyFor  = flag.Duration("latency", 15*time.Second, "how long each latency run lasts")
 	latencyRate = flag.Int("rate", 1000, "writes/s of the latency run")
@@ -83,27 +86,46 @@ func run(ctx context.Context) error {
 	fmt.Printf("relay benchmark, %s, GOMAXPROCS=%d\n\n", time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0))
 
 	want := func(part string) bool { return *only == "" || *only == part }
-	var a, b, c result
-	if want("a") {
-		if a, err = benchDrain(ctx, nc); err != nil {
-			return fmt.Errorf("(a): %w", err)
+	var a, b, c, claimMs, ac, ab benchkit.Figure
+	for run := range *benchkit.Runs {
+		var ra, rb, rc result
+		if want("a") {
+			if ra, err = benchDrain(ctx, nc); err != nil {
+				return fmt.Errorf("(a): %w", err)
+			}
+			a.Add(ra.rate)
+			claimMs.Add(ra.claimMs)
 		}
-		fmt.Printf("(a) fanout relay drained %d rows in %.2fs: %.0f rows/s\n", *rows, a.secs, a.rate)
+		if want("b") {
+			if rb, err = benchNaive(ctx, nc); err != nil {
+				return fmt.Errorf("(b): %w", err)
+			}
+			b.Add(rb.rate)
+		}
+		if want("c") {
+			if rc, err = benchRaw(ctx, nc); err != nil {
+				return fmt.Errorf("(c): %w", err)
+			}
+			c.Add(rc.rate)
+		}
+		if *only == "" {
+			// Ratios within one run: the parts ran minutes apart at most.
+			ac.Add(ra.rate / rc.rate)
+			ab.Add(ra.rate / rb.rate)
+		}
+		fmt.Printf("    run %d of %d: a %.0f rows/s  b %.1f rows/s  c %.0f msgs/s\n", run+1, *benchkit.Runs, ra.rate, rb.rate, rc.rate)
+	}
+	if want("a") {
+		fmt.Printf("(a) fanout relay draining %d rows: %s; a claim took %s on average\n", *rows, a.Format("%.0f rows/s"), claimMs.Format("%.1fms"))
 	}
 	if want("b") {
-		if b, err = benchNaive(ctx, nc); err != nil {
-			return fmt.Errorf("(b): %w", err)
-		}
-		fmt.Printf("(b) naive publisher (poll 2s, batch 50, sync publish, then mark): %d rows in %s: %.1f rows/s\n", b.n, *naiveFor, b.rate)
+		fmt.Printf("(b) naive publisher (poll 2s, batch 50, sync publish, then mark) for %s: %s\n", *naiveFor, b.Format("%.1f rows/s"))
 	}
 	if want("c") {
-		if c, err = benchRaw(ctx, nc); err != nil {
-			return fmt.Errorf("(c): %w", err)
-		}
-		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %.2fs: %.0f msgs/s\n", *rows, c.secs, c.rate)
+		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %s\n", *rows, c.Format("%.0f msgs/s"))
 	}
 	if *only == "" {
-		fmt.Printf("    a/c = %.2f (target >= 0.35)   a/b = %.0f (target >= 1000)\n\n", a.rate/c.rate, a.rate/b.rate)
+		fmt.Printf("    a/c = %s (target >= 0.35)   a/b = %s (target >= 1000)\n\n", ac.Format("%.2f"), ab.Format("%.0f"))
 	}
 	if want("writer") {
 		if err := benchWriterCost(ctx); err != nil {
@@ -119,9 +141,10 @@ func run(ctx context.Context) error {
 }
 
 type result struct {
-	n    int
-	secs float64
-	rate float64
+	n       int
+	secs    float64
+	rate    float64
+	claimMs float64 // the drain's mean claim time
 }
 
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -199,6 +222,9 @@ func benchDrain(ctx context.Context, nc *nats.Conn) (result, error) {
 	if err := fillOutbox(ctx, db.Pool, *rows); err != nil {
 		return result{}, err
 	}
+	if err := benchkit.Settle(ctx, db.Pool); err != nil {
+		return result{}, err
+	}
 	obs := &counter{}
 	relayPool, err := relayPool(ctx, db.URL)
 	if err != nil {
@@ -218,8 +244,8 @@ func benchDrain(ctx context.Context, nc *nats.Conn) (result, error) {
 	}
 	secs := time.Since(start).Seconds()
 	_ = r.Stop(ctx)
-	fmt.Printf("    %d claims, %.1fms each on average\n", obs.claims.Load(), float64(obs.claimNanos.Load())/float64(obs.claims.Load())/1e6)
-	return result{n: *rows, secs: secs, rate: float64(*rows) / secs}, nil
+	claimMs := float64(obs.claimNanos.Load()) / float64(obs.claims.Load()) / 1e6
+	return result{n: *rows, secs: secs, rate: float64(*rows) / secs, claimMs: claimMs}, nil
 }
 
 // benchNaive runs the seeds' publisher: every 2 s it reads up to 50 pending
@@ -244,6 +270,9 @@ func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
 		return result{}, err
 	}
 	if err := fillOutbox(ctx, db.Pool, 10_000); err != nil {
+		return result{}, err
+	}
+	if err := benchkit.Settle(ctx, db.Pool); err != nil {
 		return result{}, err
 	}
 	runCtx, cancel := context.WithTimeout(ctx, *naiveFor)
@@ -400,19 +429,31 @@ func benchWriterCost(ctx context.Context) error {
 		{"+ outbox.Queue pipelined, no wake-up", pipelined(outbox.NewWriter(-1))},
 		{"shop.UpdatePrice: outbox.Queue + fanout wake-up (NOTIFY at most every " + outbox.DefaultWakeInterval.String() + ")", demo},
 	}
-	fmt.Printf("writer cost: price-update transactions/s at 8 connections, %s each\n", *writerFor)
-	var base float64
-	for i, r := range runs {
-		tps, err := measureTPS(ctx, pool, maxID, r.fn)
-		if err != nil {
-			return fmt.Errorf("%s: %w", r.name, err)
+	fmt.Printf("writer cost: price-update transactions/s at 8 connections, %s each, %d rounds (the variants in a new order each round)\n", *writerFor, *benchkit.Runs)
+	tps := make([]benchkit.Figure, len(runs))
+	ratio := make([]benchkit.Figure, len(runs)) // of alone, within the round
+	for round := range *benchkit.Runs {
+		if err := benchkit.Settle(ctx, pool); err != nil {
+			return err
 		}
+		got := make([]float64, len(runs))
+		for k := range runs {
+			i := (k + round) % len(runs) // no variant always runs first, or last
+			if got[i], err = measureTPS(ctx, pool, maxID, runs[i].fn); err != nil {
+				return fmt.Errorf("%s: %w", runs[i].name, err)
+			}
+		}
+		for i := range runs {
+			tps[i].Add(got[i])
+			ratio[i].Add(100 * got[i] / got[0])
+		}
+	}
+	for i, r := range runs {
 		if i == 0 {
-			base = tps
-			fmt.Printf("    %-80s %7.0f tx/s\n", r.name, tps)
+			fmt.Printf("    %-80s %s\n", r.name, tps[i].Format("%.0f tx/s"))
 			continue
 		}
-		fmt.Printf("    %-80s %7.0f tx/s  (%.0f%% of alone, cost %.0f%%)\n", r.name, tps, 100*tps/base, 100*(1-tps/base))
+		fmt.Printf("    %-80s %s, %s of alone\n", r.name, tps[i].Format("%.0f tx/s"), ratio[i].Format("%.0f%%"))
 	}
 	fmt.Println("    target: the outbox and its wake-up cost writers <= 25% of their tx/s")
 	fmt.Println()
@@ -484,21 +525,33 @@ func (o *latencyObserver) Published(ev []relay.Published) {
 }
 
 func benchLatency(ctx context.Context, nc *nats.Conn) error {
-	fmt.Printf("latency: commit → PubAck at a steady %d writes/s for %s (price updates, 8 connections)\n", *latencyRate, *latencyFor)
-	for _, v := range []struct {
+	fmt.Printf("latency: commit → PubAck at a steady %d writes/s for %s (price updates, 8 connections), %d runs of each\n", *latencyRate, *latencyFor, *benchkit.Runs)
+	variants := []struct {
 		name string
 		mut  func(*config.Relay)
 	}{
 		{"fanout default (wake-up + eager polling, poll_interval 500ms)", func(*config.Relay) {}},
 		{"relay.listen=false (eager polling alone, no wake-up)", func(c *config.Relay) { c.Listen = false }},
-	} {
-		p50, p99, max, n, err := measureLatency(ctx, nc, v.mut)
-		if err != nil {
-			return fmt.Errorf("%s: %w", v.name, err)
-		}
-		fmt.Printf("    %-62s p50 %6.2fms  p99 %7.2fms  max %7.2fms  (%d events)\n", v.name, ms(p50), ms(p99), ms(max), n)
 	}
-	fmt.Println("    target: p99 <= 10ms")
+	p50s := make([]benchkit.Figure, len(variants))
+	p99s := make([]benchkit.Figure, len(variants))
+	maxs := make([]benchkit.Figure, len(variants))
+	for run := range *benchkit.Runs {
+		for k := range variants {
+			i := (k + run) % len(variants)
+			p50, p99, max, _, err := measureLatency(ctx, nc, variants[i].mut)
+			if err != nil {
+				return fmt.Errorf("%s: %w", variants[i].name, err)
+			}
+			p50s[i].Add(ms(p50))
+			p99s[i].Add(ms(p99))
+			maxs[i].Add(ms(max))
+		}
+	}
+	for i, v := range variants {
+		fmt.Printf("    %s\n        p50 %s  p99 %s  max %s\n", v.name, p50s[i].Format("%.2fms"), p99s[i].Format("%.2fms"), maxs[i].Format("%.2fms"))
+	}
+	fmt.Println("    target: p99 <= 10ms in every run, and the default no worse than polling alone (medians)")
 	return nil
 }
 
@@ -516,6 +569,9 @@ func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*config.Rela
 	}
 	defer pool.Close()
 	if _, err = shop.Seed(ctx, pool, 1000, rand.New(rand.NewPCG(3, 4))); err != nil {
+		return
+	}
+	if err = benchkit.Settle(ctx, pool); err != nil {
 		return
 	}
 	stream, done, err := freshStream(nc)

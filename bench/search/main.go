@@ -3,7 +3,9 @@
 // index by `fanout reindex` (docs/s and the loader's peak RSS); steady
 // indexing of live updates with 1 and 2 indexer instances (events/s); and
 // freshness, commit to searchable, p50/p99 at 500 writes/s with the default
-// refresh interval.
+// settings, and where its time goes, stage by stage. Each figure is measured
+// -runs times (default 3), after the database is settled
+// (benchkit.Settle), and printed as the median and the range of the runs.
 package main
 
 import (
@@ -27,6 +29,7 @@ import (
 	"github.com/fanout/fanout/internal/benchkit"
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/search"
@@ -37,6 +40,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 var (
@@ -46,6 +50,7 @@ var (
 	freshFor  = flag.Duration("fresh", 20*time.Second, "how long the freshness run lasts")
 	pollEvery = flag.Duration("poll", 50*time.Millisecond, "how often the freshness searcher polls")
 	loaders   = flag.Int("loaders", 3, "bulk requests in flight in the loader")
+	refresh   = flag.Duration("refresh-after", -1, "override search.refresh_after (0: leave visibility to the index's refresh_interval, as before it existed)")
 	natsURL   = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
 	searchURL = flag.String("search", config.DefaultSearchURL, "search engine URL")
 	engine    = flag.String("engine", search.OpenSearch, "search engine implementation")
@@ -82,6 +87,9 @@ func run(ctx context.Context) error {
 	cfg.Subscribers.DeadLetterStream, cfg.Subscribers.DeadLetterSubjectPrefix = "BENCHSEARCH_DLQ_"+suffix, "benchsearchdlq"+suffix
 	cfg.Search.Engine, cfg.Search.URL, cfg.Search.Alias = *engine, *searchURL, "bench"+suffix+"-products"
 	cfg.NATS.URL = *natsURL
+	if *refresh >= 0 {
+		cfg.Search.RefreshAfter = *refresh
+	}
 	b := &bench{cfg: cfg}
 	if b.nc, err = nats.Connect(*natsURL); err != nil {
 		return fmt.Errorf("connect to nats (start the services: go tool task services): %w", err)
@@ -112,7 +120,7 @@ func run(ctx context.Context) error {
 		"FANOUT_POSTGRES_URL=" + b.db.URL, "FANOUT_NATS_URL=" + *natsURL,
 		"FANOUT_STREAM_NAME=" + cfg.Stream.Name, "FANOUT_STREAM_SUBJECT_PREFIX=" + cfg.Stream.SubjectPrefix,
 		"FANOUT_SEARCH_ENGINE=" + *engine, "FANOUT_SEARCH_URL=" + *searchURL, "FANOUT_SEARCH_ALIAS=" + cfg.Search.Alias,
-		"FANOUT_LOG_FORMAT=json",
+		"FANOUT_LOG_FORMAT=json", "FANOUT_SEARCH_REFRESH_AFTER=" + cfg.Search.RefreshAfter.String(),
 	}
 
 	info, _ := b.client.Info(ctx)
@@ -170,12 +178,7 @@ INSERT INTO inventory (product_id, stock) SELECT id, id % 500 FROM p`, done, n)
 			return err
 		}
 	}
-	for _, table := range []string{"products", "inventory"} {
-		if _, err := b.pool.Exec(ctx, "VACUUM ANALYZE "+table); err != nil {
-			return err
-		}
-	}
-	return nil
+	return benchkit.Settle(ctx, b.pool)
 }
 
 // load runs `fanout reindex` as its own process and reads its peak RSS.
@@ -191,17 +194,49 @@ func (b *bench) load(ctx context.Context) error {
 	}
 	cmd := exec.CommandContext(ctx, bin, "reindex", "--loaders", strconv.Itoa(*loaders))
 	cmd.Env = append(os.Environ(), b.env...)
-	var out strings.Builder
-	cmd.Stdout, cmd.Stderr = &out, os.Stderr // the progress bar shows on the terminal
-	start := time.Now()
-	if err := cmd.Run(); err != nil {
-		return fmt.Errorf("fanout reindex: %v\n%s", err, out.String())
+	fmt.Printf("bulk load of %d products by `fanout reindex --loaders %d` (a new index each run):\n", *products, *loaders)
+	var rate, rssMB benchkit.Figure
+	for run := range *benchkit.Runs {
+		cmd := exec.CommandContext(ctx, bin, "reindex", "--loaders", strconv.Itoa(*loaders))
+		cmd.Env = append(os.Environ(), b.env...)
+		var out strings.Builder
+		cmd.Stdout, cmd.Stderr = &out, os.Stderr // the progress shows as it goes
+		start := time.Now()
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("fanout reindex: %v\n%s", err, out.String())
+		}
+		took := time.Since(start)
+		rss := cmd.ProcessState.SysUsage().(*syscall.Rusage).Maxrss // KiB on Linux
+		rate.Add(float64(*products) / took.Seconds())
+		rssMB.Add(float64(rss) / 1024)
+		fmt.Printf("    run %d of %d: %.1fs, %.0f docs/s end to end, peak RSS %.0f MB; reindex said: %s", run+1, *benchkit.Runs, took.Seconds(),
+			float64(*products)/took.Seconds(), float64(rss)/1024, out.String())
+		if err := b.dropOldIndices(ctx); err != nil {
+			return err
+		}
 	}
-	took := time.Since(start)
-	rss := cmd.ProcessState.SysUsage().(*syscall.Rusage).Maxrss // KiB on Linux
-	fmt.Printf("\nbulk load: %s", out.String())
-	fmt.Printf("    whole command %.1fs, %.0f docs/s end to end; loader peak RSS %.0f MB (target >= 15000 docs/s, <= 200 MB)\n\n",
-		took.Seconds(), float64(*products)/took.Seconds(), float64(rss)/1024)
+	fmt.Printf("    %s end to end; loader peak RSS %s (target >= 15000 docs/s, <= 200 MB)\n\n", rate.Format("%.0f docs/s"), rssMB.Format("%.0f MB"))
+	return nil
+}
+
+// dropOldIndices deletes the indices a reindex left behind (it keeps the
+// previous one), so runs do not pile up millions of documents.
+func (b *bench) dropOldIndices(ctx context.Context) error {
+	cur, err := searchindex.Current(ctx, b.client, b.cfg.Search.Alias)
+	if err != nil {
+		return err
+	}
+	names, err := b.client.Indices(ctx, b.cfg.Search.Alias+"-v*")
+	if err != nil {
+		return err
+	}
+	for _, n := range names {
+		if n != cur {
+			if err := b.client.DeleteIndex(ctx, n); err != nil {
+				return err
+			}
+		}
+	}
 	return nil
 }
 
@@ -229,72 +264,148 @@ LIMIT $1`, *updates, *products)
 		return err
 	}
 	fmt.Printf("steady indexing of %d live update events (batch_size %d, %d workers per instance):\n", *updates, b.cfg.Subscribers.BatchSize, b.cfg.Subscribers.Concurrency)
-	var rates []float64
-	for _, instances := range []int{1, 2} {
-		if err := b.js.DeleteConsumer(ctx, b.cfg.Stream.Name, searchindex.Name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-			return err
-		}
-		if _, err := b.pool.Exec(ctx, `DELETE FROM processed_events`); err != nil {
-			return err
-		}
-		var runners []*subscribers.Runner
-		for range instances {
-			nc, err := nats.Connect(*natsURL)
+	instances := []int{1, 2}
+	rates := make([]benchkit.Figure, len(instances))
+	var twoOverOne benchkit.Figure
+	for round := range *benchkit.Runs {
+		got := make([]float64, len(instances))
+		for k := range instances {
+			i := (k + round) % len(instances)
+			rate, err := b.steadyRun(ctx, instances[i])
 			if err != nil {
 				return err
 			}
-			defer nc.Close()
-			h := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
-			r, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: b.cfg.Subscribers, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
-			if err != nil {
-				return err
-			}
-			runners = append(runners, r)
+			got[i] = rate
+			rates[i].Add(rate)
 		}
-		start := time.Now()
-		for _, r := range runners {
-			if err := r.Start(ctx); err != nil {
-				return err
-			}
-		}
-		if err := benchkit.WaitDrained(ctx, b.js, b.cfg.Stream.Name, searchindex.Name, 15*time.Minute); err != nil {
-			return err
-		}
-		took := time.Since(start)
-		for _, r := range runners {
-			_ = r.Stop(ctx)
-		}
-		rate := float64(*updates) / took.Seconds()
-		rates = append(rates, rate)
-		fmt.Printf("    %d instance(s): %.1fs, %.0f events/s\n", instances, took.Seconds(), rate)
+		twoOverOne.Add(got[1] / got[0])
+		fmt.Printf("    round %d of %d: 1 instance %.0f, 2 instances %.0f events/s\n", round+1, *benchkit.Runs, got[0], got[1])
 	}
-	fmt.Printf("    2 instances / 1 = %.2fx\n\n", rates[1]/rates[0])
+	for i, n := range instances {
+		fmt.Printf("    %d instance(s): %s\n", n, rates[i].Format("%.0f events/s"))
+	}
+	fmt.Printf("    2 instances / 1 = %s\n\n", twoOverOne.Format("%.2fx"))
 	return nil
 }
 
-// freshness writes price updates at a steady rate with a live indexer and
-// measures commit → searchable.
-func (b *bench) freshness(ctx context.Context) error {
+// steadyRun has instances indexers drain the whole stream from its start
+// and returns events/s.
+func (b *bench) steadyRun(ctx context.Context, instances int) (float64, error) {
 	if err := b.js.DeleteConsumer(ctx, b.cfg.Stream.Name, searchindex.Name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-		return err
+		return 0, err
 	}
+	if _, err := b.pool.Exec(ctx, `DELETE FROM processed_events`); err != nil {
+		return 0, err
+	}
+	if err := benchkit.Settle(ctx, b.pool); err != nil {
+		return 0, err
+	}
+	var runners []*subscribers.Runner
+	defer func() {
+		for _, r := range runners {
+			_ = r.Stop(ctx)
+		}
+	}()
+	for range instances {
+		nc, err := nats.Connect(*natsURL)
+		if err != nil {
+			return 0, err
+		}
+		defer nc.Close()
+		h := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
+		r, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: b.cfg.Subscribers, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
+		if err != nil {
+			return 0, err
+		}
+		runners = append(runners, r)
+	}
+	start := time.Now()
+	for _, r := range runners {
+		if err := r.Start(ctx); err != nil {
+			return 0, err
+		}
+	}
+	if err := benchkit.WaitDrained(ctx, b.js, b.cfg.Stream.Name, searchindex.Name, 15*time.Minute); err != nil {
+		return 0, err
+	}
+	return float64(*updates) / time.Since(start).Seconds(), nil
+}
+
+// freshness measures commit → searchable, -runs times, and where the time
+// goes stage by stage.
+func (b *bench) freshness(ctx context.Context) error {
+	fmt.Printf("freshness, commit → searchable, at %d writes/s for %s (search.refresh_after %s, searcher polling every %s), %d runs:\n",
+		*rate, *freshFor, b.cfg.Search.RefreshAfter, *pollEvery, *benchkit.Runs)
+	var p50, p99, maxLat benchkit.Figure
+	stageP50 := map[string]*benchkit.Figure{}
+	stageP99 := map[string]*benchkit.Figure{}
+	for run := range *benchkit.Runs {
+		res, err := b.freshnessRun(ctx, run)
+		if err != nil {
+			return err
+		}
+		p50.Add(ms(res.p50))
+		p99.Add(ms(res.p99))
+		maxLat.Add(ms(res.max))
+		fmt.Printf("    run %d of %d: p50 %.0fms  p99 %.0fms  max %.0fms  (%d writes seen, %d not seen: overwritten by a later write before it was searchable)\n",
+			run+1, *benchkit.Runs, ms(res.p50), ms(res.p99), ms(res.max), res.seen, res.unseen)
+		for _, w := range res.stages {
+			if stageP50[w.Stage] == nil {
+				stageP50[w.Stage], stageP99[w.Stage] = &benchkit.Figure{}, &benchkit.Figure{}
+			}
+			stageP50[w.Stage].Add(1000 * w.Quantile(0.5))
+			stageP99[w.Stage].Add(1000 * w.Quantile(0.99))
+		}
+	}
+	fmt.Printf("    commit → searchable: p50 %s  p99 %s  max %s\n", p50.Format("%.0fms"), p99.Format("%.0fms"), maxLat.Format("%.0fms"))
+	fmt.Println("    by stage (fanout_stage_seconds; the searcher's poll adds up to its interval on top):")
+	for _, stage := range metrics.Stages {
+		if stageP50[stage] != nil {
+			fmt.Printf("        %-22s p50 %s  p99 %s\n", stage, stageP50[stage].Format("%.1fms"), stageP99[stage].Format("%.1fms"))
+		}
+	}
+	fmt.Println("    target: p99 <= 1500ms")
+	return nil
+}
+
+type freshnessResult struct {
+	p50, p99, max time.Duration
+	seen, unseen  int
+	stages        []metrics.StageWindow
+}
+
+// freshnessRun writes price updates at a steady rate with a live relay and
+// indexer, polls the index for each write, and reads the stage latencies
+// the pipeline recorded meanwhile.
+func (b *bench) freshnessRun(ctx context.Context, run int) (freshnessResult, error) {
+	var res freshnessResult
+	if err := b.js.DeleteConsumer(ctx, b.cfg.Stream.Name, searchindex.Name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		return res, err
+	}
+	if err := benchkit.Settle(ctx, b.pool); err != nil {
+		return res, err
+	}
+	reg := prometheus.NewRegistry()
+	stages := metrics.StagesOf(reg)
 	sc := b.cfg.Subscribers
 	sc.Start = "new"
-	r, err := relay.New(relay.Options{Relay: b.cfg.Relay, Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet})
+	r, err := relay.New(relay.Options{Relay: b.cfg.Relay, Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet, Observer: metrics.NewRelay(reg)})
 	if err != nil {
-		return err
+		return res, err
 	}
 	if err := r.Start(ctx); err != nil {
-		return err
+		return res, err
 	}
 	defer r.Stop(ctx) //nolint:errcheck
-	sub, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(searchindex.New(b.client, b.pool, b.cfg.Search, quiet)), Config: sc,
-		Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet})
+	indexer := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
+	indexer.ObserveSearchable(func(took []time.Duration) { stages.Observe(metrics.StageSearchable, searchindex.Name, took...) })
+	sub, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(indexer), Config: sc,
+		Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet, Observer: metrics.NewSubscribers(reg)})
 	if err != nil {
-		return err
+		return res, err
 	}
 	if err := sub.Start(ctx); err != nil {
-		return err
+		return res, err
 	}
 	defer sub.Stop(ctx) //nolint:errcheck
 
@@ -319,7 +430,7 @@ func (b *bench) freshness(ctx context.Context) error {
 			for i := 0; runCtx.Err() == nil; i++ {
 				time.Sleep(time.Until(next))
 				next = next.Add(interval)
-				marker := int64(10_000_000 + w*1_000_000 + i)
+				marker := int64(10_000_000 + (run*writers+w)*1_000_000 + i) // no run sees an earlier run's markers
 				id := minID + rng.Int64N(int64(*products))
 				err := pgx.BeginFunc(runCtx, b.pool, func(tx pgx.Tx) error {
 					_, err := shop.UpdatePrice(runCtx, tx, id, marker)
@@ -349,7 +460,7 @@ func (b *bench) freshness(ctx context.Context) error {
 			}
 			slices.Sort(markers)
 			for chunk := range slices.Chunk(markers, 1000) {
-				res, err := b.client.Search(ctx, b.cfg.Search.Alias, map[string]any{
+				found, err := b.client.Search(ctx, b.cfg.Search.Alias, map[string]any{
 					"size": len(chunk), "_source": []string{"price_cents"}, "track_total_hits": false,
 					"query": map[string]any{"terms": map[string]any{"price_cents": chunk}},
 				})
@@ -358,7 +469,7 @@ func (b *bench) freshness(ctx context.Context) error {
 				}
 				now := time.Now()
 				mu.Lock()
-				for _, h := range res.Hits {
+				for _, h := range found.Hits {
 					var doc struct {
 						PriceCents int64 `json:"price_cents"`
 					}
@@ -378,14 +489,13 @@ func (b *bench) freshness(ctx context.Context) error {
 	mu.Lock()
 	defer mu.Unlock()
 	if len(lat) == 0 {
-		return fmt.Errorf("no write became searchable")
+		return res, fmt.Errorf("no write became searchable")
 	}
 	slices.Sort(lat)
-	fmt.Printf("freshness, commit → searchable, at %d writes/s for %s (refresh_interval 1s, searcher polling every %s):\n", *rate, *freshFor, *pollEvery)
-	fmt.Printf("    p50 %.0fms  p99 %.0fms  max %.0fms  (%d writes seen, %d not seen; a write overwritten by a later one before a refresh is never seen)\n",
-		ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100]), ms(lat[len(lat)-1]), len(lat), len(pending))
-	fmt.Println("    target: p99 <= 1500ms")
-	return nil
+	res.p50, res.p99, res.max = lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1]
+	res.seen, res.unseen = len(lat), len(pending)
+	res.stages = stages.LastMinute()
+	return res, nil
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

@@ -1,13 +1,17 @@
 // Package benchkit holds what the benchmark programs under bench/ share:
-// publishing a prepared outbox backlog, and waiting for a subscriber to
-// drain it.
+// publishing a prepared outbox backlog, waiting for a subscriber to drain
+// it, settling the database after a setup, and measuring each figure over
+// several runs (-runs, default 3) to print their median and range.
 package benchkit
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
@@ -63,4 +67,59 @@ func WaitDrained(ctx context.Context, js jetstream.JetStream, stream, name strin
 			return fmt.Errorf("%s not drained after %s: %d pending, %d ack pending", name, limit, info.NumPending, info.NumAckPending)
 		}
 	}
+}
+
+// Runs is how many times each figure is measured: every benchmark's -runs
+// flag. This machine is small and shared, so one run proves little; the
+// median of three, and their range, say how much a figure can be trusted.
+var Runs = flag.Int("runs", 3, "how many times each figure is measured (the median and the range are printed)")
+
+// Figure is one measured quantity over several runs.
+type Figure struct{ Values []float64 }
+
+// Add records one run's value.
+func (f *Figure) Add(v float64) { f.Values = append(f.Values, v) }
+
+// Median is the middle value (the mean of the two middle ones for an even
+// count); 0 for no runs.
+func (f Figure) Median() float64 {
+	if len(f.Values) == 0 {
+		return 0
+	}
+	s := slices.Sorted(slices.Values(f.Values))
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// Format prints the median with format (say "%.0f rows/s"), then the range
+// of the runs: "77620 rows/s (3 runs: 75100–79004)".
+func (f Figure) Format(format string) string {
+	med := fmt.Sprintf(format, f.Median())
+	if len(f.Values) < 2 {
+		return med
+	}
+	num := format
+	if i := strings.Index(format, " "); i > 0 {
+		num = format[:i] // the number's verb, without the unit after it
+	}
+	return fmt.Sprintf("%s (%d runs: %s–%s)", med, len(f.Values),
+		fmt.Sprintf(num, slices.Min(f.Values)), fmt.Sprintf(num, slices.Max(f.Values)))
+}
+
+// Settle makes the benchmark database's state independent of the setup
+// that filled it: a CHECKPOINT writes the setup's dirty pages now rather
+// than during the measurement, and VACUUM ANALYZE leaves no dead rows and
+// fresh statistics for autovacuum to catch up on while it runs. (A first
+// run measured straight after a 100k-row setup once read a quarter of the
+// next one's rate.) It needs a superuser or pg_checkpoint.
+func Settle(ctx context.Context, pool *pgxpool.Pool) error {
+	if _, err := pool.Exec(ctx, `CHECKPOINT`); err != nil {
+		return fmt.Errorf("settle the database: %w", err)
+	}
+	if _, err := pool.Exec(ctx, `VACUUM ANALYZE`); err != nil {
+		return fmt.Errorf("settle the database: %w", err)
+	}
+	return nil
 }
