@@ -96,6 +96,7 @@ func (r *Runner) ack(ctx context.Context, ds []*delivery, double bool) {
 		for _, d := range ds {
 			d.settled.Store(true)
 		}
+		r.stall.finished()
 	}()
 	if !double {
 		for _, d := range ds {

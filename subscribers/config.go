@@ -64,6 +64,13 @@ type Config struct {
 	DeadLetterMaxAge time.Duration `koanf:"dead_letter_max_age"`
 	// ShutdownTimeout bounds the drain at SIGTERM. Default 30s, > 0.
 	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
+	// StallAfter: a subscriber with events waiting (in its consumer, or
+	// delivered and unacknowledged) that has finished none for this long is
+	// stalled: not ready, and it logs why (a handler that never returns,
+	// a consumer that delivers nothing). While a dependency is down it
+	// holds its events on purpose, and readiness names the dependency
+	// instead. 0 disables the watchdog. Default 2m, 0 or >= 1s.
+	StallAfter time.Duration `koanf:"stall_after"`
 }
 
 // DeadLetterDuplicateWindow is how long the dead-letter stream remembers a
@@ -79,7 +86,7 @@ func DefaultConfig() Config {
 		Concurrency: 4, BatchSize: 100, AckWait: 30 * time.Second, HandlerTimeout: 20 * time.Second,
 		MaxFailures: 10, MaxCrashes: 3, MaxAckPending: 1000, RetryMin: time.Second, RetryMax: time.Minute,
 		Start: "all", DeadLetterStream: "DEADLETTER", DeadLetterSubjectPrefix: "deadletter", DeadLetterProvision: "auto",
-		DeadLetterMaxAge: 720 * time.Hour, ShutdownTimeout: 30 * time.Second,
+		DeadLetterMaxAge: 720 * time.Hour, ShutdownTimeout: 30 * time.Second, StallAfter: 2 * time.Minute,
 	}
 }
 
@@ -117,5 +124,8 @@ func (c Config) Validate() error {
 	v.Positive("subscribers.dead_letter_max_age", c.DeadLetterMaxAge)
 	v.OneOf("subscribers.dead_letter_provision", c.DeadLetterProvision, "auto", "verify", "off")
 	v.Positive("subscribers.shutdown_timeout", c.ShutdownTimeout)
+	if c.StallAfter != 0 && c.StallAfter < time.Second {
+		v.Bad("subscribers.stall_after", "must be 0 (off) or at least 1s (got %s)", c.StallAfter)
+	}
 	return v.Err()
 }

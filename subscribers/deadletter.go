@@ -94,6 +94,7 @@ func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
 		}
 	}
 	d.settled.Store(true)
+	r.stall.finished()
 	if termed {
 		// Kept otherwise: its count sends the redelivery straight back
 		// here, without running the handler again.

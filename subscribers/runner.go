@@ -64,6 +64,7 @@ type Runner struct {
 	cons    jetstream.Consumer
 	iter    jetstream.MessagesContext
 	health  *health
+	stall   stallWatch
 	workers sync.WaitGroup
 	loops   sync.WaitGroup
 	// exclusive: a suspect (an event whose earlier attempt died with its
@@ -156,6 +157,14 @@ func (r *Runner) start(ctx context.Context) error {
 	r.health = newHealth(hardCtx, r.name, r.logger, r.obs, r.dependencies())
 
 	batches := make(chan received)
+	r.stall.finished() // the clock starts now
+	if r.cfg.StallAfter > 0 {
+		r.loops.Add(1)
+		go func() {
+			defer r.loops.Done()
+			r.watchdogLoop(softCtx)
+		}()
+	}
 	r.loops.Add(2)
 	go func() {
 		defer r.loops.Done()
@@ -200,12 +209,17 @@ const (
 )
 
 // Ready reports why this subscriber cannot do its work right now (a
-// dependency it needs is down), or nil. Readiness probes use it.
+// dependency it needs is down, or it is stalled: events wait and it has
+// finished none for subscribers.stall_after), or nil. Readiness probes use
+// it.
 func (r *Runner) Ready() error {
 	if r.health == nil {
 		return fmt.Errorf("subscriber %s: not started", r.name)
 	}
-	return r.health.ready()
+	if err := r.health.ready(); err != nil {
+		return err
+	}
+	return r.stall.err()
 }
 
 // checkStore makes sure, at start, that the subscriber may write its own

@@ -72,7 +72,7 @@ func TestOperatorCommands(t *testing.T) {
 		"FANOUT_SUBSCRIBERS_MAX_FAILURES=3", "FANOUT_SUBSCRIBERS_RETRY_MIN=100ms",
 	}
 	ctx := context.Background()
-	start(t, env, "relay")
+	relayProc := start(t, env, "relay")
 	subs := start(t, env, "subscribe", "invoicing", "cacheinval", "searchindex")
 
 	rng := rand.New(rand.NewPCG(8, 8))
@@ -197,6 +197,31 @@ func TestOperatorCommands(t *testing.T) {
 	})
 	if st.Stream.Messages != 10 || invoices() != 3 {
 		t.Errorf("after republish: %d messages, %d invoices; want 10 and 3", st.Stream.Messages, invoices())
+	}
+
+	// The last minute's latency by stage, read from the roles' operations
+	// endpoints (http.peers) and merged.
+	peers := "FANOUT_HTTP_PEERS=" + relayProc.opsAddr(t) + "," + subs.opsAddr(t)
+	st = status(t, append(env, peers))
+	if st.Stages == nil || len(st.Stages.Unreachable) > 0 {
+		t.Fatalf("status read no stages: %+v", st.Stages)
+	}
+	got := map[string]operator.StageLatency{}
+	for _, l := range st.Stages.Latencies {
+		got[l.Stage+"/"+l.Subscriber] = l
+	}
+	for _, k := range []string{"commit_to_puback/", "puback_to_delivered/invoicing", "delivered_to_handled/invoicing",
+		"puback_to_delivered/searchindex", "delivered_to_handled/searchindex", "handled_to_searchable/searchindex"} {
+		if l := got[k]; l.Events == 0 || l.P99Ms < l.P50Ms || l.P50Ms <= 0 {
+			t.Errorf("stage %s: %+v, want events with 0 < p50 <= p99", k, l)
+		}
+	}
+	if l := got["commit_to_puback/"]; l.Events < 10 {
+		t.Errorf("commit → PubAck counted %d events, want the 10 published (and the republished ones)", l.Events)
+	}
+	human, err = run(t, append(env, peers), "status")
+	if err != nil || !strings.Contains(human, "latency by stage, last minute") || !regexp.MustCompile(`handled → searchable\s+searchindex\s+\d+`).MatchString(human) {
+		t.Errorf("fanout status: %v\n%s", err, human)
 	}
 
 	// Replay invoicing from the start: it receives its 3 events again and

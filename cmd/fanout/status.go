@@ -98,6 +98,9 @@ func printStages(w io.Writer, st operator.Stages) {
 	for _, u := range st.Unreachable {
 		fmt.Fprintf(w, "  not read: %s\n", u)
 	}
+	if len(st.Unreachable) > 0 {
+		fmt.Fprintln(w, "  (set http.peers, FANOUT_HTTP_PEERS, to the running roles' http.addr: host:port,...)")
+	}
 	if len(st.Latencies) == 0 {
 		fmt.Fprintln(w, "  no events in the last minute")
 		return

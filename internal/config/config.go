@@ -140,7 +140,11 @@ func (h HTTP) PeerList() []string {
 		if p == "" {
 			continue
 		}
-		if host, port, err := net.SplitHostPort(p); err == nil && (host == "" || host == "0.0.0.0" || host == "::") {
+		host, port, err := net.SplitHostPort(p)
+		if err == nil && port == "0" {
+			continue // a port picked at start: nothing to find there
+		}
+		if err == nil && (host == "" || host == "0.0.0.0" || host == "::") {
 			p = net.JoinHostPort("127.0.0.1", port)
 		}
 		out = append(out, p)
@@ -256,6 +260,7 @@ func defaults() map[string]any {
 		"subscribers.dead_letter_provision":      "auto",
 		"subscribers.dead_letter_subject_prefix": "deadletter",
 		"subscribers.shutdown_timeout":           "30s",
+		"subscribers.stall_after":                "2m",
 
 		"redis.url":           DefaultRedisURL,
 		"redis.password":      "",
