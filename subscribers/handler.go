@@ -193,6 +193,10 @@ type Dependency struct {
 	Probe func(ctx context.Context) error
 }
 
+// A handler that holds resources of its own (a background goroutine, a
+// connection it opened) implements io.Closer: the runner closes it when it
+// stops, after its last batch.
+
 // DependentHandler is a Handler that names what it depends on besides
 // Postgres (the runtime's own checkpoint store, always probed).
 type DependentHandler interface {

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"strings"
 	"sync"
@@ -315,6 +316,11 @@ func (r *Runner) Stop(ctx context.Context) error {
 		}
 		r.cancelHard()
 		r.health.wait()
+		if c, ok := r.opts.Handler.Unwrap().(io.Closer); ok {
+			if err := c.Close(); err != nil {
+				r.logger.Warn("close the handler", "error", err)
+			}
+		}
 		r.logger.Info("subscriber stopped")
 	})
 	return r.stopErr

@@ -40,9 +40,16 @@ func New(client *search.Client, pool *pgxpool.Pool, cfg Config, logger *slog.Log
 		if timeout <= 0 {
 			timeout = 10 * time.Second
 		}
-		h.refresh = &refresher{client: client, index: cfg.Alias, after: cfg.RefreshAfter, timeout: timeout, logger: logger}
+		h.refresh = newRefresher(client, cfg.Alias, cfg.RefreshAfter, timeout, logger)
 	}
 	return h
+}
+
+// Close makes the writes still waiting for their refresh searchable now
+// and stops the refresher (the runner calls it when it stops).
+func (h *Handler) Close() error {
+	h.refresh.close()
+	return nil
 }
 
 // ObserveSearchable has f told, after each refresh the indexer makes, how

@@ -15,8 +15,8 @@ import (
 // not yet searchable, so that a write waits at most that long (plus the
 // refresh) instead of up to a whole refresh_interval, and many writes share
 // one refresh. It reports each write's wait (write → searchable). Its
-// goroutine runs only while writes wait: it needs no stopping, and leaves
-// none behind once the indexer is idle.
+// goroutine runs only while writes wait; close makes the writes waiting
+// searchable at once and waits for it.
 type refresher struct {
 	client  *search.Client
 	index   string
@@ -29,12 +29,29 @@ type refresher struct {
 	mu      sync.Mutex
 	waiting []time.Time // when each write not yet refreshed was made
 	running bool
+	closed  bool
+	stop    chan struct{} // closed by close
+	done    sync.WaitGroup
 }
 
-// giveUpAfter bounds how long writes wait for a refresh that keeps failing
-// (the engine down): they become searchable by the index's own
-// refresh_interval anyway; only their measurement is dropped.
-const giveUpAfter = time.Minute
+func newRefresher(client *search.Client, index string, after, timeout time.Duration, logger *slog.Logger) *refresher {
+	return &refresher{client: client, index: index, after: after, timeout: timeout, logger: logger, stop: make(chan struct{})}
+}
+
+// close refreshes for the writes waiting, if any, without waiting out
+// their delay, and returns once the goroutine has ended.
+func (r *refresher) close() {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	if !r.closed {
+		r.closed = true
+		close(r.stop)
+	}
+	r.mu.Unlock()
+	r.done.Wait()
+}
 
 // written records n writes made at at.
 func (r *refresher) written(n int, at time.Time) {
@@ -46,14 +63,15 @@ func (r *refresher) written(n int, at time.Time) {
 	for range n {
 		r.waiting = append(r.waiting, at)
 	}
-	if !r.running {
+	if !r.running && !r.closed {
 		r.running = true
+		r.done.Add(1)
 		go r.run()
 	}
 }
 
 func (r *refresher) run() {
-	backoff := r.after
+	defer r.done.Done()
 	for {
 		r.mu.Lock()
 		if len(r.waiting) == 0 {
@@ -63,7 +81,12 @@ func (r *refresher) run() {
 		}
 		first := r.waiting[0]
 		r.mu.Unlock()
-		time.Sleep(time.Until(first.Add(r.after)))
+		wait := time.NewTimer(time.Until(first.Add(r.after)))
+		select {
+		case <-wait.C:
+		case <-r.stop:
+			wait.Stop()
+		}
 
 		// Every write recorded before the refresh starts is searchable
 		// once it returns.
@@ -75,22 +98,13 @@ func (r *refresher) run() {
 		err := r.client.Refresh(ctx, r.index)
 		cancel()
 		if err != nil {
-			now := time.Now()
+			// The engine is down or the index gone: the writes become
+			// searchable by the index's own refresh_interval when it can;
+			// only their measurement is lost. No retry keeps this
+			// goroutine alive past the writes it serves.
 			r.logger.Debug("refresh after writes", "index", r.index, "writes", len(batch), "error", err)
-			r.mu.Lock()
-			kept := batch[:0]
-			for _, at := range batch {
-				if now.Sub(at) < giveUpAfter {
-					kept = append(kept, at)
-				}
-			}
-			r.waiting = append(kept, r.waiting...)
-			r.mu.Unlock()
-			time.Sleep(backoff)
-			backoff = min(2*backoff, 5*time.Second)
 			continue
 		}
-		backoff = r.after
 		if r.observe != nil {
 			now := time.Now()
 			took := make([]time.Duration, len(batch))

@@ -33,6 +33,7 @@ func TestIndexerRefreshMakesWritesSearchable(t *testing.T) {
 			cfg := f.env.Config.Search
 			cfg.RefreshAfter = after
 			h := searchindex.New(f.client, f.env.DB.Pool, cfg, f.env.Logger)
+			t.Cleanup(func() { _ = h.Close() })
 			ids := []int64{first + int64(3*i), first + int64(3*i) + 1, first + int64(3*i) + 2}
 			type report struct {
 				took  []time.Duration

@@ -60,7 +60,9 @@ func (f *fixture) handler() subscribers.Handler {
 
 // indexer is the search indexer itself, for what the tests call directly.
 func (f *fixture) indexer() *searchindex.Handler {
-	return searchindex.New(f.client, f.env.DB.Pool, f.env.Config.Search, f.env.Logger)
+	h := searchindex.New(f.client, f.env.DB.Pool, f.env.Config.Search, f.env.Logger)
+	f.env.T.Cleanup(func() { _ = h.Close() }) // its refresher, before the client closes
+	return h
 }
 
 // doc returns the indexed product, or found false.
