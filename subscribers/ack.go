@@ -49,6 +49,7 @@ func (r *Runner) checkpoint(ctx context.Context, handled []*delivery, forget []i
 // succeeded acks a committed batch (double ack: the server confirms, so a
 // lost ack cannot make JetStream redeliver behind our back unnoticed).
 func (r *Runner) succeeded(ctx context.Context, ds []*delivery, freshIDs []int64, start time.Time) {
+	handledAt := time.Now() // committed; the ack is not part of the stage
 	r.beforeAck(ctx, ds)
 	if ctx.Err() != nil {
 		return // hard stop: the events come back after the ack wait, and are skipped
@@ -59,7 +60,7 @@ func (r *Runner) succeeded(ctx context.Context, ds []*delivery, freshIDs []int64
 	r.health.handlerWorked()
 	fresh := len(freshIDs)
 	r.obs.Handled(r.name, fresh, time.Since(start))
-	r.timed(ds, freshIDs)
+	r.timed(ds, freshIDs, handledAt)
 	r.logger.Debug("batch handled", "events", fresh, "skipped", len(ds)-fresh, "redelivered", redelivered(ds), "first_event_id", ds[0].ev.ID, "took", time.Since(start))
 	if skipped := len(ds) - fresh; skipped > 0 {
 		r.obs.Skipped(r.name, skipped)
@@ -130,7 +131,7 @@ func (r *Runner) ack(ctx context.Context, ds []*delivery, double bool) {
 // timed reports the stage times of the deliveries that carried the events
 // in ids (those just handled: a redelivery skipped as a duplicate was
 // handled before, and timed then).
-func (r *Runner) timed(ds []*delivery, ids []int64) {
+func (r *Runner) timed(ds []*delivery, ids []int64, handledAt time.Time) {
 	if len(ids) == 0 {
 		return
 	}
@@ -138,12 +139,11 @@ func (r *Runner) timed(ds []*delivery, ids []int64) {
 	for _, id := range ids {
 		want[id] = true
 	}
-	now := time.Now()
 	ts := make([]EventTimes, 0, len(ids))
 	for _, d := range ds {
 		if want[d.ev.ID] {
 			delete(want, d.ev.ID)
-			ts = append(ts, EventTimes{Committed: d.ev.CreatedAt, Stored: d.ev.StoredAt, Delivered: d.deliveredAt, Handled: now})
+			ts = append(ts, EventTimes{Committed: d.ev.CreatedAt, Stored: d.ev.StoredAt, Delivered: d.deliveredAt, Handled: handledAt})
 		}
 	}
 	r.obs.Timed(r.name, ts)

@@ -69,7 +69,8 @@ type Config struct {
 	// stalled: not ready, and it logs why (a handler that never returns,
 	// a consumer that delivers nothing). While a dependency is down it
 	// holds its events on purpose, and readiness names the dependency
-	// instead. 0 disables the watchdog. Default 2m, 0 or >= 1s.
+	// instead. 0 disables the watchdog. Default 2m, 0 or >= 1s, and longer
+	// than HandlerTimeout and RetryMax.
 	StallAfter time.Duration `koanf:"stall_after"`
 }
 

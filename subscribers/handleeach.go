@@ -150,6 +150,7 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 			return results
 		}
 	}
+	handledAt := time.Now() // checkpointed; the ack is not part of the stage
 	r.beforeAck(ctx, ok)
 	if ctx.Err() != nil {
 		for i, d := range ds {
@@ -164,7 +165,7 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 		r.health.handlerWorked()
 	}
 	r.obs.Handled(r.name, len(handled), time.Since(start))
-	r.timed(handled, eventIDs(handled))
+	r.timed(handled, eventIDs(handled), handledAt)
 	r.logger.Debug("batch handled", "events", len(handled), "skipped", len(skipped), "redelivered", redelivered(ds), "took", time.Since(start))
 	if len(skipped) > 0 {
 		r.obs.Skipped(r.name, len(skipped))

@@ -114,6 +114,7 @@ func (r *Runner) nak(d *delivery, delay time.Duration) {
 		}
 	}
 	d.settled.Store(true)
+	r.stall.finished() // a verdict, if not a success: not a stall
 	r.obs.Retried(r.name, 1)
 }
 

@@ -1,7 +1,8 @@
 package subscribers
 
-// The stall watchdog: a subscriber with events waiting that finishes none
-// for subscribers.stall_after is not ready, and says why.
+// The stall watchdog: a subscriber with events waiting that settles none
+// (acks, retries or dead-letters none) for subscribers.stall_after is not
+// ready, and says why.
 
 import (
 	"context"
@@ -11,8 +12,8 @@ import (
 	"time"
 )
 
-// stallWatch knows when the runner last finished an event (acked, or sent
-// to the dead letters) and whether it is stalled.
+// stallWatch knows when the runner last settled an event (acked, naked for
+// a retry, or sent to the dead letters) and whether it is stalled.
 type stallWatch struct {
 	last atomic.Int64 // Unix nanoseconds
 	// waitingSince is when the watchdog first saw events waiting (zero
@@ -83,10 +84,16 @@ func (r *Runner) checkStall(ctx context.Context) error {
 	if r.stall.waitingSince.IsZero() {
 		r.stall.waitingSince = time.Now()
 	}
-	idle := min(r.stall.idle(), time.Since(r.stall.waitingSince))
-	if idle < r.cfg.StallAfter || r.health.ready() != nil {
+	if r.health.ready() != nil {
+		// Held for an outage on purpose; once it ends, the clock starts
+		// afresh.
+		r.stall.waitingSince = time.Now()
 		return nil
 	}
-	return fmt.Errorf("subscriber %s: stalled: %d events waiting (%d not yet delivered, %d delivered and not acknowledged) and none finished for %s (subscribers.stall_after %s): a handler that never returns, or a consumer that delivers nothing",
+	idle := min(r.stall.idle(), time.Since(r.stall.waitingSince))
+	if idle < r.cfg.StallAfter {
+		return nil
+	}
+	return fmt.Errorf("subscriber %s: stalled: %d events waiting (%d not yet delivered, %d delivered and not acknowledged) and none settled (acked, retried or dead-lettered) for %s (subscribers.stall_after %s): a handler that never returns, or a consumer that delivers nothing",
 		r.name, waiting, info.NumPending, info.NumAckPending, idle.Round(time.Second), r.cfg.StallAfter)
 }

@@ -78,6 +78,9 @@ func main() {
 }
 
 func run(ctx context.Context) error {
+	if err := benchkit.CheckRuns(); err != nil {
+		return err
+	}
 	nc, err := nats.Connect(*natsURL, nats.ReconnectBufSize(-1))
 	if err != nil {
 		return fmt.Errorf("connect to nats (start the services: go tool task services): %w", err)

@@ -78,6 +78,9 @@ type bench struct {
 }
 
 func run(ctx context.Context) error {
+	if err := benchkit.CheckRuns(); err != nil {
+		return err
+	}
 	cfg, err := config.Load("", nil)
 	if err != nil {
 		return err
@@ -192,8 +195,6 @@ func (b *bench) load(ctx context.Context) error {
 	if out, err := exec.Command("go", "build", "-o", bin, "./cmd/fanout").CombinedOutput(); err != nil {
 		return fmt.Errorf("build fanout: %v\n%s", err, out)
 	}
-	cmd := exec.CommandContext(ctx, bin, "reindex", "--loaders", strconv.Itoa(*loaders))
-	cmd.Env = append(os.Environ(), b.env...)
 	fmt.Printf("bulk load of %d products by `fanout reindex --loaders %d` (a new index each run):\n", *products, *loaders)
 	var rate, rssMB benchkit.Figure
 	for run := range *benchkit.Runs {
@@ -312,9 +313,13 @@ func (b *bench) steadyRun(ctx context.Context, instances int) (float64, error) {
 		return 0, err
 	}
 	var runners []*subscribers.Runner
+	var conns []*nats.Conn
 	defer func() {
 		for _, r := range runners {
 			_ = r.Stop(ctx)
+		}
+		for _, nc := range conns { // after the runners have drained on them
+			nc.Close()
 		}
 	}()
 	for range instances {
@@ -322,7 +327,7 @@ func (b *bench) steadyRun(ctx context.Context, instances int) (float64, error) {
 		if err != nil {
 			return 0, err
 		}
-		defer nc.Close()
+		conns = append(conns, nc)
 		h := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
 		r, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: b.cfg.Subscribers, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
 		if err != nil {

@@ -58,6 +58,9 @@ type bench struct {
 }
 
 func run(ctx context.Context) error {
+	if err := benchkit.CheckRuns(); err != nil {
+		return err
+	}
 	cfg, err := config.Load("", nil)
 	if err != nil {
 		return err

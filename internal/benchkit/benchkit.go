@@ -74,6 +74,14 @@ func WaitDrained(ctx context.Context, js jetstream.JetStream, stream, name strin
 // median of three, and their range, say how much a figure can be trusted.
 var Runs = flag.Int("runs", 3, "how many times each figure is measured (the median and the range are printed)")
 
+// CheckRuns refuses a -runs below 1 (there would be no figure to print).
+func CheckRuns() error {
+	if *Runs < 1 {
+		return fmt.Errorf("-runs must be at least 1 (got %d)", *Runs)
+	}
+	return nil
+}
+
 // Figure is one measured quantity over several runs.
 type Figure struct{ Values []float64 }
 

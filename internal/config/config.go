@@ -534,8 +534,11 @@ func (c *Config) Validate() error {
 			bad("http.addr", "must be host:port such as 0.0.0.0:9464, or empty to disable (got %q)", c.HTTP.Addr)
 		}
 	}
-	for _, p := range c.HTTP.PeerList() {
-		if _, _, err := net.SplitHostPort(p); err != nil {
+	for _, p := range strings.Split(c.HTTP.Peers, ",") {
+		if p = strings.TrimSpace(p); p == "" {
+			continue
+		}
+		if _, port, err := net.SplitHostPort(p); err != nil || port == "0" {
 			bad("http.peers", "must be comma-separated host:port pairs such as relay:9464,searchindex:9464 (got %q)", p)
 		}
 	}
@@ -656,6 +659,20 @@ var crossKeyRules = []CrossKeyRule{
 		check: func(c *Config) string {
 			if c.Subscribers.HandlerTimeout >= c.Subscribers.AckWait {
 				return fmt.Sprintf("subscribers.handler_timeout (%s) must be shorter than subscribers.ack_wait (%s): a handler must be cut off before JetStream may redeliver its event to another instance", c.Subscribers.HandlerTimeout, c.Subscribers.AckWait)
+			}
+			return ""
+		},
+	},
+	{
+		// A batch may run for the handler timeout, and a failing event waits
+		// up to retry_max for its next attempt: neither settles an event
+		// for that long, and neither is a stall.
+		Keys: []string{"subscribers.stall_after", "subscribers.handler_timeout", "subscribers.retry_max"},
+		check: func(c *Config) string {
+			s := c.Subscribers
+			if s.StallAfter != 0 && s.StallAfter <= max(s.HandlerTimeout, s.RetryMax) {
+				return fmt.Sprintf("subscribers.stall_after (%s) must be 0 (off) or longer than subscribers.handler_timeout (%s) and subscribers.retry_max (%s), or a slow batch or a retrying event would look stalled",
+					s.StallAfter, s.HandlerTimeout, s.RetryMax)
 			}
 			return ""
 		},

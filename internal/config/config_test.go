@@ -161,6 +161,7 @@ func TestCrossKeyRules(t *testing.T) {
 		"subscribers.dead_letter_stream stream.name":                   {"FANOUT_SUBSCRIBERS_DEAD_LETTER_STREAM=EVENTS"},
 		"subscribers.dead_letter_max_age subscribers.ack_wait":         {"FANOUT_SUBSCRIBERS_DEAD_LETTER_MAX_AGE=5m"},
 		"relay.stall_after relay.publish_timeout":                      {"FANOUT_RELAY_STALL_AFTER=10s"},
+		"subscribers.stall_after subscribers.handler_timeout":          {"FANOUT_SUBSCRIBERS_STALL_AFTER=30s"}, // retry_max is 1m
 	}
 	for _, rule := range CrossKeyRules() {
 		id := rule.Keys[0] + " " + rule.Keys[1]

@@ -38,9 +38,10 @@ var Stages = []string{StagePublished, StageDelivered, StageHandled, StageSearcha
 // to tell 5 ms from 10 ms and 1.2 s from 1.5 s.
 var stageBuckets = prometheus.ExponentialBucketsRange(0.0005, 60, 36)
 
-// windowSlots × slotWidth is the window `fanout status` reports.
+// The window `fanout status` reports: the current slot and the six before
+// it, so at least a full minute (60 to 70 s).
 const (
-	windowSlots = 6
+	windowSlots = 7
 	slotWidth   = 10 * time.Second
 )
 
@@ -105,7 +106,7 @@ func (w StageWindow) Quantile(q float64) float64 {
 }
 
 // StageRecorder records stage durations into fanout_stage_seconds and a
-// sliding one-minute window. A process has one per registry (StagesOf): the
+// sliding window of the last minute (60 to 70 s). A process has one per registry (StagesOf): the
 // relay's and each subscriber's observations share it.
 type StageRecorder struct {
 	hist *prometheus.HistogramVec

@@ -53,6 +53,9 @@ func (r *refresher) close() {
 	r.done.Wait()
 }
 
+// closeRefreshTimeout bounds the refresh close makes.
+const closeRefreshTimeout = 2 * time.Second
+
 // written records n writes made at at.
 func (r *refresher) written(n int, at time.Time) {
 	if r == nil || n == 0 {
@@ -60,6 +63,9 @@ func (r *refresher) written(n int, at time.Time) {
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if r.closed {
+		return // stopping: the index's own refresh makes it searchable
+	}
 	for range n {
 		r.waiting = append(r.waiting, at)
 	}
@@ -94,7 +100,16 @@ func (r *refresher) run() {
 		batch := r.waiting
 		r.waiting = nil
 		r.mu.Unlock()
-		ctx, cancel := context.WithTimeout(context.Background(), r.timeout)
+		timeout := r.timeout
+		select {
+		case <-r.stop:
+			// The last refresh, at close: bounded short, so that a stopping
+			// runner does not wait out search.timeout on an engine in
+			// trouble.
+			timeout = min(timeout, closeRefreshTimeout)
+		default:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
 		err := r.client.Refresh(ctx, r.index)
 		cancel()
 		if err != nil {
