@@ -69,9 +69,14 @@ func (p *pipeline) conn() *nats.Conn {
 	return nc
 }
 
-func (p *pipeline) startRelay() {
-	r, err := relay.New(relay.Options{Relay: p.cfg.Relay, Stream: p.cfg.Stream, Pool: p.db.Pool, Conn: p.conn(),
-		Logger: slog.New(slog.DiscardHandler), Observer: metrics.NewRelay(p.reg)})
+// runnable is what the relay and a subscriber runner have in common.
+type runnable interface {
+	Start(context.Context) error
+	Stop(context.Context) error
+}
+
+// start starts what New built, and stops it when the test ends.
+func (p *pipeline) start(r runnable, err error) {
 	if err != nil {
 		p.t.Fatal(err)
 	}
@@ -83,18 +88,14 @@ func (p *pipeline) startRelay() {
 	p.t.Cleanup(func() { _ = r.Stop(context.Background()) })
 }
 
+func (p *pipeline) startRelay() {
+	p.start(relay.New(relay.Options{Relay: p.cfg.Relay, Stream: p.cfg.Stream, Pool: p.db.Pool, Conn: p.conn(),
+		Logger: slog.New(slog.DiscardHandler), Observer: metrics.NewRelay(p.reg)}))
+}
+
 func (p *pipeline) startSubscriber(h *counting) {
-	r, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: p.cfg.Subscribers, Stream: p.cfg.Stream,
-		Pool: p.db.Pool, Conn: p.conn(), Logger: slog.New(slog.DiscardHandler), Observer: metrics.NewSubscribers(p.reg)})
-	if err != nil {
-		p.t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := r.Start(ctx); err != nil {
-		p.t.Fatal(err)
-	}
-	p.t.Cleanup(func() { _ = r.Stop(context.Background()) })
+	p.start(subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: p.cfg.Subscribers, Stream: p.cfg.Stream,
+		Pool: p.db.Pool, Conn: p.conn(), Logger: slog.New(slog.DiscardHandler), Observer: metrics.NewSubscribers(p.reg)}))
 }
 
 // write commits n events, gap apart.
