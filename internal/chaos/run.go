@@ -2,6 +2,7 @@ package chaos
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -271,11 +272,37 @@ func startCluster(t *testing.T) []*natstest.Server {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Ports found free may be taken before the nodes bind them (tests in
+	// other packages start servers at the same time): try other ports.
+	for range 3 {
+		servers, err := tryCluster(t, root)
+		if err == nil {
+			for _, s := range servers {
+				t.Cleanup(s.Kill)
+			}
+			return servers
+		}
+		for _, s := range servers {
+			if s != nil {
+				s.Kill()
+			}
+		}
+		if !errors.Is(err, natstest.ErrPortTaken) {
+			t.Fatal(err)
+		}
+		t.Logf("chaos: %v; trying other ports", err)
+	}
+	t.Fatal("chaos: no free ports for the cluster after 3 tries")
+	return nil
+}
+
+// tryCluster starts three nodes on ports found free.
+func tryCluster(t *testing.T, root string) ([]*natstest.Server, error) {
 	ports := make([]int, 6)
 	for i := range ports {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
-			t.Fatal(err)
+			return nil, err
 		}
 		ports[i] = l.Addr().(*net.TCPAddr).Port
 		l.Close()
@@ -303,13 +330,10 @@ func startCluster(t *testing.T) []*natstest.Server {
 	wg.Wait()
 	for i, err := range errs {
 		if err != nil {
-			t.Fatalf("cluster node %d: %v", i+1, err)
+			return servers, fmt.Errorf("cluster node %d: %w", i+1, err)
 		}
 	}
-	for _, s := range servers {
-		t.Cleanup(s.Kill)
-	}
-	return servers
+	return servers, nil
 }
 
 // waitConsumers waits until the stream and every subscriber's consumer exist.

@@ -4,7 +4,6 @@
 package natstest
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -12,12 +11,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/internal/syncbuf"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -33,7 +35,7 @@ type Server struct {
 	bin        string
 	cmd        *exec.Cmd
 	exited     chan struct{}
-	log        *bytes.Buffer
+	log        *syncbuf.Buffer
 }
 
 // Option adjusts the server's command line.
@@ -81,21 +83,33 @@ func StartServer(dir string, opts ...Option) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	port, err := freePort()
-	if err != nil {
-		return nil, err
+	// A port found free may be taken before the server binds it (tests in
+	// other packages start servers at the same time): try another.
+	var lastErr error
+	for range 5 {
+		port, err := freePort()
+		if err != nil {
+			return nil, err
+		}
+		s := &Server{
+			Port:     port,
+			URL:      fmt.Sprintf("nats://127.0.0.1:%d", port),
+			StoreDir: filepath.Join(dir, "jetstream"),
+			bin:      bin,
+		}
+		for _, o := range opts {
+			o(s)
+		}
+		if lastErr = s.start(); lastErr == nil || !errors.Is(lastErr, ErrPortTaken) {
+			return s, lastErr
+		}
 	}
-	s := &Server{
-		Port:     port,
-		URL:      fmt.Sprintf("nats://127.0.0.1:%d", port),
-		StoreDir: filepath.Join(dir, "jetstream"),
-		bin:      bin,
-	}
-	for _, o := range opts {
-		o(s)
-	}
-	return s, s.start()
+	return nil, lastErr
 }
+
+// ErrPortTaken is the start's error when the server could not bind its
+// port (or, with a config file, its cluster port): another process holds it.
+var ErrPortTaken = errors.New("port taken")
 
 func (s *Server) start() error {
 	args := append([]string{"-a", "127.0.0.1", "-p", strconv.Itoa(s.Port), "-js", "-sd", s.StoreDir}, s.args...)
@@ -103,7 +117,7 @@ func (s *Server) start() error {
 	if len(s.env) > 0 {
 		s.cmd.Env = append(os.Environ(), s.env...)
 	}
-	s.log = &bytes.Buffer{}
+	s.log = &syncbuf.Buffer{}
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	if err := s.cmd.Start(); err != nil {
 		return fmt.Errorf("start nats-server: %w", err)
@@ -115,18 +129,34 @@ func (s *Server) start() error {
 	}()
 	deadline := time.Now().Add(15 * time.Second)
 	for {
-		if err := s.ready(); err == nil {
+		err := s.ready()
+		if err == nil {
 			return nil
-		} else if time.Now().After(deadline) {
+		}
+		if time.Now().After(deadline) {
 			s.Kill()
 			return fmt.Errorf("nats-server on port %d not ready: %v\n%s", s.Port, err, s.log.String())
 		}
 		select {
 		case <-s.exited:
+			if strings.Contains(s.log.String(), "address already in use") {
+				return fmt.Errorf("nats-server on port %d: %w:\n%s", s.Port, ErrPortTaken, s.log.String())
+			}
 			return fmt.Errorf("nats-server exited at start:\n%s", s.log.String())
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
+}
+
+// serverID is the ID the server printed at start ("ID: N..."), once it
+// has.
+var serverIDLine = regexp.MustCompile(`\[INF\]\s+ID:\s+(N[A-Z0-9]+)`)
+
+func (s *Server) serverID() string {
+	if m := serverIDLine.FindStringSubmatch(s.log.String()); m != nil {
+		return m[1]
+	}
+	return ""
 }
 
 func (s *Server) ready() error {
@@ -135,6 +165,11 @@ func (s *Server) ready() error {
 		return err
 	}
 	defer nc.Close()
+	// The port may answer for another test's server, if this one could not
+	// bind it: only this process's own ID counts.
+	if id := s.serverID(); id == "" || nc.ConnectedServerId() != id {
+		return fmt.Errorf("the server on port %d is not this one (it is %s, this one printed %q)", s.Port, nc.ConnectedServerId(), id)
+	}
 	js, err := jetstream.New(nc)
 	if err != nil {
 		return err

@@ -4,14 +4,17 @@
 package redistest
 
 import (
-	"bytes"
 	"context"
+	"errors"
+	"fmt"
 	"net"
 	"os/exec"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/syncbuf"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -30,19 +33,38 @@ func Start(t testing.TB) *Server {
 	if err != nil {
 		t.Fatalf("redistest: redis-server not found (install it with deploy/services.sh up): %v", err)
 	}
+	// A port found free may be taken before the server binds it (tests in
+	// other packages start servers at the same time): try another.
+	for range 5 {
+		s, err := start(t, bin)
+		if err == nil {
+			return s
+		}
+		if !errors.Is(err, errPortTaken) {
+			t.Fatalf("redistest: %v", err)
+		}
+	}
+	t.Fatal("redistest: no free port after 5 tries")
+	return nil
+}
+
+// errPortTaken: the server could not bind its port.
+var errPortTaken = errors.New("port taken")
+
+func start(t testing.TB, bin string) (*Server, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
 	s := &Server{Addr: "127.0.0.1:" + strconv.Itoa(port)}
 	s.URL = "redis://" + s.Addr + "/0"
-	var out bytes.Buffer
+	out := &syncbuf.Buffer{}
 	s.cmd = exec.Command(bin, "--bind", "127.0.0.1", "--port", strconv.Itoa(port), "--save", "", "--appendonly", "no", "--dir", t.TempDir())
-	s.cmd.Stdout, s.cmd.Stderr = &out, &out
+	s.cmd.Stdout, s.cmd.Stderr = out, out
 	if err := s.cmd.Start(); err != nil {
-		t.Fatalf("redistest: start: %v", err)
+		return nil, fmt.Errorf("start: %w", err)
 	}
 	exited := make(chan struct{})
 	go func() { _ = s.cmd.Wait(); close(exited) }()
@@ -54,17 +76,39 @@ func Start(t testing.TB) *Server {
 	defer rdb.Close()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		err := rdb.Ping(ctx).Err()
-		cancel()
+		// Only this process counts: the port may answer for another
+		// test's server, if this one could not bind it.
+		err := ours(rdb, s.cmd.Process.Pid)
 		if err == nil {
-			return s
+			return s, nil
+		}
+		select {
+		case <-exited:
+			if strings.Contains(out.String(), "Address already in use") {
+				return nil, fmt.Errorf("redis-server on %s: %w", s.Addr, errPortTaken)
+			}
+			return nil, fmt.Errorf("redis-server on %s exited at start:\n%s", s.Addr, out.String())
+		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("redistest: redis-server on %s not ready: %v\n%s", s.Addr, err, out.String())
+			return nil, fmt.Errorf("redis-server on %s not ready: %v\n%s", s.Addr, err, out.String())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// ours checks that the server answering is the process pid.
+func ours(rdb *redis.Client, pid int) error {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	info, err := rdb.Info(ctx, "server").Result()
+	if err != nil {
+		return err
+	}
+	if !strings.Contains(info, "process_id:"+strconv.Itoa(pid)+"\r\n") {
+		return fmt.Errorf("the server answering is not process %d", pid)
+	}
+	return nil
 }
 
 // Client returns a client closed when t ends.

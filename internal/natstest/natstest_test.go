@@ -1,0 +1,24 @@
+package natstest
+
+import (
+	"errors"
+	"testing"
+)
+
+// A server whose port another server holds does not pass for started: the
+// readiness check would otherwise reach the other server and a test would
+// run against someone else's streams.
+func TestServerOnATakenPortIsNotStarted(t *testing.T) {
+	first := Start(t)
+	s, err := StartServer(t.TempDir(), WithPort(first.Port))
+	if err == nil {
+		s.Stop()
+		t.Fatalf("a second server on port %d reported started", first.Port)
+	}
+	if !errors.Is(err, ErrPortTaken) {
+		t.Fatalf("error %v, want it to say the port is taken", err)
+	}
+	if !first.Running() {
+		t.Fatal("the first server stopped")
+	}
+}
