@@ -9,6 +9,7 @@ import (
 	"os/user"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -59,21 +60,30 @@ func startServer() (*Server, error) {
 		}
 		s.runAs = []string{"runuser", "-u", "postgres", "--"}
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, err
-	}
-	s.port = l.Addr().(*net.TCPAddr).Port
-	l.Close()
-	s.AdminURL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", s.port)
-
 	if out, err := s.run(filepath.Join(pgBin, "initdb"), "-D", s.data(), "-U", "postgres", "--auth=trust", "--no-sync"); err != nil {
 		return nil, fmt.Errorf("initdb: %v\n%s", err, out)
 	}
-	if err := s.Start(); err != nil {
-		return nil, err
+	// A port found free may be taken before the server binds it (tests in
+	// other packages start servers at the same time): pg_ctl then fails,
+	// and another port is tried.
+	for range 5 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		s.port = l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		s.AdminURL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/postgres?sslmode=disable", s.port)
+		err = s.Start()
+		if err == nil {
+			return s, nil
+		}
+		if !strings.Contains(err.Error(), "already in use") {
+			return nil, err
+		}
+		_ = os.Remove(filepath.Join(s.dir, "postgres.log")) // the next try's log alone
 	}
-	return s, nil
+	return nil, fmt.Errorf("postgres: no free port after 5 tries")
 }
 
 func (s *Server) data() string { return filepath.Join(s.dir, "data") }
