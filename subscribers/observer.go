@@ -23,6 +23,9 @@ type Observer interface {
 	// DependencyUp reports that a dependency answers (again, after down;
 	// 0 when it is first known).
 	DependencyUp(subscriber, dependency string, down time.Duration)
+	// Stalled reports that the subscriber became stalled (true: events
+	// wait and it settles none for subscribers.stall_after) or recovered.
+	Stalled(subscriber string, stalled bool)
 	// Timed reports, for events just handled, when each passed each stage
 	// of its way.
 	Timed(subscriber string, events []EventTimes)
@@ -50,3 +53,4 @@ func (NopObserver) DeadLettered(string, int)                   {}
 func (NopObserver) DependencyDown(string, string)              {}
 func (NopObserver) DependencyUp(string, string, time.Duration) {}
 func (NopObserver) Timed(string, []EventTimes)                 {}
+func (NopObserver) Stalled(string, bool)                       {}

@@ -160,6 +160,7 @@ func (r *Runner) start(ctx context.Context) error {
 	batches := make(chan received)
 	r.stall.finished() // the clock starts now
 	if r.cfg.StallAfter > 0 {
+		r.obs.Stalled(r.name, false)
 		r.loops.Add(1)
 		go func() {
 			defer r.loops.Done()

@@ -58,9 +58,11 @@ func (r *Runner) watchdogLoop(ctx context.Context) {
 		r.stall.mu.Unlock()
 		switch {
 		case err != nil && was == nil:
-			r.logger.Error("subscriber stalled: events wait and none is finished", "error", err)
+			r.logger.Error("subscriber stalled: events wait and none is settled", "error", err)
+			r.obs.Stalled(r.name, true)
 		case err == nil && was != nil:
 			r.logger.Info("subscriber no longer stalled")
+			r.obs.Stalled(r.name, false)
 		}
 	}
 }

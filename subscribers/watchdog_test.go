@@ -2,6 +2,7 @@ package subscribers_test
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -34,9 +35,11 @@ func (h *hanging) free() { h.once.Do(func() { close(h.release) }) }
 func TestStalledSubscriberIsNotReady(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	h := &hanging{release: make(chan struct{})}
+	obs := &stallObserver{}
 	r := env.StartRunner(subscribers.Each(h), func(o *subscribers.Options) {
 		o.Config.StallAfter = time.Second
 		o.Config.HandlerTimeout = time.Minute
+		o.Observer = obs
 	})
 	t.Cleanup(h.free) // before the runner stops
 
@@ -70,6 +73,28 @@ func TestStalledSubscriberIsNotReady(t *testing.T) {
 		err := r.Ready()
 		return err == nil, "ready: " + errText(err)
 	})
+	if got := obs.states(); !slices.Equal(got, []bool{false, true, false}) {
+		t.Errorf("the observer (fanout_subscriber_stalled) was told %v, want [false true false]: not stalled at start, stalled, recovered", got)
+	}
+}
+
+// stallObserver records what the runner says of its stalls.
+type stallObserver struct {
+	subscribers.NopObserver
+	mu  sync.Mutex
+	got []bool
+}
+
+func (o *stallObserver) Stalled(_ string, stalled bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.got = append(o.got, stalled)
+}
+
+func (o *stallObserver) states() []bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return slices.Clone(o.got)
 }
 
 func errText(err error) string {

@@ -92,6 +92,7 @@ type Subscribers struct {
 	seconds                         *prometheus.HistogramVec
 	dependencyUp                    *prometheus.GaugeVec
 	outages, outageSeconds          *prometheus.CounterVec
+	stalled                         *prometheus.GaugeVec
 	stages                          *StageRecorder
 }
 
@@ -120,7 +121,10 @@ func NewSubscribers(reg prometheus.Registerer) *Subscribers {
 		Help: "Times a dependency of the subscriber went down."}, []string{"subscriber", "dependency"})
 	m.outageSeconds = prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "dependency_outage_seconds_total",
 		Help: "Time the subscriber spent waiting for a dependency that was down (counted when it comes back)."}, []string{"subscriber", "dependency"})
-	reg.MustRegister(m.seconds, m.dependencyUp, m.outages, m.outageSeconds)
+	m.stalled = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "stalled",
+		Help: "1 while the subscriber is stalled: events wait and it settled none for subscribers.stall_after (it is not ready, and logs why)."},
+		[]string{"subscriber"})
+	reg.MustRegister(m.seconds, m.dependencyUp, m.outages, m.outageSeconds, m.stalled)
 	return m
 }
 
@@ -140,6 +144,14 @@ func (m *Subscribers) DependencyDown(s, dep string) {
 func (m *Subscribers) DependencyUp(s, dep string, down time.Duration) {
 	m.dependencyUp.WithLabelValues(s, dep).Set(1)
 	m.outageSeconds.WithLabelValues(s, dep).Add(down.Seconds())
+}
+
+func (m *Subscribers) Stalled(s string, stalled bool) {
+	v := 0.0
+	if stalled {
+		v = 1
+	}
+	m.stalled.WithLabelValues(s).Set(v)
 }
 
 func (m *Subscribers) Timed(s string, evs []subscribers.EventTimes) {

@@ -25,6 +25,7 @@ func registered(t *testing.T) map[string]bool {
 	s.Skipped("x", 1)
 	s.Retried("x", 1)
 	s.DeadLettered("x", 1)
+	s.Stalled("x", false)
 	b.BulkItem("ok")
 	families, err := reg.Gather()
 	if err != nil {
