@@ -50,6 +50,12 @@ WHERE locktype = 'advisory' AND granted AND classid = $1::int::oid
 	return func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
+		// Unlocked before the close returns: a backend releases its locks
+		// when it exits, a moment after its client has gone, and a command
+		// run right after this one (a cleanup after a reindex) would find
+		// the lock still held. Closing alone still releases it if the
+		// unlock fails.
+		_, _ = held.Exec(ctx, `SELECT pg_advisory_unlock($1::int, hashtext($2))`, lockClass, alias)
 		_ = held.Close(ctx)
 	}, nil
 }
