@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -15,7 +14,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -23,6 +21,7 @@ import (
 	"github.com/fanout/fanout/internal/natstest"
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/internal/redistest"
+	"github.com/fanout/fanout/internal/syncbuf"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
@@ -59,22 +58,11 @@ func TestMain(m *testing.M) {
 type process struct {
 	name string
 	cmd  *exec.Cmd
-	mu   sync.Mutex
-	out  bytes.Buffer
+	out  syncbuf.Buffer
 	done chan error
 }
 
-func (p *process) Write(b []byte) (int, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.out.Write(b)
-}
-
-func (p *process) output() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.out.String()
-}
+func (p *process) output() string { return p.out.String() }
 
 // start runs `fanout args...` with the given FANOUT_ settings (and none from
 // the test's own environment).
@@ -88,7 +76,7 @@ func start(t *testing.T, env []string, args ...string) *process {
 		}
 	}
 	p.cmd.Env = append(p.cmd.Env, env...)
-	p.cmd.Stdout, p.cmd.Stderr = p, p
+	p.cmd.Stdout, p.cmd.Stderr = &p.out, &p.out
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
