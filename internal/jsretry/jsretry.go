@@ -21,7 +21,19 @@ func Transient(ctx context.Context, err error) bool {
 	var apiErr *jetstream.APIError
 	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) ||
 		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoStreamResponse) ||
-		(errors.As(err, &apiErr) && apiErr.Code >= 500)
+		(errors.As(err, &apiErr) && (apiErr.Code >= 500 || peerOffline(apiErr)))
+}
+
+// errCodeNoPeers is JetStream's "no suitable peers for placement".
+const errCodeNoPeers jetstream.ErrorCode = 10005
+
+// peerOffline reports a stream or consumer that cannot be placed only
+// because a cluster node is down (restarting, or the cluster still
+// forming): it can be once the node is back. Placement refused for any
+// other reason (insufficient storage, unmatched tags, more replicas than
+// nodes) is a configuration to fix, not a wait.
+func peerOffline(e *jetstream.APIError) bool {
+	return e.ErrorCode == errCodeNoPeers && e.Description == "no suitable peers for placement, peer offline"
 }
 
 // Do runs fn until it succeeds, fails for good, or ctx ends,
