@@ -49,29 +49,40 @@ func applyRoles(t *testing.T, dbURL string, env ...string) string {
 // applyRolesFile runs the roles script at path (see applyRoles).
 func applyRolesFile(t *testing.T, path, dbURL string, env ...string) string {
 	t.Helper()
+	var out string
+	withRolesLock(t, func(*pgx.Conn) error {
+		var err error
+		out, err = runRolesFile(path, dbURL, nil, env...)
+		return err
+	})
+	return out
+}
+
+// runRolesFile runs the roles script at path with psql and the variables
+// vars (-v name=value), for a caller that holds rolesLock.
+func runRolesFile(path, dbURL string, vars []string, env ...string) (string, error) {
 	psql, err := exec.LookPath("psql")
 	if err != nil {
 		psql = "/usr/lib/postgresql/15/bin/psql"
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	var out []byte
-	withRolesLock(t, func(*pgx.Conn) error {
-		cmd := exec.CommandContext(ctx, psql, "-X", "-q", "-v", "ON_ERROR_STOP=1",
-			"-f", path, dbURL)
-		for _, kv := range os.Environ() {
-			if !strings.HasPrefix(kv, "FANOUT_PG_") { // a developer's shell must not set passwords here
-				cmd.Env = append(cmd.Env, kv)
-			}
+	args := []string{"-X", "-q", "-v", "ON_ERROR_STOP=1"}
+	for _, v := range vars {
+		args = append(args, "-v", v)
+	}
+	cmd := exec.CommandContext(ctx, psql, append(args, "-f", path, dbURL)...)
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "FANOUT_PG_") { // a developer's shell must not set passwords here
+			cmd.Env = append(cmd.Env, kv)
 		}
-		cmd.Env = append(cmd.Env, env...)
-		var err error
-		if out, err = cmd.CombinedOutput(); err != nil {
-			return fmt.Errorf("psql -f roles.sql: %w\n%s", err, out)
-		}
-		return nil
-	})
-	return string(out)
+	}
+	cmd.Env = append(cmd.Env, env...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("psql -f roles.sql: %w\n%s", err, out)
+	}
+	return string(out), nil
 }
 
 // withRolesLock runs fn holding rolesLock, with a superuser connection to

@@ -94,9 +94,12 @@ pg_up() {
         { cat "$data/postgres-initdb.log" >&2; die "initdb failed"; }
     fi
     # Everything on the command line, so the cluster's own files need no edits.
+    # wal_level=logical lets a relay in relay.capture wal decode the outbox
+    # from a replication slot (each test database may have one).
     as_postgres "$pg_bin/pg_ctl" -D "$dir" -l "$dir/postgres.log" -w -t 60 start \
       -o "-c listen_addresses=127.0.0.1 -p $POSTGRES_PORT -c unix_socket_directories=/tmp \
-          -c max_connections=300 -c shared_buffers=256MB" >/dev/null ||
+          -c max_connections=300 -c shared_buffers=256MB \
+          -c wal_level=logical -c max_replication_slots=200 -c max_wal_senders=200" >/dev/null ||
       { tail -30 "$dir/postgres.log" >&2; die "postgres did not start"; }
   fi
   wait_for postgres 60 "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$POSTGRES_PORT"

@@ -10,6 +10,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -32,10 +33,24 @@ type Status struct {
 		// Missing: the stream does not exist yet (the relay creates it).
 		Missing bool `json:"missing,omitempty"`
 	} `json:"stream"`
+	// Capture is how the relays find committed rows, and in wal capture
+	// their replication slot.
+	Capture     CaptureStatus      `json:"capture"`
 	Subscribers []SubscriberStatus `json:"subscribers"`
 	// Stages are the last minute's stage latencies, when Sources.Ops names
 	// endpoints to read them from.
 	Stages *Stages `json:"stages,omitempty"`
+}
+
+// CaptureStatus is the relays' capture mode and, in wal capture, the slot.
+type CaptureStatus struct {
+	Mode string `json:"mode"`
+	// Slot is the replication slot's state (wal capture; nil until the
+	// relay created it).
+	Slot *relay.SlotState `json:"slot,omitempty"`
+	// BacklogDone: the rows committed before the slot existed are all
+	// published (wal capture).
+	BacklogDone bool `json:"backlog_done,omitempty"`
 }
 
 // SubscriberStatus is one subscriber's state.
@@ -53,6 +68,7 @@ type SubscriberStatus struct {
 type Sources struct {
 	Pool        *pgxpool.Pool
 	JS          jetstream.JetStream
+	Relay       relay.Config
 	Stream      relay.StreamConfig
 	Subscribers subscribers.Config
 	// Known are the subscribers the binary runs: each is reported, with or
@@ -80,6 +96,24 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	}
 	st.Outbox.Pending, st.Outbox.Sending, st.Outbox.Sent, st.Outbox.Failed = backlog.Pending, backlog.Sending, sent, backlog.Failed
 	st.Outbox.OldestPendingAge = backlog.OldestPending.Seconds()
+
+	st.Capture.Mode = src.Relay.Capture
+	if st.Capture.Mode == "" {
+		st.Capture.Mode = relay.CapturePoll
+	}
+	if st.Capture.Mode == relay.CaptureWAL {
+		slot, _, ok, err := relay.ReadSlot(ctx, src.Pool, src.Relay.Slot)
+		if err != nil {
+			return st, err
+		}
+		if ok {
+			st.Capture.Slot = &slot
+		}
+		err = src.Pool.QueryRow(ctx, `SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, src.Relay.Slot).Scan(&st.Capture.BacklogDone)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return st, fmt.Errorf("relay_capture: %w", err)
+		}
+	}
 
 	st.Stream.Name = src.Stream.Name
 	stream, err := src.JS.Stream(ctx, src.Stream.Name)

@@ -3,6 +3,7 @@ package outbox
 import (
 	"context"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -48,7 +49,7 @@ const claimSQL = `
 WITH picked AS (
     SELECT id
     FROM outbox
-    WHERE published_at IS NULL AND status = 'pending' AND available_at <= now()
+    WHERE published_at IS NULL AND status = 'pending' AND available_at <= now() AND id <= $3
     ORDER BY id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -78,7 +79,12 @@ type Claimed struct {
 // Claim moves up to n pending rows that are due to `sending` under the
 // lease token, and returns them in the order they were picked.
 func (s *Store) Claim(ctx context.Context, n int, token pgtype.UUID) ([]Claimed, error) {
-	rows, err := s.pool.Query(ctx, claimSQL, n, token)
+	return s.ClaimThrough(ctx, n, token, math.MaxInt64)
+}
+
+// ClaimThrough is Claim of rows with ids up to maxID only.
+func (s *Store) ClaimThrough(ctx context.Context, n int, token pgtype.UUID, maxID int64) ([]Claimed, error) {
+	rows, err := s.pool.Query(ctx, claimSQL, n, token, maxID)
 	if err != nil {
 		return nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
@@ -258,4 +264,53 @@ SET status = 'pending', published_at = NULL, available_at = now(), claimed_at = 
     last_error = 'republished by an operator'
 WHERE status = 'sent' AND published_at >= $1`, since)
 	return ct.RowsAffected(), oldestRetained, err
+}
+
+// UnsentThrough counts the rows with ids up to maxID that are still to be
+// published (pending or sending; failed rows wait for an operator).
+func (s *Store) UnsentThrough(ctx context.Context, maxID int64) (int64, error) {
+	var n int64
+	err := s.pool.QueryRow(ctx, `
+SELECT count(*) FROM outbox
+WHERE published_at IS NULL AND status IN ('pending', 'sending') AND id <= $1`, maxID).Scan(&n)
+	return n, err
+}
+
+// FailUnclaimed marks rows failed that were never claimed: a wal relay
+// publishes rows it decoded from the slot, which stay `pending` in the
+// table, and marks only those it can never publish. It returns the ids it
+// marked.
+func (s *Store) FailUnclaimed(ctx context.Context, ids []int64, reasons []string) ([]int64, error) {
+	rows, err := s.pool.Query(ctx, `
+UPDATE outbox o
+SET status = 'failed', attempts = o.attempts + 1, last_error = f.reason
+FROM unnest($1::bigint[], $2::text[]) AS f(id, reason)
+WHERE o.id = f.id AND o.published_at IS NULL AND o.status = 'pending'
+RETURNING o.id`, ids, reasons)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[int64])
+}
+
+// deleteCapturedSQL deletes one small batch of rows a wal relay captured
+// (they stay pending in the table) past their retention; $3 is the slot's
+// backlog bound: rows at or below it may still be waiting for the claim.
+const deleteCapturedSQL = `
+DELETE FROM outbox
+WHERE id IN (
+    SELECT id
+    FROM outbox
+    WHERE published_at IS NULL AND status = 'pending' AND id > $3
+      AND created_at < now() - make_interval(secs => $1::float8)
+    ORDER BY id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)`
+
+// DeleteCaptured deletes up to batch captured rows (ids above
+// backlogThrough) created longer than retention ago.
+func (s *Store) DeleteCaptured(ctx context.Context, retention time.Duration, batch int, backlogThrough int64) (int64, error) {
+	ct, err := s.pool.Exec(ctx, deleteCapturedSQL, retention.Seconds(), batch, backlogThrough)
+	return ct.RowsAffected(), err
 }

@@ -44,6 +44,15 @@ type Config struct {
 	// ShutdownTimeout bounds the graceful finish of the batch in flight at
 	// SIGTERM. Default 30s, > 0.
 	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
+	// Capture is how the relay finds committed rows: poll (claim them from
+	// the table; the default) or wal (decode them from a logical
+	// replication slot: see the package doc).
+	Capture string `koanf:"capture"`
+	// Slot is the wal relay's replication slot, created by the relay on
+	// its first start in wal mode. Slot names are cluster-wide: two
+	// installations on one server need two names. Default "fanout_relay";
+	// lower-case letters, digits and underscores, at most 63.
+	Slot string `koanf:"slot"`
 	// StallAfter: the relay reports not ready when it has completed no
 	// claim for this long (it cannot reach Postgres or NATS, or its slots
 	// are all waiting on PubAcks). Default 30s, longer than PublishTimeout
@@ -51,8 +60,15 @@ type Config struct {
 	StallAfter time.Duration `koanf:"stall_after"`
 }
 
+// Capture modes (relay.capture).
+const (
+	CapturePoll = "poll"
+	CaptureWAL  = "wal"
+)
+
 // Defaults the configuration files and the tests refer to.
 const (
+	DefaultSlot        = "fanout_relay"
 	DefaultBatchSize   = 1000
 	DefaultMaxInFlight = 4000
 	DefaultLease       = 2 * time.Minute
@@ -65,6 +81,7 @@ func DefaultConfig() Config {
 		Lease: DefaultLease, PollInterval: 500 * time.Millisecond, Listen: true, ReapInterval: 10 * time.Second,
 		RetryMin: time.Second, RetryMax: 5 * time.Minute, SentRetention: time.Hour, CleanupInterval: time.Minute,
 		CleanupBatch: 1000, ShutdownTimeout: 30 * time.Second, StallAfter: 30 * time.Second,
+		Capture: CapturePoll, Slot: DefaultSlot,
 	}
 }
 
@@ -94,6 +111,10 @@ func (c Config) Validate() error {
 	v.Between("relay.cleanup_batch", int64(c.CleanupBatch), 1, 100000)
 	v.Positive("relay.shutdown_timeout", c.ShutdownTimeout)
 	v.Positive("relay.stall_after", c.StallAfter)
+	v.OneOf("relay.capture", c.Capture, CapturePoll, CaptureWAL)
+	if !validSlotName(c.Slot) {
+		v.Bad("relay.slot", "must be 1 to 63 lower-case letters, digits or underscores, as PostgreSQL requires of a replication slot's name (got %q)", c.Slot)
+	}
 	return v.Err()
 }
 
@@ -166,4 +187,16 @@ func (s StreamConfig) Validate() error {
 // ValidStreamName reports whether s can name a JetStream stream.
 func ValidStreamName(s string) bool {
 	return outbox.ValidSubjectToken(s) && !strings.ContainsAny(s, `/\`)
+}
+
+func validSlotName(s string) bool {
+	if s == "" || len(s) > 63 {
+		return false
+	}
+	for _, c := range s {
+		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_') {
+			return false
+		}
+	}
+	return true
 }

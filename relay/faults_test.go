@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -12,101 +13,109 @@ import (
 )
 
 func TestNATSDownWhileWriting(t *testing.T) {
-	t.Parallel()
-	h := newHarness(t)
-	h.startRelay(nil, nil)
-	writeMany(t, h.db.Pool, 10)
-	h.waitAllSent(10, 10*time.Second)
+	forEachCapture(t, func(t *testing.T, h *harness) {
+		r := h.newRelay(nil, nil)
+		h.launch(r, func() { writeMany(t, h.db.Pool, 10) })
+		h.waitAllSent(10, 10*time.Second)
 
-	h.nats.Stop()
-	writeMany(t, h.db.Pool, 200) // ids 11..210 in the table; product ids repeat, rows do not
-	time.Sleep(500 * time.Millisecond)
-	c := statusCounts(t, h.db.Pool)
-	if c["sent"] != 10 || c["failed"] != 0 || c["pending"]+c["sending"] != 200 {
-		t.Fatalf("with NATS down: %s, want 10 sent and 200 waiting", formatCounts(c))
-	}
+		h.nats.Stop()
+		writeMany(t, h.db.Pool, 200) // ids 11..210 in the table; product ids repeat, rows do not
+		time.Sleep(500 * time.Millisecond)
+		c := statusCounts(t, h.db.Pool)
+		if c["failed"] != 0 {
+			t.Fatalf("with NATS down: %s, want nothing failed", formatCounts(c))
+		}
+		if !h.wal() && (c["sent"] != 10 || c["pending"]+c["sending"] != 200) {
+			t.Fatalf("with NATS down: %s, want 10 sent and 200 waiting", formatCounts(c))
+		}
 
-	if err := h.nats.Restart(); err != nil {
-		t.Fatal(err)
-	}
-	h.waitAllSent(210, 30*time.Second)
-	if got := len(h.streamMessages()); got != 210 {
-		t.Fatalf("stream holds %d messages, want 210", got)
-	}
+		if err := h.nats.Restart(); err != nil {
+			t.Fatal(err)
+		}
+		h.waitAllSent(210, 30*time.Second)
+		if got := len(h.streamMessages()); got != 210 {
+			t.Fatalf("stream holds %d messages, want 210", got)
+		}
+	})
 }
 
 func TestPostgresRestartUnderRelay(t *testing.T) {
-	t.Parallel()
-	server := pgtest.StartServer(t)
-	h := newHarness(t)
-	h.db = server.NewDB(t)
-	h.startRelay(nil, nil)
-
-	writeMany(t, h.db.Pool, 100)
-	h.waitAllSent(100, 10*time.Second)
-	if err := server.RestartImmediate(); err != nil {
-		t.Fatal(err)
-	}
-	// The pool's connections died with the server; the first writes may
-	// fail while it reconnects, as any application's would.
-	waitFor(t, 20*time.Second, "a write after the restart", func() (bool, string) {
-		_, err := h.db.Pool.Exec(context.Background(), "SELECT 1")
-		return err == nil, "ping failed"
+	forEachCapture(t, func(t *testing.T, h *harness) {
+		server := pgtest.StartServer(t)
+		h.db = server.NewDB(t)
+		r := h.newRelay(nil, nil)
+		h.launch(r, func() { writeMany(t, h.db.Pool, 100) })
+		h.waitAllSent(100, 10*time.Second)
+		if err := server.RestartImmediate(); err != nil {
+			t.Fatal(err)
+		}
+		// The pool's connections died with the server; the first writes may
+		// fail while it reconnects, as any application's would.
+		waitFor(t, 20*time.Second, "a write after the restart", func() (bool, string) {
+			_, err := h.db.Pool.Exec(context.Background(), "SELECT 1")
+			return err == nil, "ping failed"
+		})
+		writeMany(t, h.db.Pool, 100)
+		h.waitAllSent(200, 30*time.Second)
+		if got := len(h.streamMessages()); got != 200 {
+			t.Fatalf("stream holds %d messages, want 200", got)
+		}
 	})
-	writeMany(t, h.db.Pool, 100)
-	h.waitAllSent(200, 30*time.Second)
-	if got := len(h.streamMessages()); got != 200 {
-		t.Fatalf("stream holds %d messages, want 200", got)
-	}
 }
 
 func TestPoisonRowsFailWithoutBlockingOthers(t *testing.T) {
-	t.Parallel()
-	h := newHarness(t)
-	ctx := context.Background()
-	// Rows written behind the writer API's back (raw SQL, another tool).
-	insert := func(eventType, payload string) int64 {
-		var id int64
-		err := h.db.Pool.QueryRow(ctx, `
+	forEachCapture(t, func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		// Rows written behind the writer API's back (raw SQL, another tool).
+		insert := func(eventType, payload string) int64 {
+			var id int64
+			err := h.db.Pool.QueryRow(ctx, `
 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
 VALUES ('product', '1', $1, `+payload+`) RETURNING id`, eventType).Scan(&id)
-		if err != nil {
-			t.Fatal(err)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return id
 		}
-		return id
-	}
-	good := `'{"product_id": 1}'::jsonb`
-	var goodIDs []int64
-	goodIDs = append(goodIDs, insert("product.updated", good))
-	badSubject := insert("product updated", good)
-	wildcard := insert("product.>", good)
-	emptyToken := insert("product..updated", good)
-	goodIDs = append(goodIDs, insert("product.updated", good))
-	oversized := insert("product.updated", `jsonb_build_object('blob', repeat('x', 1100000))`)
-	goodIDs = append(goodIDs, insert("product.updated", good))
+		good := `'{"product_id": 1}'::jsonb`
+		var goodIDs []int64
+		var badSubject, wildcard, emptyToken, oversized int64
+		h.launch(h.newRelay(nil, nil), func() {
+			goodIDs = append(goodIDs, insert("product.updated", good))
+			badSubject = insert("product updated", good)
+			wildcard = insert("product.>", good)
+			emptyToken = insert("product..updated", good)
+			goodIDs = append(goodIDs, insert("product.updated", good))
+			oversized = insert("product.updated", `jsonb_build_object('blob', repeat('x', 1100000))`)
+			goodIDs = append(goodIDs, insert("product.updated", good))
+		})
 
-	h.startRelay(nil, nil)
-	waitFor(t, 15*time.Second, "3 sent and 4 failed", func() (bool, string) {
-		c := statusCounts(t, h.db.Pool)
-		return c["sent"] == 3 && c["failed"] == 4, formatCounts(c)
+		waitFor(t, 15*time.Second, "3 published and 4 failed", func() (bool, string) {
+			c := statusCounts(t, h.db.Pool)
+			published := c["sent"]
+			if h.wal() {
+				published = h.streamCount()
+			}
+			return published == 3 && c["failed"] == 4, formatCounts(c) + fmt.Sprintf(" published=%d", published)
+		})
+		for id, want := range map[int64]string{
+			badSubject: "event type",
+			wildcard:   "event type",
+			emptyToken: "event type",
+			oversized:  "max_payload",
+		} {
+			var reason string
+			if err := h.db.Pool.QueryRow(ctx, `SELECT last_error FROM outbox WHERE id = $1 AND status = 'failed'`, id).Scan(&reason); err != nil {
+				t.Fatalf("row %d: %v", id, err)
+			}
+			if !strings.Contains(reason, want) {
+				t.Errorf("row %d failed with %q, want a reason mentioning %q", id, reason, want)
+			}
+		}
+		if got := len(h.streamMessages()); got != len(goodIDs) {
+			t.Errorf("stream holds %d messages, want the %d good rows", got, len(goodIDs))
+		}
 	})
-	for id, want := range map[int64]string{
-		badSubject: "event type",
-		wildcard:   "event type",
-		emptyToken: "event type",
-		oversized:  "max_payload",
-	} {
-		var reason string
-		if err := h.db.Pool.QueryRow(ctx, `SELECT last_error FROM outbox WHERE id = $1 AND status = 'failed'`, id).Scan(&reason); err != nil {
-			t.Fatalf("row %d: %v", id, err)
-		}
-		if !strings.Contains(reason, want) {
-			t.Errorf("row %d failed with %q, want a reason mentioning %q", id, reason, want)
-		}
-	}
-	if got := len(h.streamMessages()); got != len(goodIDs) {
-		t.Errorf("stream holds %d messages, want the %d good rows", got, len(goodIDs))
-	}
 }
 
 func TestStuckSendingRowIsReaped(t *testing.T) {

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -70,10 +71,30 @@ func (h *harness) startRelay(mutate func(*Config), obs Observer) *Relay {
 	return r
 }
 
+// forEachCapture runs test in parallel subtests, one per capture mode, each
+// with a harness of its own: the relay's contract holds in both.
+func forEachCapture(t *testing.T, test func(t *testing.T, h *harness), opts ...natstest.Option) {
+	for _, capture := range []string{CapturePoll, CaptureWAL} {
+		t.Run(capture, func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t, opts...)
+			h.cfg.Relay.Capture = capture
+			test(t, h)
+		})
+	}
+}
+
+// wal reports whether the harness's relays capture from the WAL.
+func (h *harness) wal() bool { return h.cfg.Relay.Capture == CaptureWAL }
+
 // newRelay returns a relay that is not started yet.
 func (h *harness) newRelay(mutate func(*Config), obs Observer) *Relay {
 	h.t.Helper()
 	rc := h.cfg.Relay
+	if rc.Capture == CaptureWAL {
+		// Slot names are cluster-wide, test databases are not.
+		rc.Slot = h.db.Name
+	}
 	if mutate != nil {
 		mutate(&rc)
 	}
@@ -182,8 +203,41 @@ func statusCounts(t testing.TB, pool *pgxpool.Pool) map[string]int {
 	return counts
 }
 
+// launch starts r around writes: in poll capture after them (the claim
+// finds them in the table), in wal capture before them, once the relay
+// streams from its slot (rows committed before the slot are claimed, not
+// decoded).
+func (h *harness) launch(r *Relay, writes func()) {
+	h.t.Helper()
+	if !h.wal() {
+		writes()
+		h.start(r)
+		return
+	}
+	h.start(r)
+	h.waitStreaming(r)
+	writes()
+}
+
+// waitStreaming waits until r streams from its slot.
+func (h *harness) waitStreaming(r *Relay) {
+	h.t.Helper()
+	waitFor(h.t, 20*time.Second, "the relay streaming from its slot", func() (bool, string) {
+		return r.captureState.Load() == captureStreaming, fmt.Sprintf("capture state %d", r.captureState.Load())
+	})
+}
+
+// waitAllSent waits until n rows are published: marked sent in poll
+// capture; in the stream in wal capture, where the relay marks nothing.
 func (h *harness) waitAllSent(n int, timeout time.Duration) {
 	h.t.Helper()
+	if h.wal() {
+		waitFor(h.t, timeout, strconv.Itoa(n)+" events in the stream", func() (bool, string) {
+			got := h.streamCount()
+			return got == n, strconv.Itoa(got) + " in the stream"
+		})
+		return
+	}
 	waitFor(h.t, timeout, strconv.Itoa(n)+" rows sent", func() (bool, string) {
 		c := statusCounts(h.t, h.db.Pool)
 		return c["sent"] == n, formatCounts(c)
@@ -193,6 +247,32 @@ func (h *harness) waitAllSent(n int, timeout time.Duration) {
 func formatCounts(c map[string]int) string {
 	return "pending=" + strconv.Itoa(c["pending"]) + " sending=" + strconv.Itoa(c["sending"]) +
 		" sent=" + strconv.Itoa(c["sent"]) + " failed=" + strconv.Itoa(c["failed"])
+}
+
+// streamCount is how many messages the stream holds (0 if it does not exist
+// yet or NATS is down).
+func (h *harness) streamCount() int {
+	h.t.Helper()
+	nc, err := nats.Connect(h.nats.URL)
+	if err != nil {
+		return 0
+	}
+	defer nc.Close()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return 0
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := js.Stream(ctx, h.cfg.Stream.Name)
+	if err != nil {
+		return 0
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return 0
+	}
+	return int(info.State.Msgs)
 }
 
 // streamMessages reads every message stored in the stream.
@@ -232,6 +312,8 @@ type recorder struct {
 	retried   int
 	failed    int
 	reaped    int
+	lagBytes  int64
+	lagStuck  time.Duration
 }
 
 func (r *recorder) Claimed(n int, _ time.Duration) { r.mu.Lock(); r.claimed += n; r.mu.Unlock() }
@@ -243,6 +325,11 @@ func (r *recorder) Published(ev []Published) {
 func (r *recorder) Retried(n int) { r.mu.Lock(); r.retried += n; r.mu.Unlock() }
 func (r *recorder) Failed(n int)  { r.mu.Lock(); r.failed += n; r.mu.Unlock() }
 func (r *recorder) Reaped(n int)  { r.mu.Lock(); r.reaped += n; r.mu.Unlock() }
+func (r *recorder) SlotLag(bytes int64, stuck time.Duration) {
+	r.mu.Lock()
+	r.lagBytes, r.lagStuck = bytes, stuck
+	r.mu.Unlock()
+}
 
 func (r *recorder) snapshot() (published []Published, reaped int) {
 	r.mu.Lock()

@@ -39,6 +39,21 @@ func (r *Relay) cleanupLoop(ctx context.Context) {
 				break
 			}
 		}
+		// A wal relay leaves the rows it captured `pending`; once the
+		// slot's backlog bound is known, those past retention go too.
+		if through := r.backlogThrough.Load(); r.cfg.Capture == CaptureWAL && through >= 0 {
+			for ctx.Err() == nil {
+				n, err := r.store.DeleteCaptured(ctx, r.cfg.SentRetention, r.cfg.CleanupBatch, through)
+				if err != nil {
+					return total, err
+				}
+				total += n
+				r.obs.Deleted(int(n))
+				if n < int64(r.cfg.CleanupBatch) {
+					break
+				}
+			}
+		}
 		if total > 0 {
 			r.logger.Debug("deleted sent rows", "rows", total, "retention", r.cfg.SentRetention)
 		}

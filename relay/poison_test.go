@@ -162,95 +162,103 @@ func TestHeadersNotAllStringsDoNotBlockTheBatch(t *testing.T) {
 // poison row fails with a reason naming it and its problem, every good row is
 // published, and the relay's connection survives.
 func TestPoisonRowsOfEveryKind(t *testing.T) {
-	t.Parallel()
-	h := newHarness(t)
-	ctx := context.Background()
-	good := map[int64]bool{}
-	poison := map[int64]int{} // id -> index in poisonKinds
-	addGood := func() {
-		id, err := insertRaw(ctx, h.db.Pool, rawRow{aggregateID: strconv.Itoa(len(good))}.withDefaults())
-		if err != nil {
-			t.Fatal(err)
-		}
-		good[id] = true
-	}
-	for i, k := range poisonKinds {
-		addGood()
-		id, err := insertRaw(ctx, h.db.Pool, k.row.withDefaults())
-		if err != nil {
-			t.Fatalf("%s: insert: %v", k.name, err)
-		}
-		poison[id] = i
-	}
-	addGood()
-
-	nc := h.connect()
-	r, err := New(Options{Relay: h.cfg.Relay, Stream: h.cfg.Stream, Pool: h.db.Pool, Conn: nc, Logger: testLogger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	h.start(r)
-	want := fmt.Sprintf("%d sent and %d failed", len(good), len(poison))
-	waitFor(t, 20*time.Second, want, func() (bool, string) {
-		c := statusCounts(t, h.db.Pool)
-		if nc.IsClosed() {
-			t.Fatalf("the relay's connection is closed: %v (%s)", nc.LastError(), formatCounts(c))
-		}
-		return c["sent"] == len(good) && c["failed"] == len(poison), formatCounts(c)
-	})
-	if c := statusCounts(t, h.db.Pool); c["pending"]+c["sending"] != 0 {
-		t.Errorf("rows left waiting: %s", formatCounts(c))
-	}
-	if n := nc.Stats().Reconnects; n != 0 || !nc.IsConnected() {
-		t.Errorf("the relay's connection reconnected %d times (connected: %t, last error %v): a row made the server drop it",
-			n, nc.IsConnected(), nc.LastError())
-	}
-
-	rows, err := h.db.Pool.Query(ctx, `SELECT id, status, coalesce(last_error, ''), attempts FROM outbox ORDER BY id`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var id int64
-		var status, reason string
-		var attempts int
-		if err := rows.Scan(&id, &status, &reason, &attempts); err != nil {
-			t.Fatal(err)
-		}
-		i, isPoison := poison[id]
-		if !isPoison {
-			if status != "sent" {
-				t.Errorf("good row %d is %s (%s)", id, status, reason)
+	forEachCapture(t, func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		good := map[int64]bool{}
+		poison := map[int64]int{} // id -> index in poisonKinds
+		addGood := func() {
+			id, err := insertRaw(ctx, h.db.Pool, rawRow{aggregateID: strconv.Itoa(len(good))}.withDefaults())
+			if err != nil {
+				t.Fatal(err)
 			}
-			continue
+			good[id] = true
 		}
-		k := poisonKinds[i]
-		t.Logf("%s: %s", k.name, reason)
-		if status != "failed" || attempts != 1 {
-			t.Errorf("%s: row %d is %s after %d attempts (%s), want failed at the first", k.name, id, status, attempts, reason)
-			continue
+		nc := h.connect()
+		r, err := New(Options{Relay: h.cfg.Relay, Stream: h.cfg.Stream, Pool: h.db.Pool, Conn: nc, Logger: testLogger(t)})
+		if err != nil {
+			t.Fatal(err)
 		}
-		if !strings.Contains(reason, fmt.Sprintf("outbox row %d:", id)) || !strings.Contains(reason, k.want) {
-			t.Errorf("%s: row %d failed with %q, want its id and %q", k.name, id, reason, k.want)
+		if h.wal() {
+			r.cfg.Slot = h.db.Name
 		}
-		if len(reason) > 1000 {
-			t.Errorf("%s: reason is %d bytes long; it should describe the value, not repeat it", k.name, len(reason))
+		h.launch(r, func() {
+			for i, k := range poisonKinds {
+				addGood()
+				id, err := insertRaw(ctx, h.db.Pool, k.row.withDefaults())
+				if err != nil {
+					t.Fatalf("%s: insert: %v", k.name, err)
+				}
+				poison[id] = i
+			}
+			addGood()
+		})
+		// In wal capture the relay marks only the rows it fails.
+		published, goodStatus := func() int { return statusCounts(t, h.db.Pool)["sent"] }, "sent"
+		if h.wal() {
+			published, goodStatus = h.streamCount, "pending"
 		}
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
+		want := fmt.Sprintf("%d published and %d failed", len(good), len(poison))
+		waitFor(t, 20*time.Second, want, func() (bool, string) {
+			c := statusCounts(t, h.db.Pool)
+			if nc.IsClosed() {
+				t.Fatalf("the relay's connection is closed: %v (%s)", nc.LastError(), formatCounts(c))
+			}
+			return published() == len(good) && c["failed"] == len(poison), formatCounts(c) + fmt.Sprintf(" published=%d", published())
+		})
+		if c := statusCounts(t, h.db.Pool); !h.wal() && c["pending"]+c["sending"] != 0 {
+			t.Errorf("rows left waiting: %s", formatCounts(c))
+		}
+		if n := nc.Stats().Reconnects; n != 0 || !nc.IsConnected() {
+			t.Errorf("the relay's connection reconnected %d times (connected: %t, last error %v): a row made the server drop it",
+				n, nc.IsConnected(), nc.LastError())
+		}
 
-	msgs := h.streamMessages()
-	for _, m := range msgs {
-		id, _ := strconv.ParseInt(m.Header.Get("Nats-Msg-Id"), 10, 64)
-		if !good[id] {
-			t.Errorf("stream holds message %d (subject %.60q), not a good row", id, m.Subject)
+		rows, err := h.db.Pool.Query(ctx, `SELECT id, status, coalesce(last_error, ''), attempts FROM outbox ORDER BY id`)
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
-	if len(msgs) != len(good) {
-		t.Errorf("stream holds %d messages, want the %d good rows", len(msgs), len(good))
-	}
+		for rows.Next() {
+			var id int64
+			var status, reason string
+			var attempts int
+			if err := rows.Scan(&id, &status, &reason, &attempts); err != nil {
+				t.Fatal(err)
+			}
+			i, isPoison := poison[id]
+			if !isPoison {
+				if status != goodStatus {
+					t.Errorf("good row %d is %s (%s), want %s", id, status, reason, goodStatus)
+				}
+				continue
+			}
+			k := poisonKinds[i]
+			t.Logf("%s: %s", k.name, reason)
+			if status != "failed" || attempts != 1 {
+				t.Errorf("%s: row %d is %s after %d attempts (%s), want failed at the first", k.name, id, status, attempts, reason)
+				continue
+			}
+			if !strings.Contains(reason, fmt.Sprintf("outbox row %d:", id)) || !strings.Contains(reason, k.want) {
+				t.Errorf("%s: row %d failed with %q, want its id and %q", k.name, id, reason, k.want)
+			}
+			if len(reason) > 1000 {
+				t.Errorf("%s: reason is %d bytes long; it should describe the value, not repeat it", k.name, len(reason))
+			}
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+
+		msgs := h.streamMessages()
+		for _, m := range msgs {
+			id, _ := strconv.ParseInt(m.Header.Get("Nats-Msg-Id"), 10, 64)
+			if !good[id] {
+				t.Errorf("stream holds message %d (subject %.60q), not a good row", id, m.Subject)
+			}
+		}
+		if len(msgs) != len(good) {
+			t.Errorf("stream holds %d messages, want the %d good rows", len(msgs), len(good))
+		}
+	})
 }
 
 // The relay's size check is exact: an event of exactly max_payload bytes

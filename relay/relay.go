@@ -16,6 +16,7 @@ import (
 
 	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/outbox"
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -38,6 +39,10 @@ type Observer interface {
 	Reaped(n int)
 	// Deleted reports sent rows deleted after their retention.
 	Deleted(n int)
+	// SlotLag reports, in wal capture, how far the replication slot's
+	// confirmed position is behind the server's WAL, and for how long it
+	// has been behind without moving (0 when it is not behind).
+	SlotLag(bytes int64, stuck time.Duration)
 }
 
 // Published describes one row stored in the stream.
@@ -51,12 +56,13 @@ type Published struct {
 // NopObserver ignores everything.
 type NopObserver struct{}
 
-func (NopObserver) Claimed(int, time.Duration) {}
-func (NopObserver) Published([]Published)      {}
-func (NopObserver) Retried(int)                {}
-func (NopObserver) Failed(int)                 {}
-func (NopObserver) Reaped(int)                 {}
-func (NopObserver) Deleted(int)                {}
+func (NopObserver) Claimed(int, time.Duration)   {}
+func (NopObserver) Published([]Published)        {}
+func (NopObserver) Retried(int)                  {}
+func (NopObserver) Failed(int)                   {}
+func (NopObserver) Reaped(int)                   {}
+func (NopObserver) Deleted(int)                  {}
+func (NopObserver) SlotLag(int64, time.Duration) {}
 
 // Options are the relay's collaborators.
 type Options struct {
@@ -94,6 +100,14 @@ type Relay struct {
 	lastClaimed  atomic.Int64
 	lastClaimErr atomic.Pointer[string]
 
+	// wal capture (see wal.go).
+	captureState   atomic.Int32  // captureConnecting, captureStandby, captureStreaming
+	confirmedLSN   atomic.Uint64 // the last position confirmed to the server
+	confirmedAt    atomic.Int64  // unix nanoseconds of the last confirm over a transaction
+	backlogThrough atomic.Int64  // the slot's backlog bound, -1 until known
+	slot           atomic.Pointer[SlotState]
+	slotCheckEvery time.Duration // slotCheckInterval; tests shorten it
+
 	startOnce  sync.Once
 	stopOnce   sync.Once
 	stopping   chan struct{}      // closed by Stop: claim no more
@@ -104,6 +118,10 @@ type Relay struct {
 	// testHookBeforeRecord, when set, runs after the PubAcks of a batch
 	// arrived and before the batch is recorded in Postgres.
 	testHookBeforeRecord func(ctx context.Context, ids []int64)
+	// testHookBeforeConfirm, when set, runs in wal capture after every row
+	// of a transaction has its PubAck and before the slot may be confirmed
+	// past it.
+	testHookBeforeConfirm func(ctx context.Context, end pglogrepl.LSN)
 }
 
 // New returns a relay; nothing runs until Start.
@@ -111,6 +129,12 @@ func New(opts Options) (*Relay, error) {
 	// config.Validate refuses this too; a relay embedded in another program
 	// may not have gone through it. Below a batch, the claimer waits for
 	// room that never comes and the relay publishes nothing.
+	if opts.Relay.Capture == "" {
+		opts.Relay.Capture = CapturePoll
+	}
+	if opts.Relay.Slot == "" {
+		opts.Relay.Slot = DefaultSlot
+	}
 	if opts.Relay.MaxInFlight < opts.Relay.BatchSize {
 		return nil, fmt.Errorf("relay.max_in_flight (%d) must be at least relay.batch_size (%d): the relay claims a batch only when all of it fits in flight, so it would never publish",
 			opts.Relay.MaxInFlight, opts.Relay.BatchSize)
@@ -126,7 +150,7 @@ func New(opts Options) (*Relay, error) {
 	if obs == nil {
 		obs = NopObserver{}
 	}
-	return &Relay{
+	r := &Relay{
 		cfg:      opts.Relay,
 		stream:   opts.Stream,
 		pool:     opts.Pool,
@@ -139,7 +163,10 @@ func New(opts Options) (*Relay, error) {
 		wake:     make(chan struct{}, 1),
 		slots:    semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
 		stopping: make(chan struct{}),
-	}, nil
+	}
+	r.backlogThrough.Store(-1)
+	r.slotCheckEvery = slotCheckInterval
+	return r, nil
 }
 
 // Start provisions or verifies the stream (per stream.provision), then starts
@@ -163,15 +190,28 @@ func (r *Relay) start(ctx context.Context) error {
 	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
 	r.lastClaimed.Store(time.Now().UnixNano())
 
-	// One claim loop: a claim is one backend updating a batch of rows,
-	// and the loop claims again as soon as the batch is handed to the
-	// publisher, so publishing never waits for a claim.
-	r.loops.Add(1)
-	go func() {
-		defer r.loops.Done()
-		r.claimLoop(softCtx, hardCtx)
-	}()
-	if r.cfg.Listen {
+	wal := r.cfg.Capture == CaptureWAL
+	if wal {
+		r.loops.Add(2)
+		go func() {
+			defer r.loops.Done()
+			r.walLoop(softCtx, hardCtx)
+		}()
+		go func() {
+			defer r.loops.Done()
+			r.slotLoop(softCtx)
+		}()
+	} else {
+		// One claim loop: a claim is one backend updating a batch of
+		// rows, and the loop claims again as soon as the batch is handed
+		// to the publisher, so publishing never waits for a claim.
+		r.loops.Add(1)
+		go func() {
+			defer r.loops.Done()
+			r.claimLoop(softCtx, hardCtx)
+		}()
+	}
+	if r.cfg.Listen && !wal {
 		r.loops.Add(1)
 		go func() {
 			defer r.loops.Done()
@@ -187,10 +227,16 @@ func (r *Relay) start(ctx context.Context) error {
 		defer r.loops.Done()
 		r.cleanupLoop(softCtx)
 	}()
-	r.logger.Info("relay started",
-		"stream", r.stream.Name, "subjects", r.stream.SubjectPrefix+".>",
-		"batch_size", r.cfg.BatchSize, "max_in_flight", r.cfg.MaxInFlight,
-		"lease", r.cfg.Lease, "poll_interval", r.cfg.PollInterval, "listen", r.cfg.Listen)
+	if wal {
+		r.logger.Info("relay started", "capture", r.cfg.Capture, "slot", r.cfg.Slot, "publication", Publication,
+			"stream", r.stream.Name, "subjects", r.stream.SubjectPrefix+".>",
+			"batch_size", r.cfg.BatchSize, "max_in_flight", r.cfg.MaxInFlight)
+	} else {
+		r.logger.Info("relay started", "capture", r.cfg.Capture,
+			"stream", r.stream.Name, "subjects", r.stream.SubjectPrefix+".>",
+			"batch_size", r.cfg.BatchSize, "max_in_flight", r.cfg.MaxInFlight,
+			"lease", r.cfg.Lease, "poll_interval", r.cfg.PollInterval, "listen", r.cfg.Listen)
+	}
 	return nil
 }
 
@@ -238,6 +284,9 @@ func (r *Relay) Ready() error {
 	}
 	if r.cancelSoft == nil {
 		return errors.New("relay not started")
+	}
+	if r.cfg.Capture == CaptureWAL {
+		return r.walReady()
 	}
 	since := time.Since(time.Unix(0, r.lastClaimed.Load()))
 	if since <= r.cfg.StallAfter {
@@ -357,6 +406,25 @@ func newLeaseToken() pgtype.UUID {
 }
 
 func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
+	results, ok := r.publishAll(ctx, rows)
+	if !ok {
+		// Hard stop: leave the rows `sending`; the reaper returns them.
+		return
+	}
+	if r.testHookBeforeRecord != nil {
+		ids := make([]int64, len(rows))
+		for i := range rows {
+			ids[i] = rows[i].ID
+		}
+		r.testHookBeforeRecord(ctx, ids)
+	}
+	r.record(ctx, rows, token, results)
+}
+
+// publishAll publishes rows asynchronously and waits for their PubAcks, but
+// never past the publish timeout. It returns each row's outcome, or false
+// if ctx ended first (outcomes unknown).
+func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
 	results := make([]outcome, len(rows))
 	futures := make([]jetstream.PubAckFuture, len(rows))
 	maxPayload := r.nc.MaxPayload()
@@ -380,7 +448,6 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 		futures[i] = f
 	}
 
-	// Wait for every PubAck, but never past the publish timeout.
 	deadline := time.NewTimer(r.cfg.PublishTimeout)
 	defer deadline.Stop()
 	timedOut := false
@@ -401,18 +468,10 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
 			timedOut = true
 			results[i] = outcome{err: "no PubAck within relay.publish_timeout"}
 		case <-ctx.Done():
-			// Hard stop: leave the rows `sending`; the reaper returns them.
-			return
+			return nil, false
 		}
 	}
-	if r.testHookBeforeRecord != nil {
-		ids := make([]int64, len(rows))
-		for i := range rows {
-			ids[i] = rows[i].ID
-		}
-		r.testHookBeforeRecord(ctx, ids)
-	}
-	r.record(ctx, rows, token, results)
+	return results, true
 }
 
 // message builds the NATS message for a row, or says why it can never be
@@ -427,6 +486,9 @@ func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
 	}
 	if err := outbox.ValidateAggregate(rw.AggregateType, rw.AggregateID); err != nil {
 		return nil, err
+	}
+	if !rw.CreatedAt.Valid {
+		return nil, fmt.Errorf("%w: created_at is not a readable point in time", outbox.ErrInvalidEvent)
 	}
 	if rw.CreatedAt.InfinityModifier != pgtype.Finite {
 		return nil, fmt.Errorf("%w: created_at is %s, not a point in time", outbox.ErrInvalidEvent, rw.CreatedAt.InfinityModifier)

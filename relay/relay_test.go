@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync"
 	"testing"
@@ -107,35 +108,42 @@ func TestWriteRefusesEventsThatCanNeverBePublished(t *testing.T) {
 }
 
 func TestTwoRelaysStoreEveryRowOnce(t *testing.T) {
-	t.Parallel()
-	h := newHarness(t)
-	small := func(c *Config) { c.BatchSize = 50; c.MaxInFlight = 200 }
-	a, b := &recorder{}, &recorder{}
-	h.startRelay(small, a)
-	h.startRelay(small, b)
-
-	const n = 3000
-	writeMany(t, h.db.Pool, n)
-	h.waitAllSent(n, 60*time.Second)
-
-	msgs := h.streamMessages()
-	seen := map[string]bool{}
-	for _, m := range msgs {
-		id := m.Header.Get("Nats-Msg-Id")
-		if seen[id] {
-			t.Fatalf("event %s stored twice", id)
+	forEachCapture(t, func(t *testing.T, h *harness) {
+		small := func(c *Config) { c.BatchSize = 50; c.MaxInFlight = 200 }
+		a, b := &recorder{}, &recorder{}
+		ra := h.startRelay(small, a)
+		rb := h.startRelay(small, b)
+		if h.wal() {
+			// One streams from the slot, the other stands by.
+			waitFor(t, 20*time.Second, "one relay streaming, one standing by", func() (bool, string) {
+				sa, sb := ra.captureState.Load(), rb.captureState.Load()
+				return sa+sb == captureStreaming+captureStandby && sa != sb, fmt.Sprintf("states %d and %d", sa, sb)
+			})
 		}
-		seen[id] = true
-	}
-	if len(msgs) != n {
-		t.Fatalf("stream holds %d messages, want %d", len(msgs), n)
-	}
-	pa, _ := a.snapshot()
-	pb, _ := b.snapshot()
-	t.Logf("relay a published %d rows, relay b %d", len(pa), len(pb))
-	if len(pa)+len(pb) != n {
-		t.Errorf("relays recorded %d+%d published rows, want %d in all", len(pa), len(pb), n)
-	}
+
+		const n = 3000
+		writeMany(t, h.db.Pool, n)
+		h.waitAllSent(n, 60*time.Second)
+
+		msgs := h.streamMessages()
+		seen := map[string]bool{}
+		for _, m := range msgs {
+			id := m.Header.Get("Nats-Msg-Id")
+			if seen[id] {
+				t.Fatalf("event %s stored twice", id)
+			}
+			seen[id] = true
+		}
+		if len(msgs) != n {
+			t.Fatalf("stream holds %d messages, want %d", len(msgs), n)
+		}
+		pa, _ := a.snapshot()
+		pb, _ := b.snapshot()
+		t.Logf("relay a published %d rows, relay b %d", len(pa), len(pb))
+		if len(pa)+len(pb) != n {
+			t.Errorf("relays recorded %d+%d published rows, want %d in all", len(pa), len(pb), n)
+		}
+	})
 }
 
 // A relay that dies after the PubAcks arrived and before it marked the rows

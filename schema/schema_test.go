@@ -16,8 +16,9 @@ import (
 // emptyDB is a fresh database with no migrations applied.
 func emptyDB(t *testing.T) *pgtest.DB {
 	db := pgtest.NewDB(t)
-	// pgtest databases come migrated; drop everything to start from nothing.
-	_, err := db.Pool.Exec(context.Background(), `DROP SCHEMA public CASCADE; CREATE SCHEMA public`)
+	// pgtest databases come migrated; drop everything to start from nothing
+	// (a publication belongs to the database, not to the schema).
+	_, err := db.Pool.Exec(context.Background(), `DROP SCHEMA public CASCADE; CREATE SCHEMA public; DROP PUBLICATION IF EXISTS fanout_outbox`)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
 	"github.com/spf13/cobra"
 )
 
@@ -19,6 +20,9 @@ func outboxCommand(a *app) *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := a.load(); err != nil {
+				return err
+			}
+			if err := pollCaptureOnly(a, "retry-failed"); err != nil {
 				return err
 			}
 			pool, err := a.postgres(cmd.Context(), "outbox")
@@ -49,6 +53,9 @@ had already handled.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := a.load(); err != nil {
+				return err
+			}
+			if err := pollCaptureOnly(a, "republish"); err != nil {
 				return err
 			}
 			t, err := parseSince(since)
@@ -86,4 +93,14 @@ func parseSince(s string) (time.Time, error) {
 		return time.Time{}, fmt.Errorf("--since %q: want an RFC 3339 time (2026-01-02T15:04:05Z) or a duration ago (30m)", s)
 	}
 	return t, nil
+}
+
+// pollCaptureOnly refuses a command that returns rows to pending when the
+// relays capture from the WAL: a wal relay publishes only what its slot
+// decodes (inserts), so such rows would wait for nobody.
+func pollCaptureOnly(a *app, command string) error {
+	if a.cfg.Relay.Capture != relay.CaptureWAL {
+		return nil
+	}
+	return fmt.Errorf("fanout outbox %s is not supported with relay.capture wal yet: it returns rows to pending, and a wal relay publishes only the inserts its replication slot decodes; run the relays with relay.capture poll to use it", command)
 }

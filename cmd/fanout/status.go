@@ -11,6 +11,7 @@ import (
 
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/operator"
+	"github.com/fanout/fanout/relay"
 	"github.com/spf13/cobra"
 )
 
@@ -43,7 +44,7 @@ them all.`,
 				return err
 			}
 			defer nc.Close()
-			st, err := operator.ReadStatus(ctx, operator.Sources{Pool: pool, JS: js, Stream: a.cfg.Stream,
+			st, err := operator.ReadStatus(ctx, operator.Sources{Pool: pool, JS: js, Relay: a.cfg.Relay, Stream: a.cfg.Stream,
 				Subscribers: a.cfg.Subscribers, Known: subscriberNames(), Ops: a.cfg.HTTP.PeerList()})
 			if err != nil {
 				return err
@@ -63,8 +64,27 @@ them all.`,
 
 func printStatus(w io.Writer, st operator.Status) {
 	o := st.Outbox
-	fmt.Fprintf(w, "outbox   pending %d  sending %d  sent %d (retained)  failed %d  oldest pending %s\n",
-		o.Pending, o.Sending, o.Sent, o.Failed, (time.Duration(o.OldestPendingAge * float64(time.Second))).Round(time.Millisecond))
+	if c := st.Capture; c.Mode == relay.CaptureWAL {
+		// The wal relay marks nothing: its captured rows stay pending.
+		fmt.Fprintf(w, "outbox   %d rows retained (captured rows stay pending)  sent %d  failed %d\n", o.Pending+o.Sending, o.Sent, o.Failed)
+		switch {
+		case c.Slot == nil:
+			fmt.Fprintf(w, "capture  wal  slot not created yet (the relay creates it at start)\n")
+		default:
+			active, backlog := "standing by (no relay streams from it)", "rows from before the slot: published"
+			if c.Slot.Active {
+				active = "a relay streams from it"
+			}
+			if !c.BacklogDone {
+				backlog = "rows from before the slot: still being published"
+			}
+			fmt.Fprintf(w, "capture  wal  slot %s  %s  lag %d bytes, not moving for %s  wal_status %s  %s\n",
+				c.Slot.Name, active, c.Slot.LagBytes, c.Slot.Stuck.Round(time.Second), c.Slot.WALStatus, backlog)
+		}
+	} else {
+		fmt.Fprintf(w, "outbox   pending %d  sending %d  sent %d (retained)  failed %d  oldest pending %s\n",
+			o.Pending, o.Sending, o.Sent, o.Failed, (time.Duration(o.OldestPendingAge * float64(time.Second))).Round(time.Millisecond))
+	}
 	if st.Stream.Missing {
 		fmt.Fprintf(w, "stream   %s  not created yet (the relay creates it at start unless stream.provision is verify or off)\n\n", st.Stream.Name)
 	} else {

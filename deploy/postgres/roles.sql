@@ -23,13 +23,20 @@
 -- Roles:
 --   fanout_migrate      LOGIN. Owns fanout's tables and sequences (ownership
 --                       of existing ones is transferred to it); CREATE on
---                       schema public. Runs `fanout migrate`.
+--                       schema public, and on the database for the outbox's
+--                       publication (CREATE PUBLICATION needs it). Runs
+--                       `fanout migrate`.
 --   fanout_relay        LOGIN. outbox: SELECT, DELETE, and UPDATE of the
 --                       bookkeeping columns only (status, attempts,
 --                       last_error, available_at, claimed_at, lease_token,
 --                       published_at): it claims, marks, reaps and deletes
 --                       rows but cannot change an event or write one.
---                       LISTEN needs no privilege.
+--                       LISTEN needs no privilege. relay_capture: SELECT,
+--                       INSERT, UPDATE (a wal relay's bookkeeping). With
+--                       relay_capture=wal (psql -v relay_capture=wal) it
+--                       also gets REPLICATION, to create and stream its
+--                       replication slot; with poll (the default) it is
+--                       NOREPLICATION.
 --   fanout_writer       NOLOGIN group role: GRANT it to each application role
 --                       that writes events. outbox: INSERT of the event
 --                       columns (aggregate_type, aggregate_id, event_type,
@@ -85,6 +92,19 @@
 
 \set ON_ERROR_STOP on
 
+-- relay.capture of the relays that will log in as fanout_relay: poll (the
+-- default) or wal.
+\if :{?relay_capture}
+\else
+\set relay_capture poll
+\endif
+SELECT :'relay_capture' IN ('poll', 'wal') AS fanout_capture_known, :'relay_capture' = 'wal' AS fanout_capture_wal \gset
+\if :fanout_capture_known
+\else
+\echo 'roles.sql: relay_capture must be poll or wal, got' :'relay_capture'
+DO $$ BEGIN RAISE EXCEPTION 'roles.sql stopped: relay_capture must be poll or wal'; END $$;
+\endif
+
 BEGIN;
 
 -- Roles -----------------------------------------------------------------------
@@ -95,6 +115,9 @@ WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = r) \gexec
 
 ALTER ROLE fanout_migrate     LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_relay       LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+\if :fanout_capture_wal
+ALTER ROLE fanout_relay REPLICATION;
+\endif
 ALTER ROLE fanout_writer      NOLOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_cacheinval LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_invoicing LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
@@ -150,6 +173,7 @@ SELECT current_database() AS fanout_database \gset
 GRANT CONNECT ON DATABASE :"fanout_database"
     TO fanout_migrate, fanout_relay, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
+GRANT CREATE ON DATABASE :"fanout_database" TO fanout_migrate;
 GRANT USAGE, CREATE ON SCHEMA public TO fanout_migrate;
 GRANT USAGE ON SCHEMA public
     TO fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
@@ -159,7 +183,7 @@ GRANT USAGE ON SCHEMA public
 SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migrated
 FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands', 'categories',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
-                  'invoice_number_seq', 'product_sales', 'dead_letter_actions']) AS t \gset
+                  'invoice_number_seq', 'product_sales', 'dead_letter_actions', 'relay_capture']) AS t \gset
 
 \if :fanout_migrated
 
@@ -171,7 +195,7 @@ WHERE c.relnamespace = 'public'::regnamespace
   AND c.relkind IN ('r', 'p')
   AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'subscriber_attempts',
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
-                    'invoices', 'invoice_lines', 'dead_letter_actions', 'product_sales')
+                    'invoices', 'invoice_lines', 'dead_letter_actions', 'product_sales', 'relay_capture')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
 WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
@@ -187,6 +211,7 @@ REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
 GRANT SELECT, DELETE ON outbox TO fanout_relay;
 GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_token, published_at)
     ON outbox TO fanout_relay;
+GRANT SELECT, INSERT, UPDATE ON relay_capture TO fanout_relay;
 
 -- Writers (outbox.Write, outbox.Queue).
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers) ON outbox TO fanout_writer;

@@ -243,6 +243,8 @@ func defaults() map[string]any {
 		"relay.cleanup_batch":    1000,
 		"relay.shutdown_timeout": "30s",
 		"relay.stall_after":      "30s",
+		"relay.capture":          relay.CapturePoll,
+		"relay.slot":             relay.DefaultSlot,
 
 		"subscribers.concurrency":                4,
 		"subscribers.batch_size":                 100,

@@ -36,6 +36,7 @@ type Relay struct {
 	claimed, published, duplicates, retried, failed, reaped, deleted prometheus.Counter
 	claimSeconds                                                     prometheus.Histogram
 	stages                                                           *StageRecorder
+	slotLagBytes, slotStuckSeconds                                   prometheus.Gauge
 }
 
 var _ relay.Observer = (*Relay)(nil)
@@ -58,8 +59,12 @@ func NewRelay(reg prometheus.Registerer) *Relay {
 		claimSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "fanout", Subsystem: "relay", Name: "claim_seconds",
 			Help: "Time to claim one batch.", Buckets: latencyBuckets}),
 		stages: StagesOf(reg),
+		slotLagBytes: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "relay", Name: "slot_lag_bytes",
+			Help: "relay.capture wal: how far the replication slot's confirmed position is behind the server's WAL (the WAL the server keeps for it)."}),
+		slotStuckSeconds: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "relay", Name: "slot_lag_seconds",
+			Help: "relay.capture wal: how long the replication slot has been behind without its confirmed position moving (0 when it is not behind)."}),
 	}
-	reg.MustRegister(m.claimSeconds)
+	reg.MustRegister(m.claimSeconds, m.slotLagBytes, m.slotStuckSeconds)
 	return m
 }
 
@@ -84,6 +89,11 @@ func (m *Relay) Retried(n int) { m.retried.Add(float64(n)) }
 func (m *Relay) Failed(n int)  { m.failed.Add(float64(n)) }
 func (m *Relay) Reaped(n int)  { m.reaped.Add(float64(n)) }
 func (m *Relay) Deleted(n int) { m.deleted.Add(float64(n)) }
+
+func (m *Relay) SlotLag(bytes int64, stuck time.Duration) {
+	m.slotLagBytes.Set(float64(bytes))
+	m.slotStuckSeconds.Set(stuck.Seconds())
+}
 
 // Subscribers implements subscribers.Observer.
 type Subscribers struct {

@@ -95,6 +95,17 @@ func (db *DB) Close() {
 		return
 	}
 	defer admin.Close(context.Background())
+	// A database with a replication slot (a wal relay's) cannot be dropped:
+	// end the slots' streams and drop them first.
+	_, _ = admin.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE database = $1 AND active_pid IS NOT NULL`, db.Name)
+	for i := 0; i < 50; i++ {
+		_, _ = admin.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1 AND NOT active`, db.Name)
+		var remaining int
+		if err := admin.QueryRow(ctx, `SELECT count(*) FROM pg_replication_slots WHERE database = $1`, db.Name).Scan(&remaining); err != nil || remaining == 0 {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 	_, _ = admin.Exec(ctx, fmt.Sprintf("DROP DATABASE IF EXISTS %s WITH (FORCE)", db.Name))
 }
 

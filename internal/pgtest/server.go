@@ -105,7 +105,7 @@ func (s *Server) pgctl(args ...string) error {
 }
 
 func (s *Server) options() string {
-	return fmt.Sprintf("-c listen_addresses=127.0.0.1 -p %d -c unix_socket_directories=%s -c fsync=off", s.port, s.dir)
+	return fmt.Sprintf("-c listen_addresses=127.0.0.1 -p %d -c unix_socket_directories=%s -c fsync=off -c wal_level=logical -c max_replication_slots=20 -c max_wal_senders=20", s.port, s.dir)
 }
 
 // Start starts the server (after Stop).

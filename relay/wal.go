@@ -1,0 +1,701 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/cenkalti/backoff/v5"
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// Publication is the publication a wal relay's slot decodes: inserts into
+// the outbox (schema/migrations/00006_outbox_capture.sql).
+const Publication = "fanout_outbox"
+
+// walStatusInterval is how often a streaming relay confirms its position to
+// the server: the longest a confirmed event waits to be confirmed, so also
+// the span a relay killed at any moment publishes again (as duplicates that
+// JetStream drops).
+const walStatusInterval = time.Second
+
+// standbyRetry is how often a relay whose slot another relay streams from
+// tries to take it over.
+const standbyRetry = time.Second
+
+// Capture states, for readiness and status.
+const (
+	captureConnecting int32 = iota
+	captureStandby
+	captureStreaming
+)
+
+// errSlotInUse: another relay streams from the slot; this one stands by.
+var errSlotInUse = errors.New("replication slot in use by another relay")
+
+// errNotVisibleYet: a decoded row is not visible to other sessions yet.
+var errNotVisibleYet = errors.New("decoded row not visible yet")
+
+// visibleWithin bounds the wait for a decoded row to become visible.
+const visibleWithin = 5 * time.Second
+
+// errSlotLost: the server invalidated the slot (max_slot_wal_keep_size);
+// the WAL it needed is gone.
+var errSlotLost = errors.New("replication slot invalidated")
+
+// walLoop keeps one replication stream from the slot open while the relay
+// runs: it reconnects after any failure and stands by while another relay
+// holds the slot (Postgres lets one connection stream from a slot at a time,
+// and a relay that dies releases it as its connection closes).
+func (r *Relay) walLoop(softCtx, hardCtx context.Context) {
+	wait := 100 * time.Millisecond
+	for softCtx.Err() == nil {
+		err := r.streamSlot(softCtx, hardCtx)
+		if softCtx.Err() != nil {
+			return
+		}
+		r.touchCapture()
+		msg := err.Error()
+		r.lastClaimErr.Store(&msg)
+		switch {
+		case errors.Is(err, errSlotInUse):
+			if r.captureState.Swap(captureStandby) != captureStandby {
+				r.logger.Info("standing by: another relay streams from the slot", "slot", r.cfg.Slot, "detail", err)
+			}
+			wait = 100 * time.Millisecond
+			if !r.sleep(softCtx, standbyRetry) {
+				return
+			}
+			continue
+		case errors.Is(err, errSlotLost):
+			r.captureState.Store(captureConnecting)
+			r.logger.Error("replication slot invalidated: events committed since its last confirmed position may not be published; "+
+				"drop the slot (SELECT pg_drop_replication_slot(...)) so the relay creates it again, and republish the rows committed since (fanout outbox republish)",
+				"slot", r.cfg.Slot, "error", err)
+		default:
+			r.captureState.Store(captureConnecting)
+			r.logger.Error("stream from the replication slot", "slot", r.cfg.Slot, "error", err, "retry_in", wait)
+		}
+		if !r.sleep(softCtx, wait) {
+			return
+		}
+		wait = min(wait*2, 5*time.Second)
+	}
+}
+
+// touchCapture records contact with the server, for readiness.
+func (r *Relay) touchCapture() { r.lastClaimed.Store(time.Now().UnixNano()) }
+
+// streamSlot streams from the slot until ctx ends or the stream fails.
+func (r *Relay) streamSlot(softCtx, hardCtx context.Context) error {
+	cc := r.pool.Config().ConnConfig.Config.Copy()
+	if cc.RuntimeParams == nil {
+		cc.RuntimeParams = map[string]string{}
+	}
+	cc.RuntimeParams["replication"] = "database"
+	connectCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
+	conn, err := pgconn.ConnectConfig(connectCtx, cc)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("replication connection: %w", err)
+	}
+	defer func() {
+		closeCtx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = conn.Close(closeCtx)
+	}()
+
+	backlogThrough, backlogDone, err := r.ensureSlot(softCtx, conn)
+	if err != nil {
+		return err
+	}
+	startCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
+	err = pglogrepl.StartReplication(startCtx, conn, r.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + Publication + "'"},
+	})
+	cancel()
+	if err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55006" { // object_in_use: "replication slot ... is active for PID ..."
+			return fmt.Errorf("%w: %s", errSlotInUse, pgErr.Message)
+		}
+		return fmt.Errorf("start replication from slot %s: %w", r.cfg.Slot, err)
+	}
+	if r.captureState.Swap(captureStreaming) != captureStreaming {
+		r.logger.Info("streaming from the replication slot", "slot", r.cfg.Slot, "publication", Publication)
+	}
+	r.touchCapture()
+
+	// Rows committed before the slot existed are not in its stream: they
+	// are published by claiming them, as the poll relay does.
+	var drain sync.WaitGroup
+	drainCtx, stopDrain := context.WithCancel(softCtx)
+	defer func() {
+		stopDrain()
+		drain.Wait()
+	}()
+	if !backlogDone {
+		drain.Add(1)
+		go func() {
+			defer drain.Done()
+			r.drainBacklog(drainCtx, hardCtx, backlogThrough)
+		}()
+	}
+
+	s := &walStream{r: r, conn: conn, relations: map[uint32]*relationColumns{}, types: pgtype.NewMap(), queue: make(chan *walTxn, r.cfg.MaxInFlight+64)}
+	return s.run(softCtx, hardCtx)
+}
+
+// ensureSlot creates the slot if it does not exist and returns the bound of
+// the rows it does not capture (those committed before it), and whether
+// they have all been published.
+func (r *Relay) ensureSlot(ctx context.Context, conn *pgconn.PgConn) (backlogThrough int64, backlogDone bool, err error) {
+	var (
+		plugin, walStatus string
+		database          string
+		found             bool
+	)
+	err = r.pool.QueryRow(ctx, `
+SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1`, r.cfg.Slot).
+		Scan(&plugin, &database, &walStatus)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+	case err != nil:
+		return 0, false, fmt.Errorf("look up replication slot %s: %w", r.cfg.Slot, err)
+	default:
+		found = true
+	}
+	if found {
+		var current string
+		if err := r.pool.QueryRow(ctx, `SELECT current_database()`).Scan(&current); err != nil {
+			return 0, false, err
+		}
+		if plugin != "pgoutput" || database != current {
+			return 0, false, fmt.Errorf("replication slot %s exists but is not fanout's (plugin %q, database %q; want pgoutput on %q): set relay.slot to another name", r.cfg.Slot, plugin, database, current)
+		}
+		if walStatus == "lost" {
+			return 0, false, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, r.cfg.Slot)
+		}
+	} else {
+		createCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		res, err := pglogrepl.CreateReplicationSlot(createCtx, conn, r.cfg.Slot, "pgoutput",
+			pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "NOEXPORT_SNAPSHOT", Mode: pglogrepl.LogicalReplication})
+		cancel()
+		if err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "42710" { // another relay created it a moment ago
+				return 0, false, fmt.Errorf("%w: %s", errSlotInUse, pgErr.Message)
+			}
+			return 0, false, fmt.Errorf("create replication slot %s: %w", r.cfg.Slot, err)
+		}
+		r.logger.Info("created the replication slot", "slot", res.SlotName, "consistent_point", res.ConsistentPoint)
+		// Every row committed before the slot's consistent point has an id
+		// at most the highest id visible now; a row with a higher id was
+		// inserted later, so the slot decodes it.
+		if _, err := r.pool.Exec(ctx, `
+INSERT INTO relay_capture (slot_name, backlog_through)
+VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox))
+ON CONFLICT (slot_name) DO UPDATE SET backlog_through = EXCLUDED.backlog_through, created_at = now(), backlog_done_at = NULL`,
+			r.cfg.Slot); err != nil {
+			return 0, false, fmt.Errorf("record the slot's backlog: %w", err)
+		}
+	}
+	// A relay that died between creating the slot and recording its
+	// backlog left no row: the bound taken now is higher, which only
+	// claims more rows (JetStream drops those the slot also published).
+	var doneAt pgtype.Timestamptz
+	err = r.pool.QueryRow(ctx, `
+INSERT INTO relay_capture (slot_name, backlog_through)
+VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox))
+ON CONFLICT (slot_name) DO UPDATE SET slot_name = EXCLUDED.slot_name
+RETURNING backlog_through, backlog_done_at`, r.cfg.Slot).Scan(&backlogThrough, &doneAt)
+	if err != nil {
+		return 0, false, fmt.Errorf("read the slot's backlog: %w", err)
+	}
+	r.backlogThrough.Store(backlogThrough)
+	return backlogThrough, doneAt.Valid, nil
+}
+
+// drainBacklog claims and publishes the rows committed before the slot
+// existed (ids up to through), then records that they are done. A relay
+// that stops first leaves the record open; the next one drains again.
+func (r *Relay) drainBacklog(ctx, hardCtx context.Context, through int64) {
+	batch := int64(r.cfg.BatchSize)
+	wait := r.cfg.PollInterval
+	for ctx.Err() == nil {
+		left, err := r.store.UnsentThrough(ctx, through)
+		if err == nil && left == 0 {
+			_, err = r.pool.Exec(ctx, `UPDATE relay_capture SET backlog_done_at = now() WHERE slot_name = $1 AND backlog_through = $2`, r.cfg.Slot, through)
+			if err == nil {
+				r.logger.Info("published the rows committed before the slot existed", "through_id", through)
+				return
+			}
+		}
+		if err != nil {
+			r.logger.Warn("drain the rows committed before the slot", "error", err)
+		}
+		if err := r.slots.Acquire(ctx, batch); err != nil {
+			return
+		}
+		token := newLeaseToken()
+		rows, err := r.store.ClaimThrough(hardCtx, r.cfg.BatchSize, token, through)
+		r.slots.Release(batch - int64(len(rows)))
+		if err != nil || len(rows) == 0 {
+			if err != nil {
+				r.logger.Warn("claim rows committed before the slot", "error", err)
+			}
+			// Rows backing off, or `sending` under a dead poll relay's
+			// lease (the reaper returns them).
+			if !r.sleep(ctx, wait) {
+				return
+			}
+			continue
+		}
+		sortRows(rows)
+		r.batches.Add(1)
+		func() {
+			defer r.batches.Done()
+			defer r.slots.Release(int64(len(rows)))
+			r.deliver(hardCtx, rows, token)
+		}()
+	}
+}
+
+// relationColumns maps the outbox's columns to their places in a tuple.
+type relationColumns struct {
+	outbox bool
+	index  map[string]int
+}
+
+// walTxn is one decoded transaction: its rows are published in chunks, and
+// the slot may be confirmed past it once every chunk is done.
+type walTxn struct {
+	end       pglogrepl.LSN // the end of its commit record, set at commit
+	commitAt  time.Time
+	chunks    sync.WaitGroup // the commit, and each chunk in flight
+	abandoned atomic.Bool    // a chunk stopped before all its rows were published
+}
+
+// walStream is one open replication stream.
+type walStream struct {
+	r         *Relay
+	conn      *pgconn.PgConn
+	relations map[uint32]*relationColumns
+	types     *pgtype.Map // not safe for concurrent use: one per stream
+	cur       *walTxn
+	rows      []row // the current transaction's rows not yet dispatched
+
+	queue     chan *walTxn  // transactions in commit order, to confirm
+	queued    atomic.Int64  // transactions in queue or being waited on
+	confirmed atomic.Uint64 // the position safe to confirm
+	stopped   atomic.Bool   // the confirmer met an abandoned transaction
+}
+
+func (s *walStream) run(softCtx, hardCtx context.Context) (err error) {
+	r := s.r
+	confirmerDone := make(chan struct{})
+	go func() {
+		defer close(confirmerDone)
+		s.confirm(hardCtx)
+	}()
+	defer func() {
+		// Let the chunks in flight finish (their PubAcks arrive, or the
+		// hard stop abandons them), then confirm what they published.
+		if s.cur != nil {
+			s.cur.abandoned.Store(true)
+			s.cur.chunks.Done()
+			s.cur = nil
+		}
+		close(s.queue)
+		<-confirmerDone
+		if sendErr := s.sendStatus(context.Background()); sendErr != nil && err == nil && softCtx.Err() == nil {
+			err = sendErr
+		}
+	}()
+
+	nextStatus := time.Now().Add(walStatusInterval)
+	for {
+		if time.Now().After(nextStatus) {
+			if err := s.sendStatus(softCtx); err != nil {
+				return err
+			}
+			nextStatus = time.Now().Add(walStatusInterval)
+		}
+		ctx, cancel := context.WithDeadline(softCtx, nextStatus)
+		raw, err := s.conn.ReceiveMessage(ctx)
+		cancel()
+		if err != nil {
+			if softCtx.Err() != nil {
+				return nil
+			}
+			if pgconn.Timeout(err) {
+				continue
+			}
+			return fmt.Errorf("receive from the replication slot: %w", err)
+		}
+		r.touchCapture()
+		switch msg := raw.(type) {
+		case *pgproto3.ErrorResponse:
+			return fmt.Errorf("replication stream: %w", pgconn.ErrorResponseToPgError(msg))
+		case *pgproto3.CopyData:
+			if len(msg.Data) == 0 {
+				continue
+			}
+			switch msg.Data[0] {
+			case pglogrepl.PrimaryKeepaliveMessageByteID:
+				ka, err := pglogrepl.ParsePrimaryKeepaliveMessage(msg.Data[1:])
+				if err != nil {
+					return fmt.Errorf("parse keepalive: %w", err)
+				}
+				s.idleConfirm(ka.ServerWALEnd)
+				if ka.ReplyRequested {
+					nextStatus = time.Time{}
+				}
+			case pglogrepl.XLogDataByteID:
+				xld, err := pglogrepl.ParseXLogData(msg.Data[1:])
+				if err != nil {
+					return fmt.Errorf("parse WAL data: %w", err)
+				}
+				if err := s.decode(softCtx, hardCtx, xld.WALData); err != nil {
+					return err
+				}
+			}
+		}
+	}
+}
+
+// idleConfirm lets the slot advance over WAL that holds no outbox rows
+// (other tables' writes, checkpoints) when nothing is in flight: end is the
+// position up to which the server has sent everything.
+func (s *walStream) idleConfirm(end pglogrepl.LSN) {
+	if s.cur != nil || s.queued.Load() > 0 || s.stopped.Load() {
+		return
+	}
+	for {
+		c := s.confirmed.Load()
+		if uint64(end) <= c || s.confirmed.CompareAndSwap(c, uint64(end)) {
+			return
+		}
+	}
+}
+
+func (s *walStream) sendStatus(ctx context.Context) error {
+	pos := pglogrepl.LSN(s.confirmed.Load())
+	if pos == 0 {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: pos}); err != nil {
+		return fmt.Errorf("confirm slot position %s: %w", pos, err)
+	}
+	s.r.confirmedLSN.Store(uint64(pos))
+	return nil
+}
+
+// confirm advances the confirmable position over transactions in commit
+// order as each is completely published; it stops at the first abandoned
+// one, which the next stream decodes again.
+func (s *walStream) confirm(hardCtx context.Context) {
+	for txn := range s.queue {
+		txn.chunks.Wait()
+		if txn.abandoned.Load() {
+			s.stopped.Store(true)
+		}
+		if s.stopped.Load() {
+			s.queued.Add(-1)
+			continue
+		}
+		if h := s.r.testHookBeforeConfirm; h != nil {
+			h(hardCtx, txn.end)
+		}
+		if hardCtx.Err() != nil {
+			// Cut short: what is not confirmed yet is decoded again by
+			// the next stream (the test hook stands for a kill here).
+			s.stopped.Store(true)
+			s.queued.Add(-1)
+			continue
+		}
+		for {
+			c := s.confirmed.Load()
+			if uint64(txn.end) <= c || s.confirmed.CompareAndSwap(c, uint64(txn.end)) {
+				break
+			}
+		}
+		s.r.confirmedAt.Store(time.Now().UnixNano())
+		s.queued.Add(-1)
+	}
+}
+
+// decode handles one pgoutput message.
+func (s *walStream) decode(softCtx, hardCtx context.Context, data []byte) error {
+	msg, err := pglogrepl.Parse(data)
+	if err != nil {
+		return fmt.Errorf("decode pgoutput message: %w", err)
+	}
+	switch m := msg.(type) {
+	case *pglogrepl.RelationMessage:
+		rel := &relationColumns{outbox: m.RelationName == "outbox", index: map[string]int{}}
+		for i, c := range m.Columns {
+			rel.index[c.Name] = i
+		}
+		if rel.outbox {
+			for _, name := range []string{"id", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "created_at"} {
+				if _, ok := rel.index[name]; !ok {
+					return fmt.Errorf("the outbox table %s.%s as decoded has no column %s: is the schema migrated?", m.Namespace, m.RelationName, name)
+				}
+			}
+		}
+		s.relations[m.RelationID] = rel
+	case *pglogrepl.BeginMessage:
+		s.cur = &walTxn{}
+		s.cur.chunks.Add(1) // done at commit
+		s.queued.Add(1)
+		if err := s.enqueue(softCtx, s.cur); err != nil {
+			return err
+		}
+	case *pglogrepl.InsertMessage:
+		rel, ok := s.relations[m.RelationID]
+		if !ok {
+			return fmt.Errorf("insert into relation %d before its description", m.RelationID)
+		}
+		if !rel.outbox || s.cur == nil {
+			return nil
+		}
+		rw, err := tupleRow(s.types, rel, m.Tuple)
+		if err != nil {
+			return err
+		}
+		s.rows = append(s.rows, rw)
+		if len(s.rows) >= s.r.cfg.BatchSize {
+			return s.dispatch(softCtx, hardCtx)
+		}
+	case *pglogrepl.CommitMessage:
+		if s.cur == nil {
+			return nil
+		}
+		s.cur.end = m.TransactionEndLSN
+		s.cur.commitAt = m.CommitTime
+		if err := s.dispatch(softCtx, hardCtx); err != nil {
+			return err
+		}
+		s.cur.chunks.Done()
+		s.cur = nil
+	}
+	return nil
+}
+
+// enqueue hands a transaction to the confirmer without blocking the stream
+// past a status interval (the server drops a silent replica).
+func (s *walStream) enqueue(ctx context.Context, txn *walTxn) error {
+	select {
+	case s.queue <- txn:
+		return nil
+	case <-ctx.Done():
+		txn.abandoned.Store(true)
+		return ctx.Err()
+	}
+}
+
+// dispatch publishes the current transaction's rows collected so far as
+// one chunk, waiting for room in flight (relay.max_in_flight) first.
+func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
+	if len(s.rows) == 0 {
+		return nil
+	}
+	rows := s.rows
+	s.rows = nil
+	n := int64(len(rows))
+	for {
+		ctx, cancel := context.WithTimeout(softCtx, walStatusInterval)
+		err := s.r.slots.Acquire(ctx, n)
+		cancel()
+		if err == nil {
+			break
+		}
+		if softCtx.Err() != nil {
+			return softCtx.Err()
+		}
+		// Stay in touch with the server while the publishes catch up.
+		if err := s.sendStatus(softCtx); err != nil {
+			return err
+		}
+	}
+	txn := s.cur
+	txn.chunks.Add(1)
+	s.r.batches.Add(1)
+	go func() {
+		defer s.r.batches.Done()
+		defer s.r.slots.Release(n)
+		defer txn.chunks.Done()
+		if !s.r.publishCaptured(softCtx, hardCtx, rows) {
+			txn.abandoned.Store(true)
+		}
+	}()
+	return nil
+}
+
+// publishCaptured publishes rows decoded from the slot until every one has
+// a PubAck or is marked failed: the slot is not confirmed past them before,
+// so a publish that fails for a reason outside the row (NATS down, the
+// stream unavailable) is retried with backoff, for as long as it takes. It
+// returns false if the relay stopped first.
+func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) bool {
+	wait := r.cfg.RetryMin
+	for {
+		results, ok := r.publishAll(hardCtx, rows)
+		if !ok {
+			return false
+		}
+		var (
+			retry            []row
+			failedIDs        []int64
+			failedReasons    []string
+			published        []Published
+			firstRetryReason string
+		)
+		for i, res := range results {
+			switch {
+			case res.acked:
+				published = append(published, Published{ID: rows[i].ID, CreatedAt: rows[i].CreatedAt.Time, AckedAt: res.ackedAt, Duplicate: res.duplicate})
+			case res.permanent:
+				failedIDs = append(failedIDs, rows[i].ID)
+				failedReasons = append(failedReasons, res.err)
+			default:
+				if retry == nil {
+					firstRetryReason = res.err
+				}
+				retry = append(retry, rows[i])
+			}
+		}
+		if len(published) > 0 {
+			r.obs.Published(published)
+		}
+		if len(failedIDs) > 0 {
+			if !r.failCaptured(softCtx, failedIDs, failedReasons) {
+				return false
+			}
+		}
+		if len(retry) == 0 {
+			return true
+		}
+		r.obs.Retried(len(retry))
+		r.logger.Warn("publish failed; retrying, the slot waits for these rows", "rows", len(retry), "first_id", retry[0].ID, "error", firstRetryReason, "retry_in", wait)
+		if !r.sleep(softCtx, wait) {
+			return false
+		}
+		wait = min(wait*2, r.cfg.RetryMax)
+		rows = retry
+	}
+}
+
+// failCaptured marks rows failed, retrying while Postgres is unreachable.
+//
+// The walsender may decode a commit a moment before the transaction is
+// visible to other sessions, so a row the update did not find is looked
+// for again, for a while, before it is taken as deleted since.
+func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string) bool {
+	missing := map[int64]string{}
+	for i, id := range ids {
+		missing[id] = reasons[i]
+	}
+	invisibleSince := time.Now()
+	_, err := backoff.Retry(ctx, func() (struct{}, error) {
+		var ids []int64
+		var reasons []string
+		for id, reason := range missing {
+			ids, reasons = append(ids, id), append(reasons, reason)
+		}
+		marked, err := r.store.FailUnclaimed(ctx, ids, reasons)
+		if err != nil {
+			return struct{}{}, err
+		}
+		for _, id := range marked {
+			delete(missing, id)
+		}
+		if len(missing) > 0 && time.Since(invisibleSince) < visibleWithin {
+			return struct{}{}, errNotVisibleYet
+		}
+		return struct{}{}, nil
+	}, backoff.WithBackOff(&backoff.ExponentialBackOff{
+		InitialInterval: 10 * time.Millisecond, RandomizationFactor: 0.3, Multiplier: 2, MaxInterval: 2 * time.Second,
+	}), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
+		if !errors.Is(err, errNotVisibleYet) {
+			r.logger.Warn("mark unpublishable rows failed, will retry", "error", err, "retry_in", next, "rows", len(ids))
+		}
+	}))
+	if err != nil {
+		return false
+	}
+	for id := range missing {
+		r.logger.Warn("an unpublishable row decoded from the slot is no longer in the outbox (deleted since?): not marked failed", "event_id", id, "reason", missing[id])
+	}
+	r.obs.Failed(len(ids) - len(missing))
+	for i, id := range ids {
+		if _, gone := missing[id]; !gone {
+			r.logger.Error("outbox row can never be published: marked failed", "event_id", id, "reason", reasons[i])
+		}
+	}
+	return true
+}
+
+// tupleRow reads an inserted outbox row from its text-format tuple, into
+// the same types the claim reads (nothing is judged here: message() does).
+func tupleRow(types *pgtype.Map, rel *relationColumns, t *pglogrepl.TupleData) (row, error) {
+	col := func(name string) (*pglogrepl.TupleDataColumn, error) {
+		i := rel.index[name]
+		if t == nil || i >= len(t.Columns) {
+			return nil, fmt.Errorf("decoded outbox row has no column %s", name)
+		}
+		return t.Columns[i], nil
+	}
+	text := func(name string) (string, error) {
+		c, err := col(name)
+		if err != nil {
+			return "", err
+		}
+		if c.DataType != pglogrepl.TupleDataTypeText {
+			return "", fmt.Errorf("decoded outbox row: column %s is not in text form (type %q)", name, c.DataType)
+		}
+		return string(c.Data), nil
+	}
+	var rw row
+	idText, err := text("id")
+	if err != nil {
+		return rw, err
+	}
+	if rw.ID, err = strconv.ParseInt(idText, 10, 64); err != nil {
+		return rw, fmt.Errorf("decoded outbox row: id %q: %w", idText, err)
+	}
+	for name, dst := range map[string]*string{"aggregate_type": &rw.AggregateType, "aggregate_id": &rw.AggregateID, "event_type": &rw.EventType} {
+		if *dst, err = text(name); err != nil {
+			return rw, err
+		}
+	}
+	payload, err := text("payload")
+	if err != nil {
+		return rw, err
+	}
+	rw.Payload = []byte(payload)
+	headers, err := text("headers")
+	if err != nil {
+		return rw, err
+	}
+	rw.Headers = []byte(headers)
+	created, err := text("created_at")
+	if err != nil {
+		return rw, err
+	}
+	// Text in the walsender's DateStyle (ISO); an unreadable value stays
+	// invalid, and message() fails the row, not the stream.
+	_ = types.Scan(pgtype.TimestamptzOID, pgtype.TextFormatCode, []byte(created), &rw.CreatedAt)
+	return rw, nil
+}

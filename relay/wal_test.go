@@ -1,0 +1,223 @@
+package relay
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+)
+
+func newWALHarness(t *testing.T) *harness {
+	t.Helper()
+	h := newHarness(t)
+	h.cfg.Relay.Capture = CaptureWAL
+	return h
+}
+
+// Rows committed before the slot existed are not in its stream: a relay
+// switched from poll to wal capture claims and publishes them, and decodes
+// the rest.
+func TestWALPublishesRowsCommittedBeforeTheSlot(t *testing.T) {
+	t.Parallel()
+	h := newWALHarness(t)
+	writeMany(t, h.db.Pool, 700) // a poll relay's backlog: nobody published these
+	r := h.startRelay(nil, nil)
+	h.waitStreaming(r)
+	writeMany(t, h.db.Pool, 300)
+	h.waitAllSent(1000, 30*time.Second)
+
+	c := statusCounts(t, h.db.Pool)
+	if c["sent"] != 700 || c["pending"] != 300 {
+		t.Errorf("outbox after the switch: %s, want the 700 older rows sent by claim and the 300 newer left to the slot", formatCounts(c))
+	}
+	var through int64
+	var done bool
+	if err := h.db.Pool.QueryRow(context.Background(),
+		`SELECT backlog_through, backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, h.db.Name).Scan(&through, &done); err != nil {
+		t.Fatal(err)
+	}
+	if through != 700 || !done {
+		t.Errorf("relay_capture: backlog through %d, done %t; want through 700 and done", through, done)
+	}
+	assertEachOnce(t, h, 1000)
+}
+
+// A relay killed after its events' PubAcks and before it confirmed the slot
+// past them: the next relay decodes them again from the slot and publishes
+// them again, and JetStream drops every one as a duplicate.
+func TestWALRelayKilledBeforeConfirmingPublishesAgain(t *testing.T) {
+	t.Parallel()
+	h := newWALHarness(t)
+	const n = 50
+	acked := make(chan struct{})
+	var once sync.Once
+	dying := h.newRelay(nil, nil)
+	dying.testHookBeforeConfirm = func(ctx context.Context, _ pglogrepl.LSN) {
+		once.Do(func() { close(acked) })
+		<-ctx.Done() // never confirm: the process dies here
+	}
+	h.launch(dying, func() { writeMany(t, h.db.Pool, n) })
+	<-acked
+	h.waitAllSent(n, 10*time.Second)
+	stopCtx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if err := dying.Stop(stopCtx); err == nil {
+		t.Fatal("Stop of a relay stuck before confirming returned no error")
+	}
+
+	rec := &recorder{}
+	h.startRelay(nil, rec)
+	waitFor(t, 20*time.Second, "the next relay to publish every event again", func() (bool, string) {
+		published, _ := rec.snapshot()
+		return len(published) == n, strings.Repeat("|", len(published))
+	})
+	published, _ := rec.snapshot()
+	for _, p := range published {
+		if !p.Duplicate {
+			t.Errorf("event %d: second publish not reported as a duplicate by JetStream", p.ID)
+		}
+	}
+	assertEachOnce(t, h, n)
+}
+
+// While NATS is down nothing gets a PubAck, and the slot must not move past
+// what was decoded (the server's keepalives say it sent more): a relay
+// killed then loses nothing, as the next relay decodes it all again.
+func TestWALRelayKilledWhileNATSDownLosesNothing(t *testing.T) {
+	t.Parallel()
+	h := newWALHarness(t)
+	rec := &recorder{}
+	first := h.newRelay(func(c *Config) { c.PublishTimeout = 200 * time.Millisecond }, rec)
+	first.slotCheckEvery = 100 * time.Millisecond
+	h.launch(first, func() { writeMany(t, h.db.Pool, 10) })
+	h.waitAllSent(10, 10*time.Second)
+
+	h.nats.Stop()
+	writeMany(t, h.db.Pool, 200)
+	// Long enough for several status intervals and server keepalives.
+	waitFor(t, 20*time.Second, "the slot to be behind and stuck", func() (bool, string) {
+		st := first.Slot()
+		return st != nil && st.LagBytes > 0 && st.Stuck > 2*walStatusInterval, "not yet"
+	})
+	if err := first.Ready(); err != nil {
+		t.Errorf("Ready before relay.stall_after: %v", err)
+	}
+	stopCtx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	_ = first.Stop(stopCtx)
+
+	if err := h.nats.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	h.startRelay(nil, nil)
+	h.waitAllSent(210, 30*time.Second)
+	assertEachOnce(t, h, 210)
+	if c := statusCounts(t, h.db.Pool); c["failed"] != 0 {
+		t.Errorf("rows failed for an outage: %s", formatCounts(c))
+	}
+}
+
+// A stuck slot turns readiness red after relay.stall_after, and green again
+// once it moves; the lag is reported to the observer.
+func TestWALStuckSlotIsNotReady(t *testing.T) {
+	t.Parallel()
+	h := newWALHarness(t)
+	rec := &recorder{}
+	r := h.newRelay(func(c *Config) {
+		c.PublishTimeout = 200 * time.Millisecond
+		c.StallAfter = 2 * time.Second
+	}, rec)
+	r.slotCheckEvery = 100 * time.Millisecond
+	h.launch(r, func() {})
+
+	h.nats.Stop()
+	writeMany(t, h.db.Pool, 20)
+	waitFor(t, 20*time.Second, "readiness to report the stuck slot", func() (bool, string) {
+		err := r.Ready()
+		return err != nil && strings.Contains(err.Error(), "has not moved"), "ready"
+	})
+	rec.mu.Lock()
+	lag := rec.lagBytes
+	rec.mu.Unlock()
+	if lag <= 0 {
+		t.Errorf("observer saw slot lag %d bytes, want > 0", lag)
+	}
+
+	if err := h.nats.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	h.waitAllSent(20, 30*time.Second)
+	waitFor(t, 20*time.Second, "readiness back", func() (bool, string) {
+		err := r.Ready()
+		return err == nil, "still not ready"
+	})
+}
+
+// Postgres lets one connection stream from a slot at a time: the second
+// relay stands by and takes over within seconds when the first dies.
+func TestWALStandbyTakesOver(t *testing.T) {
+	t.Parallel()
+	h := newWALHarness(t)
+	a := h.newRelay(nil, nil)
+	h.launch(a, func() { writeMany(t, h.db.Pool, 100) })
+	h.waitAllSent(100, 10*time.Second)
+	b := h.startRelay(nil, nil)
+	waitFor(t, 10*time.Second, "the second relay to stand by", func() (bool, string) {
+		return b.captureState.Load() == captureStandby, "not standing by"
+	})
+	if err := b.Ready(); err != nil {
+		t.Errorf("a standby relay is not ready: %v", err)
+	}
+
+	died := time.Now()
+	// Cut short, as a kill would: its connection closes.
+	stopCtx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+	defer cancel()
+	_ = a.Stop(stopCtx)
+	writeMany(t, h.db.Pool, 100)
+	h.waitStreaming(b)
+	t.Logf("the standby streams %s after the first relay died", time.Since(died).Round(time.Millisecond))
+	h.waitAllSent(200, 20*time.Second)
+	assertEachOnce(t, h, 200)
+}
+
+// In wal capture the relay leaves the rows it published `pending`; the
+// cleaner deletes them after relay.sent_retention, as it deletes sent rows.
+func TestWALCapturedRowsDeletedAfterRetention(t *testing.T) {
+	t.Parallel()
+	h := newWALHarness(t)
+	writeMany(t, h.db.Pool, 30) // the backlog, claimed and marked sent
+	r := h.startRelay(func(c *Config) {
+		c.SentRetention = 0
+		c.CleanupInterval = 100 * time.Millisecond
+	}, nil)
+	h.waitStreaming(r)
+	writeMany(t, h.db.Pool, 70)
+	h.waitAllSent(100, 20*time.Second)
+	waitFor(t, 20*time.Second, "the outbox to be empty", func() (bool, string) {
+		c := statusCounts(t, h.db.Pool)
+		return len(c) == 0, formatCounts(c)
+	})
+	assertEachOnce(t, h, 100)
+}
+
+// assertEachOnce checks that the stream holds events 1..n, each once.
+func assertEachOnce(t *testing.T, h *harness, n int) {
+	t.Helper()
+	msgs := h.streamMessages()
+	seen := map[string]int{}
+	for _, m := range msgs {
+		seen[m.Header.Get("Nats-Msg-Id")]++
+	}
+	for id, k := range seen {
+		if k > 1 {
+			t.Errorf("event %s stored %d times", id, k)
+		}
+	}
+	if len(seen) != n || len(msgs) != n {
+		t.Errorf("stream holds %d messages of %d events, want %d", len(msgs), len(seen), n)
+	}
+}
