@@ -35,7 +35,8 @@ type Config struct {
 	RetryMin time.Duration `koanf:"retry_min"`
 	RetryMax time.Duration `koanf:"retry_max"`
 	// SentRetention is how long sent rows are kept (for republish after a
-	// broker loses data); 0 deletes them at the next cleanup. Default 1h.
+	// broker loses data), and in wal capture the rows the relay published
+	// (created that long ago); 0 deletes them at the next cleanup. Default 1h.
 	SentRetention time.Duration `koanf:"sent_retention"`
 	// CleanupInterval is how often old sent rows are deleted. Default 1m, > 0.
 	CleanupInterval time.Duration `koanf:"cleanup_interval"`

@@ -42,4 +42,62 @@
 // poll interval. So a steady stream of writes keeps the relay busy with
 // latency of a few milliseconds, an idle relay costs a cheap index probe per
 // poll interval, and a lost notification costs at most one poll interval.
+//
+// # Capture from the write-ahead log
+//
+// With relay.capture wal the relay does not claim rows: it streams the
+// outbox's committed inserts from a logical replication slot (relay.slot,
+// plugin pgoutput, publication fanout_outbox, through jackc/pglogrepl), in
+// commit order, and publishes each with the same subject, headers and
+// Nats-Msg-Id as the poll relay, so nothing downstream can tell the two
+// apart. The table is then an append-only log: the relay updates no row it
+// publishes (a row it can never publish is still marked failed, with its
+// reason), and the cleaner deletes rows after relay.sent_retention.
+//
+// Slot safety: the position confirmed to the server only moves past a
+// transaction once every one of its rows has a PubAck or is marked failed,
+// in commit order (walStream.confirm), and past WAL without outbox rows
+// only while nothing is in flight. A publish that fails for a reason
+// outside the row (NATS down, the stream unavailable) is retried with
+// backoff for as long as it takes: the slot waits, nothing is skipped, and
+// no delivery is used up. A relay killed at any point restarts from the
+// confirmed position; the events it had published since are published
+// again and JetStream drops them as duplicates (the position is confirmed
+// every second, far inside the duplicates window).
+//
+// Visibility: the walsender decodes a commit a moment before other sessions
+// can see the transaction, and a subscriber that reads the rows an event
+// names must find them (the fault run caught one that did not: an order
+// "that does not exist"). A transaction is published only once a snapshot
+// taken after its commit shows it (visibilityGate; one snapshot query
+// answers for every transaction waiting at the time).
+//
+// Shutdown: a server shutting down waits, even in a fast shutdown, for its
+// walsenders' clients to confirm what they were sent. A relay that cannot
+// publish (NATS down) would hold Postgres up, so while its confirmation is
+// stuck it asks a plain connection whether the server is stopping, and if
+// so closes its stream; the events it had not confirmed are decoded again
+// after the restart.
+//
+// One relay at a time: Postgres lets one connection stream from a slot.
+// The others get "replication slot is active" and stand by, trying again
+// every second; when the streaming relay dies its connection closes and a
+// standby takes over within a second or two.
+//
+// Rows committed before the slot existed (a poll relay's backlog when an
+// installation switches to wal) are not in its stream: the relay that
+// creates the slot records in relay_capture the highest id then visible,
+// claims and publishes the pending rows up to it as the poll relay would,
+// and records when none is left.
+//
+// The relay reads its slot every few seconds: fanout_relay_slot_lag_bytes
+// and fanout_relay_slot_lag_seconds (how long it has been behind without
+// moving); a warning when the server is near max_slot_wal_keep_size; not
+// ready when it has been stuck past relay.stall_after or was invalidated.
+//
+// Events as pg_logical_emit_message records, with no table at all, were
+// considered and not chosen: a writer in another language could no longer
+// write an event with a plain INSERT, there would be no row to mark failed
+// or to publish again after a broker lost data or a slot was invalidated,
+// and the poll relay could not read them.
 package relay

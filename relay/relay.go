@@ -107,6 +107,7 @@ type Relay struct {
 	backlogThrough atomic.Int64  // the slot's backlog bound, -1 until known
 	slot           atomic.Pointer[SlotState]
 	slotCheckEvery time.Duration // slotCheckInterval; tests shorten it
+	visibility     *visibilityGate
 
 	startOnce  sync.Once
 	stopOnce   sync.Once
@@ -166,6 +167,7 @@ func New(opts Options) (*Relay, error) {
 	}
 	r.backlogThrough.Store(-1)
 	r.slotCheckEvery = slotCheckInterval
+	r.visibility = &visibilityGate{pool: opts.Pool}
 	return r, nil
 }
 

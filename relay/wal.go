@@ -150,8 +150,71 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context) error {
 		}()
 	}
 
+	// A server shutting down waits for its walsenders' clients to confirm
+	// everything sent (even a fast shutdown): a relay that cannot publish
+	// (NATS down) would hold the server up. So the stream ends when the
+	// server says it is stopping; what it had not confirmed is decoded
+	// again after the restart.
+	streamCtx, endStream := context.WithCancelCause(softCtx)
+	defer endStream(nil)
 	s := &walStream{r: r, conn: conn, relations: map[uint32]*relationColumns{}, types: pgtype.NewMap(), queue: make(chan *walTxn, r.cfg.MaxInFlight+64)}
-	return s.run(softCtx, hardCtx)
+	s.progressAt.Store(time.Now().UnixNano())
+	drain.Add(1)
+	go func() {
+		defer drain.Done()
+		s.watchServerStopping(streamCtx, endStream)
+	}()
+	err = s.run(streamCtx, hardCtx)
+	if cause := context.Cause(streamCtx); err == nil && softCtx.Err() == nil && cause != nil {
+		err = cause
+	}
+	return err
+}
+
+// errServerStopping ends a stream whose server is shutting down.
+var errServerStopping = errors.New("the server is shutting down: the replication stream is closed so that it can stop (unconfirmed events are decoded again after its restart)")
+
+// stuckAfter is how long confirmation may wait with work in flight before
+// the stream checks whether the server is stopping.
+const stuckAfter = 2 * time.Second
+
+// watchServerStopping ends the stream (end) if, while its confirmation is
+// stuck, a plain connection finds the server shutting down.
+func (s *walStream) watchServerStopping(ctx context.Context, end context.CancelCauseFunc) {
+	t := time.NewTicker(walStatusInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if s.queued.Load() == 0 || time.Since(time.Unix(0, s.progressAt.Load())) < stuckAfter {
+			continue
+		}
+		pingCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		_, err := s.r.pool.Exec(pingCtx, "SELECT 1")
+		cancel()
+		if serverStopping(err) {
+			s.r.logger.Warn("Postgres is shutting down: closing the replication stream so that it can stop", "slot", s.r.cfg.Slot, "error", err)
+			end(errServerStopping)
+			return
+		}
+	}
+}
+
+// serverStopping reports whether err says the server is shutting down or
+// refuses connections while doing so.
+func serverStopping(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "57P01", "57P02", "57P03": // admin_shutdown, crash_shutdown, cannot_connect_now
+			return true
+		}
+	}
+	var connectErr *pgconn.ConnectError
+	return errors.As(err, &connectErr)
 }
 
 // ensureSlot creates the slot if it does not exist and returns the bound of
@@ -278,6 +341,7 @@ type relationColumns struct {
 // walTxn is one decoded transaction: its rows are published in chunks, and
 // the slot may be confirmed past it once every chunk is done.
 type walTxn struct {
+	xid       uint32        // its transaction id, for the visibility gate
 	end       pglogrepl.LSN // the end of its commit record, set at commit
 	commitAt  time.Time
 	chunks    sync.WaitGroup // the commit, and each chunk in flight
@@ -293,10 +357,11 @@ type walStream struct {
 	cur       *walTxn
 	rows      []row // the current transaction's rows not yet dispatched
 
-	queue     chan *walTxn  // transactions in commit order, to confirm
-	queued    atomic.Int64  // transactions in queue or being waited on
-	confirmed atomic.Uint64 // the position safe to confirm
-	stopped   atomic.Bool   // the confirmer met an abandoned transaction
+	queue      chan *walTxn  // transactions in commit order, to confirm
+	queued     atomic.Int64  // transactions in queue or being waited on
+	confirmed  atomic.Uint64 // the position safe to confirm
+	progressAt atomic.Int64  // unix nanoseconds when a transaction was last confirmed, or the queue last empty
+	stopped    atomic.Bool   // the confirmer met an abandoned transaction
 }
 
 func (s *walStream) run(softCtx, hardCtx context.Context) (err error) {
@@ -431,6 +496,7 @@ func (s *walStream) confirm(hardCtx context.Context) {
 			}
 		}
 		s.r.confirmedAt.Store(time.Now().UnixNano())
+		s.progressAt.Store(time.Now().UnixNano())
 		s.queued.Add(-1)
 	}
 }
@@ -456,7 +522,10 @@ func (s *walStream) decode(softCtx, hardCtx context.Context, data []byte) error 
 		}
 		s.relations[m.RelationID] = rel
 	case *pglogrepl.BeginMessage:
-		s.cur = &walTxn{}
+		if s.queued.Load() == 0 {
+			s.progressAt.Store(time.Now().UnixNano())
+		}
+		s.cur = &walTxn{xid: m.Xid}
 		s.cur.chunks.Add(1) // done at commit
 		s.queued.Add(1)
 		if err := s.enqueue(softCtx, s.cur); err != nil {
@@ -536,6 +605,12 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 		defer s.r.batches.Done()
 		defer s.r.slots.Release(n)
 		defer txn.chunks.Done()
+		// Every row of a transaction is dispatched at its commit or after
+		// it (a chunk that filled up earlier waits here the same way).
+		if err := s.r.visibility.wait(softCtx, txn.xid); err != nil {
+			txn.abandoned.Store(true)
+			return
+		}
 		if !s.r.publishCaptured(softCtx, hardCtx, rows) {
 			txn.abandoned.Store(true)
 		}

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/jackc/pglogrepl"
 )
 
@@ -220,4 +221,38 @@ func assertEachOnce(t *testing.T, h *harness, n int) {
 	if len(seen) != n || len(msgs) != n {
 		t.Errorf("stream holds %d messages of %d events, want %d", len(msgs), len(seen), n)
 	}
+}
+
+// A server shutting down waits for its walsenders' clients to confirm what
+// they were sent, even in a fast shutdown. A wal relay that cannot publish
+// (NATS down) must let go of its stream, or Postgres cannot stop; nothing
+// is lost, as the events it had not confirmed are decoded again.
+func TestWALRelayLetsPostgresStopWhileNATSDown(t *testing.T) {
+	t.Parallel()
+	server := pgtest.StartServer(t)
+	h := newWALHarness(t)
+	h.db = server.NewDB(t)
+	r := h.newRelay(func(c *Config) { c.PublishTimeout = 200 * time.Millisecond }, nil)
+	r.slotCheckEvery = 100 * time.Millisecond
+	h.launch(r, func() { writeMany(t, h.db.Pool, 10) })
+	h.waitAllSent(10, 10*time.Second)
+
+	h.nats.Stop()
+	writeMany(t, h.db.Pool, 50)
+	waitFor(t, 20*time.Second, "the slot to be behind and stuck", func() (bool, string) {
+		st := r.Slot()
+		return st != nil && st.LagBytes > 0 && st.Stuck > stuckAfter, "not yet"
+	})
+	// pg_ctl stop -m fast gives up after its 60 s timeout.
+	if err := server.Stop(); err != nil {
+		t.Fatalf("Postgres could not stop while the wal relay held its stream: %v", err)
+	}
+	if err := server.Start(); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.nats.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	h.waitAllSent(60, 60*time.Second)
+	assertEachOnce(t, h, 60)
 }

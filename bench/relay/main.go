@@ -17,6 +17,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -89,15 +90,21 @@ func run(ctx context.Context) error {
 	fmt.Printf("relay benchmark, %s, GOMAXPROCS=%d\n\n", time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0))
 
 	want := func(part string) bool { return *only == "" || *only == part }
-	var a, b, c, claimMs, ac, ab benchkit.Figure
+	var a, w, b, c, claimMs, ac, wa, ab benchkit.Figure
 	for run := range *benchkit.Runs {
-		var ra, rb, rc result
+		var ra, rw, rb, rc result
 		if want("a") {
 			if ra, err = benchDrain(ctx, nc); err != nil {
 				return fmt.Errorf("(a): %w", err)
 			}
 			a.Add(ra.rate)
 			claimMs.Add(ra.claimMs)
+		}
+		if want("w") {
+			if rw, err = benchDrainWAL(ctx, nc); err != nil {
+				return fmt.Errorf("(w): %w", err)
+			}
+			w.Add(rw.rate)
 		}
 		if want("b") {
 			if rb, err = benchNaive(ctx, nc); err != nil {
@@ -114,12 +121,16 @@ func run(ctx context.Context) error {
 		if *only == "" {
 			// Ratios within one run: the parts ran minutes apart at most.
 			ac.Add(ra.rate / rc.rate)
+			wa.Add(rw.rate / ra.rate)
 			ab.Add(ra.rate / rb.rate)
 		}
-		fmt.Printf("    run %d of %d: a %.0f rows/s  b %.1f rows/s  c %.0f msgs/s\n", run+1, *benchkit.Runs, ra.rate, rb.rate, rc.rate)
+		fmt.Printf("    run %d of %d: a %.0f rows/s  w %.0f rows/s  b %.1f rows/s  c %.0f msgs/s\n", run+1, *benchkit.Runs, ra.rate, rw.rate, rb.rate, rc.rate)
 	}
 	if want("a") {
-		fmt.Printf("(a) fanout relay draining %d rows: %s; a claim took %s on average\n", *rows, a.Format("%.0f rows/s"), claimMs.Format("%.1fms"))
+		fmt.Printf("(a) fanout relay (relay.capture poll) draining %d rows: %s; a claim took %s on average\n", *rows, a.Format("%.0f rows/s"), claimMs.Format("%.1fms"))
+	}
+	if want("w") {
+		fmt.Printf("(w) fanout relay (relay.capture wal) draining %d rows from its slot (committed in transactions of 1000 while it was stopped): %s\n", *rows, w.Format("%.0f rows/s"))
 	}
 	if want("b") {
 		fmt.Printf("(b) naive publisher (poll 2s, batch 50, sync publish, then mark) for %s: %s\n", *naiveFor, b.Format("%.1f rows/s"))
@@ -128,7 +139,7 @@ func run(ctx context.Context) error {
 		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %s\n", *rows, c.Format("%.0f msgs/s"))
 	}
 	if *only == "" {
-		fmt.Printf("    a/c = %s (target >= 0.35)   a/b = %s (target >= 1000)\n\n", ac.Format("%.2f"), ab.Format("%.0f"))
+		fmt.Printf("    a/c = %s (target >= 0.35)   a/b = %s (target >= 1000)   w/a = %s (target for wal: >= 1)\n\n", ac.Format("%.2f"), ab.Format("%.0f"), wa.Format("%.2f"))
 	}
 	if want("writer") {
 		if err := benchWriterCost(ctx); err != nil {
@@ -193,9 +204,6 @@ INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
 SELECT 'product', (g % 1000 + 1)::text, 'product.updated',
        jsonb_build_object('product_id', g % 1000 + 1, 'version', g, 'price_cents', 1000 + g % 90000)
 FROM generate_series(1, $1) AS g`, n)
-	if err == nil {
-		_, err = pool.Exec(ctx, `VACUUM ANALYZE outbox`)
-	}
 	return err
 }
 
@@ -249,6 +257,91 @@ func benchDrain(ctx context.Context, nc *nats.Conn) (result, error) {
 	_ = r.Stop(ctx)
 	claimMs := float64(obs.claimNanos.Load()) / float64(obs.claims.Load()) / 1e6
 	return result{n: *rows, secs: secs, rate: float64(*rows) / secs, claimMs: claimMs}, nil
+}
+
+// benchDrainWAL measures a wal relay draining its slot: a relay creates
+// the slot and stops, rows are committed in transactions of 1000, and a new
+// relay publishes them from the slot.
+func benchDrainWAL(ctx context.Context, nc *nats.Conn) (result, error) {
+	db, err := pgtest.Create(ctx, *adminURL)
+	if err != nil {
+		return result{}, err
+	}
+	defer db.Close()
+	stream, done, err := freshStream(nc)
+	if err != nil {
+		return result{}, err
+	}
+	defer done()
+	rp, err := relayPool(ctx, db.URL)
+	if err != nil {
+		return result{}, err
+	}
+	defer rp.Close()
+	rc := relayConfig()
+	rc.Capture, rc.Slot = relay.CaptureWAL, db.Name
+	first, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet})
+	if err != nil {
+		return result{}, err
+	}
+	if err := first.Start(ctx); err != nil {
+		return result{}, err
+	}
+	if err := waitFor(ctx, 30*time.Second, func() (bool, error) {
+		var done bool
+		err := db.Pool.QueryRow(ctx, `SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, rc.Slot).Scan(&done)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return false, nil
+		}
+		return done, err
+	}); err != nil {
+		return result{}, fmt.Errorf("the slot: %w", err)
+	}
+	if err := first.Stop(ctx); err != nil {
+		return result{}, err
+	}
+	for filled := 0; filled < *rows; filled += 1000 {
+		if err := fillOutbox(ctx, db.Pool, min(1000, *rows-filled)); err != nil {
+			return result{}, err
+		}
+	}
+	if err := benchkit.Settle(ctx, db.Pool); err != nil {
+		return result{}, err
+	}
+	obs := &counter{}
+	r, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet, Observer: obs})
+	if err != nil {
+		return result{}, err
+	}
+	start := time.Now()
+	if err := r.Start(ctx); err != nil {
+		return result{}, err
+	}
+	for obs.n.Load() < int64(*rows) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	secs := time.Since(start).Seconds()
+	_ = r.Stop(ctx)
+	return result{n: *rows, secs: secs, rate: float64(*rows) / secs}, nil
+}
+
+// waitFor polls cond every 10ms for up to timeout.
+func waitFor(ctx context.Context, timeout time.Duration, cond func() (bool, error)) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		ok, err := cond()
+		if err != nil || ok {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not within %s", timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
 }
 
 // benchNaive runs the seeds' publisher: every 2 s it reads up to 50 pending
@@ -535,6 +628,7 @@ func benchLatency(ctx context.Context, nc *nats.Conn) error {
 	}{
 		{"fanout default (wake-up + eager polling, poll_interval 500ms)", func(*config.Relay) {}},
 		{"relay.listen=false (eager polling alone, no wake-up)", func(c *config.Relay) { c.Listen = false }},
+		{"relay.capture=wal (decoded from the replication slot)", func(c *config.Relay) { c.Capture = relay.CaptureWAL }},
 	}
 	p50s := make([]benchkit.Figure, len(variants))
 	p99s := make([]benchkit.Figure, len(variants))
@@ -584,6 +678,7 @@ func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*config.Rela
 	defer done()
 	rc := relayConfig()
 	mutate(&rc)
+	rc.Slot = db.Name // slot names are cluster-wide
 	obs := &latencyObserver{acked: map[int64]time.Time{}}
 	rp, err := relayPool(ctx, db.URL)
 	if err != nil {

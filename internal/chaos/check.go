@@ -175,7 +175,10 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 		rep.OutboxRows++
 		want, isPlanted := p.failedRows[id]
 		switch {
-		case status == "sent":
+		case status == "sent" || (r.wal() && status == "pending"):
+			// In wal capture the relay publishes rows it decodes and
+			// leaves them pending: each must be in the stream all the
+			// same.
 			sent[id] = true
 			switch n := len(stream.byID[id]); {
 			case n == 0:

@@ -27,6 +27,7 @@ import (
 	"github.com/fanout/fanout/internal/pgtest"
 	"github.com/fanout/fanout/internal/redistest"
 	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
@@ -53,7 +54,15 @@ type Options struct {
 	// Subscribers are the subscribers run and checked (default: the
 	// registry's); Binary must know them all.
 	Subscribers []subscribers.Declaration
+	// Capture is the relays' relay.capture: poll (the default) or wal.
+	// Relay kills then land anywhere, also between a publish and the
+	// slot's confirmation.
+	Capture string
 }
+
+// wal reports whether the run's relays capture from the WAL: they leave
+// the rows they publish `pending`.
+func (r *run) wal() bool { return r.o.Capture == relay.CaptureWAL }
 
 // instances is how many processes of a subscriber the run starts (2 unless
 // listed): two share a consumer, so kills and redeliveries cross processes.
@@ -237,6 +246,10 @@ func (r *run) setup() {
 	)
 	if r.o.Sabotage != "" {
 		env = append(env, "FANOUT_TEST_SABOTAGE="+r.o.Sabotage)
+	}
+	if r.wal() {
+		// Slot names are cluster-wide; the run's database is its own.
+		env = append(env, "FANOUT_RELAY_CAPTURE=wal", "FANOUT_RELAY_SLOT="+r.db.Name)
 	}
 	// The relay first (it creates the stream), then the subscribers.
 	specs := [][]string{{"relay-1", "relay"}, {"relay-2", "relay"}}
@@ -438,14 +451,41 @@ func (r *run) heal() {
 	}
 }
 
+// walUnsent is how much wal relays have left: the rows committed before
+// the slot still to be claimed, plus 1 while the slot is not confirmed past
+// end (the WAL position when the load stopped, after every outbox insert).
+func (r *run) walUnsent(ctx context.Context, end string) (int, error) {
+	var n int
+	err := r.db.Pool.QueryRow(ctx, `
+SELECT (SELECT count(*) FROM outbox o, relay_capture c
+        WHERE c.slot_name = $1 AND o.id <= c.backlog_through AND o.status IN ('pending', 'sending'))
+     + (SELECT count(*) FROM relay_capture WHERE slot_name = $1 AND backlog_done_at IS NULL)
+     + coalesce((SELECT (confirmed_flush_lsn < $2::pg_lsn)::int FROM pg_replication_slots WHERE slot_name = $1), 1)`,
+		r.db.Name, end).Scan(&n)
+	return n, err
+}
+
 // drain waits until the outbox is empty and every subscriber caught up.
 func (r *run) drain() {
 	deadline := time.Now().Add(4 * time.Minute)
 	var state string
+	var end string // wal capture: the WAL position after the last insert
+	for r.wal() && end == "" && time.Now().Before(deadline) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		if err := r.db.Pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&end); err != nil {
+			time.Sleep(500 * time.Millisecond)
+		}
+		cancel()
+	}
 	for time.Now().Before(deadline) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		var unsent int
 		err := r.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status IN ('pending', 'sending')`).Scan(&unsent)
+		if r.wal() && err == nil {
+			// Rows the slot delivered stay pending: the relays are done
+			// when the slot is past every insert.
+			unsent, err = r.walUnsent(ctx, end)
+		}
 		idle := err == nil && unsent == 0
 		state = fmt.Sprintf("unsent %d (%v)", unsent, err)
 		for _, name := range r.subscriberNames() {
