@@ -90,6 +90,10 @@
 // claims and publishes the pending rows up to it as the poll relay would,
 // and records when none is left.
 //
+// Switching back to poll: a poll relay that finds the slot takes over from
+// the wal relays before its first claim (handover.go), so the rows they
+// published, still pending, are not published again.
+//
 // The relay reads its slot every few seconds: fanout_relay_slot_lag_bytes
 // and fanout_relay_slot_lag_seconds (how long it has been behind without
 // moving); a warning when the server is near max_slot_wal_keep_size; not

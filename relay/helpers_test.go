@@ -91,10 +91,9 @@ func (h *harness) wal() bool { return h.cfg.Relay.Capture == CaptureWAL }
 func (h *harness) newRelay(mutate func(*Config), obs Observer) *Relay {
 	h.t.Helper()
 	rc := h.cfg.Relay
-	if rc.Capture == CaptureWAL {
-		// Slot names are cluster-wide, test databases are not.
-		rc.Slot = h.db.Name
-	}
+	// Slot names are cluster-wide, test databases are not. A poll relay
+	// looks for the slot too (a switch back from wal capture).
+	rc.Slot = h.db.Name
 	if mutate != nil {
 		mutate(&rc)
 	}

@@ -317,6 +317,11 @@ func (r *Relay) Nudge() {
 const eagerPollMin = time.Millisecond
 
 func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
+	// After wal capture, rows its relays published are still pending:
+	// they must be told apart before the first claim (handover.go).
+	if !r.waitHandover(softCtx, hardCtx) {
+		return
+	}
 	idle := eagerPollMin
 	errWait := eagerPollMin
 	batch := int64(r.cfg.BatchSize)

@@ -29,8 +29,8 @@ type SlotState struct {
 // slotCheckInterval is how often a wal relay reads its slot's state.
 const slotCheckInterval = 5 * time.Second
 
-// ReadSlot reads a replication slot's state; ok is false if it does not
-// exist.
+// ReadSlot reads the state of a replication slot of the current database;
+// ok is false if there is none of that name.
 func ReadSlot(ctx context.Context, q interface {
 	QueryRow(context.Context, string, ...any) pgx.Row
 }, slot string) (st SlotState, confirmed string, ok bool, err error) {
@@ -39,7 +39,7 @@ func ReadSlot(ctx context.Context, q interface {
 SELECT active, coalesce(wal_status, ''),
        coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::bigint,
        safe_wal_size, coalesce(confirmed_flush_lsn::text, '')
-FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&st.Active, &st.WALStatus, &st.LagBytes, &safe, &confirmed)
+FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`, slot).Scan(&st.Active, &st.WALStatus, &st.LagBytes, &safe, &confirmed)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return SlotState{Name: slot}, "", false, nil
 	}

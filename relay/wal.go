@@ -58,7 +58,7 @@ var errSlotLost = errors.New("replication slot invalidated")
 func (r *Relay) walLoop(softCtx, hardCtx context.Context) {
 	wait := 100 * time.Millisecond
 	for softCtx.Err() == nil {
-		err := r.streamSlot(softCtx, hardCtx)
+		err := r.streamSlot(softCtx, hardCtx, 0)
 		if softCtx.Err() != nil {
 			return
 		}
@@ -94,8 +94,14 @@ func (r *Relay) walLoop(softCtx, hardCtx context.Context) {
 // touchCapture records contact with the server, for readiness.
 func (r *Relay) touchCapture() { r.lastClaimed.Store(time.Now().UnixNano()) }
 
-// streamSlot streams from the slot until ctx ends or the stream fails.
-func (r *Relay) streamSlot(softCtx, hardCtx context.Context) error {
+// errReachedUntil ends a stream that confirmed the position it was asked
+// to reach.
+var errReachedUntil = errors.New("the slot is confirmed past the position asked for")
+
+// streamSlot streams from the slot until ctx ends or the stream fails, or,
+// with until set, until the slot is confirmed at least that far (the slot
+// must exist then, and rows from before it are not claimed).
+func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN) error {
 	cc := r.pool.Config().ConnConfig.Config.Copy()
 	if cc.RuntimeParams == nil {
 		cc.RuntimeParams = map[string]string{}
@@ -113,9 +119,12 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context) error {
 		_ = conn.Close(closeCtx)
 	}()
 
-	backlogThrough, backlogDone, err := r.ensureSlot(softCtx, conn)
+	backlogThrough, backlogDone, err := r.ensureSlot(softCtx, conn, until == 0)
 	if err != nil {
 		return err
+	}
+	if until != 0 {
+		backlogDone = true // claimed by the poll relay that asked
 	}
 	startCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
 	err = pglogrepl.StartReplication(startCtx, conn, r.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
@@ -157,7 +166,7 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context) error {
 	// again after the restart.
 	streamCtx, endStream := context.WithCancelCause(softCtx)
 	defer endStream(nil)
-	s := &walStream{r: r, conn: conn, relations: map[uint32]*relationColumns{}, types: pgtype.NewMap(), queue: make(chan *walTxn, r.cfg.MaxInFlight+64)}
+	s := &walStream{r: r, conn: conn, relations: map[uint32]*relationColumns{}, types: pgtype.NewMap(), queue: make(chan *walTxn, r.cfg.MaxInFlight+64), until: until}
 	s.progressAt.Store(time.Now().UnixNano())
 	drain.Add(1)
 	go func() {
@@ -220,7 +229,7 @@ func serverStopping(err error) bool {
 // ensureSlot creates the slot if it does not exist and returns the bound of
 // the rows it does not capture (those committed before it), and whether
 // they have all been published.
-func (r *Relay) ensureSlot(ctx context.Context, conn *pgconn.PgConn) (backlogThrough int64, backlogDone bool, err error) {
+func (r *Relay) ensureSlot(ctx context.Context, conn *pgconn.PgConn, create bool) (backlogThrough int64, backlogDone bool, err error) {
 	var (
 		plugin, walStatus string
 		database          string
@@ -247,6 +256,8 @@ SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replicat
 		if walStatus == "lost" {
 			return 0, false, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, r.cfg.Slot)
 		}
+	} else if !create {
+		return 0, false, fmt.Errorf("replication slot %s is gone", r.cfg.Slot)
 	} else {
 		createCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		res, err := pglogrepl.CreateReplicationSlot(createCtx, conn, r.cfg.Slot, "pgoutput",
@@ -357,6 +368,7 @@ type walStream struct {
 	cur       *walTxn
 	rows      []row // the current transaction's rows not yet dispatched
 
+	until      pglogrepl.LSN // end the stream once confirmed this far (0: never)
 	queue      chan *walTxn  // transactions in commit order, to confirm
 	queued     atomic.Int64  // transactions in queue or being waited on
 	confirmed  atomic.Uint64 // the position safe to confirm
@@ -388,11 +400,18 @@ func (s *walStream) run(softCtx, hardCtx context.Context) (err error) {
 
 	nextStatus := time.Now().Add(walStatusInterval)
 	for {
-		if time.Now().After(nextStatus) {
+		reached := s.until != 0 && pglogrepl.LSN(s.confirmed.Load()) >= s.until
+		if reached || time.Now().After(nextStatus) {
 			if err := s.sendStatus(softCtx); err != nil {
 				return err
 			}
+			if reached {
+				return errReachedUntil
+			}
 			nextStatus = time.Now().Add(walStatusInterval)
+			if s.until != 0 {
+				nextStatus = time.Now().Add(100 * time.Millisecond)
+			}
 		}
 		ctx, cancel := context.WithDeadline(softCtx, nextStatus)
 		raw, err := s.conn.ReceiveMessage(ctx)

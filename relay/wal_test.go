@@ -2,13 +2,17 @@ package relay
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 )
 
 func newWALHarness(t *testing.T) *harness {
@@ -255,4 +259,90 @@ func TestWALRelayLetsPostgresStopWhileNATSDown(t *testing.T) {
 	}
 	h.waitAllSent(60, 60*time.Second)
 	assertEachOnce(t, h, 60)
+}
+
+// Switching capture modes on a running installation, under load, as a
+// rolling deploy does: poll to wal with the relays of both modes running
+// together for a while, and back. Every committed event is in the stream
+// exactly once, the poll relay that takes over from the slot publishes
+// again only the few the slot had not confirmed, and in the end every row
+// is sent and the slot is gone.
+func TestSwitchingCaptureUnderLoad(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	ctx := context.Background()
+	loadCtx, stopLoad := context.WithCancel(ctx)
+	var committed atomic.Int64
+	var loadErr atomic.Pointer[error]
+	loadDone := make(chan struct{})
+	go func() {
+		defer close(loadDone)
+		for i := 1; loadCtx.Err() == nil; i++ {
+			err := pgx.BeginFunc(ctx, h.db.Pool, func(tx pgx.Tx) error {
+				_, err := outbox.Write(ctx, tx, productEvent(i))
+				return err
+			})
+			if err != nil {
+				loadErr.Store(&err)
+				return
+			}
+			committed.Add(1)
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+	stopRelay := func(r *Relay) {
+		t.Helper()
+		stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		if err := r.Stop(stopCtx); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	pollA := h.startRelay(nil, nil)
+	time.Sleep(time.Second)
+	h.cfg.Relay.Capture = CaptureWAL
+	wal := h.startRelay(nil, nil)
+	h.waitStreaming(wal)
+	time.Sleep(500 * time.Millisecond)
+	stopRelay(pollA)
+	time.Sleep(time.Second)
+
+	h.cfg.Relay.Capture = CapturePoll
+	rec := &recorder{}
+	h.startRelay(nil, rec)
+	time.Sleep(500 * time.Millisecond)
+	if published, _ := rec.snapshot(); len(published) != 0 {
+		t.Errorf("the poll relay published %d rows while a wal relay still streamed", len(published))
+	}
+	stopRelay(wal)
+	time.Sleep(time.Second)
+	stopLoad()
+	<-loadDone
+	if err := loadErr.Load(); err != nil {
+		t.Fatal(*err)
+	}
+	n := int(committed.Load())
+	waitFor(t, 30*time.Second, "every row sent", func() (bool, string) {
+		c := statusCounts(t, h.db.Pool)
+		return c["sent"] == n, formatCounts(c) + fmt.Sprintf(" of %d", n)
+	})
+	h.cfg.Relay.Capture = CaptureWAL // waitAllSent by the stream
+	h.waitAllSent(n, 30*time.Second)
+	assertEachOnce(t, h, n)
+
+	published, _ := rec.snapshot()
+	dups := 0
+	for _, p := range published {
+		if p.Duplicate {
+			dups++
+		}
+	}
+	t.Logf("%d events; the poll relay taking over published %d, %d of them again", n, len(published), dups)
+	if dups > n/10 {
+		t.Errorf("the poll relay that took over from the slot published %d of %d events again: it should only repeat those the slot had not confirmed", dups, n)
+	}
+	if _, _, exists, err := ReadSlot(ctx, h.db.Pool, h.db.Name); err != nil || exists {
+		t.Errorf("the slot after the switch back: exists %t (%v)", exists, err)
+	}
 }

@@ -32,11 +32,14 @@
 --                       published_at): it claims, marks, reaps and deletes
 --                       rows but cannot change an event or write one.
 --                       LISTEN needs no privilege. relay_capture: SELECT,
---                       INSERT, UPDATE (a wal relay's bookkeeping). With
---                       relay_capture=wal (psql -v relay_capture=wal) it
---                       also gets REPLICATION, to create and stream its
+--                       INSERT, UPDATE, DELETE (a wal relay's bookkeeping).
+--                       With relay_capture=wal (psql -v relay_capture=wal)
+--                       it also gets REPLICATION, to create and stream its
 --                       replication slot; with poll (the default) it is
---                       NOREPLICATION.
+--                       NOREPLICATION. Switching back from wal to poll,
+--                       the poll relays stream and drop the slot: run this
+--                       file with relay_capture=poll only once they have
+--                       logged "switched from wal to poll capture".
 --   fanout_writer       NOLOGIN group role: GRANT it to each application role
 --                       that writes events. outbox: INSERT of the event
 --                       columns (aggregate_type, aggregate_id, event_type,
@@ -211,7 +214,7 @@ REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
 GRANT SELECT, DELETE ON outbox TO fanout_relay;
 GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_token, published_at)
     ON outbox TO fanout_relay;
-GRANT SELECT, INSERT, UPDATE ON relay_capture TO fanout_relay;
+GRANT SELECT, INSERT, UPDATE, DELETE ON relay_capture TO fanout_relay;
 
 -- Writers (outbox.Write, outbox.Queue).
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers) ON outbox TO fanout_writer;

@@ -1,0 +1,173 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+)
+
+// Switching from wal capture back to poll.
+//
+// Rows a wal relay published stay `pending`, so a poll relay that simply
+// started claiming would publish every one of them again. Before its first
+// claim, a poll relay that finds its slot (relay.slot) takes over from the
+// wal relays, one poll relay at a time (an advisory lock), once none of
+// them streams any more:
+//
+//  1. it takes a snapshot S, then reads the WAL position L: every
+//     transaction S shows committed before L;
+//  2. it streams from the slot itself until it is confirmed past L, so
+//     every transaction committed before L is published (what the wal
+//     relays had not confirmed is published again, and JetStream drops
+//     the duplicates);
+//  3. it marks `sent` the pending rows S shows, above the slot's backlog
+//     bound (rows at or below it were claimed, never captured);
+//  4. it drops the slot and forgets it.
+//
+// Pending rows S does not show committed after S: the claim publishes them
+// (those that committed before L too, as duplicates JetStream drops). A
+// relay that dies midway leaves the slot, and the next poll relay starts
+// over. The relay's role needs REPLICATION until the switch is done.
+
+// handOverFromWAL finishes the wal relays' work if the slot exists; it
+// returns nil once there is no slot, and an error (to retry) otherwise.
+func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
+	_, _, exists, err := ReadSlot(softCtx, r.pool, r.cfg.Slot)
+	if err != nil || !exists {
+		return err
+	}
+	conn, err := r.pool.Acquire(softCtx)
+	if err != nil {
+		return err
+	}
+	defer conn.Release()
+	h := fnv.New64a()
+	h.Write([]byte("fanout relay handover " + r.cfg.Slot))
+	lockID := int64(h.Sum64())
+	var locked bool
+	if err := conn.QueryRow(softCtx, `SELECT pg_try_advisory_lock($1)`, lockID).Scan(&locked); err != nil {
+		return err
+	}
+	if !locked {
+		return errHandoverBusy
+	}
+	defer conn.Exec(context.WithoutCancel(softCtx), `SELECT pg_advisory_unlock($1)`, lockID) //nolint:errcheck
+
+	st, _, exists, err := ReadSlot(softCtx, conn, r.cfg.Slot)
+	switch {
+	case err != nil:
+		return err
+	case !exists:
+		return nil // another poll relay finished the switch
+	case st.Active:
+		return errWALRelaysRunning
+	case st.WALStatus == "lost":
+		return fmt.Errorf("%w: slot %s has wal_status lost: it cannot be read to finish the switch to poll capture", errSlotLost, r.cfg.Slot)
+	}
+	var through int64
+	if err := conn.QueryRow(softCtx, `SELECT coalesce((SELECT backlog_through FROM relay_capture WHERE slot_name = $1), -1)`, r.cfg.Slot).Scan(&through); err != nil {
+		return err
+	}
+	if through < 0 {
+		// No record of what was before the slot: nothing can be marked.
+		return fmt.Errorf("replication slot %s has no relay_capture row: it is not a fanout relay's, or its relay died before recording its backlog; drop it by hand to switch to poll capture", r.cfg.Slot)
+	}
+	var snap, end string
+	if err := conn.QueryRow(softCtx, `SELECT pg_current_snapshot()::text`).Scan(&snap); err != nil {
+		return err
+	}
+	if err := conn.QueryRow(softCtx, `SELECT pg_current_wal_lsn()::text`).Scan(&end); err != nil {
+		return err
+	}
+	until, err := pglogrepl.ParseLSN(end)
+	if err != nil {
+		return err
+	}
+	r.logger.Info("switching from wal to poll capture: publishing what the slot still holds", "slot", r.cfg.Slot, "until", end)
+	if err := r.streamSlot(softCtx, hardCtx, until); !errors.Is(err, errReachedUntil) {
+		if err == nil {
+			err = softCtx.Err()
+		}
+		return fmt.Errorf("stream the slot to %s: %w", end, err)
+	}
+
+	// Mark in id ranges, so no transaction holds many rows for long.
+	var maxID int64
+	if err := conn.QueryRow(softCtx, `SELECT coalesce(max(id), 0) FROM outbox`).Scan(&maxID); err != nil {
+		return err
+	}
+	var marked int64
+	for lo := through; lo < maxID; lo += 50_000 {
+		ct, err := conn.Exec(softCtx, markCapturedSQL, snap, lo, lo+50_000)
+		if err != nil {
+			return fmt.Errorf("mark the rows the slot published: %w", err)
+		}
+		marked += ct.RowsAffected()
+	}
+	err = pgx.BeginFunc(softCtx, conn, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(softCtx, `DELETE FROM relay_capture WHERE slot_name = $1`, r.cfg.Slot); err != nil {
+			return err
+		}
+		_, err := tx.Exec(softCtx, `SELECT pg_drop_replication_slot($1)`, r.cfg.Slot)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("drop replication slot %s: %w", r.cfg.Slot, err)
+	}
+	r.logger.Info("switched from wal to poll capture: the slot is dropped", "slot", r.cfg.Slot, "rows_marked_sent", marked)
+	return nil
+}
+
+// markCapturedSQL marks sent the pending rows with ids in ($2, $3] that
+// snapshot $1 shows. A row's xmin is 32 bits: its full id is the one below
+// the snapshot's xmax with those low bits. The wal relay updates no row it
+// publishes, so a pending row's xmin is its writer's transaction.
+const markCapturedSQL = `
+WITH s AS (
+    SELECT $1::pg_snapshot AS snap, pg_snapshot_xmax($1::pg_snapshot)::text::bigint AS xmax
+)
+UPDATE outbox o
+SET status = 'sent', published_at = now(), last_error = NULL
+FROM s
+WHERE o.id > $2 AND o.id <= $3 AND o.published_at IS NULL AND o.status = 'pending'
+  AND pg_visible_in_snapshot((
+        ((s.xmax >> 32) << 32 | o.xmin::text::bigint)
+        - CASE WHEN ((s.xmax >> 32) << 32 | o.xmin::text::bigint) >= s.xmax THEN 4294967296 ELSE 0 END
+      )::text::xid8, s.snap)`
+
+var (
+	errHandoverBusy     = errors.New("another poll relay is switching from wal capture")
+	errWALRelaysRunning = errors.New("a wal relay still streams from the slot: stop the wal relays to finish the switch to poll capture")
+)
+
+// waitHandover runs handOverFromWAL until it succeeds or ctx ends; the
+// claim starts only then.
+func (r *Relay) waitHandover(softCtx, hardCtx context.Context) bool {
+	wait := 100 * time.Millisecond
+	var last string
+	for softCtx.Err() == nil {
+		err := r.handOverFromWAL(softCtx, hardCtx)
+		if err == nil {
+			return true
+		}
+		r.touchCapture() // waiting for the switch is not a stall
+		if msg := err.Error(); msg != last {
+			level := r.logger.Warn
+			if errors.Is(err, errHandoverBusy) || errors.Is(err, errWALRelaysRunning) {
+				level = r.logger.Info
+			}
+			level("poll capture waits before claiming", "slot", r.cfg.Slot, "reason", msg)
+			last = msg
+		}
+		if !r.sleep(softCtx, wait) {
+			return false
+		}
+		wait = min(wait*2, 2*time.Second)
+	}
+	return false
+}
