@@ -97,7 +97,10 @@
 // The relay reads its slot every few seconds: fanout_relay_slot_lag_bytes
 // and fanout_relay_slot_lag_seconds (how long it has been behind without
 // moving); a warning when the server is near max_slot_wal_keep_size; not
-// ready when it has been stuck past relay.stall_after or was invalidated.
+// ready when it has been stuck past relay.stall_after. A slot the server
+// invalidated is dropped and created again, and every pending row the
+// outbox still holds is published again (recoverLostSlot); while the slot
+// is stuck the cleaner deletes none of them.
 //
 // Events as pg_logical_emit_message records, with no table at all, were
 // considered and not chosen: a writer in another language could no longer

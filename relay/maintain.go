@@ -41,7 +41,13 @@ func (r *Relay) cleanupLoop(ctx context.Context) {
 		}
 		// A wal relay leaves the rows it captured `pending`; once the
 		// slot's backlog bound is known, those past retention go too.
-		if through := r.backlogThrough.Load(); r.cfg.Capture == CaptureWAL && through >= 0 {
+		// Not while the slot is stuck: a row the slot has not delivered
+		// is what an invalidated slot would be recovered from.
+		stuck := false
+		if st := r.slot.Load(); st != nil && (st.Stuck > r.cfg.StallAfter || st.WALStatus == "lost") {
+			stuck = true
+		}
+		if through := r.backlogThrough.Load(); r.cfg.Capture == CaptureWAL && through >= 0 && !stuck {
 			for ctx.Err() == nil {
 				n, err := r.store.DeleteCaptured(ctx, r.cfg.SentRetention, r.cfg.CleanupBatch, through)
 				if err != nil {

@@ -77,9 +77,7 @@ func (r *Relay) walLoop(softCtx, hardCtx context.Context) {
 			continue
 		case errors.Is(err, errSlotLost):
 			r.captureState.Store(captureConnecting)
-			r.logger.Error("replication slot invalidated: events committed since its last confirmed position may not be published; "+
-				"drop the slot (SELECT pg_drop_replication_slot(...)) so the relay creates it again, and republish the rows committed since (fanout outbox republish)",
-				"slot", r.cfg.Slot, "error", err)
+			r.logger.Error("replication slot invalidated", "slot", r.cfg.Slot, "error", err)
 		default:
 			r.captureState.Store(captureConnecting)
 			r.logger.Error("stream from the replication slot", "slot", r.cfg.Slot, "error", err, "retry_in", wait)
@@ -254,11 +252,19 @@ SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replicat
 			return 0, false, fmt.Errorf("replication slot %s exists but is not fanout's (plugin %q, database %q; want pgoutput on %q): set relay.slot to another name", r.cfg.Slot, plugin, database, current)
 		}
 		if walStatus == "lost" {
-			return 0, false, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, r.cfg.Slot)
+			if !create {
+				return 0, false, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, r.cfg.Slot)
+			}
+			if err := r.recoverLostSlot(ctx); err != nil {
+				return 0, false, err
+			}
+			found = false
 		}
-	} else if !create {
+	}
+	if !found && !create {
 		return 0, false, fmt.Errorf("replication slot %s is gone", r.cfg.Slot)
-	} else {
+	}
+	if !found {
 		createCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		res, err := pglogrepl.CreateReplicationSlot(createCtx, conn, r.cfg.Slot, "pgoutput",
 			pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "NOEXPORT_SNAPSHOT", Mode: pglogrepl.LogicalReplication})
@@ -296,6 +302,32 @@ RETURNING backlog_through, backlog_done_at`, r.cfg.Slot).Scan(&backlogThrough, &
 	}
 	r.backlogThrough.Store(backlogThrough)
 	return backlogThrough, doneAt.Valid, nil
+}
+
+// recoverLostSlot drops a slot the server invalidated (it removed WAL the
+// slot still needed, past max_slot_wal_keep_size), so that ensureSlot
+// creates it again. The new slot's backlog bound then covers every row the
+// outbox still holds, and the drain claims and publishes them all again:
+// the events the old slot never delivered among them. JetStream drops
+// those inside its duplicates window, the subscribers' checkpoints the
+// rest. Events whose rows retention already deleted cannot be recovered;
+// the log names the range that is.
+func (r *Relay) recoverLostSlot(ctx context.Context) error {
+	var lo, hi int64
+	var oldest pgtype.Timestamptz
+	err := r.pool.QueryRow(ctx, `
+SELECT coalesce(min(id), 0), coalesce(max(id), 0), min(created_at)
+FROM outbox WHERE published_at IS NULL AND status = 'pending'`).Scan(&lo, &hi, &oldest)
+	if err != nil {
+		return fmt.Errorf("read the outbox to recover invalidated slot %s: %w", r.cfg.Slot, err)
+	}
+	if _, err := r.pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, r.cfg.Slot); err != nil {
+		return fmt.Errorf("drop invalidated replication slot %s: %w", r.cfg.Slot, err)
+	}
+	r.logger.Error("the server invalidated the replication slot (max_slot_wal_keep_size): it is dropped and created again, "+
+		"and every pending row the outbox still holds is published again; events whose rows retention deleted before they were published are lost",
+		"slot", r.cfg.Slot, "republish_from_id", lo, "republish_to_id", hi, "oldest_row_created_at", oldest.Time)
+	return nil
 }
 
 // drainBacklog claims and publishes the rows committed before the slot

@@ -346,3 +346,50 @@ func TestSwitchingCaptureUnderLoad(t *testing.T) {
 		t.Errorf("the slot after the switch back: exists %t (%v)", exists, err)
 	}
 }
+
+// The server invalidates a slot that holds more WAL than
+// max_slot_wal_keep_size allows (here: the relay is down while writes go
+// on, and their WAL is removed before any relay decodes it). The next relay
+// drops the slot, creates it again, and publishes again every row the
+// outbox still holds: the events the old slot never delivered among them,
+// and JetStream drops the ones it already had.
+func TestWALInvalidatedSlotIsRecovered(t *testing.T) {
+	t.Parallel()
+	server := pgtest.StartServer(t)
+	h := newWALHarness(t)
+	h.db = server.NewDB(t)
+	ctx := context.Background()
+	for _, sql := range []string{`ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'`, `SELECT pg_reload_conf()`} {
+		if _, err := h.db.Pool.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	first := h.newRelay(nil, nil)
+	h.launch(first, func() { writeMany(t, h.db.Pool, 10) })
+	h.waitAllSent(10, 10*time.Second)
+	stopCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := first.Stop(stopCtx); err != nil {
+		t.Fatal(err)
+	}
+
+	writeMany(t, h.db.Pool, 100) // no relay runs: the slot holds their WAL
+	if _, err := h.db.Pool.Exec(ctx, `CREATE TABLE filler AS SELECT g, repeat('x', 1000) AS pad FROM generate_series(1, 40000) AS g`); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "the server to invalidate the slot", func() (bool, string) {
+		var status string
+		_, _ = h.db.Pool.Exec(ctx, `SELECT pg_switch_wal()`)
+		_, _ = h.db.Pool.Exec(ctx, `CHECKPOINT`)
+		err := h.db.Pool.QueryRow(ctx, `SELECT coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1`, h.db.Name).Scan(&status)
+		return err == nil && status == "lost", fmt.Sprintf("wal_status %q (%v)", status, err)
+	})
+
+	h.startRelay(nil, nil)
+	h.waitAllSent(110, 60*time.Second)
+	assertEachOnce(t, h, 110)
+	st, _, ok, err := ReadSlot(ctx, h.db.Pool, h.db.Name)
+	if err != nil || !ok || st.WALStatus == "lost" {
+		t.Errorf("the slot after the recovery: %+v (exists %t, %v)", st, ok, err)
+	}
+}
