@@ -508,6 +508,11 @@ func (s *walStream) sendStatus(ctx context.Context) error {
 	if pos == 0 {
 		return nil
 	}
+	if s.conn.IsClosed() {
+		// A failed receive closes the connection in the background; a
+		// write now would race that close. The next stream confirms.
+		return errors.New("replication connection closed")
+	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
 	if err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: pos}); err != nil {
