@@ -27,17 +27,11 @@ func (r *Relay) reapLoop(ctx context.Context) {
 // each transaction stays short and the table does not bloat.
 func (r *Relay) cleanupLoop(ctx context.Context) {
 	r.every(ctx, r.cfg.CleanupInterval, "delete sent rows past retention", func(ctx context.Context) (int64, error) {
-		var total int64
-		for ctx.Err() == nil {
-			n, err := r.store.DeleteSent(ctx, r.cfg.SentRetention, r.cfg.CleanupBatch)
-			if err != nil {
-				return total, err
-			}
-			total += n
-			r.obs.Deleted(int(n))
-			if n < int64(r.cfg.CleanupBatch) {
-				break
-			}
+		total, err := r.deleteInBatches(ctx, func(ctx context.Context) (int64, error) {
+			return r.store.DeleteSent(ctx, r.cfg.SentRetention, r.cfg.CleanupBatch)
+		})
+		if err != nil {
+			return total, err
 		}
 		// A wal relay leaves the rows it captured `pending`; once the
 		// slot's backlog bound is known, those past retention go too.
@@ -48,16 +42,12 @@ func (r *Relay) cleanupLoop(ctx context.Context) {
 			stuck = true
 		}
 		if through := r.backlogThrough.Load(); r.cfg.Capture == CaptureWAL && through >= 0 && !stuck {
-			for ctx.Err() == nil {
-				n, err := r.store.DeleteCaptured(ctx, r.cfg.SentRetention, r.cfg.CleanupBatch, through)
-				if err != nil {
-					return total, err
-				}
-				total += n
-				r.obs.Deleted(int(n))
-				if n < int64(r.cfg.CleanupBatch) {
-					break
-				}
+			n, err := r.deleteInBatches(ctx, func(ctx context.Context) (int64, error) {
+				return r.store.DeleteCaptured(ctx, r.cfg.SentRetention, r.cfg.CleanupBatch, through)
+			})
+			total += n
+			if err != nil {
+				return total, err
 			}
 		}
 		if total > 0 {
@@ -65,6 +55,24 @@ func (r *Relay) cleanupLoop(ctx context.Context) {
 		}
 		return total, nil
 	})
+}
+
+// deleteInBatches runs del, which deletes up to relay.cleanup_batch rows,
+// until it deletes fewer, and returns how many it deleted in all.
+func (r *Relay) deleteInBatches(ctx context.Context, del func(context.Context) (int64, error)) (int64, error) {
+	var total int64
+	for ctx.Err() == nil {
+		n, err := del(ctx)
+		if err != nil {
+			return total, err
+		}
+		total += n
+		r.obs.Deleted(int(n))
+		if n < int64(r.cfg.CleanupBatch) {
+			break
+		}
+	}
+	return total, nil
 }
 
 // every runs job now and then every interval until ctx ends, logging errors.

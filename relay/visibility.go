@@ -112,15 +112,12 @@ func (g *visibilityGate) wait(ctx context.Context, xid uint32) error {
 // that starts after the call, or starts one.
 func (g *visibilityGate) fresh(ctx context.Context) (snapshot, error) {
 	g.mu.Lock()
-	if g.fetching != nil {
+	if running := g.fetching; running != nil {
 		// A fetch in progress may have begun before our commit was
 		// visible: wait for it, then for one of our own.
-		running := g.fetching
 		g.mu.Unlock()
-		select {
-		case <-running:
-		case <-ctx.Done():
-			return snapshot{}, ctx.Err()
+		if err := waitClosed(ctx, running); err != nil {
+			return snapshot{}, err
 		}
 		g.mu.Lock()
 	}
@@ -150,12 +147,20 @@ func (g *visibilityGate) fresh(ctx context.Context) (snapshot, error) {
 	// our call, so its snapshot will do.
 	running := g.fetching
 	g.mu.Unlock()
-	select {
-	case <-running:
-	case <-ctx.Done():
-		return snapshot{}, ctx.Err()
+	if err := waitClosed(ctx, running); err != nil {
+		return snapshot{}, err
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return g.snap, g.err
+}
+
+// waitClosed waits for ch to close, or ctx to end.
+func waitClosed(ctx context.Context, ch <-chan struct{}) error {
+	select {
+	case <-ch:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }

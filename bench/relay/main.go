@@ -238,27 +238,38 @@ func benchDrain(ctx context.Context, nc *nats.Conn) (result, error) {
 	if err := benchkit.Settle(ctx, db.Pool); err != nil {
 		return result{}, err
 	}
-	obs := &counter{}
 	relayPool, err := relayPool(ctx, db.URL)
 	if err != nil {
 		return result{}, err
 	}
 	defer relayPool.Close()
-	r, err := relay.New(relay.Options{Relay: relayConfig(), Stream: stream, Pool: relayPool, Conn: nc, Logger: quiet, Observer: obs})
+	res, obs, err := timeDrain(ctx, relay.Options{Relay: relayConfig(), Stream: stream, Pool: relayPool, Conn: nc, Logger: quiet})
 	if err != nil {
 		return result{}, err
 	}
+	res.claimMs = float64(obs.claimNanos.Load()) / float64(obs.claims.Load()) / 1e6
+	return res, nil
+}
+
+// timeDrain starts a relay with opts and times it until it published
+// -rows rows.
+func timeDrain(ctx context.Context, opts relay.Options) (result, *counter, error) {
+	obs := &counter{}
+	opts.Observer = obs
+	r, err := relay.New(opts)
+	if err != nil {
+		return result{}, nil, err
+	}
 	start := time.Now()
 	if err := r.Start(ctx); err != nil {
-		return result{}, err
+		return result{}, nil, err
 	}
 	for obs.n.Load() < int64(*rows) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	secs := time.Since(start).Seconds()
 	_ = r.Stop(ctx)
-	claimMs := float64(obs.claimNanos.Load()) / float64(obs.claims.Load()) / 1e6
-	return result{n: *rows, secs: secs, rate: float64(*rows) / secs, claimMs: claimMs}, nil
+	return result{n: *rows, secs: secs, rate: float64(*rows) / secs}, obs, nil
 }
 
 // benchDrainWAL measures a wal relay draining its slot: a relay creates
@@ -310,21 +321,8 @@ func benchDrainWAL(ctx context.Context, nc *nats.Conn) (result, error) {
 	if err := benchkit.Settle(ctx, db.Pool); err != nil {
 		return result{}, err
 	}
-	obs := &counter{}
-	r, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet, Observer: obs})
-	if err != nil {
-		return result{}, err
-	}
-	start := time.Now()
-	if err := r.Start(ctx); err != nil {
-		return result{}, err
-	}
-	for obs.n.Load() < int64(*rows) {
-		time.Sleep(5 * time.Millisecond)
-	}
-	secs := time.Since(start).Seconds()
-	_ = r.Stop(ctx)
-	return result{n: *rows, secs: secs, rate: float64(*rows) / secs}, nil
+	res, _, err := timeDrain(ctx, relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet})
+	return res, err
 }
 
 // waitFor polls cond every 10ms for up to timeout.
