@@ -75,16 +75,7 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 		// publish them again and JetStream will drop the duplicate.
 		r.logger.Warn("lease lost before marking sent", "rows", len(sentIDs)-int(sent))
 	}
-	if len(published) > 0 {
-		r.obs.Published(published)
-		dups := 0
-		for _, p := range published {
-			if p.Duplicate {
-				dups++
-			}
-		}
-		r.logger.Debug("batch recorded", "sent", len(published), "duplicates", dups, "retried", len(retryIDs), "failed", len(failedIDs))
-	}
+	r.reportPublished(published, len(retryIDs), len(failedIDs))
 	if len(retryIDs) > 0 {
 		r.obs.Retried(len(retryIDs))
 		r.logger.Warn("publish failed, rows will be retried", "rows", len(retryIDs), "first_id", retryIDs[0], "error", retryReasons[0])
@@ -95,4 +86,20 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 			r.logger.Error("outbox row can never be published: marked failed", "event_id", id, "reason", failedReasons[i])
 		}
 	}
+}
+
+// reportPublished tells the observer about rows stored in the stream, and
+// logs the batch; the fault run's report sums the line's duplicates.
+func (r *Relay) reportPublished(published []Published, retried, failed int) {
+	if len(published) == 0 {
+		return
+	}
+	r.obs.Published(published)
+	dups := 0
+	for _, p := range published {
+		if p.Duplicate {
+			dups++
+		}
+	}
+	r.logger.Debug("batch recorded", "sent", len(published), "duplicates", dups, "retried", retried, "failed", failed)
 }

@@ -707,17 +707,7 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) bo
 				retry = append(retry, rows[i])
 			}
 		}
-		if len(published) > 0 {
-			r.obs.Published(published)
-			dups := 0
-			for _, p := range published {
-				if p.Duplicate {
-					dups++
-				}
-			}
-			// The poll relay's line, which the fault run's report sums.
-			r.logger.Debug("batch recorded", "sent", len(published), "duplicates", dups, "retried", len(retry), "failed", len(failedIDs))
-		}
+		r.reportPublished(published, len(retry), len(failedIDs))
 		if len(failedIDs) > 0 {
 			if !r.failCaptured(softCtx, failedIDs, failedReasons) {
 				return false
