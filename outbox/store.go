@@ -88,15 +88,35 @@ func (s *Store) ClaimThrough(ctx context.Context, n int, token pgtype.UUID, maxI
 	if err != nil {
 		return nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
-	claimed, err := pgx.CollectRows(rows, func(rows pgx.CollectableRow) (Claimed, error) {
-		var c Claimed
-		err := rows.Scan(&c.ID, &c.AggregateType, &c.AggregateID, &c.EventType, &c.Payload, &c.Headers, &c.CreatedAt)
-		return c, err
-	})
+	claimed, err := pgx.CollectRows(rows, scanClaimed)
 	if err != nil {
 		return nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	return claimed, nil
+}
+
+// Unpublished reads the rows among ids that are pending and unpublished,
+// as a claim would return them, without claiming them.
+func (s *Store) Unpublished(ctx context.Context, ids []int64) ([]Claimed, error) {
+	rows, err := s.pool.Query(ctx, `
+SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, created_at
+FROM outbox
+WHERE id = ANY($1) AND published_at IS NULL AND status = 'pending'
+ORDER BY id`, ids)
+	if err != nil {
+		return nil, fmt.Errorf("read pending outbox rows: %w", err)
+	}
+	found, err := pgx.CollectRows(rows, scanClaimed)
+	if err != nil {
+		return nil, fmt.Errorf("read pending outbox rows: %w", err)
+	}
+	return found, nil
+}
+
+func scanClaimed(rows pgx.CollectableRow) (Claimed, error) {
+	var c Claimed
+	err := rows.Scan(&c.ID, &c.AggregateType, &c.AggregateID, &c.EventType, &c.Payload, &c.Headers, &c.CreatedAt)
+	return c, err
 }
 
 // The three ways a claimed row leaves `sending`. Each requires the row's
@@ -251,18 +271,26 @@ WHERE published_at IS NULL AND status = 'failed'`)
 	return ct.RowsAffected(), err
 }
 
-// Republish returns the sent rows published at or after since to pending,
-// and says when the oldest sent row still retained was published (nil if
-// none): events sent before it are no longer in the outbox.
-func (s *Store) Republish(ctx context.Context, since time.Time) (n int64, oldestRetained *time.Time, err error) {
-	if err := s.pool.QueryRow(ctx, `SELECT min(published_at) FROM outbox WHERE status = 'sent'`).Scan(&oldestRetained); err != nil {
+// Republish returns the rows published at or after since to pending, and
+// says when the oldest published row still retained was published (nil if
+// none): events published before it are no longer in the outbox. With
+// captured, it covers the rows a wal relay published as well: they stay
+// pending in the table, unpublished as far as it shows, and are taken by
+// their commit time; the update that returns them is what the wal relay
+// decodes and publishes again.
+func (s *Store) Republish(ctx context.Context, since time.Time, captured bool) (n int64, oldestRetained *time.Time, err error) {
+	if err := s.pool.QueryRow(ctx, `
+SELECT least(min(published_at) FILTER (WHERE status = 'sent'),
+             min(created_at) FILTER (WHERE $1 AND status = 'pending' AND published_at IS NULL))
+FROM outbox`, captured).Scan(&oldestRetained); err != nil {
 		return 0, nil, err
 	}
 	ct, err := s.pool.Exec(ctx, `
 UPDATE outbox
 SET status = 'pending', published_at = NULL, available_at = now(), claimed_at = NULL, lease_token = NULL,
     last_error = 'republished by an operator'
-WHERE status = 'sent' AND published_at >= $1`, since)
+WHERE (status = 'sent' AND published_at >= $1)
+   OR ($2 AND status = 'pending' AND published_at IS NULL AND created_at >= $1)`, since, captured)
 	return ct.RowsAffected(), oldestRetained, err
 }
 

@@ -97,12 +97,21 @@ func TestStore(t *testing.T) {
 		t.Fatalf("the retried failed row: %q (%v)", lastError, err)
 	}
 
-	n, oldest, err := store.Republish(ctx, time.Now().Add(-time.Minute))
+	n, oldest, err := store.Republish(ctx, time.Now().Add(-time.Minute), false)
 	if err != nil || n != 2 || oldest == nil {
 		t.Fatalf("republish the last minute: %d rows, oldest retained %v (%v)", n, oldest, err)
 	}
 	if n, err := store.CountSent(ctx); err != nil || n != 0 {
 		t.Fatalf("sent rows after the republish: %d (%v)", n, err)
+	}
+	// A wal relay leaves the rows it published pending: with captured, the
+	// pending rows committed since are returned too (an update a wal relay
+	// decodes), and none committed before.
+	if n, _, err := store.Republish(ctx, time.Now().Add(time.Minute), true); err != nil || n != 0 {
+		t.Fatalf("republish captured rows from the future: %d rows (%v)", n, err)
+	}
+	if n, oldest, err := store.Republish(ctx, time.Now().Add(-time.Minute), true); err != nil || n != 6 || oldest == nil {
+		t.Fatalf("republish captured rows of the last minute: %d rows, oldest retained %v (%v); want all 6", n, oldest, err)
 	}
 
 	// Sent rows past their retention go, in batches.

@@ -54,6 +54,15 @@
 // publishes (a row it can never publish is still marked failed, with its
 // reason), and the cleaner deletes rows after relay.sent_retention.
 //
+// Rows an operator returns to the relays (outbox retry-failed, outbox
+// republish, an UPDATE by hand) are updates, not inserts: the publication
+// decodes updates too, and the relay publishes an updated row when it is
+// pending and unpublished, as the poll relay would claim it. Every other
+// version it decodes (inserted failed by hand, claimed, marked sent or
+// failed) is not the relay's to publish. An update that left a value
+// stored out of line (TOAST) decodes without it, so such a row is read
+// again from the table before its publish.
+//
 // Slot safety: the position confirmed to the server only moves past a
 // transaction once every one of its rows has a PubAck or is marked failed,
 // in commit order (walStream.confirm), and past WAL without outbox rows

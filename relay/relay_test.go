@@ -1,10 +1,14 @@
 package relay
 
 import (
+	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 	"strconv"
 	"sync"
 	"testing"
@@ -12,6 +16,7 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 func TestRowsBecomeMessages(t *testing.T) {
@@ -202,4 +207,90 @@ func TestRelayDiesBetweenPubAckAndMark(t *testing.T) {
 			t.Errorf("event %d: second publish not reported as a duplicate by JetStream", p.ID)
 		}
 	}
+}
+
+// Rows an operator returns to the relays (`fanout outbox retry-failed`,
+// `fanout outbox republish`) are published in both capture modes: a wal
+// relay decodes the update that returns them. A row written `failed` by
+// hand is not published until then, and one whose payload is stored out
+// of line (TOAST, which an update that leaves it alone does not decode) is
+// published whole.
+func TestRowsReturnedByAnOperatorArePublished(t *testing.T) {
+	forEachCapture(t, func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		rec := &recorder{}
+		r := h.newRelay(nil, rec)
+		const n = 10
+		h.launch(r, func() { writeMany(t, h.db.Pool, n) })
+
+		// Random hex barely compresses: far above the 2 kB at which Postgres
+		// moves a value out of line.
+		blob := make([]byte, 64<<10)
+		_, _ = rand.Read(blob)
+		big, err := json.Marshal(map[string]string{"product_id": "big", "blob": hex.EncodeToString(blob)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var bigID int64
+		if err := h.db.Pool.QueryRow(ctx, `
+INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status, last_error)
+VALUES ('product', 'big', 'product.updated', $1::jsonb, 'failed', 'written failed by hand')
+RETURNING id`, string(big)).Scan(&bigID); err != nil {
+			t.Fatal(err)
+		}
+		// Stored larger than a page, it can only be out of line.
+		var external bool
+		if err := h.db.Pool.QueryRow(ctx, `SELECT pg_column_size(payload) > 8192 FROM outbox WHERE id = $1`, bigID).Scan(&external); err != nil || !external {
+			t.Fatalf("the big payload is not stored out of line (%v): the test proves nothing", err)
+		}
+		// A row committed after it is published (in wal capture, in commit
+		// order): the failed row was passed over, not waited for.
+		writeMany(t, h.db.Pool, 1)
+		h.waitAllSent(n+1, 30*time.Second)
+		if got := h.streamCount(); got != n+1 {
+			t.Fatalf("%d in the stream, want %d: a row written failed was published", got, n+1)
+		}
+
+		store := outbox.NewStore(h.db.Pool)
+		if k, err := store.RetryFailed(ctx); err != nil || k != 1 {
+			t.Fatalf("retry-failed: %d rows (%v), want 1", k, err)
+		}
+		waitFor(t, 30*time.Second, "the retried row in the stream", func() (bool, string) {
+			got := h.streamCount()
+			return got == n+2, fmt.Sprintf("%d in the stream", got)
+		})
+		var stored *jetstream.RawStreamMsg
+		for _, m := range h.streamMessages() {
+			if m.Header.Get("Nats-Msg-Id") == strconv.FormatInt(bigID, 10) {
+				stored = m
+			}
+		}
+		if stored == nil || !bytes.Equal(stored.Data, big) && !jsonEqual(stored.Data, big) {
+			t.Fatalf("the retried row's message: %v, want its whole payload", stored)
+		}
+
+		// Republish all of it: every row is published again, and JetStream
+		// drops each one as a duplicate.
+		k, _, err := store.Republish(ctx, time.Now().Add(-time.Minute), h.wal())
+		if err != nil || k != n+2 {
+			t.Fatalf("republish: %d rows (%v), want %d", k, err, n+2)
+		}
+		waitFor(t, 30*time.Second, "every row published again", func() (bool, string) {
+			published, _ := rec.snapshot()
+			dups := 0
+			for _, p := range published {
+				if p.Duplicate {
+					dups++
+				}
+			}
+			return dups == n+2, fmt.Sprintf("%d of %d published again", dups, n+2)
+		})
+		assertEachOnce(t, h, n+2)
+	})
+}
+
+// jsonEqual compares two JSON documents by value (jsonb orders keys).
+func jsonEqual(a, b []byte) bool {
+	var va, vb any
+	return json.Unmarshal(a, &va) == nil && json.Unmarshal(b, &vb) == nil && reflect.DeepEqual(va, vb)
 }

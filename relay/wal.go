@@ -399,6 +399,7 @@ type walStream struct {
 	types     *pgtype.Map // not safe for concurrent use: one per stream
 	cur       *walTxn
 	rows      []row // the current transaction's rows not yet dispatched
+	refetch   []int // indexes in rows of versions decoded without a value (unchanged TOAST)
 
 	until      pglogrepl.LSN // end the stream once confirmed this far (0: never)
 	queue      chan *walTxn  // transactions in commit order, to confirm
@@ -570,7 +571,7 @@ func (s *walStream) decode(softCtx, hardCtx context.Context, data []byte) error 
 			rel.index[c.Name] = i
 		}
 		if rel.outbox {
-			for _, name := range []string{"id", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "created_at"} {
+			for _, name := range []string{"id", "aggregate_type", "aggregate_id", "event_type", "payload", "headers", "created_at", "status", "published_at"} {
 				if _, ok := rel.index[name]; !ok {
 					return fmt.Errorf("the outbox table %s.%s as decoded has no column %s: is the schema migrated?", m.Namespace, m.RelationName, name)
 				}
@@ -588,21 +589,9 @@ func (s *walStream) decode(softCtx, hardCtx context.Context, data []byte) error 
 			return err
 		}
 	case *pglogrepl.InsertMessage:
-		rel, ok := s.relations[m.RelationID]
-		if !ok {
-			return fmt.Errorf("insert into relation %d before its description", m.RelationID)
-		}
-		if !rel.outbox || s.cur == nil {
-			return nil
-		}
-		rw, err := tupleRow(s.types, rel, m.Tuple)
-		if err != nil {
-			return err
-		}
-		s.rows = append(s.rows, rw)
-		if len(s.rows) >= s.r.cfg.BatchSize {
-			return s.dispatch(softCtx, hardCtx)
-		}
+		return s.capture(softCtx, hardCtx, m.RelationID, m.Tuple)
+	case *pglogrepl.UpdateMessage:
+		return s.capture(softCtx, hardCtx, m.RelationID, m.NewTuple)
 	case *pglogrepl.CommitMessage:
 		if s.cur == nil {
 			return nil
@@ -614,6 +603,36 @@ func (s *walStream) decode(softCtx, hardCtx context.Context, data []byte) error 
 		}
 		s.cur.chunks.Done()
 		s.cur = nil
+	}
+	return nil
+}
+
+// capture collects a decoded outbox row version for publishing when it is
+// one the poll relay would claim: pending and unpublished. An insert is
+// that unless its writer chose otherwise; an update is that only when an
+// operator returned the row to the relays (a claim, a mark or a failure is
+// not), and it is published again as the poll relay would.
+func (s *walStream) capture(softCtx, hardCtx context.Context, relationID uint32, tuple *pglogrepl.TupleData) error {
+	rel, ok := s.relations[relationID]
+	if !ok {
+		return fmt.Errorf("change in relation %d before its description", relationID)
+	}
+	if !rel.outbox || s.cur == nil {
+		return nil
+	}
+	rw, state, err := tupleRow(s.types, rel, tuple)
+	if err != nil {
+		return err
+	}
+	switch state {
+	case tupleNotPending:
+		return nil
+	case tupleToasted:
+		s.refetch = append(s.refetch, len(s.rows))
+	}
+	s.rows = append(s.rows, rw)
+	if len(s.rows) >= s.r.cfg.BatchSize {
+		return s.dispatch(softCtx, hardCtx)
 	}
 	return nil
 }
@@ -636,8 +655,8 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 	if len(s.rows) == 0 {
 		return nil
 	}
-	rows := s.rows
-	s.rows = nil
+	rows, refetch := s.rows, s.refetch
+	s.rows, s.refetch = nil, nil
 	n := int64(len(rows))
 	for {
 		ctx, cancel := context.WithTimeout(softCtx, walStatusInterval)
@@ -666,6 +685,13 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 		if err := s.r.visibility.wait(softCtx, txn.xid); err != nil {
 			txn.abandoned.Store(true)
 			return
+		}
+		if len(refetch) > 0 {
+			var ok bool
+			if rows, ok = s.r.refetchCaptured(softCtx, rows, refetch); !ok {
+				txn.abandoned.Store(true)
+				return
+			}
 		}
 		if !s.r.publishCaptured(softCtx, hardCtx, rows) {
 			txn.abandoned.Store(true)
@@ -754,9 +780,7 @@ func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string)
 			return struct{}{}, errNotVisibleYet
 		}
 		return struct{}{}, nil
-	}, backoff.WithBackOff(&backoff.ExponentialBackOff{
-		InitialInterval: 10 * time.Millisecond, RandomizationFactor: 0.3, Multiplier: 2, MaxInterval: 2 * time.Second,
-	}), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
+	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
 		if !errors.Is(err, errNotVisibleYet) {
 			r.logger.Warn("mark unpublishable rows failed, will retry", "error", err, "retry_in", next, "rows", len(ids))
 		}
@@ -776,9 +800,69 @@ func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string)
 	return true
 }
 
-// tupleRow reads an inserted outbox row from its text-format tuple, into
-// the same types the claim reads (nothing is judged here: message() does).
-func tupleRow(types *pgtype.Map, rel *relationColumns, t *pglogrepl.TupleData) (row, error) {
+// refetchCaptured reads again, from the table, the rows at indexes refetch:
+// an update that did not touch a value stored out of line (TOAST) decodes
+// without it. A row no longer pending and unpublished (claimed by a poll
+// relay, marked, deleted since) is left out: whoever changed it owns it.
+func (r *Relay) refetchCaptured(ctx context.Context, rows []row, refetch []int) ([]row, bool) {
+	ids := make([]int64, len(refetch))
+	for i, at := range refetch {
+		ids[i] = rows[at].ID
+	}
+	fresh, err := backoff.Retry(ctx, func() ([]row, error) {
+		return r.store.Unpublished(ctx, ids)
+	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
+		r.logger.Warn("read updated outbox rows again, will retry", "error", err, "retry_in", next, "rows", len(ids))
+	}))
+	if err != nil {
+		return nil, false
+	}
+	byID := make(map[int64]row, len(fresh))
+	for _, f := range fresh {
+		byID[f.ID] = f
+	}
+	kept := rows[:0:0]
+	next := 0
+	for i, rw := range rows {
+		if next < len(refetch) && refetch[next] == i {
+			next++
+			f, ok := byID[rw.ID]
+			if !ok {
+				r.logger.Debug("an outbox row returned to pending changed again before its publish: left to whoever changed it", "event_id", rw.ID)
+				continue
+			}
+			rw = f
+		}
+		kept = append(kept, rw)
+	}
+	return kept, true
+}
+
+// postgresRetry is the backoff of a wal relay's calls to Postgres that
+// must succeed before the slot moves on.
+func postgresRetry() *backoff.ExponentialBackOff {
+	return &backoff.ExponentialBackOff{
+		InitialInterval: 10 * time.Millisecond, RandomizationFactor: 0.3, Multiplier: 2, MaxInterval: 2 * time.Second,
+	}
+}
+
+// tupleState says what a decoded outbox row version is to the relay.
+type tupleState int
+
+const (
+	tuplePending    tupleState = iota // publish it
+	tupleNotPending                   // claimed, sent, failed: not the relay's to publish
+	tupleToasted                      // pending, but a value is missing: read the row again
+)
+
+// errUnchangedToast: a column's value was not decoded, as an update left
+// it unchanged and it is stored out of line.
+var errUnchangedToast = errors.New("unchanged TOAST value")
+
+// tupleRow reads an inserted or updated outbox row from its text-format
+// tuple, into the same types the claim reads (nothing is judged here:
+// message() does), and says whether it is pending.
+func tupleRow(types *pgtype.Map, rel *relationColumns, t *pglogrepl.TupleData) (row, tupleState, error) {
 	col := func(name string) (*pglogrepl.TupleDataColumn, error) {
 		i := rel.index[name]
 		if t == nil || i >= len(t.Columns) {
@@ -791,40 +875,59 @@ func tupleRow(types *pgtype.Map, rel *relationColumns, t *pglogrepl.TupleData) (
 		if err != nil {
 			return "", err
 		}
-		if c.DataType != pglogrepl.TupleDataTypeText {
-			return "", fmt.Errorf("decoded outbox row: column %s is not in text form (type %q)", name, c.DataType)
+		switch c.DataType {
+		case pglogrepl.TupleDataTypeText:
+			return string(c.Data), nil
+		case pglogrepl.TupleDataTypeToast:
+			return "", errUnchangedToast
 		}
-		return string(c.Data), nil
+		return "", fmt.Errorf("decoded outbox row: column %s is not in text form (type %q)", name, c.DataType)
 	}
 	var rw row
 	idText, err := text("id")
 	if err != nil {
-		return rw, err
+		return rw, 0, err
 	}
 	if rw.ID, err = strconv.ParseInt(idText, 10, 64); err != nil {
-		return rw, fmt.Errorf("decoded outbox row: id %q: %w", idText, err)
+		return rw, 0, fmt.Errorf("decoded outbox row: id %q: %w", idText, err)
+	}
+	published, err := col("published_at")
+	if err != nil {
+		return rw, 0, err
+	}
+	status, err := text("status")
+	switch {
+	case errors.Is(err, errUnchangedToast):
+		return rw, tupleToasted, nil
+	case err != nil:
+		return rw, 0, err
+	case status != "pending" || published.DataType != pglogrepl.TupleDataTypeNull:
+		return rw, tupleNotPending, nil
 	}
 	for name, dst := range map[string]*string{"aggregate_type": &rw.AggregateType, "aggregate_id": &rw.AggregateID, "event_type": &rw.EventType} {
 		if *dst, err = text(name); err != nil {
-			return rw, err
+			break
 		}
 	}
-	payload, err := text("payload")
-	if err != nil {
-		return rw, err
+	var payload, headers, created string
+	if err == nil {
+		payload, err = text("payload")
 	}
-	rw.Payload = []byte(payload)
-	headers, err := text("headers")
-	if err != nil {
-		return rw, err
+	if err == nil {
+		headers, err = text("headers")
 	}
-	rw.Headers = []byte(headers)
-	created, err := text("created_at")
-	if err != nil {
-		return rw, err
+	if err == nil {
+		created, err = text("created_at")
 	}
+	if errors.Is(err, errUnchangedToast) {
+		return row{ID: rw.ID}, tupleToasted, nil
+	}
+	if err != nil {
+		return rw, 0, err
+	}
+	rw.Payload, rw.Headers = []byte(payload), []byte(headers)
 	// Text in the walsender's DateStyle (ISO); an unreadable value stays
 	// invalid, and message() fails the row, not the stream.
 	_ = types.Scan(pgtype.TimestamptzOID, pgtype.TextFormatCode, []byte(created), &rw.CreatedAt)
-	return rw, nil
+	return rw, tuplePending, nil
 }

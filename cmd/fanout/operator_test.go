@@ -188,7 +188,7 @@ func TestOperatorCommands(t *testing.T) {
 
 	// Republish everything sent in the last 10 minutes: JetStream drops the
 	// duplicates, the checkpoints absorb the rest; no second invoice.
-	if out, err := run(t, env, "outbox", "republish", "--since", "10m"); err != nil || !strings.Contains(out, "10 sent rows") {
+	if out, err := run(t, env, "outbox", "republish", "--since", "10m"); err != nil || !strings.Contains(out, "10 rows published since") {
 		t.Fatalf("republish: %v\n%s", err, out)
 	}
 	subscribertest.WaitFor(t, 15*time.Second, "the republished rows sent", func() (bool, string) {

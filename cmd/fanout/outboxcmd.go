@@ -12,7 +12,7 @@ import (
 func outboxCommand(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "outbox",
-		Short: "Operate on outbox rows: retry failed ones, republish sent ones",
+		Short: "Operate on outbox rows: retry failed ones, republish published ones",
 	}
 	cmd.AddCommand(&cobra.Command{
 		Use:   "retry-failed",
@@ -20,9 +20,6 @@ func outboxCommand(a *app) *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := a.load(); err != nil {
-				return err
-			}
-			if err := pollCaptureOnly(a, "retry-failed"); err != nil {
 				return err
 			}
 			pool, err := a.postgres(cmd.Context(), "outbox")
@@ -41,21 +38,22 @@ func outboxCommand(a *app) *cobra.Command {
 	var since string
 	republish := &cobra.Command{
 		Use:   "republish --since TIME",
-		Short: "Publish again the sent rows still retained, sent since TIME (after a broker lost data)",
-		Long: `republish returns the sent rows published at or after --since (RFC 3339, or a
-duration such as 30m meaning that long ago) to pending, so the relay publishes
+		Short: "Publish again the rows still retained, published since TIME (after a broker lost data)",
+		Long: `republish returns the rows published at or after --since (RFC 3339, or a
+duration such as 30m meaning that long ago) to pending, so the relays publish
 them again. Use it after the broker lost acknowledged messages (a single
 server's power loss, a stream restored from an old backup). Only rows still
 retained are covered (relay.sent_retention, 1 hour by default). Messages the
 stream still has inside its duplicates window are dropped by JetStream; the
 rest are stored again, and each subscriber's checkpoint absorbs the events it
-had already handled.`,
+had already handled.
+
+With relay.capture wal, the rows a wal relay published stay pending in the
+table; they are taken by their commit time (created_at), and the wal relay
+publishes each one again as it decodes the update that returns it.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := a.load(); err != nil {
-				return err
-			}
-			if err := pollCaptureOnly(a, "republish"); err != nil {
 				return err
 			}
 			t, err := parseSince(since)
@@ -67,13 +65,13 @@ had already handled.`,
 				return err
 			}
 			defer pool.Close()
-			n, oldest, err := outbox.NewStore(pool).Republish(cmd.Context(), t)
+			n, oldest, err := outbox.NewStore(pool).Republish(cmd.Context(), t, a.cfg.Relay.Capture == relay.CaptureWAL)
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%d sent rows since %s returned to pending for the relay to publish again\n", n, t.UTC().Format(time.RFC3339))
+			fmt.Fprintf(cmd.OutOrStdout(), "%d rows published since %s returned to pending for the relays to publish again\n", n, t.UTC().Format(time.RFC3339))
 			if oldest != nil && oldest.After(t) {
-				fmt.Fprintf(cmd.OutOrStdout(), "note: the oldest retained sent row is from %s; events sent before that are no longer in the outbox\n", oldest.UTC().Format(time.RFC3339))
+				fmt.Fprintf(cmd.OutOrStdout(), "note: the oldest published row retained is from %s; events published before that are no longer in the outbox\n", oldest.UTC().Format(time.RFC3339))
 			}
 			return nil
 		},
@@ -93,14 +91,4 @@ func parseSince(s string) (time.Time, error) {
 		return time.Time{}, fmt.Errorf("--since %q: want an RFC 3339 time (2026-01-02T15:04:05Z) or a duration ago (30m)", s)
 	}
 	return t, nil
-}
-
-// pollCaptureOnly refuses a command that returns rows to pending when the
-// relays capture from the WAL: a wal relay publishes only what its slot
-// decodes (inserts), so such rows would wait for nobody.
-func pollCaptureOnly(a *app, command string) error {
-	if a.cfg.Relay.Capture != relay.CaptureWAL {
-		return nil
-	}
-	return fmt.Errorf("fanout outbox %s is not supported with relay.capture wal yet: it returns rows to pending, and a wal relay publishes only the inserts its replication slot decodes; run the relays with relay.capture poll to use it", command)
 }
