@@ -8,6 +8,9 @@
 //	writer cost: price-update tx/s at 8 connections without and with the
 //	    outbox insert and its wake-up (and with a NOTIFY in every transaction)
 //	latency: commit → PubAck p50/p99 at a steady 1,000 writes/s
+//	held horizon: the same rate while a transaction holds a snapshot for
+//	    2 minutes: published/s, p99, claim time, outbox dead tuples (poll)
+//	    and slot lag (wal) before, during and after, and over time
 //
 // Each part uses a fresh database and a fresh stream; nothing is shared with
 // the demo's data. Each figure is measured -runs times (default 3), each
@@ -50,11 +53,12 @@ var (
 	naiveFor    = flag.Duration("naive", 10*time.Second, "how long the naive publisher runs")
 	writerFor   = flag.Duration("writer", 10*time.Second, "how long each writer-cost run lasts")
 	latencyFor  = flag.Duration("latency", 15*time.Second, "how long each latency run lasts")
-	latencyRate = flag.Int("rate", 1000, "writes/s of the latency run")
+	latencyRate = flag.Int("rate", 1000, "writes/s of the latency and held-horizon runs")
+	horizonFor  = flag.Duration("horizon", 2*time.Minute, "how long the held-horizon run holds its snapshot")
 	natsURL     = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
 	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
-	only        = flag.String("only", "", "run only this part: a, b, c, writer, latency")
+	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon")
 	cpuProfile  = flag.String("cpuprofile", "", "write a CPU profile of this process")
 	adminURL    = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
 )
@@ -151,6 +155,11 @@ func run(ctx context.Context) error {
 	if want("latency") {
 		if err := benchLatency(ctx, nc); err != nil {
 			return fmt.Errorf("latency: %w", err)
+		}
+	}
+	if want("horizon") {
+		if err := benchHorizon(ctx, nc); err != nil {
+			return fmt.Errorf("held horizon: %w", err)
 		}
 	}
 	return nil
@@ -701,85 +710,22 @@ func benchLatency(ctx context.Context, nc *nats.Conn) error {
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
 func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*config.Relay)) (p50, p99, max time.Duration, n int, err error) {
-	db, err := pgtest.Create(ctx, *adminURL)
-	if err != nil {
-		return
-	}
-	defer db.Close()
-	pool, err := poolWithConns(ctx, db.URL, 8)
-	if err != nil {
-		return
-	}
-	defer pool.Close()
-	if _, err = shop.Seed(ctx, pool, 1000, rand.New(rand.NewPCG(3, 4))); err != nil {
-		return
-	}
-	if err = benchkit.Settle(ctx, pool); err != nil {
-		return
-	}
-	stream, done, err := freshStream(nc)
-	if err != nil {
-		return
-	}
-	defer done()
-	rc := relayConfig()
-	mutate(&rc)
-	rc.Slot = db.Name // slot names are cluster-wide
 	obs := &latencyObserver{acked: map[int64]time.Time{}}
-	rp, err := relayPool(ctx, db.URL)
+	env, err := startSteadyEnv(ctx, nc, mutate, obs)
 	if err != nil {
 		return
 	}
-	defer rp.Close()
-	r, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet, Observer: obs})
-	if err != nil {
-		return
-	}
-	if err = r.Start(ctx); err != nil {
-		return
-	}
-	defer r.Stop(ctx) //nolint:errcheck
-	// Let the seed's product.created events drain first.
-	time.Sleep(2 * time.Second)
+	defer env.close()
 
 	var mu sync.Mutex
 	committed := map[int64]time.Time{}
-	var maxID int64
-	if err = pool.QueryRow(ctx, `SELECT max(id) FROM products`).Scan(&maxID); err != nil {
-		return
-	}
 	runCtx, cancel := context.WithTimeout(ctx, *latencyFor)
 	defer cancel()
-	var wg sync.WaitGroup
-	const workers = 8
-	interval := time.Second * workers / time.Duration(*latencyRate)
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rng := rand.New(rand.NewPCG(uint64(w), 9))
-			next := time.Now().Add(time.Duration(w) * interval / workers)
-			for runCtx.Err() == nil {
-				time.Sleep(time.Until(next))
-				next = next.Add(interval)
-				id := 1 + rng.Int64N(maxID)
-				price := 1000 + rng.Int64N(90000)
-				var eventID int64
-				err := pgx.BeginFunc(runCtx, pool, func(tx pgx.Tx) error {
-					var err error
-					eventID, err = shop.UpdatePrice(runCtx, tx, id, price)
-					return err
-				})
-				if err == nil {
-					now := time.Now()
-					mu.Lock()
-					committed[eventID] = now
-					mu.Unlock()
-				}
-			}
-		}()
-	}
-	wg.Wait()
+	env.writeSteadily(runCtx, func(eventID int64, at time.Time) {
+		mu.Lock()
+		committed[eventID] = at
+		mu.Unlock()
+	})
 	time.Sleep(time.Second) // the last PubAcks
 	var lat []time.Duration
 	obs.mu.Lock()
@@ -794,6 +740,104 @@ func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*config.Rela
 	}
 	slices.Sort(lat)
 	return lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1], len(lat), nil
+}
+
+// steadyEnv is a fresh database with the shop seeded and settled, a fresh
+// stream, and a relay running on them, for runs under a steady write rate.
+type steadyEnv struct {
+	db      *pgtest.DB
+	pool    *pgxpool.Pool // the writers' 8 connections
+	maxID   int64         // of products
+	cleanup []func()
+}
+
+func (e *steadyEnv) close() {
+	for _, f := range slices.Backward(e.cleanup) {
+		f()
+	}
+}
+
+func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*config.Relay), obs relay.Observer) (_ *steadyEnv, err error) {
+	e := &steadyEnv{}
+	defer func() {
+		if err != nil {
+			e.close()
+		}
+	}()
+	if e.db, err = pgtest.Create(ctx, *adminURL); err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, e.db.Close)
+	if e.pool, err = poolWithConns(ctx, e.db.URL, 8); err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, e.pool.Close)
+	if _, err = shop.Seed(ctx, e.pool, 1000, rand.New(rand.NewPCG(3, 4))); err != nil {
+		return nil, err
+	}
+	if err = benchkit.Settle(ctx, e.pool); err != nil {
+		return nil, err
+	}
+	stream, done, err := freshStream(nc)
+	if err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, done)
+	rc := relayConfig()
+	mutate(&rc)
+	rc.Slot = e.db.Name // slot names are cluster-wide
+	rp, err := relayPool(ctx, e.db.URL)
+	if err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, rp.Close)
+	r, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet, Observer: obs})
+	if err != nil {
+		return nil, err
+	}
+	if err = r.Start(ctx); err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, func() { _ = r.Stop(context.Background()) })
+	// Let the seed's product.created events drain first.
+	time.Sleep(2 * time.Second)
+	if err = e.pool.QueryRow(ctx, `SELECT max(id) FROM products`).Scan(&e.maxID); err != nil {
+		return nil, err
+	}
+	return e, nil
+}
+
+// writeSteadily commits price updates (each with its outbox event) at
+// -rate writes/s over 8 connections until ctx ends, and reports each
+// event's id and the moment its commit returned.
+func (e *steadyEnv) writeSteadily(ctx context.Context, committed func(eventID int64, at time.Time)) {
+	var wg sync.WaitGroup
+	const workers = 8
+	interval := time.Second * workers / time.Duration(*latencyRate)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 9))
+			next := time.Now().Add(time.Duration(w) * interval / workers)
+			for ctx.Err() == nil {
+				time.Sleep(time.Until(next))
+				next = next.Add(interval)
+				id := 1 + rng.Int64N(e.maxID)
+				price := 1000 + rng.Int64N(90000)
+				var eventID int64
+				err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+					var err error
+					eventID, err = shop.UpdatePrice(ctx, tx, id, price)
+					return err
+				})
+				if err == nil {
+					committed(eventID, time.Now())
+				}
+			}
+		}()
+	}
+	wg.Wait()
 }
 
 // max0 clamps a negative latency (the PubAck raced ahead of the writer's
