@@ -611,14 +611,16 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 	return nil
 }
 
-// relayPool is a pool like `fanout relay` opens (connect.AsyncCommit).
+// relayPool is the pool `fanout relay` opens with the default
+// configuration: postgres.max_conns connections, synchronous_commit off
+// (connect.AsyncCommit).
 func relayPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
-	pc, err := pgxpool.ParseConfig(url)
+	cfg, err := config.Load("", nil)
 	if err != nil {
 		return nil, err
 	}
-	connect.AsyncCommit()(pc)
-	return pgxpool.NewWithConfig(ctx, pc)
+	cfg.Postgres.URL = url
+	return connect.Postgres(ctx, cfg.Postgres, "relay", connect.AsyncCommit())
 }
 
 func poolWithConns(ctx context.Context, url string, n int32) (*pgxpool.Pool, error) {
