@@ -33,6 +33,12 @@ func NewStore(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 // (available_at in the future) or failed are filtered on the way. The update
 // touches no indexed column, so it is HOT (see the schema).
 //
+// The walk starts above $4. Every sent row leaves an entry in the index
+// that only vacuum removes, and none can while a snapshot older than the
+// row is open (a long report, a stuck session): a walk from the lowest id
+// then steps over every event published since, and a relay that starts
+// most of its claims from a recent floor does not (package relay).
+//
 // EXPLAIN (200k pending rows, batch 500):
 //
 //	Update on outbox o
@@ -40,6 +46,7 @@ func NewStore(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 //	    ->  Limit
 //	          ->  LockRows
 //	                ->  Index Scan using outbox_unsent_idx on outbox
+//	                      Index Cond: ((id > $4) AND (id <= $3))
 //	                      Filter: ((status = 'pending') AND (available_at <= now()))
 //	  ->  Nested Loop
 //	        ->  CTE Scan on picked
@@ -49,7 +56,7 @@ const claimSQL = `
 WITH picked AS (
     SELECT id
     FROM outbox
-    WHERE published_at IS NULL AND status = 'pending' AND available_at <= now() AND id <= $3
+    WHERE published_at IS NULL AND status = 'pending' AND available_at <= now() AND id > $4 AND id <= $3
     ORDER BY id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -79,12 +86,17 @@ type Claimed struct {
 // Claim moves up to n pending rows that are due to `sending` under the
 // lease token, and returns them in the order they were picked.
 func (s *Store) Claim(ctx context.Context, n int, token pgtype.UUID) ([]Claimed, error) {
-	return s.ClaimThrough(ctx, n, token, math.MaxInt64)
+	return s.ClaimRange(ctx, n, token, math.MinInt64, math.MaxInt64)
 }
 
 // ClaimThrough is Claim of rows with ids up to maxID only.
 func (s *Store) ClaimThrough(ctx context.Context, n int, token pgtype.UUID, maxID int64) ([]Claimed, error) {
-	rows, err := s.pool.Query(ctx, claimSQL, n, token, maxID)
+	return s.ClaimRange(ctx, n, token, math.MinInt64, maxID)
+}
+
+// ClaimRange is Claim of rows with ids above after and up to through.
+func (s *Store) ClaimRange(ctx context.Context, n int, token pgtype.UUID, after, through int64) ([]Claimed, error) {
+	rows, err := s.pool.Query(ctx, claimSQL, n, token, through, after)
 	if err != nil {
 		return nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
@@ -273,12 +285,20 @@ WHERE published_at IS NULL AND status = 'failed'`)
 
 // Republish returns the rows published at or after since to pending, and
 // says when the oldest published row still retained was published (nil if
-// none): events published before it are no longer in the outbox. With
-// captured, it covers the rows a wal relay published as well: they stay
-// pending in the table, unpublished as far as it shows, and are taken by
-// their commit time; the update that returns them is what the wal relay
-// decodes and publishes again.
-func (s *Store) Republish(ctx context.Context, since time.Time, captured bool) (n int64, oldestRetained *time.Time, err error) {
+// none): events published before it are no longer in the outbox.
+//
+// While a wal relay's slot exists (a relay_capture row), it covers the
+// rows the wal relay published as well: they stay pending in the table,
+// with no publish time, and are taken by created_at (when their writer's
+// transaction began, a moment before the slot decoded them); the update
+// that returns them is what the wal relay decodes and publishes again.
+// The capture mode is read from the database, not from the caller's
+// configuration, which may not be the relays'.
+func (s *Store) Republish(ctx context.Context, since time.Time) (n int64, oldestRetained *time.Time, err error) {
+	var captured bool
+	if err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM relay_capture)`).Scan(&captured); err != nil {
+		return 0, nil, err
+	}
 	if err := s.pool.QueryRow(ctx, `
 SELECT least(min(published_at) FILTER (WHERE status = 'sent'),
              min(created_at) FILTER (WHERE $1 AND status = 'pending' AND published_at IS NULL))
@@ -324,13 +344,15 @@ RETURNING o.id`, ids, reasons)
 // deleteCapturedSQL deletes one small batch of rows a wal relay captured
 // (they stay pending in the table) past their retention; $3 is the slot's
 // backlog bound: rows at or below it may still be waiting for the claim.
+// A row an operator returned to the relays (available_at is then) counts
+// from that moment: it may be old, and not yet published again.
 const deleteCapturedSQL = `
 DELETE FROM outbox
 WHERE id IN (
     SELECT id
     FROM outbox
     WHERE published_at IS NULL AND status = 'pending' AND id > $3
-      AND created_at < now() - make_interval(secs => $1::float8)
+      AND greatest(created_at, available_at) < now() - make_interval(secs => $1::float8)
     ORDER BY id
     LIMIT $2
     FOR UPDATE SKIP LOCKED

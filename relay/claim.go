@@ -2,6 +2,8 @@ package relay
 
 import (
 	"context"
+	"math"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
@@ -9,15 +11,62 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+// fullClaimEvery is how often a claim walks the unsent rows from the
+// lowest id; the claims in between start from a floor near the newest rows
+// (see claimSQL for why). A row below the floor (a lease reaped, a backoff
+// over, an operator's retry, a writer whose transaction committed long
+// after it took its id) waits for the next full walk, at most this long
+// (or relay.poll_interval, when the relay is idle and that is longer).
+const fullClaimEvery = time.Second
+
+// claimFloor is where the claims between full walks start. The claim loop
+// alone moves it; tests read it.
+type claimFloor struct {
+	after  atomic.Int64 // claims start above this id
+	next   int64        // what the floor becomes at the next full walk
+	newest int64        // the highest id claimed so far
+	fullAt time.Time    // when the last full walk ran
+}
+
+// walked moves the floor after a full walk. Every row up to the walk's
+// mark (below the first row it found, or up to the newest claimed if it
+// found none) was claimed, or was not committed or not due when it ran.
+// The floor lags one walk behind, taking the previous walk's mark: ids
+// are taken in order, so a row below it whose transaction is still open
+// has been open for at least fullClaimEvery, and only such rows (and the
+// ones a full walk is there for) wait for the next one.
+func (f *claimFloor) walked(rows []row, at time.Time) {
+	f.fullAt = at
+	mark := f.newest
+	if len(rows) > 0 {
+		mark = rows[0].ID - 1
+	}
+	if f.next > f.after.Load() {
+		f.after.Store(f.next)
+	}
+	f.next = mark
+}
+
 func (r *Relay) claim(ctx context.Context) ([]row, pgtype.UUID, error) {
 	token := newLeaseToken()
+	full := time.Since(r.floor.fullAt) >= fullClaimEvery
+	after := r.floor.after.Load()
+	if full {
+		after = math.MinInt64
+	}
 	// Nothing is decoded in the claim: message() judges each row on its
 	// own, and a bad row becomes `failed`.
-	claimed, err := r.store.Claim(ctx, r.cfg.BatchSize, token)
+	claimed, err := r.store.ClaimRange(ctx, r.cfg.BatchSize, token, after, math.MaxInt64)
 	if err != nil {
 		return nil, token, err
 	}
 	sortRows(claimed)
+	if full {
+		r.floor.walked(claimed, time.Now())
+	}
+	if len(claimed) > 0 {
+		r.floor.newest = max(r.floor.newest, claimed[len(claimed)-1].ID)
+	}
 	return claimed, token, nil
 }
 

@@ -99,12 +99,14 @@ type Relay struct {
 	// readiness reads them, with no query of its own.
 	lastClaimed  atomic.Int64
 	lastClaimErr atomic.Pointer[string]
+	floor        claimFloor // where most claims start (claim.go)
 
 	// wal capture (see wal.go).
 	captureState   atomic.Int32  // captureConnecting, captureStandby, captureStreaming
 	confirmedLSN   atomic.Uint64 // the last position confirmed to the server
 	confirmedAt    atomic.Int64  // unix nanoseconds of the last confirm over a transaction
 	backlogThrough atomic.Int64  // the slot's backlog bound, -1 until known
+	backlogDone    atomic.Bool   // every row up to the bound was published
 	slot           atomic.Pointer[SlotState]
 	slotCheckEvery time.Duration // slotCheckInterval; tests shorten it
 	visibility     *visibilityGate

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -247,6 +248,21 @@ RETURNING id`, string(big)).Scan(&bigID); err != nil {
 		// order): the failed row was passed over, not waited for.
 		writeMany(t, h.db.Pool, 1)
 		h.waitAllSent(n+1, 30*time.Second)
+		if h.wal() {
+			// Confirmed past the marker, the slot is done with every
+			// transaction before it, the failed row's included.
+			var end string
+			if err := h.db.Pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&end); err != nil {
+				t.Fatal(err)
+			}
+			lsn, err := pglogrepl.ParseLSN(end)
+			if err != nil {
+				t.Fatal(err)
+			}
+			waitFor(t, 30*time.Second, "the slot confirmed past the marker", func() (bool, string) {
+				return pglogrepl.LSN(r.confirmedLSN.Load()) >= lsn, pglogrepl.LSN(r.confirmedLSN.Load()).String()
+			})
+		}
 		if got := h.streamCount(); got != n+1 {
 			t.Fatalf("%d in the stream, want %d: a row written failed was published", got, n+1)
 		}
@@ -265,13 +281,13 @@ RETURNING id`, string(big)).Scan(&bigID); err != nil {
 				stored = m
 			}
 		}
-		if stored == nil || !bytes.Equal(stored.Data, big) && !jsonEqual(stored.Data, big) {
+		if stored == nil || (!bytes.Equal(stored.Data, big) && !jsonEqual(stored.Data, big)) {
 			t.Fatalf("the retried row's message: %v, want its whole payload", stored)
 		}
 
 		// Republish all of it: every row is published again, and JetStream
 		// drops each one as a duplicate.
-		k, _, err := store.Republish(ctx, time.Now().Add(-time.Minute), h.wal())
+		k, _, err := store.Republish(ctx, time.Now().Add(-time.Minute))
 		if err != nil || k != n+2 {
 			t.Fatalf("republish: %d rows (%v), want %d", k, err, n+2)
 		}
@@ -293,4 +309,40 @@ RETURNING id`, string(big)).Scan(&bigID); err != nil {
 func jsonEqual(a, b []byte) bool {
 	var va, vb any
 	return json.Unmarshal(a, &va) == nil && json.Unmarshal(b, &vb) == nil && reflect.DeepEqual(va, vb)
+}
+
+// Most claims start from a floor near the newest rows. A row below it
+// whose writer's transaction commits late (it took its id long before) is
+// still published, by the full walk that runs every fullClaimEvery.
+func TestLateCommitBelowTheClaimFloorIsPublished(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	r := h.startRelay(nil, nil)
+	ctx := context.Background()
+
+	late, err := h.db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer late.Rollback(ctx) //nolint:errcheck
+	lateID, err := outbox.Write(ctx, late, productEvent(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// Rows committed after it, for a few full walks: the floor passes it.
+	n := 0
+	waitFor(t, 15*time.Second, "the claim floor above the open transaction's row", func() (bool, string) {
+		writeMany(t, h.db.Pool, 5)
+		n += 5
+		time.Sleep(50 * time.Millisecond)
+		return r.floor.after.Load() > lateID, fmt.Sprintf("floor %d, row %d", r.floor.after.Load(), lateID)
+	})
+	h.waitAllSent(n, 20*time.Second)
+
+	if err := late.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	h.waitAllSent(n+1, 5*time.Second)
+	assertEachOnce(t, h, n+1)
 }
