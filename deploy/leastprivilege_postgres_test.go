@@ -217,7 +217,7 @@ SELECT id FROM p`).Scan(&productID)
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_events`).Scan(&checkpoints); err != nil || checkpoints < 2 {
 			t.Errorf("fanout_operator reads the checkpoints: %d rows (%v), want every subscriber's", checkpoints, err)
 		}
-		if _, _, err := store.Republish(ctx, time.Now().Add(time.Hour), true); err != nil {
+		if _, _, err := store.Republish(ctx, time.Now().Add(time.Hour)); err != nil {
 			t.Errorf("fanout_operator republishes sent rows: %v", err)
 		}
 		if _, err := store.RetryFailed(ctx); err != nil {

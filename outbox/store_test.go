@@ -97,20 +97,23 @@ func TestStore(t *testing.T) {
 		t.Fatalf("the retried failed row: %q (%v)", lastError, err)
 	}
 
-	n, oldest, err := store.Republish(ctx, time.Now().Add(-time.Minute), false)
+	n, oldest, err := store.Republish(ctx, time.Now().Add(-time.Minute))
 	if err != nil || n != 2 || oldest == nil {
 		t.Fatalf("republish the last minute: %d rows, oldest retained %v (%v)", n, oldest, err)
 	}
 	if n, err := store.CountSent(ctx); err != nil || n != 0 {
 		t.Fatalf("sent rows after the republish: %d (%v)", n, err)
 	}
-	// A wal relay leaves the rows it published pending: with captured, the
-	// pending rows committed since are returned too (an update a wal relay
-	// decodes), and none committed before.
-	if n, _, err := store.Republish(ctx, time.Now().Add(time.Minute), true); err != nil || n != 0 {
+	// A wal relay leaves the rows it published pending: while its slot is
+	// recorded, the pending rows created since are returned too (an update
+	// the wal relay decodes), and none created before.
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO relay_capture (slot_name, backlog_through) VALUES ('fanout_relay', 0)`); err != nil {
+		t.Fatal(err)
+	}
+	if n, _, err := store.Republish(ctx, time.Now().Add(time.Minute)); err != nil || n != 0 {
 		t.Fatalf("republish captured rows from the future: %d rows (%v)", n, err)
 	}
-	if n, oldest, err := store.Republish(ctx, time.Now().Add(-time.Minute), true); err != nil || n != 6 || oldest == nil {
+	if n, oldest, err := store.Republish(ctx, time.Now().Add(-time.Minute)); err != nil || n != 6 || oldest == nil {
 		t.Fatalf("republish captured rows of the last minute: %d rows, oldest retained %v (%v); want all 6", n, oldest, err)
 	}
 
@@ -126,5 +129,44 @@ func TestStore(t *testing.T) {
 	}
 	if n, err := store.CountSent(ctx); err != nil || n != 2 {
 		t.Fatalf("sent rows left: %d (%v)", n, err)
+	}
+
+	// Rows a wal relay captured stay pending; those past retention go, from
+	// the time an operator last returned them if that is later, and none at
+	// or below the slot's backlog bound.
+	if _, err := db.Pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
+		t.Fatal(err)
+	}
+	var captured []int64
+	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+		for range 4 {
+			id, err := outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: "2", Type: "order.created",
+				Payload: json.RawMessage(`{"order_id": 2}`)})
+			if err != nil {
+				return err
+			}
+			captured = append(captured, id)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `UPDATE outbox SET created_at = now() - interval '2 hours', available_at = now() - interval '2 hours'`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `UPDATE outbox SET available_at = now() WHERE id = $1`, captured[3]); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := store.DeleteCaptured(ctx, time.Hour, 10, captured[0]); err != nil || n != 2 {
+		t.Fatalf("delete captured rows past retention: %d (%v), want 2 (not the one at the bound, not the one returned just now)", n, err)
+	}
+	var left []int64
+	rows, err := db.Pool.Query(ctx, `SELECT id FROM outbox ORDER BY id`)
+	if err == nil {
+		left, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+	}
+	if err != nil || len(left) != 2 || left[0] != captured[0] || left[1] != captured[3] {
+		t.Fatalf("rows left: %v (%v), want %d and %d", left, err, captured[0], captured[3])
 	}
 }

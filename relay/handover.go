@@ -26,7 +26,10 @@ import (
 //     relays had not confirmed is published again, and JetStream drops
 //     the duplicates);
 //  3. it marks `sent` the pending rows S shows, above the slot's backlog
-//     bound (rows at or below it were claimed, never captured);
+//     bound (rows at or below it were claimed, never captured), or all of
+//     them once the backlog was published (one at or below the bound is
+//     pending then only because an operator returned it, an update the
+//     slot decoded);
 //  4. it drops the slot and forgets it.
 //
 // Pending rows S does not show committed after S: the claim publishes them
@@ -70,7 +73,10 @@ func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
 		return fmt.Errorf("%w: slot %s has wal_status lost: it cannot be read to finish the switch to poll capture", errSlotLost, r.cfg.Slot)
 	}
 	var through int64
-	if err := conn.QueryRow(softCtx, `SELECT coalesce((SELECT backlog_through FROM relay_capture WHERE slot_name = $1), -1)`, r.cfg.Slot).Scan(&through); err != nil {
+	var backlogDone bool
+	if err := conn.QueryRow(softCtx, `
+SELECT coalesce(max(backlog_through), -1), coalesce(bool_or(backlog_done_at IS NOT NULL), false)
+FROM relay_capture WHERE slot_name = $1`, r.cfg.Slot).Scan(&through, &backlogDone); err != nil {
 		return err
 	}
 	if through < 0 {
@@ -97,12 +103,19 @@ func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
 	}
 
 	// Mark in id ranges, so no transaction holds many rows for long.
-	var maxID int64
-	if err := conn.QueryRow(softCtx, `SELECT coalesce(max(id), 0) FROM outbox`).Scan(&maxID); err != nil {
+	var minID, maxID int64
+	if err := conn.QueryRow(softCtx, `SELECT coalesce(min(id), 0), coalesce(max(id), 0) FROM outbox`).Scan(&minID, &maxID); err != nil {
 		return err
 	}
+	from := through
+	if backlogDone {
+		// Every row up to the bound was claimed and marked; one pending
+		// now was returned to the relays since (outbox retry-failed,
+		// republish), and the slot decoded that update.
+		from = min(through, minID-1)
+	}
 	var marked int64
-	for lo := through; lo < maxID; lo += 50_000 {
+	for lo := from; lo < maxID; lo += 50_000 {
 		ct, err := conn.Exec(softCtx, markCapturedSQL, snap, lo, lo+50_000)
 		if err != nil {
 			return fmt.Errorf("mark the rows the slot published: %w", err)
@@ -126,7 +139,8 @@ func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
 // markCapturedSQL marks sent the pending rows with ids in ($2, $3] that
 // snapshot $1 shows. A row's xmin is 32 bits: its full id is the one below
 // the snapshot's xmax with those low bits. The wal relay updates no row it
-// publishes, so a pending row's xmin is its writer's transaction.
+// publishes, so a pending row's xmin is the transaction the slot decoded
+// it from: its writer's, or the operator's that returned it to pending.
 const markCapturedSQL = `
 WITH s AS (
     SELECT $1::pg_snapshot AS snap, pg_snapshot_xmax($1::pg_snapshot)::text::bigint AS xmax

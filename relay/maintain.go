@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"math"
 	"time"
 
 	"github.com/fanout/fanout/outbox"
@@ -42,6 +43,12 @@ func (r *Relay) cleanupLoop(ctx context.Context) {
 			stuck = true
 		}
 		if through := r.backlogThrough.Load(); r.cfg.Capture == CaptureWAL && through >= 0 && !stuck {
+			if r.backlogDone.Load() {
+				// A row up to the bound pending now was returned to the
+				// relays since (outbox retry-failed, republish), and the
+				// slot decoded that update.
+				through = math.MinInt64
+			}
 			n, err := r.deleteInBatches(ctx, func(ctx context.Context) (int64, error) {
 				return r.store.DeleteCaptured(ctx, r.cfg.SentRetention, r.cfg.CleanupBatch, through)
 			})

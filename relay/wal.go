@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -18,7 +19,7 @@ import (
 )
 
 // Publication is the publication a wal relay's slot decodes: inserts into
-// the outbox (schema/migrations/00006_outbox_capture.sql).
+// the outbox and updates of its rows (schema/migrations/00006 and 00007).
 const Publication = "fanout_outbox"
 
 // walStatusInterval is how often a streaming relay confirms its position to
@@ -301,6 +302,7 @@ RETURNING backlog_through, backlog_done_at`, r.cfg.Slot).Scan(&backlogThrough, &
 		return 0, false, fmt.Errorf("read the slot's backlog: %w", err)
 	}
 	r.backlogThrough.Store(backlogThrough)
+	r.backlogDone.Store(doneAt.Valid)
 	return backlogThrough, doneAt.Valid, nil
 }
 
@@ -341,6 +343,7 @@ func (r *Relay) drainBacklog(ctx, hardCtx context.Context, through int64) {
 		if err == nil && left == 0 {
 			_, err = r.pool.Exec(ctx, `UPDATE relay_capture SET backlog_done_at = now() WHERE slot_name = $1 AND backlog_through = $2`, r.cfg.Slot, through)
 			if err == nil {
+				r.backlogDone.Store(true)
 				r.logger.Info("published the rows committed before the slot existed", "through_id", through)
 				return
 			}
@@ -398,8 +401,9 @@ type walStream struct {
 	relations map[uint32]*relationColumns
 	types     *pgtype.Map // not safe for concurrent use: one per stream
 	cur       *walTxn
-	rows      []row // the current transaction's rows not yet dispatched
-	refetch   []int // indexes in rows of versions decoded without a value (unchanged TOAST)
+	rows      []row         // the current transaction's rows not yet dispatched
+	refetch   []int         // indexes in rows of versions decoded without a value (unchanged TOAST), ascending
+	rowAt     map[int64]int // id -> index in rows
 
 	until      pglogrepl.LSN // end the stream once confirmed this far (0: never)
 	queue      chan *walTxn  // transactions in commit order, to confirm
@@ -624,17 +628,55 @@ func (s *walStream) capture(softCtx, hardCtx context.Context, relationID uint32,
 	if err != nil {
 		return err
 	}
-	switch state {
-	case tupleNotPending:
+	// A transaction that inserts a row and then updates it (by hand)
+	// decodes two versions with one id: JetStream would keep the first,
+	// so the later replaces it (within the chunk not yet dispatched).
+	if state == tupleNotPending {
+		if i, ok := s.rowAt[rw.ID]; ok {
+			s.dropRow(i)
+		}
 		return nil
-	case tupleToasted:
+	}
+	if i, ok := s.rowAt[rw.ID]; ok {
+		s.rows[i] = rw
+		s.refetch = slices.DeleteFunc(s.refetch, func(at int) bool { return at == i })
+		if state == tupleToasted {
+			s.refetch = append(s.refetch, i)
+			slices.Sort(s.refetch)
+		}
+		return nil
+	}
+	if state == tupleToasted {
 		s.refetch = append(s.refetch, len(s.rows))
 	}
+	if s.rowAt == nil {
+		s.rowAt = map[int64]int{}
+	}
+	s.rowAt[rw.ID] = len(s.rows)
 	s.rows = append(s.rows, rw)
 	if len(s.rows) >= s.r.cfg.BatchSize {
 		return s.dispatch(softCtx, hardCtx)
 	}
 	return nil
+}
+
+// dropRow removes the collected row at index i.
+func (s *walStream) dropRow(i int) {
+	s.rows = slices.Delete(s.rows, i, i+1)
+	clear(s.rowAt)
+	for k, rw := range s.rows {
+		s.rowAt[rw.ID] = k
+	}
+	refetch := s.refetch[:0]
+	for _, at := range s.refetch {
+		switch {
+		case at < i:
+			refetch = append(refetch, at)
+		case at > i:
+			refetch = append(refetch, at-1)
+		}
+	}
+	s.refetch = refetch
 }
 
 // enqueue hands a transaction to the confirmer without blocking the stream
@@ -657,6 +699,7 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 	}
 	rows, refetch := s.rows, s.refetch
 	s.rows, s.refetch = nil, nil
+	clear(s.rowAt)
 	n := int64(len(rows))
 	for {
 		ctx, cancel := context.WithTimeout(softCtx, walStatusInterval)
@@ -821,14 +864,14 @@ func (r *Relay) refetchCaptured(ctx context.Context, rows []row, refetch []int) 
 	for _, f := range fresh {
 		byID[f.ID] = f
 	}
-	kept := rows[:0:0]
+	kept := make([]row, 0, len(rows))
 	next := 0
 	for i, rw := range rows {
 		if next < len(refetch) && refetch[next] == i {
 			next++
 			f, ok := byID[rw.ID]
 			if !ok {
-				r.logger.Debug("an outbox row returned to pending changed again before its publish: left to whoever changed it", "event_id", rw.ID)
+				r.logger.Warn("an updated outbox row decoded without its payload is no longer pending when read again (claimed, marked or deleted since): not published by the slot", "event_id", rw.ID)
 				continue
 			}
 			rw = f

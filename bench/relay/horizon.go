@@ -191,30 +191,35 @@ func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle t
 	var samples []horizonSample
 	holdErr := make(chan error, 1)
 	held := false
+	holdAt := time.NewTimer(time.Until(holdFrom))
+	defer holdAt.Stop()
 	tick := time.NewTicker(horizonTick)
 	defer tick.Stop()
-	for runCtx.Err() == nil {
+	var sampleErr error
+	for runCtx.Err() == nil && sampleErr == nil {
 		select {
 		case <-runCtx.Done():
-		case now := <-tick.C:
-			s, err := sampleHorizon(ctx, env, capture)
-			if err != nil {
-				cancel()
-				wg.Wait()
-				return hr, err
-			}
-			s.at = now
-			samples = append(samples, s)
-		}
-		switch {
-		case !held && time.Now().After(holdFrom):
+		case <-holdAt.C:
 			held = true
 			go func() { holdErr <- holdSnapshot(runCtx, holder, time.Until(holdTo)) }()
+		case now := <-tick.C:
+			var s horizonSample
+			if s, sampleErr = sampleHorizon(ctx, env, capture); sampleErr == nil {
+				s.at = now
+				samples = append(samples, s)
+			}
 		}
 	}
+	cancel()
 	wg.Wait()
-	if err := <-holdErr; err != nil {
-		return hr, fmt.Errorf("hold a snapshot: %w", err)
+	if held {
+		// The holder's connection is closed only after its transaction.
+		if err := <-holdErr; err != nil && sampleErr == nil {
+			return hr, fmt.Errorf("hold a snapshot: %w", err)
+		}
+	}
+	if sampleErr != nil {
+		return hr, sampleErr
 	}
 	if len(samples) == 0 || time.Since(samples[len(samples)-1].at) > horizonTick/2 {
 		s, err := sampleHorizon(ctx, env, capture)

@@ -5,7 +5,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
-	"github.com/fanout/fanout/relay"
 	"github.com/spf13/cobra"
 )
 
@@ -48,9 +47,12 @@ stream still has inside its duplicates window are dropped by JetStream; the
 rest are stored again, and each subscriber's checkpoint absorbs the events it
 had already handled.
 
-With relay.capture wal, the rows a wal relay published stay pending in the
-table; they are taken by their commit time (created_at), and the wal relay
-publishes each one again as it decodes the update that returns it.`,
+While the relays capture from the WAL (relay.capture wal), the rows they
+published stay pending in the table, with no publish time: they are taken by
+created_at, when their writer's transaction began, a moment before the slot
+decoded them (set --since earlier by the slot's lag at the time of the loss,
+which fanout status shows). The wal relay publishes each one again as it
+decodes the update that returns it.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if err := a.load(); err != nil {
@@ -65,7 +67,7 @@ publishes each one again as it decodes the update that returns it.`,
 				return err
 			}
 			defer pool.Close()
-			n, oldest, err := outbox.NewStore(pool).Republish(cmd.Context(), t, a.cfg.Relay.Capture == relay.CaptureWAL)
+			n, oldest, err := outbox.NewStore(pool).Republish(cmd.Context(), t)
 			if err != nil {
 				return err
 			}

@@ -274,6 +274,7 @@ GRANT SELECT ON outbox TO fanout_operator;
 GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_token, published_at)
     ON outbox TO fanout_operator;
 GRANT SELECT, INSERT ON dead_letter_actions TO fanout_operator;
+GRANT SELECT ON relay_capture TO fanout_operator;
 
 \else
 \echo 'roles.sql: fanout''s tables are not all there yet: roles, CONNECT and schema privileges done; run `fanout migrate` as fanout_migrate, then this file again for the table grants'
