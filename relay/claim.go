@@ -11,63 +11,108 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// fullClaimEvery is how often a claim walks the unsent rows from the
-// lowest id; the claims in between start from a floor near the newest rows
-// (see claimSQL for why). A row below the floor (a lease reaped, a backoff
-// over, an operator's retry, a writer whose transaction committed long
-// after it took its id) waits for the next full walk, at most this long
-// (or relay.poll_interval, when the relay is idle and that is longer).
+// fullClaimEvery is how often the sweeper claims the rows below the
+// floor, walking from the lowest id; the claim loop starts from the floor
+// (see claimSQL for why). A row below it (a lease reaped, a backoff over,
+// an operator's retry, a writer whose transaction committed long after it
+// took its id) waits for the next sweep, at most this long.
 const fullClaimEvery = time.Second
 
-// claimFloor is where the claims between full walks start. The claim loop
-// alone moves it; tests read it.
+// claimFloor splits the claims: the claim loop takes rows above the floor,
+// the sweeper those at or below it.
 type claimFloor struct {
-	after  atomic.Int64 // claims start above this id
-	next   int64        // what the floor becomes at the next full walk
-	newest int64        // the highest id claimed so far
-	fullAt time.Time    // when the last full walk ran
+	after  atomic.Int64 // the floor: the claim loop starts above this id
+	newest atomic.Int64 // the highest id the claim loop claimed
+	next   int64        // the floor after the next sweep (the sweeper's)
 }
 
-// walked moves the floor after a full walk. Every row up to the walk's
-// mark (below the first row it found, or up to the newest claimed if it
-// found none) was claimed, or was not committed or not due when it ran.
-// The floor lags one walk behind, taking the previous walk's mark: ids
-// are taken in order, so a row below it whose transaction is still open
-// has been open for at least fullClaimEvery, and only such rows (and the
-// ones a full walk is there for) wait for the next one.
-func (f *claimFloor) walked(rows []row, at time.Time) {
-	f.fullAt = at
-	mark := f.newest
-	if len(rows) > 0 {
-		mark = rows[0].ID - 1
-	}
+// swept moves the floor after a sweep to the newest id claimed when the
+// previous sweep began. Ids are taken in order, so a row below it that
+// was not claimed yet belongs to a transaction open since before then, at
+// least fullClaimEvery ago: the floor lags a sweep behind the newest rows
+// so that only such rows (and the ones a sweep is there for) fall below it.
+func (f *claimFloor) swept(newestAtStart int64) {
 	if f.next > f.after.Load() {
 		f.after.Store(f.next)
 	}
-	f.next = mark
+	f.next = newestAtStart
 }
 
 func (r *Relay) claim(ctx context.Context) ([]row, pgtype.UUID, error) {
 	token := newLeaseToken()
-	full := time.Since(r.floor.fullAt) >= fullClaimEvery
-	after := r.floor.after.Load()
-	if full {
-		after = math.MinInt64
-	}
 	// Nothing is decoded in the claim: message() judges each row on its
 	// own, and a bad row becomes `failed`.
-	claimed, err := r.store.ClaimRange(ctx, r.cfg.BatchSize, token, after, math.MaxInt64)
+	claimed, err := r.store.ClaimRange(ctx, r.cfg.BatchSize, token, r.floor.after.Load(), math.MaxInt64)
 	if err != nil {
 		return nil, token, err
 	}
 	sortRows(claimed)
-	if full {
-		r.floor.walked(claimed, time.Now())
-	}
-	if len(claimed) > 0 {
-		r.floor.newest = max(r.floor.newest, claimed[len(claimed)-1].ID)
+	if n := len(claimed); n > 0 && claimed[n-1].ID > r.floor.newest.Load() {
+		r.floor.newest.Store(claimed[n-1].ID)
 	}
 	return claimed, token, nil
+}
+
+// sweepLoop claims the rows at or below the floor every fullClaimEvery.
+// It runs beside the claim loop, so that its walk from the lowest id,
+// slow under a held snapshot, holds up none of the newest rows.
+func (r *Relay) sweepLoop(softCtx, hardCtx context.Context) {
+	t := time.NewTicker(fullClaimEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-r.stopping:
+			return
+		case <-softCtx.Done():
+			return
+		case <-t.C:
+		}
+		newest := r.floor.newest.Load()
+		if !r.sweep(softCtx, hardCtx) {
+			continue // the floor stays until a sweep completes
+		}
+		r.floor.swept(newest)
+	}
+}
+
+// sweep claims and delivers every due row at or below the floor; it
+// returns false if it could not finish (NATS or Postgres unreachable, a
+// stop), leaving the rest to the next one.
+func (r *Relay) sweep(softCtx, hardCtx context.Context) bool {
+	floor := r.floor.after.Load()
+	batch := int64(r.cfg.BatchSize)
+	for {
+		if !r.nc.IsConnected() {
+			return false
+		}
+		if err := r.slots.Acquire(softCtx, batch); err != nil {
+			return false
+		}
+		token := newLeaseToken()
+		start := time.Now()
+		// On hardCtx, as the claim loop's: a claim cancelled after the
+		// server committed would strand its rows until their lease ends.
+		rows, err := r.store.ClaimRange(hardCtx, r.cfg.BatchSize, token, math.MinInt64, floor)
+		r.slots.Release(batch - int64(len(rows)))
+		if err != nil {
+			r.logger.Warn("claim the rows below the claim floor; the next sweep tries again", "error", err, "floor", floor)
+			return false
+		}
+		if len(rows) == 0 {
+			return true
+		}
+		r.obs.Claimed(len(rows), time.Since(start))
+		sortRows(rows)
+		r.batches.Add(1)
+		go func() {
+			defer r.batches.Done()
+			defer r.slots.Release(int64(len(rows)))
+			r.deliver(hardCtx, rows, token)
+		}()
+		if len(rows) < r.cfg.BatchSize {
+			return true
+		}
+	}
 }
 
 // record writes the batch's outcomes in one transaction, retrying while

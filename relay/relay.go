@@ -324,6 +324,11 @@ func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
 	if !r.waitHandover(softCtx, hardCtx) {
 		return
 	}
+	r.loops.Add(1)
+	go func() {
+		defer r.loops.Done()
+		r.sweepLoop(softCtx, hardCtx)
+	}()
 	idle := eagerPollMin
 	errWait := eagerPollMin
 	batch := int64(r.cfg.BatchSize)

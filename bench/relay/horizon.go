@@ -90,12 +90,15 @@ func benchHorizon(ctx context.Context, nc *nats.Conn) error {
 	settle := 30 * time.Second
 	fmt.Printf("held horizon: %d writes/s; after %s a REPEATABLE READ transaction holds its snapshot for %s, then %s more; %d runs of each\n",
 		*latencyRate, settle, *horizonFor, settle, *benchkit.Runs)
-	variants := []struct {
-		name    string
-		capture string
-	}{
+	variants := []struct{ name, capture string }{
 		{"relay.capture=poll (claim, mark sent)", relay.CapturePoll},
 		{"relay.capture=wal (decoded from the replication slot)", relay.CaptureWAL},
+	}
+	if *captureOnly != "" {
+		variants = slices.DeleteFunc(variants, func(v struct{ name, capture string }) bool { return v.capture != *captureOnly })
+		if len(variants) == 0 {
+			return fmt.Errorf("-capture %q: want poll or wal", *captureOnly)
+		}
 	}
 	runs := make([][]horizonRun, len(variants))
 	for run := range *benchkit.Runs {

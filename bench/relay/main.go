@@ -55,6 +55,7 @@ var (
 	latencyFor  = flag.Duration("latency", 15*time.Second, "how long each latency run lasts")
 	latencyRate = flag.Int("rate", 1000, "writes/s of the latency and held-horizon runs")
 	horizonFor  = flag.Duration("horizon", 2*time.Minute, "how long the held-horizon run holds its snapshot")
+	captureOnly = flag.String("capture", "", "run the held-horizon part in this capture mode only: poll or wal")
 	natsURL     = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
 	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
