@@ -20,21 +20,27 @@ func TestStore(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
 	store := outbox.NewStore(db.Pool)
-	var ids []int64
-	err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-		for range 6 {
-			id, err := outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: "1", Type: "order.created",
-				Payload: json.RawMessage(`{"order_id": 1}`)})
-			if err != nil {
-				return err
+	// writeOrders commits n events of one order in one transaction.
+	writeOrders := func(n int, order string) []int64 {
+		t.Helper()
+		var ids []int64
+		err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+			for range n {
+				id, err := outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: order, Type: "order.created",
+					Payload: json.RawMessage(`{"order_id": ` + order + `}`)})
+				if err != nil {
+					return err
+				}
+				ids = append(ids, id)
 			}
-			ids = append(ids, id)
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
 		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
+		return ids
 	}
+	ids := writeOrders(6, "1")
 	backlog := func() outbox.Backlog {
 		t.Helper()
 		b, err := store.Backlog(ctx)
@@ -137,21 +143,7 @@ func TestStore(t *testing.T) {
 	if _, err := db.Pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
 		t.Fatal(err)
 	}
-	var captured []int64
-	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-		for range 4 {
-			id, err := outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: "2", Type: "order.created",
-				Payload: json.RawMessage(`{"order_id": 2}`)})
-			if err != nil {
-				return err
-			}
-			captured = append(captured, id)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	captured := writeOrders(4, "2")
 	if _, err := db.Pool.Exec(ctx, `UPDATE outbox SET created_at = now() - interval '2 hours', available_at = now() - interval '2 hours'`); err != nil {
 		t.Fatal(err)
 	}
