@@ -103,16 +103,22 @@ func (r *Relay) sweep(softCtx, hardCtx context.Context) bool {
 		}
 		r.obs.Claimed(len(rows), time.Since(start))
 		sortRows(rows)
-		r.batches.Add(1)
-		go func() {
-			defer r.batches.Done()
-			defer r.slots.Release(int64(len(rows)))
-			r.deliver(hardCtx, rows, token)
-		}()
+		r.deliverAsync(hardCtx, rows, token)
 		if len(rows) < r.cfg.BatchSize {
 			return true
 		}
 	}
+}
+
+// deliverAsync publishes and records a claimed batch in the background;
+// the batch holds its slots in flight until it is done.
+func (r *Relay) deliverAsync(hardCtx context.Context, rows []row, token pgtype.UUID) {
+	r.batches.Add(1)
+	go func() {
+		defer r.batches.Done()
+		defer r.slots.Release(int64(len(rows)))
+		r.deliver(hardCtx, rows, token)
+	}()
 }
 
 // record writes the batch's outcomes in one transaction, retrying while

@@ -375,12 +375,7 @@ func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
 		}
 		r.obs.Claimed(len(rows), time.Since(start))
 		idle = eagerPollMin
-		r.batches.Add(1)
-		go func() {
-			defer r.batches.Done()
-			defer r.slots.Release(int64(len(rows)))
-			r.deliver(hardCtx, rows, token)
-		}()
+		r.deliverAsync(hardCtx, rows, token)
 	}
 }
 

@@ -232,28 +232,18 @@ func (c *counter) Claimed(n int, took time.Duration) { c.claims.Add(1); c.claimN
 func (c *counter) Published(ev []relay.Published) { c.n.Add(int64(len(ev))) }
 
 func benchDrain(ctx context.Context, nc *nats.Conn) (result, error) {
-	db, err := pgtest.Create(ctx, *adminURL)
+	env, err := newRelayEnv(ctx, nc)
 	if err != nil {
 		return result{}, err
 	}
-	defer db.Close()
-	stream, done, err := freshStream(nc)
-	if err != nil {
+	defer env.close()
+	if err := fillOutbox(ctx, env.db.Pool, *rows); err != nil {
 		return result{}, err
 	}
-	defer done()
-	if err := fillOutbox(ctx, db.Pool, *rows); err != nil {
+	if err := benchkit.Settle(ctx, env.db.Pool); err != nil {
 		return result{}, err
 	}
-	if err := benchkit.Settle(ctx, db.Pool); err != nil {
-		return result{}, err
-	}
-	relayPool, err := relayPool(ctx, db.URL)
-	if err != nil {
-		return result{}, err
-	}
-	defer relayPool.Close()
-	res, obs, err := timeDrain(ctx, relay.Options{Relay: relayConfig(), Stream: stream, Pool: relayPool, Conn: nc, Logger: quiet})
+	res, obs, err := timeDrain(ctx, relay.Options{Relay: relayConfig(), Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet})
 	if err != nil {
 		return result{}, err
 	}
@@ -286,21 +276,12 @@ func timeDrain(ctx context.Context, opts relay.Options) (result, *counter, error
 // the slot and stops, rows are committed in transactions of 1000, and a new
 // relay publishes them from the slot.
 func benchDrainWAL(ctx context.Context, nc *nats.Conn) (result, error) {
-	db, err := pgtest.Create(ctx, *adminURL)
+	env, err := newRelayEnv(ctx, nc)
 	if err != nil {
 		return result{}, err
 	}
-	defer db.Close()
-	stream, done, err := freshStream(nc)
-	if err != nil {
-		return result{}, err
-	}
-	defer done()
-	rp, err := relayPool(ctx, db.URL)
-	if err != nil {
-		return result{}, err
-	}
-	defer rp.Close()
+	defer env.close()
+	db, stream, rp := env.db, env.stream, env.relayPool
 	rc := relayConfig()
 	rc.Capture, rc.Slot = relay.CaptureWAL, db.Name
 	first, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet})
@@ -745,23 +726,17 @@ func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*config.Rela
 	return lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1], len(lat), nil
 }
 
-// steadyEnv is a fresh database with the shop seeded and settled, a fresh
-// stream, and a relay running on them, for runs under a steady write rate.
-type steadyEnv struct {
-	db      *pgtest.DB
-	pool    *pgxpool.Pool // the writers' 8 connections
-	maxID   int64         // of products
-	cleanup []func()
+// relayEnv is what a relay's run starts from: a fresh database, a stream
+// of its own, and the relay's pool on the database.
+type relayEnv struct {
+	db        *pgtest.DB
+	stream    config.Stream
+	relayPool *pgxpool.Pool
+	cleanup   []func() // in the order to undo
 }
 
-func (e *steadyEnv) close() {
-	for _, f := range slices.Backward(e.cleanup) {
-		f()
-	}
-}
-
-func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*config.Relay), obs relay.Observer) (_ *steadyEnv, err error) {
-	e := &steadyEnv{}
+func newRelayEnv(ctx context.Context, nc *nats.Conn) (_ *relayEnv, err error) {
+	e := &relayEnv{}
 	defer func() {
 		if err != nil {
 			e.close()
@@ -771,6 +746,44 @@ func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*config.Rela
 		return nil, err
 	}
 	e.cleanup = append(e.cleanup, e.db.Close)
+	stream, done, err := freshStream(nc)
+	if err != nil {
+		return nil, err
+	}
+	e.stream = stream
+	e.cleanup = append(e.cleanup, done)
+	if e.relayPool, err = relayPool(ctx, e.db.URL); err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, e.relayPool.Close)
+	return e, nil
+}
+
+func (e *relayEnv) close() {
+	for _, f := range slices.Backward(e.cleanup) {
+		f()
+	}
+}
+
+// steadyEnv is a relayEnv with the shop seeded and settled and a relay
+// running, for runs under a steady write rate.
+type steadyEnv struct {
+	*relayEnv
+	pool  *pgxpool.Pool // the writers' 8 connections
+	maxID int64         // of products
+}
+
+func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*config.Relay), obs relay.Observer) (_ *steadyEnv, err error) {
+	env, err := newRelayEnv(ctx, nc)
+	if err != nil {
+		return nil, err
+	}
+	e := &steadyEnv{relayEnv: env}
+	defer func() {
+		if err != nil {
+			e.close()
+		}
+	}()
 	if e.pool, err = poolWithConns(ctx, e.db.URL, 8); err != nil {
 		return nil, err
 	}
@@ -781,20 +794,10 @@ func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*config.Rela
 	if err = benchkit.Settle(ctx, e.pool); err != nil {
 		return nil, err
 	}
-	stream, done, err := freshStream(nc)
-	if err != nil {
-		return nil, err
-	}
-	e.cleanup = append(e.cleanup, done)
 	rc := relayConfig()
 	mutate(&rc)
 	rc.Slot = e.db.Name // slot names are cluster-wide
-	rp, err := relayPool(ctx, e.db.URL)
-	if err != nil {
-		return nil, err
-	}
-	e.cleanup = append(e.cleanup, rp.Close)
-	r, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet, Observer: obs})
+	r, err := relay.New(relay.Options{Relay: rc, Stream: e.stream, Pool: e.relayPool, Conn: nc, Logger: quiet, Observer: obs})
 	if err != nil {
 		return nil, err
 	}
