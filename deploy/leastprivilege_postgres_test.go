@@ -85,6 +85,9 @@ func TestPostgresRoles(t *testing.T) {
 		"outbox.status fanout_relay=w",
 		"outbox.payload fanout_writer=a",
 		"outbox.id fanout_writer=r",
+		"outbox_default fanout_relay=dr",
+		"outbox_default.status fanout_relay=w",
+		"outbox_partitions fanout_relay=r",
 		"invoices fanout_invoicing=a",
 		"invoices.order_id fanout_invoicing=r",
 		"products fanout_cacheinval=r",
@@ -301,6 +304,28 @@ SELECT id FROM p`).Scan(&productID)
 		denied(t, pool, "fanout_relay", `UPDATE products SET price = 0`)
 		denied(t, pool, "fanout_relay", `UPDATE outbox SET event_type = 'x.y'`)
 		denied(t, pool, "fanout_relay", `DELETE FROM processed_events`)
+		// The outbox's ranges: only through the functions, which run as
+		// their owner.
+		var added []string
+		rows, err := pool.Query(ctx, `SELECT fanout_outbox_extend(1000, 2, 100)`)
+		if err == nil {
+			added, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		}
+		if err != nil || len(added) == 0 {
+			t.Errorf("fanout_relay adds outbox ranges: %v (%v)", added, err)
+		}
+		for _, name := range added {
+			var owner string
+			if err := db.Pool.QueryRow(ctx, `SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = $1::regclass`, name).Scan(&owner); err != nil || owner != "fanout_migrate" {
+				t.Errorf("range %s is owned by %q (%v), want fanout_migrate", name, owner, err)
+			}
+		}
+		denied(t, pool, "fanout_relay", `ALTER TABLE outbox DETACH PARTITION outbox_default`)
+		denied(t, pool, "fanout_relay", `CREATE TABLE outbox_x PARTITION OF outbox FOR VALUES FROM (-10) TO (0)`)
+		denied(t, pool, "fanout_relay", `UPDATE outbox_partitions SET sealed_at = now()`)
+		asRole(t, db.Pool, "fanout_writer", func(tx pgx.Tx) {
+			denied(t, tx, "fanout_writer", `SELECT fanout_outbox_extend(1000, 2, 100)`)
+		})
 	})
 }
 
@@ -350,7 +375,7 @@ func privileges(t *testing.T, pool *pgxpool.Pool) string {
 	rows, err := pool.Query(context.Background(), `
 SELECT line FROM (
     SELECT c.relname || ' owner=' || pg_get_userbyid(c.relowner) AS line
-    FROM pg_class c WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'S')
+    FROM pg_class c WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'p', 'S')
     UNION ALL
     SELECT c.relname || ' ' || pg_get_userbyid(a.grantee) || '=' || string_agg(
              CASE a.privilege_type WHEN 'SELECT' THEN 'r' WHEN 'INSERT' THEN 'a' WHEN 'UPDATE' THEN 'w'

@@ -11,7 +11,7 @@
 // A reaper returns rows whose lease expired (their relay died or stalled) to
 // `pending`; since the stream's duplicates window is longer than the lease
 // plus the publish timeout, a second publish of such a row is dropped by
-// JetStream. A cleaner deletes sent rows after a retention period.
+// JetStream. Retention drops old rows by whole ranges (below).
 //
 // # Poison rows
 //
@@ -56,6 +56,36 @@
 // id: a row reaped, backed off, retried by an operator, or committed by a
 // transaction open longer than a second. Its slow walk holds up no new row.
 //
+// # Retention
+//
+// The outbox is partitioned by ranges of ids (schema migration 00008), and
+// old events go by dropping whole ranges: no row is deleted one by one, so
+// retention writes no WAL per row and leaves vacuum nothing to do. Every
+// relay.cleanup_interval a relay asks the database (SECURITY DEFINER
+// functions; the relay's role owns no table) to
+//   - add ranges of relay.partition_size ids ahead of the identity
+//     (fanout_outbox_extend), two beyond the current one;
+//   - seal each range whose ids were all handed out, once no transaction
+//     still inserts into it, noting the time and the WAL position
+//     (fanout_outbox_seal);
+//   - drop each sealed range whose rows were all published longer than
+//     relay.sent_retention ago (fanout_outbox_retire). In poll capture: no
+//     row in it pending or sending, none published within retention. In
+//     wal capture: the slot confirmed past the position noted at the seal
+//     (before that, the range's rows may still be undecoded, and the
+//     decoder cannot read a dropped range: the benchmark's proof lost
+//     events that way), no row waiting for the backlog's claim, none
+//     returned by an operator within retention. Its failed rows move to
+//     outbox_default, ids and all, for an operator.
+//
+// Rows that no range covers (written before the first range, or while the
+// relays were stopped long enough for the ids to run past the ranges, or
+// given an id by hand) land in outbox_default, so a writer never fails for
+// want of a range; they are deleted one by one as before. Adding a range
+// locks outbox_default and dropping one locks the outbox, each for a few
+// milliseconds and waiting at most 200 ms (lock_timeout) for it; a pass
+// that cannot get a lock tries again at the next.
+//
 // # Capture from the write-ahead log
 //
 // With relay.capture wal the relay does not claim rows: it streams the
@@ -65,7 +95,7 @@
 // Nats-Msg-Id as the poll relay, so nothing downstream can tell the two
 // apart. The table is then an append-only log: the relay updates no row it
 // publishes (a row it can never publish is still marked failed, with its
-// reason), and the cleaner deletes rows after relay.sent_retention.
+// reason), and retention drops whole ranges after relay.sent_retention.
 //
 // Rows an operator returns to the relays (outbox retry-failed, outbox
 // republish, an UPDATE by hand) are updates, not inserts: the publication
@@ -126,7 +156,7 @@
 // ready when it has been stuck past relay.stall_after. A slot the server
 // invalidated is dropped and created again, and every pending row the
 // outbox still holds is published again (recoverLostSlot); while the slot
-// is stuck the cleaner deletes none of them.
+// is stuck retention drops none of them.
 //
 // Events as pg_logical_emit_message records, with no table at all, were
 // considered and not chosen: a writer in another language could no longer

@@ -2,11 +2,15 @@ package relay
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"log/slog"
 	"math"
 	"time"
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 func (r *Relay) reapLoop(ctx context.Context) {
@@ -24,10 +28,38 @@ func (r *Relay) reapLoop(ctx context.Context) {
 	})
 }
 
-// cleanupLoop deletes sent rows past their retention in small batches:
-// each transaction stays short and the table does not bloat.
+// defaultPartitionsAhead is how many empty ranges the outbox keeps beyond
+// the next id: at the defaults, two million ids, over half an hour of
+// writes at 1000/s between two passes a minute apart. Ids that outrun the
+// ranges still land somewhere: in outbox_default.
+const defaultPartitionsAhead = 2
+
+// The partition margin is how far above the next id a range starts when
+// the ids have caught up with the ranges (fanout_outbox_extend): writers
+// would have to take this many ids in the few milliseconds the range takes
+// to attach (at most 200 ms waiting for its lock) to collide with it. One
+// range's worth, within these bounds.
+const (
+	minPartitionMargin = 1_000
+	maxPartitionMargin = 100_000
+)
+
+// cleanupLoop is the outbox's retention (see the schema, migration 00008):
+// it adds ranges ahead of the ids, seals the full ones and drops whole
+// ranges past retention, then deletes the few rows of outbox_default past
+// theirs, in small batches.
 func (r *Relay) cleanupLoop(ctx context.Context) {
-	r.every(ctx, r.cfg.CleanupInterval, "delete sent rows past retention", func(ctx context.Context) (int64, error) {
+	r.every(ctx, r.cfg.CleanupInterval, "outbox retention", func(ctx context.Context) (int64, error) {
+		if err := r.keepRanges(ctx); err != nil && ctx.Err() == nil {
+			// A lock not granted within the functions' lock_timeout
+			// (writers, claims or a held snapshot in the way) is tried
+			// again at the next pass.
+			level := slog.LevelWarn
+			if pgErr := (*pgconn.PgError)(nil); errors.As(err, &pgErr) && pgErr.Code == "55P03" { // lock_not_available
+				level = slog.LevelInfo
+			}
+			r.logger.Log(ctx, level, "outbox ranges: will try again at the next pass", "error", err, "next_pass_in", r.cfg.CleanupInterval)
+		}
 		total, err := r.deleteInBatches(ctx, func(ctx context.Context) (int64, error) {
 			return r.store.DeleteSent(ctx, r.cfg.SentRetention, r.cfg.CleanupBatch)
 		})
@@ -58,10 +90,85 @@ func (r *Relay) cleanupLoop(ctx context.Context) {
 			}
 		}
 		if total > 0 {
-			r.logger.Debug("deleted sent rows", "rows", total, "retention", r.cfg.SentRetention)
+			r.logger.Debug("deleted rows of outbox_default", "rows", total, "retention", r.cfg.SentRetention)
 		}
 		return total, nil
 	})
+}
+
+// keepRanges adds the outbox's ranges ahead of the ids, seals the full
+// ones, and drops the sealed ones whose rows were all published longer
+// than relay.sent_retention ago. The database decides each step under its
+// locks (fanout_outbox_extend, _seal, _retire); the relay only asks.
+func (r *Relay) keepRanges(ctx context.Context) error {
+	added, err := r.store.ExtendPartitions(ctx, r.cfg.PartitionSize, r.partitionsAhead, r.partitionMargin)
+	if err != nil {
+		return fmt.Errorf("add ranges: %w", err)
+	}
+	if len(added) > 0 {
+		r.logger.Info("added outbox ranges", "ranges", added, "ids_each", r.cfg.PartitionSize)
+	}
+	ranges, err := r.store.Partitions(ctx)
+	if err != nil {
+		return fmt.Errorf("list ranges: %w", err)
+	}
+	retire, canRetire, err := r.retirement(ctx)
+	if err != nil {
+		return err
+	}
+	dropped := 0
+	defer func() { r.obs.OutboxRanges(len(ranges)-dropped, dropped) }()
+	for _, p := range ranges {
+		if p.SealedAt == nil {
+			sealed, err := r.store.SealPartition(ctx, p.Name)
+			if err != nil {
+				return fmt.Errorf("seal range %s: %w", p.Name, err)
+			}
+			if !sealed {
+				break // its ids are not all handed out, nor those of the ranges above it
+			}
+			r.logger.Debug("sealed an outbox range", "range", p.Name)
+			continue // retention counts from now
+		}
+		if !canRetire || time.Since(*p.SealedAt) < r.cfg.SentRetention {
+			continue
+		}
+		ok, moved, reason, err := r.store.RetirePartition(ctx, p.Name, retire)
+		if err != nil {
+			return fmt.Errorf("drop range %s: %w", p.Name, err)
+		}
+		if !ok {
+			r.logger.Debug("outbox range kept", "range", p.Name, "reason", reason)
+			continue
+		}
+		dropped++
+		r.logger.Info("dropped an outbox range past retention", "range", p.Name, "failed_rows_moved_to_outbox_default", moved)
+	}
+	return nil
+}
+
+// retirement says what a range must meet to be dropped; ok is false when
+// this relay cannot tell (a wal relay that has not yet opened its slot:
+// the one that streams drops the ranges).
+func (r *Relay) retirement(ctx context.Context) (ret outbox.Retirement, ok bool, err error) {
+	ret = outbox.Retirement{Retention: r.cfg.SentRetention, BacklogThrough: math.MinInt64}
+	if r.cfg.Capture != CaptureWAL {
+		return ret, true, nil
+	}
+	ret.Captured = true
+	through := r.backlogThrough.Load()
+	if through < 0 {
+		return ret, false, nil
+	}
+	if !r.backlogDone.Load() {
+		ret.BacklogThrough = through
+	}
+	_, confirmed, exists, err := ReadSlot(ctx, r.pool, r.cfg.Slot)
+	if err != nil || !exists {
+		return ret, false, err
+	}
+	ret.ConfirmedLSN = confirmed
+	return ret, confirmed != "", nil
 }
 
 // deleteInBatches runs del, which deletes up to relay.cleanup_batch rows,

@@ -37,8 +37,12 @@ type Observer interface {
 	Failed(n int)
 	// Reaped reports rows whose lease expired, returned to pending.
 	Reaped(n int)
-	// Deleted reports sent rows deleted after their retention.
+	// Deleted reports sent rows of outbox_default deleted after their
+	// retention (rows no range of the outbox holds).
 	Deleted(n int)
+	// OutboxRanges reports, after each retention pass, how many ranges
+	// (partitions) the outbox holds and how many the pass dropped.
+	OutboxRanges(held, dropped int)
 	// SlotLag reports, in wal capture, how far the replication slot's
 	// confirmed position is behind the server's WAL, and for how long it
 	// has been behind without moving (0 when it is not behind).
@@ -62,6 +66,7 @@ func (NopObserver) Retried(int)                  {}
 func (NopObserver) Failed(int)                   {}
 func (NopObserver) Reaped(int)                   {}
 func (NopObserver) Deleted(int)                  {}
+func (NopObserver) OutboxRanges(int, int)        {}
 func (NopObserver) SlotLag(int64, time.Duration) {}
 
 // Options are the relay's collaborators.
@@ -109,7 +114,11 @@ type Relay struct {
 	backlogDone    atomic.Bool   // every row up to the bound was published
 	slot           atomic.Pointer[SlotState]
 	slotCheckEvery time.Duration // slotCheckInterval; tests shorten it
-	visibility     *visibilityGate
+	// partitionsAhead is how many empty ranges the outbox keeps beyond
+	// the next id (defaultPartitionsAhead); tests with small ranges raise it.
+	partitionsAhead int
+	partitionMargin int64 // see maxPartitionMargin; tests lower it
+	visibility      *visibilityGate
 
 	startOnce  sync.Once
 	stopOnce   sync.Once
@@ -167,6 +176,11 @@ func New(opts Options) (*Relay, error) {
 		slots:    semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
 		stopping: make(chan struct{}),
 	}
+	if r.cfg.PartitionSize == 0 {
+		r.cfg.PartitionSize = DefaultPartitionSize
+	}
+	r.partitionsAhead = defaultPartitionsAhead
+	r.partitionMargin = min(max(r.cfg.PartitionSize, minPartitionMargin), maxPartitionMargin)
 	r.backlogThrough.Store(-1)
 	r.slotCheckEvery = slotCheckInterval
 	r.visibility = &visibilityGate{pool: opts.Pool}

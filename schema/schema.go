@@ -110,6 +110,8 @@ func upSection(body []byte) (string, error) {
 		case "-- +goose Down":
 			inUp = false
 			continue
+		case "-- +goose StatementBegin", "-- +goose StatementEnd":
+			continue
 		}
 		if inUp {
 			b.WriteString(line)

@@ -33,6 +33,12 @@
 --                       rows but cannot change an event or write one.
 --                       LISTEN needs no privilege. relay_capture: SELECT,
 --                       INSERT, UPDATE, DELETE (a wal relay's bookkeeping).
+--                       The outbox's retention: EXECUTE on the functions
+--                       that add, seal and drop its ranges (SECURITY
+--                       DEFINER, owned by fanout_migrate: the relay owns
+--                       no table), SELECT on outbox_partitions, and on
+--                       outbox_default, which holds the rows no range
+--                       does, what it has on outbox, to delete them.
 --                       With relay_capture=wal (psql -v relay_capture=wal)
 --                       it also gets REPLICATION, to create and stream its
 --                       replication slot; with poll (the default) it is
@@ -186,7 +192,8 @@ GRANT USAGE ON SCHEMA public
 SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migrated
 FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands', 'categories',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
-                  'invoice_number_seq', 'product_sales', 'dead_letter_actions', 'relay_capture']) AS t \gset
+                  'invoice_number_seq', 'product_sales', 'dead_letter_actions', 'relay_capture',
+                  'outbox_partitions', 'outbox_default']) AS t \gset
 
 \if :fanout_migrated
 
@@ -198,8 +205,18 @@ WHERE c.relnamespace = 'public'::regnamespace
   AND c.relkind IN ('r', 'p')
   AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'subscriber_attempts',
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
-                    'invoices', 'invoice_lines', 'dead_letter_actions', 'product_sales', 'relay_capture')
+                    'invoices', 'invoice_lines', 'dead_letter_actions', 'product_sales', 'relay_capture',
+                    'outbox_partitions')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
+-- The outbox's ranges, and the functions that add and drop them (which
+-- must own the outbox to do so).
+SELECT format('ALTER TABLE public.%I OWNER TO fanout_migrate', c.relname)
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'public.outbox'::regclass AND c.relowner <> 'fanout_migrate'::regrole \gexec
+SELECT format('ALTER FUNCTION %s OWNER TO fanout_migrate', p.oid::regprocedure)
+FROM pg_proc p
+WHERE p.pronamespace = 'public'::regnamespace AND p.proname LIKE 'fanout\_outbox\_%'
+  AND p.proowner <> 'fanout_migrate'::regrole \gexec
 SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
 WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
       <> 'fanout_migrate'::regrole \gexec
@@ -215,6 +232,12 @@ GRANT SELECT, DELETE ON outbox TO fanout_relay;
 GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_token, published_at)
     ON outbox TO fanout_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON relay_capture TO fanout_relay;
+GRANT SELECT, DELETE ON outbox_default TO fanout_relay;
+GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_token, published_at)
+    ON outbox_default TO fanout_relay;
+GRANT SELECT ON outbox_partitions TO fanout_relay;
+GRANT EXECUTE ON FUNCTION fanout_outbox_extend(bigint, integer, bigint), fanout_outbox_seal(text),
+    fanout_outbox_retire(text, interval, boolean, pg_lsn, bigint) TO fanout_relay;
 
 -- Writers (outbox.Write, outbox.Queue).
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers) ON outbox TO fanout_writer;

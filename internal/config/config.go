@@ -239,6 +239,7 @@ func defaults() map[string]any {
 		"relay.retry_min":        "1s",
 		"relay.retry_max":        "5m",
 		"relay.sent_retention":   "1h",
+		"relay.partition_size":   relay.DefaultPartitionSize,
 		"relay.cleanup_interval": "1m",
 		"relay.cleanup_batch":    1000,
 		"relay.shutdown_timeout": "30s",

@@ -37,6 +37,8 @@ type Relay struct {
 	claimSeconds                                                     prometheus.Histogram
 	stages                                                           *StageRecorder
 	slotLagBytes, slotStuckSeconds                                   prometheus.Gauge
+	outboxRanges                                                     prometheus.Gauge
+	outboxRangesDropped                                              prometheus.Counter
 }
 
 var _ relay.Observer = (*Relay)(nil)
@@ -49,13 +51,16 @@ func NewRelay(reg prometheus.Registerer) *Relay {
 		return m
 	}
 	m := &Relay{
-		claimed:    c("claimed_rows_total", "Outbox rows claimed for publishing."),
-		published:  c("published_rows_total", "Outbox rows whose PubAck arrived and that were marked sent."),
-		duplicates: c("duplicate_publishes_total", "Publishes JetStream recognized as duplicates (a row published again after a crash or a lost lease)."),
-		retried:    c("retried_rows_total", "Rows returned to pending after a failed publish."),
-		failed:     c("failed_rows_total", "Rows marked failed: they can never be published."),
-		reaped:     c("reaped_rows_total", "Rows whose lease expired, returned to pending."),
-		deleted:    c("deleted_rows_total", "Sent rows deleted after their retention."),
+		claimed:             c("claimed_rows_total", "Outbox rows claimed for publishing."),
+		published:           c("published_rows_total", "Outbox rows whose PubAck arrived and that were marked sent."),
+		duplicates:          c("duplicate_publishes_total", "Publishes JetStream recognized as duplicates (a row published again after a crash or a lost lease)."),
+		retried:             c("retried_rows_total", "Rows returned to pending after a failed publish."),
+		failed:              c("failed_rows_total", "Rows marked failed: they can never be published."),
+		reaped:              c("reaped_rows_total", "Rows whose lease expired, returned to pending."),
+		deleted:             c("deleted_rows_total", "Rows of outbox_default (no range of the outbox holds them) deleted after their retention."),
+		outboxRangesDropped: c("outbox_ranges_dropped_total", "Ranges (partitions) of the outbox dropped after their retention."),
+		outboxRanges: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "relay", Name: "outbox_ranges",
+			Help: "Ranges (partitions) the outbox holds, as of the last retention pass."}),
 		claimSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Namespace: "fanout", Subsystem: "relay", Name: "claim_seconds",
 			Help: "Time to claim one batch.", Buckets: latencyBuckets}),
 		stages: StagesOf(reg),
@@ -64,7 +69,7 @@ func NewRelay(reg prometheus.Registerer) *Relay {
 		slotStuckSeconds: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "relay", Name: "slot_lag_seconds",
 			Help: "relay.capture wal: how long the replication slot has been behind without its confirmed position moving (0 when it is not behind)."}),
 	}
-	reg.MustRegister(m.claimSeconds, m.slotLagBytes, m.slotStuckSeconds)
+	reg.MustRegister(m.claimSeconds, m.slotLagBytes, m.slotStuckSeconds, m.outboxRanges)
 	return m
 }
 
@@ -89,6 +94,11 @@ func (m *Relay) Retried(n int) { m.retried.Add(float64(n)) }
 func (m *Relay) Failed(n int)  { m.failed.Add(float64(n)) }
 func (m *Relay) Reaped(n int)  { m.reaped.Add(float64(n)) }
 func (m *Relay) Deleted(n int) { m.deleted.Add(float64(n)) }
+
+func (m *Relay) OutboxRanges(held, dropped int) {
+	m.outboxRanges.Set(float64(held))
+	m.outboxRangesDropped.Add(float64(dropped))
+}
 
 func (m *Relay) SlotLag(bytes int64, stuck time.Duration) {
 	m.slotLagBytes.Set(float64(bytes))
