@@ -23,6 +23,12 @@ type Status struct {
 		Sent             int64   `json:"sent"`
 		Failed           int64   `json:"failed"`
 		OldestPendingAge float64 `json:"oldest_pending_age_seconds"`
+		// Ranges are the outbox's partitions, SealedRanges those full and
+		// waiting for their retention; DefaultRows are the rows no range
+		// holds (outbox_default).
+		Ranges       int   `json:"ranges"`
+		SealedRanges int   `json:"sealed_ranges"`
+		DefaultRows  int64 `json:"default_rows"`
 	} `json:"outbox"`
 	Stream struct {
 		Name     string `json:"name"`
@@ -96,6 +102,9 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	}
 	st.Outbox.Pending, st.Outbox.Sending, st.Outbox.Sent, st.Outbox.Failed = backlog.Pending, backlog.Sending, sent, backlog.Failed
 	st.Outbox.OldestPendingAge = backlog.OldestPending.Seconds()
+	if st.Outbox.Ranges, st.Outbox.SealedRanges, st.Outbox.DefaultRows, err = store.RangeCounts(ctx); err != nil {
+		return st, fmt.Errorf("outbox ranges: %w", err)
+	}
 
 	st.Capture.Mode = src.Relay.Capture
 	if st.Capture.Mode == "" {

@@ -395,6 +395,16 @@ func (s *Store) Partitions(ctx context.Context) ([]Partition, error) {
 	})
 }
 
+// RangeCounts says how many ranges the outbox holds, how many of them are
+// sealed (full, waiting for their retention), and how many rows sit in
+// outbox_default (rows no range holds).
+func (s *Store) RangeCounts(ctx context.Context) (ranges, sealed int, defaultRows int64, err error) {
+	err = s.pool.QueryRow(ctx, `
+SELECT (SELECT count(*) FROM outbox_partitions), (SELECT count(*) FROM outbox_partitions WHERE sealed_at IS NOT NULL),
+       (SELECT count(*) FROM outbox_default)`).Scan(&ranges, &sealed, &defaultRows)
+	return ranges, sealed, defaultRows, err
+}
+
 // ExtendPartitions adds ranges of span ids until ahead of them lie beyond
 // the next id, and returns the names of those it added. When the ids have
 // come within margin of the last range's end, the next range starts margin

@@ -285,8 +285,11 @@ func sampleHorizon(ctx context.Context, env *steadyEnv, capture string) (horizon
 	var s horizonSample
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	// The statistics a backend reports at most once a second.
-	if err := env.pool.QueryRow(ctx, `SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'outbox'`).Scan(&s.deadTuples); err != nil {
+	// The statistics a backend reports at most once a second; the outbox's
+	// rows are in its ranges (partitions), which have the statistics.
+	if err := env.pool.QueryRow(ctx, `
+SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables
+WHERE relid IN (SELECT inhrelid FROM pg_inherits WHERE inhparent = 'outbox'::regclass)`).Scan(&s.deadTuples); err != nil {
 		return s, fmt.Errorf("read the outbox's dead tuples: %w", err)
 	}
 	if capture == relay.CaptureWAL {

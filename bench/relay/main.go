@@ -11,6 +11,8 @@
 //	held horizon: the same rate while a transaction holds a snapshot for
 //	    2 minutes: published/s, p99, claim time, outbox dead tuples (poll)
 //	    and slot lag (wal) before, during and after, and over time
+//	retention: removing one range of a million captured rows, row by row
+//	    (and the vacuum after) against dropping the range: time and WAL
 //
 // Each part uses a fresh database and a fresh stream; nothing is shared with
 // the demo's data. Each figure is measured -runs times (default 3), each
@@ -59,7 +61,7 @@ var (
 	natsURL     = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
 	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
-	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon")
+	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, retention")
 	cpuProfile  = flag.String("cpuprofile", "", "write a CPU profile of this process")
 	adminURL    = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
 )
@@ -161,6 +163,11 @@ func run(ctx context.Context) error {
 	if want("horizon") {
 		if err := benchHorizon(ctx, nc); err != nil {
 			return fmt.Errorf("held horizon: %w", err)
+		}
+	}
+	if want("retention") {
+		if err := benchRetention(ctx); err != nil {
+			return fmt.Errorf("retention: %w", err)
 		}
 	}
 	return nil

@@ -85,6 +85,8 @@ func printStatus(w io.Writer, st operator.Status) {
 		fmt.Fprintf(w, "outbox   pending %d  sending %d  sent %d (retained)  failed %d  oldest pending %s\n",
 			o.Pending, o.Sending, o.Sent, o.Failed, (time.Duration(o.OldestPendingAge * float64(time.Second))).Round(time.Millisecond))
 	}
+	fmt.Fprintf(w, "ranges   %d (%d full, waiting for relay.sent_retention)  outbox_default %d rows (no range holds them)\n",
+		o.Ranges, o.SealedRanges, o.DefaultRows)
 	if st.Stream.Missing {
 		fmt.Fprintf(w, "stream   %s  not created yet (the relay creates it at start unless stream.provision is verify or off)\n\n", st.Stream.Name)
 	} else {

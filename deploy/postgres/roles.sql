@@ -77,6 +77,8 @@
 --                       republish return rows to pending); it cannot write
 --                       or change an event. dead_letter_actions: SELECT and
 --                       INSERT only: the audit trail is append-only.
+--                       relay_capture, outbox_partitions, outbox_default:
+--                       SELECT (fanout status).
 --
 -- processed_events and subscriber_attempts have row-level security: each
 -- subscriber role sees and writes only the rows of its own subscriber name
@@ -298,6 +300,7 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
     ON outbox TO fanout_operator;
 GRANT SELECT, INSERT ON dead_letter_actions TO fanout_operator;
 GRANT SELECT ON relay_capture TO fanout_operator;
+GRANT SELECT ON outbox_partitions, outbox_default TO fanout_operator;
 
 \else
 \echo 'roles.sql: fanout''s tables are not all there yet: roles, CONNECT and schema privileges done; run `fanout migrate` as fanout_migrate, then this file again for the table grants'

@@ -220,8 +220,10 @@ BEGIN
         END IF;
     END IF;
 
-    -- No row of the range may change while it is judged and dropped.
-    EXECUTE format('LOCK TABLE %I IN EXCLUSIVE MODE', part);
+    -- No row of the range may change while it is judged and dropped. SHARE
+    -- lets readers through, and the claims' SELECT ... FOR UPDATE too:
+    -- only an update of a row in this range would wait for the scan.
+    EXECUTE format('LOCK TABLE %I IN SHARE MODE', part);
     IF captured THEN
         EXECUTE format($q$
             SELECT count(*) FILTER (WHERE published_at IS NULL AND status IN ('pending', 'sending') AND id <= %s),

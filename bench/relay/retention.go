@@ -1,0 +1,138 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/fanout/fanout/internal/benchkit"
+	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+)
+
+var retentionRows = flag.Int64("retention-rows", relay.DefaultPartitionSize, "rows of the range the retention part removes")
+
+// retentionCost is what removing one range of published rows cost the
+// database.
+type retentionCost struct {
+	took     time.Duration // the removal, and the vacuum it leaves behind
+	walBytes int64         // WAL the removal and the vacuum wrote
+	dead     int64         // dead rows the removal left for vacuum
+}
+
+// benchRetention measures what retention costs the database for one range
+// of captured rows (wal capture leaves them pending): deleting them in
+// batches of relay.cleanup_batch, as the relays did before migration 00008,
+// and then vacuuming the dead rows away, against dropping their range.
+func benchRetention(ctx context.Context) error {
+	var delTook, delWAL, delDead, dropTook, dropWAL benchkit.Figure
+	for range *benchkit.Runs {
+		del, err := retentionRun(ctx, false)
+		if err != nil {
+			return fmt.Errorf("delete row by row: %w", err)
+		}
+		drop, err := retentionRun(ctx, true)
+		if err != nil {
+			return fmt.Errorf("drop the range: %w", err)
+		}
+		delTook.Add(del.took.Seconds() * 1000)
+		delWAL.Add(float64(del.walBytes) / (1 << 20))
+		delDead.Add(float64(del.dead))
+		dropTook.Add(drop.took.Seconds() * 1000)
+		dropWAL.Add(float64(drop.walBytes) / (1 << 20))
+	}
+	fmt.Printf("retention: removing one range of %d captured rows (after a checkpoint), %d runs\n", *retentionRows, *benchkit.Runs)
+	fmt.Printf("    row by row (DELETE in batches of %d, then VACUUM): %s, WAL %s, dead rows left for vacuum %s\n",
+		relay.DefaultConfig().CleanupBatch, delTook.Format("%.0fms"), delWAL.Format("%.1f MiB"), delDead.Format("%.0f"))
+	fmt.Printf("    dropping the range (fanout_outbox_retire):          %s, WAL %s, dead rows 0\n\n",
+		dropTook.Format("%.0fms"), dropWAL.Format("%.2f MiB"))
+	return nil
+}
+
+func retentionRun(ctx context.Context, dropRange bool) (c retentionCost, err error) {
+	db, err := pgtest.Create(ctx, *adminURL)
+	if err != nil {
+		return c, err
+	}
+	defer db.Close()
+	store := outbox.NewStore(db.Pool)
+	n := *retentionRows
+	// One range from id 2 (a margin of 1: nothing writes meanwhile), and
+	// n+1 rows: id 1 in outbox_default, the rest filling the range.
+	added, err := store.ExtendPartitions(ctx, n, 1, 1)
+	if err != nil || len(added) == 0 {
+		return c, fmt.Errorf("add the range: %v (%w)", added, err)
+	}
+	name := added[0]
+	if _, err := db.Pool.Exec(ctx, `
+INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+SELECT 'product', g::text, 'product.updated',
+       jsonb_build_object('product_id', g, 'sku', 'SKU-' || g, 'price_cents', 1999, 'stock', 7, 'name', 'A product of the benchmark'),
+       '{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}'
+FROM generate_series(1, $1::bigint) g`, n+1); err != nil {
+		return c, fmt.Errorf("write %d rows: %w", n+1, err)
+	}
+	if sealed, err := store.SealPartition(ctx, name); err != nil || !sealed {
+		return c, fmt.Errorf("seal %s: %t (%w)", name, sealed, err)
+	}
+	for _, sql := range []string{`VACUUM ANALYZE outbox`, `CHECKPOINT`} {
+		if _, err := db.Pool.Exec(ctx, sql); err != nil {
+			return c, err
+		}
+	}
+	var startLSN string
+	if err := db.Pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&startLSN); err != nil {
+		return c, err
+	}
+	start := time.Now()
+	if dropRange {
+		r := outbox.Retirement{Captured: true, ConfirmedLSN: startLSN, BacklogThrough: math.MinInt64}
+		for range 2 { // the first notes when the slot confirmed past the range
+			ok, _, reason, err := store.RetirePartition(ctx, name, r)
+			if err != nil {
+				return c, err
+			}
+			if ok {
+				break
+			}
+			if reason != "the slot has just confirmed its rows" {
+				return c, fmt.Errorf("range %s kept: %s", name, reason)
+			}
+		}
+	} else {
+		// The relays' delete before migration 00008 (DeleteCaptured).
+		const batch = 1000
+		for {
+			ct, err := db.Pool.Exec(ctx, `
+DELETE FROM outbox
+WHERE id IN (
+    SELECT id FROM outbox
+    WHERE published_at IS NULL AND status = 'pending' AND id > 1
+      AND greatest(created_at, available_at) < now()
+    ORDER BY id LIMIT $1
+    FOR UPDATE SKIP LOCKED)`, batch)
+			if err != nil {
+				return c, err
+			}
+			c.dead += ct.RowsAffected()
+			if ct.RowsAffected() < batch {
+				break
+			}
+		}
+		if _, err := db.Pool.Exec(ctx, `VACUUM outbox`); err != nil {
+			return c, err
+		}
+	}
+	c.took = time.Since(start)
+	if err := db.Pool.QueryRow(ctx, `SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint`, startLSN).Scan(&c.walBytes); err != nil {
+		return c, err
+	}
+	var left int64
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE id > 1`).Scan(&left); err != nil || left != 0 {
+		return c, fmt.Errorf("%d rows left after the removal (%v)", left, err)
+	}
+	return c, nil
+}
