@@ -45,6 +45,7 @@ import (
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/shop"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -558,7 +559,8 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 		}
 		if capture == relay.CaptureWAL {
 			// Drop the slot, or it keeps WAL for the variants after it.
-			if _, err := db.Pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, db.Name); err != nil && ferr == nil {
+			// The walsender may outlive the relay's stream by a moment.
+			if err := dropSlot(ctx, db.Pool, db.Name); err != nil && ferr == nil {
 				ferr = err
 			}
 		}
@@ -731,6 +733,20 @@ func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*config.Rela
 	}
 	slices.Sort(lat)
 	return lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1], len(lat), nil
+}
+
+// dropSlot drops a replication slot, waiting up to 10 s for the walsender
+// of a stream that just closed to let go of it.
+func dropSlot(ctx context.Context, pool *pgxpool.Pool, slot string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		_, err := pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, slot)
+		var pgErr *pgconn.PgError
+		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55006" || time.Now().After(deadline) { // object_in_use
+			return err
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
 
 // relayEnv is what a relay's run starts from: a fresh database, a stream
