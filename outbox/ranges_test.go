@@ -27,25 +27,6 @@ func TestOutboxRanges(t *testing.T) {
 			t.Fatalf("%s: %v", sql, err)
 		}
 	}
-	writeN := func(n int) []int64 {
-		t.Helper()
-		var ids []int64
-		err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-			for range n {
-				id, err := outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: "1", Type: "order.created",
-					Payload: json.RawMessage(`{"order_id": 1}`)})
-				if err != nil {
-					return err
-				}
-				ids = append(ids, id)
-			}
-			return nil
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return ids
-	}
 	ranges := func() []outbox.Partition {
 		t.Helper()
 		ps, err := store.Partitions(ctx)
@@ -73,7 +54,7 @@ func TestOutboxRanges(t *testing.T) {
 
 	// Rows written before any range exists go to outbox_default; the
 	// first range starts the margin above the next id.
-	early := writeN(3)
+	early := writeOrders(t, db.Pool, 3, "1")
 	added, err := store.ExtendPartitions(ctx, 10, 2, 5)
 	if err != nil || len(added) != 2 || added[0] != "outbox_9" || added[1] != "outbox_19" {
 		t.Fatalf("extend from id 4 by 2 ranges of 10, margin 5: %v (%v); want outbox_9 and outbox_19", added, err)
@@ -85,7 +66,7 @@ func TestOutboxRanges(t *testing.T) {
 		t.Fatalf("a row written before any range is in %s", got)
 	}
 
-	ids := writeN(25) // ids 4..28: 4..8 in outbox_default, 9..18, 19..28
+	ids := writeOrders(t, db.Pool, 25, "1") // ids 4..28: 4..8 in outbox_default, 9..18, 19..28
 	if got := partitionOf(ids[len(ids)-1]); got != "outbox_19" {
 		t.Fatalf("row %d is in %s, want outbox_19", ids[len(ids)-1], got)
 	}

@@ -10,6 +10,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // The store's operations on a database of its own (the package's relay
@@ -20,27 +21,7 @@ func TestStore(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
 	store := outbox.NewStore(db.Pool)
-	// writeOrders commits n events of one order in one transaction.
-	writeOrders := func(n int, order string) []int64 {
-		t.Helper()
-		var ids []int64
-		err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
-			for range n {
-				id, err := outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: order, Type: "order.created",
-					Payload: json.RawMessage(`{"order_id": ` + order + `}`)})
-				if err != nil {
-					return err
-				}
-				ids = append(ids, id)
-			}
-			return nil
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return ids
-	}
-	ids := writeOrders(6, "1")
+	ids := writeOrders(t, db.Pool, 6, "1")
 	backlog := func() outbox.Backlog {
 		t.Helper()
 		b, err := store.Backlog(ctx)
@@ -143,7 +124,7 @@ func TestStore(t *testing.T) {
 	if _, err := db.Pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
 		t.Fatal(err)
 	}
-	captured := writeOrders(4, "2")
+	captured := writeOrders(t, db.Pool, 4, "2")
 	if _, err := db.Pool.Exec(ctx, `UPDATE outbox SET created_at = now() - interval '2 hours', available_at = now() - interval '2 hours'`); err != nil {
 		t.Fatal(err)
 	}
@@ -161,4 +142,27 @@ func TestStore(t *testing.T) {
 	if err != nil || len(left) != 2 || left[0] != captured[0] || left[1] != captured[3] {
 		t.Fatalf("rows left: %v (%v), want %d and %d", left, err, captured[0], captured[3])
 	}
+}
+
+// writeOrders commits n events of one order in one transaction and returns
+// their ids.
+func writeOrders(t *testing.T, pool *pgxpool.Pool, n int, order string) []int64 {
+	t.Helper()
+	ctx := context.Background()
+	var ids []int64
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for range n {
+			id, err := outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: order, Type: "order.created",
+				Payload: json.RawMessage(`{"order_id": ` + order + `}`)})
+			if err != nil {
+				return err
+			}
+			ids = append(ids, id)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ids
 }
