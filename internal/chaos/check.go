@@ -162,6 +162,11 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 // the stream holds nothing that is not a sent row.
 func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 	rep, p := r.report, r.planted
+	var err error
+	if rep.Ranges, rep.SealedRanges, rep.DefaultRows, err = outbox.NewStore(r.pool()).RangeCounts(ctx); err != nil {
+		rep.violate("1 (read the outbox's ranges)", err.Error())
+		return
+	}
 	rows, err := r.pool().Query(ctx, `SELECT id, status, coalesce(last_error, '') FROM outbox ORDER BY id`)
 	if err != nil {
 		rep.violate("1 (read the outbox)", err.Error())

@@ -23,7 +23,11 @@ type Report struct {
 	Events       uint64 // in the stream
 	OutboxRows   int64
 	FailedRows   int64
-	DeadLetters  map[string]map[string]int // subscriber -> planted kind (or NOT PLANTED: reason) -> letters
+	// The outbox's ranges at the end (added and sealed under the faults),
+	// and the rows no range holds.
+	Ranges, SealedRanges int
+	DefaultRows          int64
+	DeadLetters          map[string]map[string]int // subscriber -> planted kind (or NOT PLANTED: reason) -> letters
 	// PlantedDeleted counts rejected products the load deleted before the
 	// indexer reached their event: indexed as gone, no letter expected.
 	PlantedDeleted int
@@ -61,6 +65,7 @@ func (r *Report) String() string {
 		fmt.Fprintf(&b, "    %-48s %d\n", k, r.Faults[k])
 	}
 	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows\n", r.OutboxRows, r.Events, r.FailedRows)
+	fmt.Fprintf(&b, "  outbox ranges at the end: %d (%d sealed), %d rows in outbox_default\n", r.Ranges, r.SealedRanges, r.DefaultRows)
 	letters := 0
 	for _, byKind := range r.DeadLetters {
 		for _, n := range byKind {
