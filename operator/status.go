@@ -29,6 +29,10 @@ type Status struct {
 		Ranges       int   `json:"ranges"`
 		SealedRanges int   `json:"sealed_ranges"`
 		DefaultRows  int64 `json:"default_rows"`
+		// HeldRows are events held behind a failed earlier event of their
+		// aggregate (relay.on_failed hold), in HeldAggregates aggregates.
+		HeldRows       int64 `json:"held_rows"`
+		HeldAggregates int64 `json:"held_aggregates"`
 	} `json:"outbox"`
 	Stream struct {
 		Name     string `json:"name"`
@@ -92,6 +96,7 @@ type Sources struct {
 func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	var st Status
 	store := outbox.NewStore(src.Pool)
+	store.OnFailed = outbox.OnFailed(src.Relay.OnFailed)
 	backlog, err := store.Backlog(ctx)
 	if err != nil {
 		return st, fmt.Errorf("outbox: %w", err)
@@ -102,6 +107,11 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	}
 	st.Outbox.Pending, st.Outbox.Sending, st.Outbox.Sent, st.Outbox.Failed = backlog.Pending, backlog.Sending, sent, backlog.Failed
 	st.Outbox.OldestPendingAge = backlog.OldestPending.Seconds()
+	if backlog.Failed > 0 {
+		if st.Outbox.HeldRows, st.Outbox.HeldAggregates, err = store.Held(ctx); err != nil {
+			return st, fmt.Errorf("outbox: events held behind failed ones: %w", err)
+		}
+	}
 	if st.Outbox.Ranges, st.Outbox.SealedRanges, st.Outbox.DefaultRows, err = store.RangeCounts(ctx); err != nil {
 		return st, fmt.Errorf("outbox ranges: %w", err)
 	}

@@ -43,6 +43,11 @@ const (
 	AggregateTypeHeader = "Fanout-Aggregate-Type"
 	AggregateIDHeader   = "Fanout-Aggregate-Id"
 	CreatedAtHeader     = "Fanout-Created-At"
+	// AggregateSeqHeader is the event's number within its aggregate: 1, 2,
+	// 3, ... in the order the writers' transactions committed, with no gaps
+	// (schema migration 00009 numbers every row as it is inserted). Absent
+	// on events written before that migration.
+	AggregateSeqHeader = "Fanout-Aggregate-Seq"
 )
 
 // WakeChannel is the Postgres NOTIFY channel on which writers wake the relay.

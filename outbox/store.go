@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -17,7 +19,29 @@ import (
 // and what status, the metrics and the operator commands read and change.
 // A role needs only the grants of the methods it calls (see
 // deploy/postgres/roles.sql).
-type Store struct{ pool *pgxpool.Pool }
+type Store struct {
+	pool *pgxpool.Pool
+	// OnFailed says whether a failed row holds its aggregate's later
+	// events (HoldFailed, the default) or lets them pass (SkipFailed). Set
+	// it before the Store is used.
+	OnFailed OnFailed
+	// Unordered claims without per-aggregate order, for the self-test of
+	// the checkers that must catch events out of order (relay.TestHooks).
+	Unordered bool
+}
+
+// OnFailed is what a failed row does to the later events of its aggregate
+// (relay.on_failed).
+type OnFailed string
+
+const (
+	// HoldFailed keeps an aggregate's later events unpublished while an
+	// earlier one is failed, until an operator returns it (outbox
+	// retry-failed) or skips it (outbox skip).
+	HoldFailed OnFailed = "hold"
+	// SkipFailed publishes an aggregate's later events past a failed one.
+	SkipFailed OnFailed = "skip"
+)
 
 // NewStore returns the outbox queries over pool.
 func NewStore(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
@@ -52,20 +76,93 @@ func NewStore(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 //	        ->  CTE Scan on picked
 //	        ->  Index Scan using outbox_pkey on outbox o
 //	              Index Cond: (id = picked.id)
+//
+// Per-aggregate order: a row is claimed only when no earlier event of its
+// aggregate (a lower aggregate_seq) is still unpublished: pending, backing
+// off, claimed by this or another relay, or failed while $5 (hold): a row
+// an operator skipped (status skipped) never holds. So an aggregate has at most one event in flight, and
+// its events enter the stream in their order whatever the relays do: a
+// publish retried after a backoff, a lease expired, a relay killed
+// mid-batch (the row comes back and still goes first). An earlier row
+// claimed by a transaction not yet committed is still pending to this
+// one's snapshot, so two relays claiming at once cannot both take an
+// aggregate's consecutive events. The check is a probe of
+// outbox_aggregate_unsent_idx per candidate; rows without a number
+// (written before migration 00009) are not ordered.
 const claimSQL = `
 WITH picked AS (
-    SELECT id
-    FROM outbox
-    WHERE published_at IS NULL AND status = 'pending' AND available_at <= now() AND id > $4 AND id <= $3
-    ORDER BY id
+    SELECT o.id
+    FROM outbox o
+    WHERE o.published_at IS NULL AND o.status = 'pending' AND o.available_at <= now() AND o.id > $4 AND o.id <= $3
+      AND ` + headOfAggregate + `
+    ORDER BY o.id
     LIMIT $1
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF o SKIP LOCKED
 )
 UPDATE outbox o
 SET status = 'sending', claimed_at = now(), lease_token = $2
 FROM picked
 WHERE o.id = picked.id
-RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.created_at`
+RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.created_at, o.aggregate_seq`
+
+// headOfAggregate holds for a row o (claimSQL) when no earlier event of
+// its aggregate is still to be published; $5 is whether failed rows hold.
+const headOfAggregate = `NOT EXISTS (
+          SELECT FROM outbox e
+          WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
+            AND e.aggregate_seq < o.aggregate_seq AND e.published_at IS NULL
+            AND (e.status IN ('pending', 'sending') OR (e.status = 'failed' AND $5)))`
+
+// claimNextSQL claims the next event of each aggregate in $1..$3 (types,
+// ids, and the numbers just published), as claimSQL would claim it.
+const claimNextSQL = `
+WITH picked AS (
+    SELECT o.id
+    FROM unnest($1::text[], $2::text[], $3::bigint[]) AS p(aggregate_type, aggregate_id, seq)
+    JOIN outbox o ON o.aggregate_type = p.aggregate_type AND o.aggregate_id = p.aggregate_id
+                 AND o.aggregate_seq = p.seq + 1 AND o.published_at IS NULL
+    WHERE o.status = 'pending' AND o.available_at <= now()
+      AND ` + headOfAggregate + `
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE outbox o
+SET status = 'sending', claimed_at = now(), lease_token = $4
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.created_at, o.aggregate_seq`
+
+// ClaimNext claims, under the lease token, the next event of each
+// aggregate of published (rows just marked sent, with their numbers):
+// each one became claimable as its predecessor was published, and a relay
+// that claims it at once keeps a busy aggregate's events moving at the
+// pace of a publish, not of the claims' sweep (package relay).
+func (s *Store) ClaimNext(ctx context.Context, published []Claimed, token pgtype.UUID) ([]Claimed, error) {
+	var types, ids []string
+	var seqs []int64
+	for _, c := range published {
+		if c.AggregateSeq.Valid {
+			types, ids, seqs = append(types, c.AggregateType), append(ids, c.AggregateID), append(seqs, c.AggregateSeq.Int64)
+		}
+	}
+	if len(seqs) == 0 {
+		return nil, nil
+	}
+	rows, err := s.pool.Query(ctx, claimNextSQL, types, ids, seqs, token, s.OnFailed != SkipFailed)
+	if err != nil {
+		return nil, fmt.Errorf("claim the next events of published aggregates: %w", err)
+	}
+	claimed, err := pgx.CollectRows(rows, scanClaimed)
+	if err != nil {
+		return nil, fmt.Errorf("claim the next events of published aggregates: %w", err)
+	}
+	return claimed, nil
+}
+
+// claimUnorderedSQL is claimSQL without the per-aggregate check, which
+// the relay's test hooks break on purpose.
+var claimUnorderedSQL = func() string {
+	return strings.Replace(claimSQL, headOfAggregate, "$5::boolean IS NOT NULL", 1)
+}()
 
 // Claimed is a row the relay claimed. Every column is read into a type
 // that holds any value the schema allows (jsonb as raw bytes, created_at
@@ -81,6 +178,9 @@ type Claimed struct {
 	Payload       []byte
 	Headers       []byte // the jsonb column as text
 	CreatedAt     pgtype.Timestamptz
+	// AggregateSeq is the event's number within its aggregate; not valid
+	// for a row written before schema migration 00009.
+	AggregateSeq pgtype.Int8
 }
 
 // Claim moves up to n pending rows that are due to `sending` under the
@@ -96,7 +196,11 @@ func (s *Store) ClaimThrough(ctx context.Context, n int, token pgtype.UUID, maxI
 
 // ClaimRange is Claim of rows with ids above after and up to through.
 func (s *Store) ClaimRange(ctx context.Context, n int, token pgtype.UUID, after, through int64) ([]Claimed, error) {
-	rows, err := s.pool.Query(ctx, claimSQL, n, token, through, after)
+	query := claimSQL
+	if s.Unordered {
+		query = claimUnorderedSQL
+	}
+	rows, err := s.pool.Query(ctx, query, n, token, through, after, s.OnFailed != SkipFailed)
 	if err != nil {
 		return nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
@@ -111,7 +215,7 @@ func (s *Store) ClaimRange(ctx context.Context, n int, token pgtype.UUID, after,
 // as a claim would return them, without claiming them.
 func (s *Store) Unpublished(ctx context.Context, ids []int64) ([]Claimed, error) {
 	rows, err := s.pool.Query(ctx, `
-SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, created_at
+SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, aggregate_seq
 FROM outbox
 WHERE id = ANY($1) AND published_at IS NULL AND status = 'pending'
 ORDER BY id`, ids)
@@ -127,7 +231,7 @@ ORDER BY id`, ids)
 
 func scanClaimed(rows pgx.CollectableRow) (Claimed, error) {
 	var c Claimed
-	err := rows.Scan(&c.ID, &c.AggregateType, &c.AggregateID, &c.EventType, &c.Payload, &c.Headers, &c.CreatedAt)
+	err := rows.Scan(&c.ID, &c.AggregateType, &c.AggregateID, &c.EventType, &c.Payload, &c.Headers, &c.CreatedAt, &c.AggregateSeq)
 	return c, err
 }
 
@@ -276,13 +380,118 @@ func (s *Store) CountSent(ctx context.Context) (int64, error) {
 
 // RetryFailed returns every failed row to pending, its attempts reset and
 // its last error kept behind a note that an operator retried it.
+//
+// The rows go back one per aggregate per statement, in each aggregate's
+// order (waves, in one transaction): a wal relay decodes the statements in
+// that order, and so publishes an aggregate's returned events in theirs.
 func (s *Store) RetryFailed(ctx context.Context) (int64, error) {
-	ct, err := s.pool.Exec(ctx, `
+	return s.returnFailed(ctx, `published_at IS NULL AND status = 'failed'`, nil, "retried by an operator after: ")
+}
+
+// returnFailed returns the failed rows that where (with its args from
+// $2 on) picks to pending, in waves (see RetryFailed), noting why before
+// each one's last error.
+func (s *Store) returnFailed(ctx context.Context, where string, args []any, note string) (int64, error) {
+	var n int64
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		var err error
+		n, err = returnFailedTx(ctx, tx, where, args, note)
+		return err
+	})
+	return n, err
+}
+
+func returnFailedTx(ctx context.Context, tx pgx.Tx, where string, args []any, note string) (int64, error) {
+	var n int64
+	for {
+		ct, err := tx.Exec(ctx, `
 UPDATE outbox
 SET status = 'pending', attempts = 0, available_at = now(), claimed_at = NULL, lease_token = NULL,
-    last_error = 'retried by an operator after: ' || coalesce(last_error, '')
-WHERE published_at IS NULL AND status = 'failed'`)
-	return ct.RowsAffected(), err
+    last_error = $1 || coalesce(last_error, '')
+WHERE id IN (SELECT DISTINCT ON (aggregate_type, aggregate_id) id FROM outbox
+             WHERE `+where+`
+             ORDER BY aggregate_type, aggregate_id, aggregate_seq NULLS FIRST, id)`, append([]any{note}, args...)...)
+		if err != nil {
+			return n, err
+		}
+		if ct.RowsAffected() == 0 {
+			return n, nil
+		}
+		n += ct.RowsAffected()
+	}
+}
+
+// HeldBehindPrefix starts the last error of a row a wal relay marked
+// failed because an earlier event of its aggregate failed (relay.on_failed
+// hold): "held behind event <id>, ...". A poll relay leaves such rows
+// pending; its claim passes them over.
+const HeldBehindPrefix = "held behind event "
+
+// HeldBehindReason is the last error of a row held behind the failed
+// event failedID.
+func HeldBehindReason(failedID int64) string {
+	return HeldBehindPrefix + strconv.FormatInt(failedID, 10) + ", an earlier event of its aggregate that failed (relay.on_failed hold): " +
+		"fanout outbox retry-failed or fanout outbox skip releases it"
+}
+
+// Held counts what failed rows hold back (relay.on_failed hold): the
+// later events of their aggregates not yet published, and the aggregates.
+// Driven by the failed rows, which are few.
+func (s *Store) Held(ctx context.Context) (rows, aggregates int64, err error) {
+	err = s.pool.QueryRow(ctx, `
+WITH f AS (
+    SELECT aggregate_type, aggregate_id, min(aggregate_seq) AS seq
+    FROM outbox
+    WHERE published_at IS NULL AND status = 'failed' AND aggregate_seq IS NOT NULL
+    GROUP BY aggregate_type, aggregate_id
+)
+SELECT count(*), count(DISTINCT (p.aggregate_type, p.aggregate_id))
+FROM f JOIN outbox p ON p.aggregate_type = f.aggregate_type AND p.aggregate_id = f.aggregate_id
+WHERE p.aggregate_seq > f.seq AND p.published_at IS NULL
+  AND ((p.status IN ('pending', 'sending') AND $1 AND NOT EXISTS (SELECT FROM relay_capture))
+       OR (p.status = 'failed' AND starts_with(p.last_error, $2)))`, s.OnFailed != SkipFailed, HeldBehindPrefix).Scan(&rows, &aggregates)
+	return rows, aggregates, err
+}
+
+// Skipped is a failed row an operator skipped.
+type Skipped struct {
+	ID       int64
+	Released int64 // the later events of its aggregate returned to the relays with it
+}
+
+// Skip marks failed rows skipped: they will never be published, and they
+// no longer hold the later events of their aggregates (relay.on_failed
+// hold). The later events a wal relay had marked failed behind one (see
+// HeldBehindPrefix) go back to pending, in order. Ids that name no failed
+// row are left out of the result.
+func (s *Store) Skip(ctx context.Context, ids []int64) ([]Skipped, error) {
+	var skipped []Skipped
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		skipped = skipped[:0]
+		rows, err := tx.Query(ctx, `
+UPDATE outbox
+SET status = 'skipped', last_error = 'skipped by an operator after: ' || coalesce(last_error, '')
+WHERE id = ANY($1) AND published_at IS NULL AND status = 'failed'
+RETURNING id`, ids)
+		if err != nil {
+			return err
+		}
+		done, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			return err
+		}
+		for _, id := range done {
+			held := HeldBehindPrefix + strconv.FormatInt(id, 10) + ","
+			n, err := returnFailedTx(ctx, tx, `published_at IS NULL AND status = 'failed' AND starts_with(last_error, $2)`,
+				[]any{held}, "released when an operator skipped the event it was held behind: ")
+			if err != nil {
+				return err
+			}
+			skipped = append(skipped, Skipped{ID: id, Released: n})
+		}
+		return nil
+	})
+	return skipped, err
 }
 
 // Republish returns the rows published at or after since to pending, and

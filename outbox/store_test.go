@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"strconv"
 	"encoding/json"
 	"testing"
 	"time"
@@ -21,7 +22,12 @@ func TestStore(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
 	store := outbox.NewStore(db.Pool)
-	ids := writeOrders(t, db.Pool, 6, "1")
+	// Six orders, one event each: the claims below take any of them (an
+	// order's own events go one at a time: TestClaimKeepsEachAggregatesOrder).
+	var ids []int64
+	for order := range 6 {
+		ids = append(ids, writeOrders(t, db.Pool, 1, strconv.Itoa(order+1))...)
+	}
 	backlog := func() outbox.Backlog {
 		t.Helper()
 		b, err := store.Backlog(ctx)
@@ -141,6 +147,58 @@ func TestStore(t *testing.T) {
 	}
 	if err != nil || len(left) != 2 || left[0] != captured[0] || left[1] != captured[3] {
 		t.Fatalf("rows left: %v (%v), want %d and %d", left, err, captured[0], captured[3])
+	}
+}
+
+// The claim takes an aggregate's next event only once the one before is
+// published; ClaimNext takes it at once; a failed event holds the ones
+// behind it, unless the store skips failed events.
+func TestClaimKeepsEachAggregatesOrder(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	store := outbox.NewStore(db.Pool)
+	x := writeOrders(t, db.Pool, 3, "7")
+	y := writeOrders(t, db.Pool, 1, "8")
+	token := pgtype.UUID{Bytes: [16]byte{1}, Valid: true}
+	claim := func() []int64 {
+		t.Helper()
+		claimed, err := store.Claim(ctx, 10, token)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids := make([]int64, len(claimed))
+		for i, c := range claimed {
+			ids[i] = c.ID
+		}
+		return ids
+	}
+	first, err := store.Claim(ctx, 10, token)
+	if err != nil || len(first) != 2 || first[0].ID != x[0] || first[1].ID != y[0] || first[0].AggregateSeq.Int64 != 1 {
+		t.Fatalf("first claim: %+v (%v), want the first event of each order", first, err)
+	}
+	if got := claim(); len(got) != 0 {
+		t.Fatalf("claim while the first events are in flight: %v, want none", got)
+	}
+	if _, err := store.Record(ctx, token, outbox.Outcomes{Sent: []int64{x[0], y[0]}}); err != nil {
+		t.Fatal(err)
+	}
+	next, err := store.ClaimNext(ctx, first, token)
+	if err != nil || len(next) != 1 || next[0].ID != x[1] || next[0].AggregateSeq.Int64 != 2 {
+		t.Fatalf("claim the next events: %+v (%v), want order 7's second", next, err)
+	}
+	if _, err := store.Record(ctx, token, outbox.Outcomes{Failed: []int64{x[1]}, FailedReasons: []string{"too big"}}); err != nil {
+		t.Fatal(err)
+	}
+	if got := claim(); len(got) != 0 {
+		t.Fatalf("claim behind a failed event: %v, want none (held)", got)
+	}
+	if rows, aggs, err := store.Held(ctx); err != nil || rows != 1 || aggs != 1 {
+		t.Fatalf("held: %d rows of %d aggregates (%v), want 1 of 1", rows, aggs, err)
+	}
+	store.OnFailed = outbox.SkipFailed
+	if got := claim(); len(got) != 1 || got[0] != x[2] {
+		t.Fatalf("claim past a failed event with on_failed skip: %v, want %d", got, x[2])
 	}
 }
 

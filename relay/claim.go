@@ -117,15 +117,16 @@ func (r *Relay) deliverAsync(hardCtx context.Context, rows []row, token pgtype.U
 	go func() {
 		defer r.batches.Done()
 		defer r.slots.Release(int64(len(rows)))
-		r.deliver(hardCtx, rows, token)
+		r.deliver(hardCtx, rows, token, true)
 	}()
 }
 
 // record writes the batch's outcomes in one transaction, retrying while
 // Postgres is unreachable (a restart, a failover) for up to half the lease.
 // If it still cannot, the rows stay `sending` and the reaper returns them;
-// their second publish is dropped by JetStream as a duplicate.
-func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, results []outcome) {
+// their second publish is dropped by JetStream as a duplicate. It returns
+// whether it recorded them.
+func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, results []outcome) bool {
 	var sentIDs, retryIDs, failedIDs []int64
 	var retryReasons, failedReasons []string
 	var published []Published
@@ -168,7 +169,7 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 	if err != nil {
 		r.logger.Error("record published batch: giving up; the reaper will return the rows after their lease",
 			"error", err, "rows", len(rows), "first_id", rows[0].ID)
-		return
+		return false
 	}
 	if int(sent) < len(sentIDs) {
 		// Another relay holds these rows now (our lease expired); it will
@@ -186,6 +187,7 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 			r.logger.Error("outbox row can never be published: marked failed", "event_id", id, "reason", failedReasons[i])
 		}
 	}
+	return true
 }
 
 // reportPublished tells the observer about rows stored in the stream, and

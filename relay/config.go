@@ -60,6 +60,14 @@ type Config struct {
 	// installations on one server need two names. Default "fanout_relay";
 	// lower-case letters, digits and underscores, at most 63.
 	Slot string `koanf:"slot"`
+	// OnFailed is what a failed row (one that can never be published) does
+	// to the later events of its aggregate: hold them until an operator
+	// returns it (outbox retry-failed) or skips it (outbox skip), or skip
+	// it and publish them. Default hold: a subscriber that applies an
+	// aggregate's events in order would otherwise apply them past a
+	// missing one. fanout status and fanout_relay_outbox_held_rows show
+	// what is held.
+	OnFailed string `koanf:"on_failed"`
 	// StallAfter: the relay reports not ready when it has completed no
 	// claim for this long (it cannot reach Postgres or NATS, or its slots
 	// are all waiting on PubAcks). Default 30s, longer than PublishTimeout
@@ -92,7 +100,7 @@ func DefaultConfig() Config {
 		RetryMin: time.Second, RetryMax: 5 * time.Minute, SentRetention: time.Hour, PartitionSize: DefaultPartitionSize,
 		CleanupInterval: time.Minute,
 		CleanupBatch:    1000, ShutdownTimeout: 30 * time.Second, StallAfter: 30 * time.Second,
-		Capture: CapturePoll, Slot: DefaultSlot,
+		Capture: CapturePoll, Slot: DefaultSlot, OnFailed: string(outbox.HoldFailed),
 	}
 }
 
@@ -124,6 +132,7 @@ func (c Config) Validate() error {
 	v.Positive("relay.shutdown_timeout", c.ShutdownTimeout)
 	v.Positive("relay.stall_after", c.StallAfter)
 	v.OneOf("relay.capture", c.Capture, CapturePoll, CaptureWAL)
+	v.OneOf("relay.on_failed", c.OnFailed, string(outbox.HoldFailed), string(outbox.SkipFailed))
 	if !validSlotName(c.Slot) {
 		v.Bad("relay.slot", "must be 1 to 63 lower-case letters, digits or underscores, as PostgreSQL requires of a replication slot's name (got %q)", c.Slot)
 	}

@@ -56,6 +56,33 @@
 // id: a row reaped, backed off, retried by an operator, or committed by a
 // transaction open longer than a second. Its slow walk holds up no new row.
 //
+// # Per-aggregate order
+//
+// Every row is numbered within its aggregate in commit order (aggregate_seq,
+// schema migration 00009), and the relays publish each aggregate's events
+// in that order, with any number of relays, publish failures, backoffs,
+// leases expiring and relays killed mid-batch. The poll claim takes a row
+// only when no earlier event of its aggregate is unpublished (outbox's
+// claimSQL), so an aggregate has at most one event in flight; after a
+// batch is recorded, the relay claims the next event of each aggregate it
+// published at once (deliver), since the claim loop's floor may have passed
+// it. A wal relay publishes rows from concurrent chunks that retry on their
+// own, so each row waits for the previous row of its aggregate to be done
+// (aggregateOrder). Different aggregates go in parallel as before.
+//
+// A failed row holds its aggregate's later events (relay.on_failed hold):
+// the poll claim leaves them pending, and a wal relay, which leaves
+// published rows pending too, marks them failed behind it
+// (outbox.HeldBehindReason). outbox retry-failed returns failed rows one
+// per aggregate per statement, in order, so that a wal relay decodes them
+// in order; outbox skip marks a row skipped and returns what was held
+// behind it. relay.on_failed skip lets them pass.
+//
+// Not ordered yet: rows written before migration 00009 (no number), and,
+// once, the rows a poll relay left when an installation switches to wal
+// capture: the backlog drain claims them while the slot publishes newer
+// events of the same aggregates.
+//
 // # Retention
 //
 // The outbox is partitioned by ranges of ids (schema migration 00008), and

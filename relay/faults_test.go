@@ -66,12 +66,14 @@ func TestPostgresRestartUnderRelay(t *testing.T) {
 func TestPoisonRowsFailWithoutBlockingOthers(t *testing.T) {
 	forEachCapture(t, func(t *testing.T, h *harness) {
 		ctx := context.Background()
-		// Rows written behind the writer API's back (raw SQL, another tool).
+		// Rows written behind the writer API's back (raw SQL, another
+		// tool), each an aggregate of its own: a failed row holds only its
+		// own aggregate's later events (TestFailedEventHoldsItsAggregate).
 		insert := func(eventType, payload string) int64 {
 			var id int64
 			err := h.db.Pool.QueryRow(ctx, `
 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-VALUES ('product', '1', $1, `+payload+`) RETURNING id`, eventType).Scan(&id)
+VALUES ('product', gen_random_uuid()::text, $1, `+payload+`) RETURNING id`, eventType).Scan(&id)
 			if err != nil {
 				t.Fatal(err)
 			}

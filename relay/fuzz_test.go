@@ -95,7 +95,10 @@ func FuzzPoisonRows(f *testing.F) {
 			b, _ := json.Marshal(map[string]string{name: value})
 			headers = string(b)
 		}
-		id, err := insertRaw(ctx, h.db.Pool, rawRow{aggregateType: "fuzz", aggregateID: aggregateID,
+		// Each row is an aggregate of its own (the type is not fuzzed): a
+		// failed row would hold the next row of its aggregate.
+		aggregateType := "fuzz-" + strconv.FormatInt(rawAggregates.Add(1), 10)
+		id, err := insertRaw(ctx, h.db.Pool, rawRow{aggregateType: aggregateType, aggregateID: aggregateID,
 			eventType: eventType, payload: payload, headers: headers, createdAt: "now"})
 		if err != nil {
 			// Class 22 is data exceptions (invalid JSON or UTF-8, a NUL,
@@ -161,7 +164,8 @@ func FuzzPoisonRows(f *testing.F) {
 		}
 		want[outbox.EventIDHeader] = strconv.FormatInt(id, 10)
 		want[outbox.EventTypeHeader] = eventType
-		want[outbox.AggregateTypeHeader] = "fuzz"
+		want[outbox.AggregateTypeHeader] = aggregateType
+		want[outbox.AggregateSeqHeader] = "1" // the first event of its aggregate
 		want[outbox.AggregateIDHeader] = aggregateID
 		want[jetstream.MsgIDHeader] = strconv.FormatInt(id, 10)
 		want[jetstream.ExpectedStreamHeader] = h.cfg.Stream.Name

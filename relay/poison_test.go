@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -24,6 +25,9 @@ type rawRow struct {
 	emptyAggregateID                                        bool   // aggregateID is '' on purpose
 }
 
+// rawAggregates numbers the aggregates of raw rows.
+var rawAggregates atomic.Int64
+
 func (r rawRow) withDefaults() rawRow {
 	def := func(s *string, d string) {
 		if *s == "" {
@@ -32,7 +36,10 @@ func (r rawRow) withDefaults() rawRow {
 	}
 	def(&r.aggregateType, "product")
 	if !r.emptyAggregateID {
-		def(&r.aggregateID, "1")
+		// An aggregate of its own: a failed row holds its aggregate's
+		// later events (TestFailedEventHoldsItsAggregate), and these tests
+		// are about the rows of other aggregates behind it.
+		def(&r.aggregateID, "raw-"+strconv.FormatInt(rawAggregates.Add(1), 10))
 	}
 	def(&r.eventType, "product.updated")
 	def(&r.payload, `{"product_id": 1}`)
@@ -284,18 +291,20 @@ func TestEventOfExactlyMaxPayload(t *testing.T) {
 	}
 	r := h.newRelay(nil, nil)
 	probe, err := r.message(row{ID: 1, AggregateType: "product", AggregateID: "1", EventType: "product.updated",
-		Payload: []byte(`""`), Headers: []byte(`{}`), CreatedAt: pgtype.Timestamptz{Time: at, Valid: true}}, 0)
+		Payload: []byte(`""`), Headers: []byte(`{}`), CreatedAt: pgtype.Timestamptz{Time: at, Valid: true},
+		AggregateSeq: pgtype.Int8{Int64: 1, Valid: true}}, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	headerBytes := probe.Size() - len(probe.Subject) - len(probe.Data)
 	body := func(n int) string { return `"` + strings.Repeat("x", n-2) + `"` } // a JSON string of n bytes, as jsonb prints it
 
-	fits, err := insertRaw(ctx, h.db.Pool, rawRow{payload: body(maxPayload - headerBytes), createdAt: createdAt}.withDefaults())
+	// Two aggregates with one-digit ids, each row the first of its own.
+	fits, err := insertRaw(ctx, h.db.Pool, rawRow{aggregateID: "1", payload: body(maxPayload - headerBytes), createdAt: createdAt}.withDefaults())
 	if err != nil {
 		t.Fatal(err)
 	}
-	over, err := insertRaw(ctx, h.db.Pool, rawRow{payload: body(maxPayload - headerBytes + 1), createdAt: createdAt}.withDefaults())
+	over, err := insertRaw(ctx, h.db.Pool, rawRow{aggregateID: "2", payload: body(maxPayload - headerBytes + 1), createdAt: createdAt}.withDefaults())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -94,6 +94,10 @@ type Relay struct {
 
 	hooks TestHooks
 
+	// order keeps each aggregate's events in order through the wal
+	// relay's concurrent publishes.
+	order *aggregateOrder
+
 	wake    chan struct{}
 	slots   *semaphore.Weighted // rows claimed and not yet recorded
 	batches sync.WaitGroup      // deliveries in flight
@@ -172,10 +176,13 @@ func New(opts Options) (*Relay, error) {
 		logger:   opts.Logger,
 		obs:      obs,
 		hooks:    opts.TestHooks,
+		order:    newAggregateOrder(),
 		wake:     make(chan struct{}, 1),
 		slots:    semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
 		stopping: make(chan struct{}),
 	}
+	r.store.OnFailed = outbox.OnFailed(r.cfg.OnFailed)
+	r.store.Unordered = r.hooks.Unordered
 	if r.cfg.PartitionSize == 0 {
 		r.cfg.PartitionSize = DefaultPartitionSize
 	}
@@ -428,20 +435,52 @@ func newLeaseToken() pgtype.UUID {
 	return u
 }
 
-func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID) {
-	results, ok := r.publishAll(ctx, rows)
-	if !ok {
-		// Hard stop: leave the rows `sending`; the reaper returns them.
-		return
-	}
-	if r.testHookBeforeRecord != nil {
-		ids := make([]int64, len(rows))
-		for i := range rows {
-			ids[i] = rows[i].ID
+// Then, with claimNext, it claims the next event of each aggregate it published, and
+// delivers those the same way, within the batch's slots: the claim takes
+// an aggregate's next event only once the one before is published
+// (outbox's claimSQL), and the claim loop starts above a floor that such
+// an event, written long ago, may be below (claimFloor): without this it
+// would wait for the sweeper, a second per event of a busy aggregate.
+func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, claimNext bool) {
+	for len(rows) > 0 {
+		results, ok := r.publishAll(ctx, rows)
+		if !ok {
+			// Hard stop: leave the rows `sending`; the reaper returns them.
+			return
 		}
-		r.testHookBeforeRecord(ctx, ids)
+		if r.testHookBeforeRecord != nil {
+			ids := make([]int64, len(rows))
+			for i := range rows {
+				ids[i] = rows[i].ID
+			}
+			r.testHookBeforeRecord(ctx, ids)
+		}
+		if !r.record(ctx, rows, token, results) || !claimNext || r.hooks.Unordered {
+			return
+		}
+		var published []row
+		for i, res := range results {
+			if res.acked {
+				published = append(published, rows[i])
+			}
+		}
+		select {
+		case <-r.stopping:
+			return
+		default:
+		}
+		token = newLeaseToken()
+		start := time.Now()
+		next, err := r.store.ClaimNext(ctx, published, token)
+		if err != nil {
+			r.logger.Warn("claim the next events of the aggregates published; the claims will find them", "error", err)
+			return
+		}
+		if len(next) > 0 {
+			r.obs.Claimed(len(next), time.Since(start))
+		}
+		rows = next
 	}
-	r.record(ctx, rows, token, results)
 }
 
 // publishAll publishes rows asynchronously and waits for their PubAcks, but
@@ -455,6 +494,10 @@ func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
 		msg, err := r.message(rw, maxPayload)
 		if err != nil {
 			results[i] = outcome{permanent: true, err: rowReason(rw.ID, err)}
+			continue
+		}
+		if r.hooks.FailPublish != nil && r.hooks.FailPublish(rw.ID) {
+			results[i] = outcome{err: "nats: no responders available for request (injected by a test hook)"}
 			continue
 		}
 		if r.hooks.SkipPublish != nil && r.hooks.SkipPublish(rw.ID) {
@@ -523,7 +566,7 @@ func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
 	msg := &nats.Msg{
 		Subject: outbox.Subject(r.stream.SubjectPrefix, rw.EventType),
 		Data:    rw.Payload,
-		Header:  make(nats.Header, len(headers)+7),
+		Header:  make(nats.Header, len(headers)+8),
 	}
 	// ValidateHeaders refused the names the relay sets below, so a
 	// writer's header never replaces one of them.
@@ -537,6 +580,9 @@ func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
 	msg.Header[outbox.AggregateTypeHeader] = []string{rw.AggregateType}
 	msg.Header[outbox.AggregateIDHeader] = []string{rw.AggregateID}
 	msg.Header[outbox.CreatedAtHeader] = []string{rw.CreatedAt.Time.UTC().Format(time.RFC3339Nano)}
+	if rw.AggregateSeq.Valid {
+		msg.Header[outbox.AggregateSeqHeader] = []string{strconv.FormatInt(rw.AggregateSeq.Int64, 10)}
+	}
 
 	// The publish options set these two as well, to the same values.
 	// Setting them here lets msg.Size count the header block exactly as

@@ -8,4 +8,11 @@ type TestHooks struct {
 	// SkipPublish, if set, names rows the relay marks sent without
 	// publishing them.
 	SkipPublish func(id int64) bool
+	// FailPublish, if set, names rows whose publish fails as if NATS were
+	// unreachable (the relay retries them).
+	FailPublish func(id int64) bool
+	// Unordered publishes without per-aggregate order: the claim takes an
+	// aggregate's events while earlier ones are unpublished, and the wal
+	// relay publishes them without waiting for the one before.
+	Unordered bool
 }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
+	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -150,6 +151,17 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 		stopDrain()
 		drain.Wait()
 	}()
+	// The failed events that hold their aggregates (relay.on_failed hold),
+	// as the table has them now: the stream starts from the confirmed
+	// position, and marked them failed before it.
+	if r.store.OnFailed != outbox.SkipFailed {
+		loadCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
+		err := r.order.loadHolds(loadCtx, r)
+		cancel()
+		if err != nil {
+			return fmt.Errorf("read the failed events that hold their aggregates: %w", err)
+		}
+	}
 	if !backlogDone {
 		drain.Add(1)
 		go func() {
@@ -373,7 +385,9 @@ func (r *Relay) drainBacklog(ctx, hardCtx context.Context, through int64) {
 		func() {
 			defer r.batches.Done()
 			defer r.slots.Release(int64(len(rows)))
-			r.deliver(hardCtx, rows, token)
+			// The rows after the bound are the slot's to publish: no
+			// next event of an aggregate is claimed here.
+			r.deliver(hardCtx, rows, token, false)
 		}()
 	}
 }
@@ -631,6 +645,10 @@ func (s *walStream) capture(softCtx, hardCtx context.Context, relationID uint32,
 	// A transaction that inserts a row and then updates it (by hand)
 	// decodes two versions with one id: JetStream would keep the first,
 	// so the later replaces it (within the chunk not yet dispatched).
+	if state == tupleSkipped {
+		s.r.order.release(rw)
+		state = tupleNotPending
+	}
 	if state == tupleNotPending {
 		if i, ok := s.rowAt[rw.ID]; ok {
 			s.dropRow(i)
@@ -719,10 +737,14 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 	txn := s.cur
 	txn.chunks.Add(1)
 	s.r.batches.Add(1)
+	// Each row takes its place in its aggregate's order here, in the
+	// order decoded, and is published once the one before it is done.
+	c := s.r.order.enter(rows)
 	go func() {
 		defer s.r.batches.Done()
 		defer s.r.slots.Release(n)
 		defer txn.chunks.Done()
+		defer s.r.order.abandon(c) // a no-op for the rows done
 		// Every row of a transaction is dispatched at its commit or after
 		// it (a chunk that filled up earlier waits here the same way).
 		if err := s.r.visibility.wait(softCtx, txn.xid); err != nil {
@@ -730,13 +752,14 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 			return
 		}
 		if len(refetch) > 0 {
-			var ok bool
-			if rows, ok = s.r.refetchCaptured(softCtx, rows, refetch); !ok {
+			kept, ok := s.r.refetchCaptured(softCtx, rows, refetch)
+			if !ok {
 				txn.abandoned.Store(true)
 				return
 			}
+			c = s.r.order.keep(c, kept)
 		}
-		if !s.r.publishCaptured(softCtx, hardCtx, rows) {
+		if !s.r.publishOrdered(softCtx, hardCtx, c) {
 			txn.abandoned.Store(true)
 		}
 	}()
@@ -747,13 +770,16 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 // a PubAck or is marked failed: the slot is not confirmed past them before,
 // so a publish that fails for a reason outside the row (NATS down, the
 // stream unavailable) is retried with backoff, for as long as it takes. It
-// returns false if the relay stopped first.
-func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) bool {
+// returns the ids it marked failed, and false if the relay stopped first.
+func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) (failed map[int64]bool, ok bool) {
 	wait := r.cfg.RetryMin
 	for {
+		if len(rows) == 0 {
+			return failed, true
+		}
 		results, ok := r.publishAll(hardCtx, rows)
 		if !ok {
-			return false
+			return nil, false
 		}
 		var (
 			retry            []row
@@ -779,16 +805,22 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) bo
 		r.reportPublished(published, len(retry), len(failedIDs))
 		if len(failedIDs) > 0 {
 			if !r.failCaptured(softCtx, failedIDs, failedReasons) {
-				return false
+				return nil, false
+			}
+			if failed == nil {
+				failed = map[int64]bool{}
+			}
+			for _, id := range failedIDs {
+				failed[id] = true
 			}
 		}
 		if len(retry) == 0 {
-			return true
+			return failed, true
 		}
 		r.obs.Retried(len(retry))
 		r.logger.Warn("publish failed; retrying, the slot waits for these rows", "rows", len(retry), "first_id", retry[0].ID, "error", firstRetryReason, "retry_in", wait)
 		if !r.sleep(softCtx, wait) {
-			return false
+			return nil, false
 		}
 		wait = min(wait*2, r.cfg.RetryMax)
 		rows = retry
@@ -896,6 +928,7 @@ const (
 	tuplePending    tupleState = iota // publish it
 	tupleNotPending                   // claimed, sent, failed: not the relay's to publish
 	tupleToasted                      // pending, but a value is missing: read the row again
+	tupleSkipped                      // skipped by an operator: not published, and it releases its aggregate
 )
 
 // errUnchangedToast: a column's value was not decoded, as an update left
@@ -944,6 +977,12 @@ func tupleRow(types *pgtype.Map, rel *relationColumns, t *pglogrepl.TupleData) (
 		return rw, tupleToasted, nil
 	case err != nil:
 		return rw, 0, err
+	case status == "skipped":
+		// An operator gave up on a failed event: it no longer holds its
+		// aggregate (see aggregateOrder).
+		rw.AggregateType, _ = text("aggregate_type")
+		rw.AggregateID, _ = text("aggregate_id")
+		return rw, tupleSkipped, nil
 	case status != "pending" || published.DataType != pglogrepl.TupleDataTypeNull:
 		return rw, tupleNotPending, nil
 	}
@@ -972,5 +1011,14 @@ func tupleRow(types *pgtype.Map, rel *relationColumns, t *pglogrepl.TupleData) (
 	// Text in the walsender's DateStyle (ISO); an unreadable value stays
 	// invalid, and message() fails the row, not the stream.
 	_ = types.Scan(pgtype.TimestamptzOID, pgtype.TextFormatCode, []byte(created), &rw.CreatedAt)
+	// Absent from a relation decoded before schema migration 00009, and
+	// null on rows written before it.
+	if _, ok := rel.index["aggregate_seq"]; ok {
+		if c, err := col("aggregate_seq"); err == nil && c.DataType == pglogrepl.TupleDataTypeText {
+			if n, err := strconv.ParseInt(string(c.Data), 10, 64); err == nil {
+				rw.AggregateSeq = pgtype.Int8{Int64: n, Valid: true}
+			}
+		}
+	}
 	return rw, tuplePending, nil
 }

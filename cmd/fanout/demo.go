@@ -92,7 +92,7 @@ func upCommand(a *app) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			reg.MustRegister(metrics.NewOutboxCollector(pool, a.logger), metrics.NewConsumerCollector(js, a.cfg.Stream.Name, names, a.logger))
+			reg.MustRegister(metrics.NewOutboxCollector(pool, a.cfg.Relay.OnFailed, a.logger), metrics.NewConsumerCollector(js, a.cfg.Stream.Name, names, a.logger))
 			stopOps, err := startOps(a, reg, sd.checks)
 			if err != nil {
 				return err

@@ -2,6 +2,8 @@ package main
 
 import (
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/fanout/fanout/outbox"
@@ -11,7 +13,7 @@ import (
 func outboxCommand(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "outbox",
-		Short: "Operate on outbox rows: retry failed ones, republish published ones",
+		Short: "Operate on outbox rows: retry or skip failed ones, republish published ones",
 	}
 	cmd.AddCommand(&cobra.Command{
 		Use:   "retry-failed",
@@ -78,6 +80,54 @@ decodes the update that returns it.`,
 			return nil
 		},
 	}
+	cmd.AddCommand(&cobra.Command{
+		Use:   "skip ID...",
+		Short: "Give up on failed rows: never publish them, and release the events of their aggregates held behind them",
+		Long: `skip marks the failed rows named by their ids skipped: they are never
+published, and no longer hold the later events of their aggregates
+(relay.on_failed hold), which the relays then publish in order. Use it for an
+event that can never be published and that the subscribers can do without;
+fix and retry the others (outbox retry-failed). fanout status shows what is
+held, and the failed rows' reasons are in the outbox's last_error column.`,
+		Args: cobra.MinimumNArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ids := make([]int64, len(args))
+			for i, a := range args {
+				id, err := strconv.ParseInt(a, 10, 64)
+				if err != nil || id <= 0 {
+					return fmt.Errorf("outbox skip: %q is not an outbox row id", a)
+				}
+				ids[i] = id
+			}
+			if err := a.load(); err != nil {
+				return err
+			}
+			pool, err := a.postgres(cmd.Context(), "outbox")
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			skipped, err := outbox.NewStore(pool).Skip(cmd.Context(), ids)
+			if err != nil {
+				return err
+			}
+			done := map[int64]bool{}
+			for _, s := range skipped {
+				done[s.ID] = true
+				fmt.Fprintf(cmd.OutOrStdout(), "row %d skipped; %d events held behind it returned to the relays\n", s.ID, s.Released)
+			}
+			var missed []string
+			for _, id := range ids {
+				if !done[id] {
+					missed = append(missed, strconv.FormatInt(id, 10))
+				}
+			}
+			if len(missed) > 0 {
+				return fmt.Errorf("outbox skip: no failed row with id %s (only failed rows can be skipped)", strings.Join(missed, ", "))
+			}
+			return nil
+		},
+	})
 	republish.Flags().StringVar(&since, "since", "", "RFC 3339 time, or a duration ago (e.g. 30m)")
 	_ = republish.MarkFlagRequired("since")
 	cmd.AddCommand(republish)

@@ -30,7 +30,7 @@ func relayCommand(a *app) *cobra.Command {
 				return err
 			}
 			defer deps.close()
-			reg.MustRegister(metrics.NewOutboxCollector(deps.pool, a.logger))
+			reg.MustRegister(metrics.NewOutboxCollector(deps.pool, a.cfg.Relay.OnFailed, a.logger))
 			stopOps, err := startOps(a, reg, []opsserver.Check{
 				natsCheck(deps.nc), {Name: "relay", Fn: func(context.Context) error { return r.Ready() }},
 			})

@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/fanout/fanout/subscribers"
@@ -21,6 +22,16 @@ func init() {
 	case "relay-skips-publish":
 		// One row in 500 is marked sent without being published.
 		sabotage.relay.SkipPublish = func(id int64) bool { return id%500 == 0 }
+	case "relay-unordered":
+		// The relays publish an aggregate's events without waiting for
+		// the earlier ones, and one publish in 5 fails once and is
+		// retried after a backoff: later events overtake it.
+		sabotage.relay.Unordered = true
+		var tried sync.Map
+		sabotage.relay.FailPublish = func(id int64) bool {
+			_, again := tried.LoadOrStore(id, true)
+			return id%5 == 0 && !again
+		}
 	case "ack-before-commit":
 		// Subscribers whose effect is in Postgres ack a batch before its
 		// transaction commits: a process killed in between loses it.

@@ -85,6 +85,10 @@ func printStatus(w io.Writer, st operator.Status) {
 		fmt.Fprintf(w, "outbox   pending %d  sending %d  sent %d (retained)  failed %d  oldest pending %s\n",
 			o.Pending, o.Sending, o.Sent, o.Failed, (time.Duration(o.OldestPendingAge * float64(time.Second))).Round(time.Millisecond))
 	}
+	if o.HeldRows > 0 {
+		fmt.Fprintf(w, "held     %d events of %d aggregates wait behind a failed earlier event (relay.on_failed hold): fanout outbox retry-failed or fanout outbox skip ID releases them\n",
+			o.HeldRows, o.HeldAggregates)
+	}
 	fmt.Fprintf(w, "ranges   %d (%d full, waiting for relay.sent_retention)  outbox_default %d rows (no range holds them)\n",
 		o.Ranges, o.SealedRanges, o.DefaultRows)
 	if st.Stream.Missing {

@@ -195,7 +195,7 @@ SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migra
 FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands', 'categories',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
                   'invoice_number_seq', 'product_sales', 'dead_letter_actions', 'relay_capture',
-                  'outbox_partitions', 'outbox_default']) AS t \gset
+                  'outbox_partitions', 'outbox_default', 'outbox_aggregates']) AS t \gset
 
 \if :fanout_migrated
 
@@ -208,7 +208,7 @@ WHERE c.relnamespace = 'public'::regnamespace
   AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'subscriber_attempts',
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
                     'invoices', 'invoice_lines', 'dead_letter_actions', 'product_sales', 'relay_capture',
-                    'outbox_partitions')
+                    'outbox_partitions', 'outbox_aggregates')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
 -- must own the outbox to do so).
@@ -301,6 +301,7 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
 GRANT SELECT, INSERT ON dead_letter_actions TO fanout_operator;
 GRANT SELECT ON relay_capture TO fanout_operator;
 GRANT SELECT ON outbox_partitions, outbox_default TO fanout_operator;
+-- outbox skip marks a failed row skipped (the status column, above).
 
 \else
 \echo 'roles.sql: fanout''s tables are not all there yet: roles, CONNECT and schema privileges done; run `fanout migrate` as fanout_migrate, then this file again for the table grants'

@@ -167,17 +167,22 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 		rep.violate("1 (read the outbox's ranges)", err.Error())
 		return
 	}
-	rows, err := r.pool().Query(ctx, `SELECT id, status, coalesce(last_error, '') FROM outbox ORDER BY id`)
+	rows, err := r.pool().Query(ctx, `SELECT id, status, coalesce(last_error, ''), aggregate_type || '/' || aggregate_id, aggregate_seq FROM outbox ORDER BY id`)
 	if err != nil {
 		rep.violate("1 (read the outbox)", err.Error())
 		return
 	}
 	var notSent, unexpectedFailed, missing, twice, failedPublished []string
 	sent := map[int64]bool{}
+	numbered := map[int64]aggregateEvent{}
 	var id int64
-	var status, reason string
-	_, err = pgx.ForEachRow(rows, []any{&id, &status, &reason}, func() error {
+	var status, reason, aggregate string
+	var number *int64
+	_, err = pgx.ForEachRow(rows, []any{&id, &status, &reason, &aggregate, &number}, func() error {
 		rep.OutboxRows++
+		if number != nil {
+			numbered[id] = aggregateEvent{aggregate, *number}
+		}
 		want, isPlanted := p.failedRows[id]
 		switch {
 		case status == "sent" || (r.wal() && status == "pending"):
@@ -235,6 +240,7 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 		rep.violate("5 (planted rows failed)", fmt.Sprintf("%d rows failed, %d were planted to; planted but sent: %s",
 			rep.FailedRows, len(p.failedRows), head(plantedNotFailed)))
 	}
+	r.checkAggregateOrder(stream, sent, numbered)
 	var phantoms []string
 	for id, seqs := range stream.byID {
 		if !sent[id] {
@@ -244,6 +250,46 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 	if len(phantoms) > 0 {
 		slices.Sort(phantoms)
 		rep.violate("1 (the stream holds only sent rows)", head(phantoms))
+	}
+}
+
+// aggregateEvent is an event's place in its aggregate.
+type aggregateEvent struct {
+	aggregate string
+	number    int64
+}
+
+// checkAggregateOrder: invariant 8 at the stream, where the relays must
+// keep it. Every aggregate's published events are in the stream as 1, 2,
+// 3, ... (the first copy of each; a second is invariant 2's). No poison
+// row shares an aggregate with another event (plant.go), so no number is
+// missing.
+func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, numbered map[int64]aggregateEvent) {
+	last := map[string]int64{}
+	seen := map[int64]bool{}
+	var disorder []string
+	unnumbered := 0
+	for _, ev := range stream.bySeq {
+		if seen[ev.id] || !sent[ev.id] {
+			continue
+		}
+		seen[ev.id] = true
+		a, ok := numbered[ev.id]
+		if !ok {
+			unnumbered++
+			continue
+		}
+		if a.number != last[a.aggregate]+1 {
+			disorder = append(disorder, fmt.Sprintf("%s: event %d (number %d) at sequence %d after number %d", a.aggregate, ev.id, a.number, ev.seq, last[a.aggregate]))
+		}
+		last[a.aggregate] = max(last[a.aggregate], a.number)
+	}
+	r.report.Aggregates = len(last)
+	if unnumbered > 0 {
+		r.report.violate("8 (every event numbered in its aggregate)", fmt.Sprintf("%d events in the stream have no aggregate_seq", unnumbered))
+	}
+	if len(disorder) > 0 {
+		r.report.violate("8 (each aggregate's events enter the stream in commit order)", fmt.Sprintf("%d events out of order: %s", len(disorder), head(disorder)))
 	}
 }
 

@@ -95,11 +95,14 @@ func (r *run) plantMalformedOrder(ctx context.Context) error {
 }
 
 // An event type NATS cannot carry, written behind the writer API's back:
-// the relay marks it failed.
+// the relay marks it failed. Each poison row is an aggregate of its own:
+// a failed event holds its aggregate's later events (relay.on_failed
+// hold, tested in package relay), and the run checks that it holds no
+// other aggregate's.
 func (r *run) plantBadEventType(ctx context.Context) error {
 	var id int64
 	err := r.pool().QueryRow(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-VALUES ('product', '1', 'product teleported', '{"product_id": 1}') RETURNING id`).Scan(&id)
+VALUES ('product', 'planted-' || gen_random_uuid(), 'product teleported', '{"product_id": 1}') RETURNING id`).Scan(&id)
 	if err == nil {
 		r.planted.mu.Lock()
 		r.planted.failedRows[id] = "event type"
@@ -115,7 +118,7 @@ VALUES ('product', '1', 'product teleported', '{"product_id": 1}') RETURNING id`
 func (r *run) plantBadHeaders(ctx context.Context) error {
 	var id int64
 	err := r.pool().QueryRow(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
-VALUES ('product', '1', 'product.updated', '{"product_id": 1}', '{"retry": 1}') RETURNING id`).Scan(&id)
+VALUES ('product', 'planted-' || gen_random_uuid(), 'product.updated', '{"product_id": 1}', '{"retry": 1}') RETURNING id`).Scan(&id)
 	if err == nil {
 		r.planted.mu.Lock()
 		r.planted.failedRows[id] = "headers"
@@ -129,7 +132,7 @@ VALUES ('product', '1', 'product.updated', '{"product_id": 1}', '{"retry": 1}') 
 func (r *run) plantOversized(ctx context.Context) error {
 	var id int64
 	err := r.pool().QueryRow(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-VALUES ('product', '1', 'product.updated', jsonb_build_object('product_id', 1, 'blob', repeat('x', 1100000))) RETURNING id`).Scan(&id)
+VALUES ('product', 'planted-' || gen_random_uuid(), 'product.updated', jsonb_build_object('product_id', 1, 'blob', repeat('x', 1100000))) RETURNING id`).Scan(&id)
 	if err == nil {
 		r.planted.mu.Lock()
 		r.planted.failedRows[id] = "max_payload"

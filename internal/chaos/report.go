@@ -27,7 +27,10 @@ type Report struct {
 	// and the rows no range holds.
 	Ranges, SealedRanges int
 	DefaultRows          int64
-	DeadLetters          map[string]map[string]int // subscriber -> planted kind (or NOT PLANTED: reason) -> letters
+	// Aggregates whose events the stream holds, each checked to be in
+	// commit order (invariant 8).
+	Aggregates  int
+	DeadLetters map[string]map[string]int // subscriber -> planted kind (or NOT PLANTED: reason) -> letters
 	// PlantedDeleted counts rejected products the load deleted before the
 	// indexer reached their event: indexed as gone, no letter expected.
 	PlantedDeleted int
@@ -64,7 +67,7 @@ func (r *Report) String() string {
 	for _, k := range sortedKeys(r.Faults) {
 		fmt.Fprintf(&b, "    %-48s %d\n", k, r.Faults[k])
 	}
-	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows\n", r.OutboxRows, r.Events, r.FailedRows)
+	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows; %d aggregates, each one's events checked in commit order\n", r.OutboxRows, r.Events, r.FailedRows, r.Aggregates)
 	fmt.Fprintf(&b, "  outbox ranges at the end: %d (%d sealed), %d rows in outbox_default\n", r.Ranges, r.SealedRanges, r.DefaultRows)
 	letters := 0
 	for _, byKind := range r.DeadLetters {

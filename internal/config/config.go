@@ -246,6 +246,7 @@ func defaults() map[string]any {
 		"relay.stall_after":      "30s",
 		"relay.capture":          relay.CapturePoll,
 		"relay.slot":             relay.DefaultSlot,
+		"relay.on_failed":        "hold",
 
 		"subscribers.concurrency":                4,
 		"subscribers.batch_size":                 100,

@@ -212,16 +212,22 @@ type outboxCollector struct {
 	store                   *outbox.Store
 	logger                  *slog.Logger
 	backlog, oldest, failed *prometheus.Desc
+	held                    *prometheus.Desc
 }
 
 // NewOutboxCollector reports the outbox backlog (pending and sending rows),
-// the age of the oldest pending row, and failed rows.
-func NewOutboxCollector(pool *pgxpool.Pool, logger *slog.Logger) prometheus.Collector {
+// the age of the oldest pending row, failed rows, and the events they hold
+// back under the relays' onFailed (relay.on_failed).
+func NewOutboxCollector(pool *pgxpool.Pool, onFailed string, logger *slog.Logger) prometheus.Collector {
+	store := outbox.NewStore(pool)
+	store.OnFailed = outbox.OnFailed(onFailed)
 	return &outboxCollector{
-		store: outbox.NewStore(pool), logger: logger,
+		store: store, logger: logger,
 		backlog: prometheus.NewDesc("fanout_outbox_backlog_rows", "Outbox rows not yet published (pending or sending).", nil, nil),
 		oldest:  prometheus.NewDesc("fanout_outbox_oldest_pending_age_seconds", "Age of the oldest pending outbox row (0 if none).", nil, nil),
 		failed:  prometheus.NewDesc("fanout_outbox_failed_rows", "Outbox rows marked failed.", nil, nil),
+		held: prometheus.NewDesc("fanout_relay_outbox_held_rows",
+			"Outbox events held behind a failed earlier event of their aggregate (relay.on_failed hold).", nil, nil),
 	}
 }
 
@@ -229,6 +235,7 @@ func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.backlog
 	ch <- c.oldest
 	ch <- c.failed
+	ch <- c.held
 }
 
 func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
@@ -242,6 +249,14 @@ func (c *outboxCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(c.backlog, prometheus.GaugeValue, float64(b.Pending+b.Sending))
 	ch <- prometheus.MustNewConstMetric(c.oldest, prometheus.GaugeValue, b.OldestPending.Seconds())
 	ch <- prometheus.MustNewConstMetric(c.failed, prometheus.GaugeValue, float64(b.Failed))
+	var held int64
+	if b.Failed > 0 {
+		if held, _, err = c.store.Held(ctx); err != nil {
+			c.logger.Warn("metrics: read the events held behind failed ones", "error", err)
+			return
+		}
+	}
+	ch <- prometheus.MustNewConstMetric(c.held, prometheus.GaugeValue, float64(held))
 }
 
 // consumerCollector reads each subscriber's consumer state on each scrape.

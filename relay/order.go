@@ -1,0 +1,259 @@
+package relay
+
+import (
+	"context"
+	"sync"
+
+	"github.com/fanout/fanout/outbox"
+)
+
+// aggregateKey names one aggregate.
+type aggregateKey struct{ typ, id string }
+
+func keyOf(rw row) aggregateKey { return aggregateKey{rw.AggregateType, rw.AggregateID} }
+
+// aggregateOrder keeps each aggregate's events in order through the wal
+// relay's publishes, which run concurrently (a chunk per transaction, up
+// to relay.max_in_flight rows) and retry on their own: without it, an
+// event whose publish failed and is retried after a backoff lands in the
+// stream behind the next event of its aggregate, published meanwhile. The
+// poll relay needs none of this: its claim takes an aggregate's next event
+// only once the one before is published (see outbox's claimSQL).
+//
+// Rows enter in commit order (the decoder's), and each waits for the
+// previous row of its aggregate to be done (acked, or marked failed)
+// before it is published. It also remembers the aggregates held by a
+// failed event (relay.on_failed hold): their later events are marked
+// failed behind it (outbox.HeldBehindReason) and go back, in order, when
+// an operator retries or skips it.
+type aggregateOrder struct {
+	mu   sync.Mutex
+	last map[aggregateKey]*turn // the aggregate's latest entered row's
+	held map[aggregateKey]heldBy
+}
+
+// turn is one row's place in its aggregate's order.
+type turn struct {
+	done      chan struct{} // closed when the row is done, or abandoned
+	abandoned bool          // set before done closes: the row was not published
+}
+
+// heldBy is the failed event that holds its aggregate.
+type heldBy struct {
+	id  int64
+	seq int64
+}
+
+func newAggregateOrder() *aggregateOrder {
+	return &aggregateOrder{last: map[aggregateKey]*turn{}, held: map[aggregateKey]heldBy{}}
+}
+
+// ordered is one chunk's rows with their places in their aggregates'
+// order.
+type ordered struct {
+	rows []row
+	prev []*turn // the previous row of the row's aggregate (nil: none in flight)
+	own  []*turn
+}
+
+// enter registers rows, in the order they were decoded.
+func (o *aggregateOrder) enter(rows []row) *ordered {
+	c := &ordered{rows: rows, prev: make([]*turn, len(rows)), own: make([]*turn, len(rows))}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for i, rw := range rows {
+		k := keyOf(rw)
+		c.prev[i] = o.last[k]
+		c.own[i] = &turn{done: make(chan struct{})}
+		o.last[k] = c.own[i]
+	}
+	return c
+}
+
+// leave marks row i of c done (abandoned: not published), letting the
+// next row of its aggregate go (or, abandoned, stop as well: it must not
+// enter the stream ahead of this one).
+func (o *aggregateOrder) leave(c *ordered, i int, abandoned bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	select {
+	case <-c.own[i].done:
+		return
+	default:
+	}
+	k := keyOf(c.rows[i])
+	if o.last[k] == c.own[i] {
+		delete(o.last, k)
+	}
+	c.own[i].abandoned = abandoned
+	close(c.own[i].done)
+}
+
+// keep narrows c to the rows of kept (by id, in c's order, as kept has
+// them), abandoning the others: rows a refetch found no longer pending.
+func (o *aggregateOrder) keep(c *ordered, kept []row) *ordered {
+	byID := make(map[int64]row, len(kept))
+	for _, rw := range kept {
+		byID[rw.ID] = rw
+	}
+	n := &ordered{}
+	for i, rw := range c.rows {
+		fresh, ok := byID[rw.ID]
+		if !ok {
+			o.leave(c, i, false) // whoever changed it owns it
+			continue
+		}
+		n.rows, n.prev, n.own = append(n.rows, fresh), append(n.prev, c.prev[i]), append(n.own, c.own[i])
+	}
+	return n
+}
+
+// abandon marks every row of c not yet done abandoned.
+func (o *aggregateOrder) abandon(c *ordered) {
+	for i := range c.rows {
+		o.leave(c, i, true)
+	}
+}
+
+// hold records that the failed event rw holds its aggregate.
+func (o *aggregateOrder) hold(rw row) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	k := keyOf(rw)
+	if h, ok := o.held[k]; !ok || rw.AggregateSeq.Int64 < h.seq {
+		o.held[k] = heldBy{id: rw.ID, seq: rw.AggregateSeq.Int64}
+	}
+}
+
+// release forgets the hold on rw's aggregate if rw is what holds it (it
+// was published after an operator retried it, or an operator skipped it).
+func (o *aggregateOrder) release(rw row) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	k := keyOf(rw)
+	if h, ok := o.held[k]; ok && h.id == rw.ID {
+		delete(o.held, k)
+	}
+}
+
+// heldBehind returns the failed event holding rw, if any: one of an
+// earlier number in rw's aggregate. The event holding it passes (it was
+// decoded again, or an operator returned it), and so do earlier ones.
+func (o *aggregateOrder) heldBehind(rw row) (int64, bool) {
+	if !rw.AggregateSeq.Valid {
+		return 0, false
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	h, ok := o.held[keyOf(rw)]
+	if !ok || rw.ID == h.id || rw.AggregateSeq.Int64 < h.seq {
+		return 0, false
+	}
+	return h.id, true
+}
+
+// loadHolds reads the failed events that hold their aggregates, as the
+// table has them when a stream starts.
+func (o *aggregateOrder) loadHolds(ctx context.Context, r *Relay) error {
+	rows, err := r.pool.Query(ctx, `
+SELECT DISTINCT ON (aggregate_type, aggregate_id) id, aggregate_type, aggregate_id, aggregate_seq
+FROM outbox
+WHERE published_at IS NULL AND status = 'failed' AND aggregate_seq IS NOT NULL
+ORDER BY aggregate_type, aggregate_id, aggregate_seq`)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	held := map[aggregateKey]heldBy{}
+	for rows.Next() {
+		var rw row
+		if err := rows.Scan(&rw.ID, &rw.AggregateType, &rw.AggregateID, &rw.AggregateSeq); err != nil {
+			return err
+		}
+		held[keyOf(rw)] = heldBy{id: rw.ID, seq: rw.AggregateSeq.Int64}
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	o.mu.Lock()
+	o.held = held
+	o.mu.Unlock()
+	return nil
+}
+
+// publishOrdered publishes a chunk's rows from the slot, each once the
+// previous row of its aggregate is done, and until every one has a PubAck
+// or is marked failed (publishCaptured). It returns false if the relay
+// stopped first, or a row before one of these was abandoned.
+func (r *Relay) publishOrdered(softCtx, hardCtx context.Context, c *ordered) bool {
+	defer r.order.abandon(c) // a no-op for the rows done
+	hold := r.store.OnFailed != outbox.SkipFailed
+	left := make([]int, len(c.rows))
+	for i := range left {
+		left[i] = i
+	}
+	if r.hooks.Unordered {
+		c.prev = make([]*turn, len(c.rows))
+	}
+	for len(left) > 0 {
+		var ready, waiting []int
+		for _, i := range left {
+			p := c.prev[i]
+			if p == nil {
+				ready = append(ready, i)
+				continue
+			}
+			select {
+			case <-p.done:
+				if p.abandoned {
+					return false
+				}
+				ready = append(ready, i)
+			default:
+				waiting = append(waiting, i)
+			}
+		}
+		if len(ready) == 0 {
+			select {
+			case <-c.prev[waiting[0]].done:
+			case <-softCtx.Done():
+				return false
+			}
+			continue
+		}
+		var publish []row
+		var heldIDs []int64
+		var heldReasons []string
+		for _, i := range ready {
+			rw := c.rows[i]
+			if by, ok := r.order.heldBehind(rw); ok && hold {
+				heldIDs = append(heldIDs, rw.ID)
+				heldReasons = append(heldReasons, outbox.HeldBehindReason(by))
+				continue
+			}
+			publish = append(publish, rw)
+		}
+		if len(heldIDs) > 0 {
+			if !r.failCaptured(softCtx, heldIDs, heldReasons) {
+				return false
+			}
+		}
+		failed, ok := r.publishCaptured(softCtx, hardCtx, publish)
+		if !ok {
+			return false
+		}
+		for _, rw := range publish {
+			switch {
+			case !failed[rw.ID]:
+				r.order.release(rw)
+			case hold && rw.AggregateSeq.Valid:
+				r.order.hold(rw)
+			}
+		}
+		for _, i := range ready {
+			r.order.leave(c, i, false)
+		}
+		left = waiting
+	}
+	return true
+}
