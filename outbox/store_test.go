@@ -2,8 +2,8 @@ package outbox_test
 
 import (
 	"context"
-	"strconv"
 	"encoding/json"
+	"strconv"
 	"testing"
 	"time"
 
