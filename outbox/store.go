@@ -113,17 +113,26 @@ const headOfAggregate = `NOT EXISTS (
             AND e.aggregate_seq < o.aggregate_seq AND e.published_at IS NULL
             AND (e.status IN ('pending', 'sending') OR (e.status = 'failed' AND $5)))`
 
-// claimNextSQL claims the next event of each aggregate in $1..$3 (types,
-// ids, and the numbers just published), as claimSQL would claim it.
+// claimNextSQL claims, for each aggregate in $1..$3 (types, ids, and the
+// number just published), its next events: up to $5 in a row from the
+// number after, stopping at the first that is not pending and due or that
+// another relay holds (a run must have no hole: the relay publishes it in
+// order). At most $6 rows in all, the aggregates' next events first.
+// Their predecessor was just published, and the ones before it before
+// it, so no other check is needed.
 const claimNextSQL = `
-WITH picked AS (
-    SELECT o.id
+WITH candidates AS (
+    SELECT o.id, o.aggregate_type, o.aggregate_id, o.aggregate_seq - p.seq AS pos
     FROM unnest($1::text[], $2::text[], $3::bigint[]) AS p(aggregate_type, aggregate_id, seq)
     JOIN outbox o ON o.aggregate_type = p.aggregate_type AND o.aggregate_id = p.aggregate_id
-                 AND o.aggregate_seq = p.seq + 1 AND o.published_at IS NULL
+                 AND o.aggregate_seq > p.seq AND o.aggregate_seq <= p.seq + $5 AND o.published_at IS NULL
     WHERE o.status = 'pending' AND o.available_at <= now()
-      AND ` + headOfAggregate + `
     FOR UPDATE OF o SKIP LOCKED
+), runs AS (
+    SELECT id, pos, row_number() OVER (PARTITION BY aggregate_type, aggregate_id ORDER BY pos) AS rn
+    FROM candidates
+), picked AS (
+    SELECT id FROM runs WHERE pos = rn ORDER BY pos, id LIMIT $6
 )
 UPDATE outbox o
 SET status = 'sending', claimed_at = now(), lease_token = $4
@@ -131,12 +140,14 @@ FROM picked
 WHERE o.id = picked.id
 RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.created_at, o.aggregate_seq`
 
-// ClaimNext claims, under the lease token, the next event of each
-// aggregate of published (rows just marked sent, with their numbers):
-// each one became claimable as its predecessor was published, and a relay
-// that claims it at once keeps a busy aggregate's events moving at the
-// pace of a publish, not of the claims' sweep (package relay).
-func (s *Store) ClaimNext(ctx context.Context, published []Claimed, token pgtype.UUID) ([]Claimed, error) {
+// ClaimNext claims, under the lease token, the next events of each
+// aggregate of published (rows just marked sent, with their numbers): up
+// to depth in a row per aggregate and n in all. Each became claimable as
+// the one before was published, and a relay that claims them at once (and
+// publishes them in order, a wave at a time) keeps a busy aggregate's
+// events moving at the pace of a publish, not of the claims (package
+// relay).
+func (s *Store) ClaimNext(ctx context.Context, published []Claimed, token pgtype.UUID, depth, n int) ([]Claimed, error) {
 	var types, ids []string
 	var seqs []int64
 	for _, c := range published {
@@ -144,10 +155,10 @@ func (s *Store) ClaimNext(ctx context.Context, published []Claimed, token pgtype
 			types, ids, seqs = append(types, c.AggregateType), append(ids, c.AggregateID), append(seqs, c.AggregateSeq.Int64)
 		}
 	}
-	if len(seqs) == 0 {
+	if len(seqs) == 0 || n < 1 {
 		return nil, nil
 	}
-	rows, err := s.pool.Query(ctx, claimNextSQL, types, ids, seqs, token, s.OnFailed != SkipFailed)
+	rows, err := s.pool.Query(ctx, claimNextSQL, types, ids, seqs, token, max(depth, 1), n)
 	if err != nil {
 		return nil, fmt.Errorf("claim the next events of published aggregates: %w", err)
 	}
@@ -235,7 +246,7 @@ func scanClaimed(rows pgx.CollectableRow) (Claimed, error) {
 	return c, err
 }
 
-// The three ways a claimed row leaves `sending`. Each requires the row's
+// The ways a claimed row leaves `sending`. Each requires the row's
 // lease token: a relay whose lease expired (and whose rows another relay
 // claimed since) changes nothing.
 const (
@@ -256,6 +267,14 @@ SET status = 'pending',
 FROM unnest($1::bigint[], $2::text[]) AS f(id, reason)
 WHERE o.id = f.id AND o.status = 'sending' AND o.lease_token = $5`
 
+	// Returned rows were claimed and not published (an earlier event of
+	// their aggregate in the same batch was not): back to pending as they
+	// were, no attempt counted.
+	markReturnedSQL = `
+UPDATE outbox
+SET status = 'pending', claimed_at = NULL, lease_token = NULL
+WHERE id = ANY($1) AND status = 'sending' AND lease_token = $2`
+
 	markFailedSQL = `
 UPDATE outbox o
 SET status = 'failed', attempts = o.attempts + 1, last_error = f.reason
@@ -274,6 +293,8 @@ type Outcomes struct {
 	// Failed rows can never be published; FailedReasons say why.
 	Failed        []int64
 	FailedReasons []string
+	// Returned rows go back to pending unpublished, no attempt counted.
+	Returned []int64
 }
 
 // Record marks a batch's outcomes in one transaction, for the rows still
@@ -293,6 +314,9 @@ func (s *Store) Record(ctx context.Context, token pgtype.UUID, o Outcomes) (sent
 		}
 		if len(o.Failed) > 0 {
 			b.Queue(markFailedSQL, o.Failed, o.FailedReasons, token)
+		}
+		if len(o.Returned) > 0 {
+			b.Queue(markReturnedSQL, o.Returned, token)
 		}
 		return tx.SendBatch(ctx, b).Close()
 	})

@@ -183,7 +183,7 @@ func TestClaimKeepsEachAggregatesOrder(t *testing.T) {
 	if _, err := store.Record(ctx, token, outbox.Outcomes{Sent: []int64{x[0], y[0]}}); err != nil {
 		t.Fatal(err)
 	}
-	next, err := store.ClaimNext(ctx, first, token)
+	next, err := store.ClaimNext(ctx, first, token, 1, 10)
 	if err != nil || len(next) != 1 || next[0].ID != x[1] || next[0].AggregateSeq.Int64 != 2 {
 		t.Fatalf("claim the next events: %+v (%v), want order 7's second", next, err)
 	}

@@ -116,8 +116,9 @@ func (r *Relay) deliverAsync(hardCtx context.Context, rows []row, token pgtype.U
 	r.batches.Add(1)
 	go func() {
 		defer r.batches.Done()
-		defer r.slots.Release(int64(len(rows)))
-		r.deliver(hardCtx, rows, token, true)
+		held := int64(len(rows))
+		defer func() { r.slots.Release(held) }()
+		r.deliver(hardCtx, rows, token, true, &held)
 	}()
 }
 
@@ -127,7 +128,7 @@ func (r *Relay) deliverAsync(hardCtx context.Context, rows []row, token pgtype.U
 // their second publish is dropped by JetStream as a duplicate. It returns
 // whether it recorded them.
 func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, results []outcome) bool {
-	var sentIDs, retryIDs, failedIDs []int64
+	var sentIDs, retryIDs, failedIDs, returnedIDs []int64
 	var retryReasons, failedReasons []string
 	var published []Published
 	for i, res := range results {
@@ -139,6 +140,8 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 		case res.permanent:
 			failedIDs = append(failedIDs, id)
 			failedReasons = append(failedReasons, res.err)
+		case res.returned:
+			returnedIDs = append(returnedIDs, id)
 		default:
 			retryIDs = append(retryIDs, id)
 			retryReasons = append(retryReasons, res.err)
@@ -152,6 +155,7 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 			Sent:  sentIDs,
 			Retry: retryIDs, RetryReasons: retryReasons, RetryMin: r.cfg.RetryMin, RetryMax: r.cfg.RetryMax,
 			Failed: failedIDs, FailedReasons: failedReasons,
+			Returned: returnedIDs,
 		})
 		if err != nil && ctx.Err() != nil {
 			return struct{}{}, backoff.Permanent(err)

@@ -1,7 +1,10 @@
 package relay
 
 import (
+	"cmp"
 	"context"
+	"slices"
+	"strconv"
 	"sync"
 
 	"github.com/fanout/fanout/outbox"
@@ -256,4 +259,77 @@ func (r *Relay) publishOrdered(softCtx, hardCtx context.Context, c *ordered) boo
 		left = waiting
 	}
 	return true
+}
+
+// publishWaves publishes a claimed batch an aggregate's event at a time:
+// wave k holds the k-th event of each aggregate in the batch, and goes
+// once every event of wave k-1 has its PubAck (the stream then holds them
+// in order, whatever happens to the later ones). An aggregate whose event
+// was not acked publishes nothing more from this batch: its later rows are
+// returned to pending as they were (a failed event holds them, and a
+// retried one must go first), unless relay.on_failed is skip and the
+// event failed for good. A batch of one event per aggregate, as the
+// claim makes them, is one wave. It returns each row's outcome, or false
+// if ctx ended first.
+func (r *Relay) publishWaves(ctx context.Context, rows []row) ([]outcome, bool) {
+	if r.hooks.Unordered {
+		return r.publishAll(ctx, rows)
+	}
+	byAggregate := map[aggregateKey][]int{}
+	var keys []aggregateKey
+	for i, rw := range rows {
+		k := keyOf(rw)
+		if !rw.AggregateSeq.Valid {
+			k = aggregateKey{typ: "\x00unnumbered", id: strconv.FormatInt(rw.ID, 10)} // not ordered: a wave of its own
+		}
+		if _, ok := byAggregate[k]; !ok {
+			keys = append(keys, k)
+		}
+		byAggregate[k] = append(byAggregate[k], i)
+	}
+	if len(keys) == len(rows) {
+		return r.publishAll(ctx, rows)
+	}
+	for _, k := range keys {
+		slices.SortFunc(byAggregate[k], func(a, b int) int { return cmp.Compare(rows[a].AggregateSeq.Int64, rows[b].AggregateSeq.Int64) })
+	}
+	skip := r.store.OnFailed == outbox.SkipFailed
+	results := make([]outcome, len(rows))
+	stopped := map[aggregateKey]bool{}
+	waves := 0
+	for _, at := range byAggregate {
+		waves = max(waves, len(at))
+	}
+	for wave := range waves {
+		var idx []int
+		for _, k := range keys {
+			at := byAggregate[k]
+			if wave >= len(at) {
+				continue
+			}
+			if stopped[k] {
+				results[at[wave]] = outcome{returned: true}
+				continue
+			}
+			idx = append(idx, at[wave])
+		}
+		if len(idx) == 0 {
+			continue
+		}
+		batch := make([]row, len(idx))
+		for j, i := range idx {
+			batch[j] = rows[i]
+		}
+		res, ok := r.publishAll(ctx, batch)
+		if !ok {
+			return nil, false
+		}
+		for j, i := range idx {
+			results[i] = res[j]
+			if !res[j].acked && !(res[j].permanent && skip) {
+				stopped[keyOf(rows[i])] = true
+			}
+		}
+	}
+	return results, true
 }

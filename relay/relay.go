@@ -425,6 +425,7 @@ type outcome struct {
 	duplicate bool
 	ackedAt   time.Time
 	permanent bool // never publishable: mark failed
+	returned  bool // not published: an earlier event of its aggregate in the batch was not
 	err       string
 }
 
@@ -435,15 +436,24 @@ func newLeaseToken() pgtype.UUID {
 	return u
 }
 
-// Then, with claimNext, it claims the next event of each aggregate it published, and
-// delivers those the same way, within the batch's slots: the claim takes
-// an aggregate's next event only once the one before is published
-// (outbox's claimSQL), and the claim loop starts above a floor that such
-// an event, written long ago, may be below (claimFloor): without this it
-// would wait for the sweeper, a second per event of a busy aggregate.
-func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, claimNext bool) {
+// claimNextDepth is how many events of one aggregate a relay claims at
+// once after publishing one (ClaimNext): published a wave at a time, they
+// cost one record and one claim between them.
+const claimNextDepth = 8
+
+// deliver publishes a claimed batch and records the outcomes. Rows of
+// one aggregate go a wave at a time (publishWaves). Then, with claimNext,
+// it claims the next events of each aggregate it published and delivers
+// those the same way: the claim takes an aggregate's next event only once
+// the one before is published (outbox's claimSQL), and the claim loop
+// starts above a floor that such an event, written long ago, may be below
+// (claimFloor), so without this an aggregate's backlog would move one
+// event per sweep. held is how many of the relay's slots the delivery
+// holds: it takes more (if free, up to claimNextDepth per aggregate) for
+// the next events, and its caller releases them all at the end.
+func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, claimNext bool, held *int64) {
 	for len(rows) > 0 {
-		results, ok := r.publishAll(ctx, rows)
+		results, ok := r.publishWaves(ctx, rows)
 		if !ok {
 			// Hard stop: leave the rows `sending`; the reaper returns them.
 			return
@@ -458,10 +468,13 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, clai
 		if !r.record(ctx, rows, token, results) || !claimNext || r.hooks.Unordered {
 			return
 		}
-		var published []row
+		// The last published event of each aggregate.
+		last := map[aggregateKey]row{}
 		for i, res := range results {
-			if res.acked {
-				published = append(published, rows[i])
+			if res.acked && rows[i].AggregateSeq.Valid {
+				if l, ok := last[keyOf(rows[i])]; !ok || l.AggregateSeq.Int64 < rows[i].AggregateSeq.Int64 {
+					last[keyOf(rows[i])] = rows[i]
+				}
 			}
 		}
 		select {
@@ -469,9 +482,31 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, clai
 			return
 		default:
 		}
+		if len(last) == 0 {
+			return
+		}
+		published := make([]row, 0, len(last))
+		for _, rw := range last {
+			published = append(published, rw)
+		}
+		// One delivery goes on with a batch's worth of aggregates; the
+		// others go on beside it, so that a busy backlog keeps several
+		// batches in flight, as the claim loop does.
+		if per := max(1, r.cfg.BatchSize/claimNextDepth); len(published) > per {
+			for rest := published[per:]; len(rest) > 0; rest = rest[min(per, len(rest)):] {
+				r.continueAsync(ctx, rest[:min(per, len(rest))])
+			}
+			published = published[:per]
+		}
+		for want := int64(len(published)*claimNextDepth) - *held; want > 0; want /= 2 {
+			if r.slots.TryAcquire(want) {
+				*held += want
+				break
+			}
+		}
 		token = newLeaseToken()
 		start := time.Now()
-		next, err := r.store.ClaimNext(ctx, published, token)
+		next, err := r.store.ClaimNext(ctx, published, token, claimNextDepth, int(*held))
 		if err != nil {
 			r.logger.Warn("claim the next events of the aggregates published; the claims will find them", "error", err)
 			return
@@ -481,6 +516,41 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, clai
 		}
 		rows = next
 	}
+}
+
+// continueAsync claims and delivers the next events of the aggregates of
+// published in the background, once it has slots for them.
+func (r *Relay) continueAsync(ctx context.Context, published []row) {
+	r.batches.Add(1)
+	go func() {
+		defer r.batches.Done()
+		held := int64(len(published) * claimNextDepth)
+		acquireCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		go func() {
+			select {
+			case <-r.stopping:
+				cancel()
+			case <-acquireCtx.Done():
+			}
+		}()
+		if err := r.slots.Acquire(acquireCtx, held); err != nil {
+			return // stopping: the claims find them after the restart
+		}
+		defer func() { r.slots.Release(held) }()
+		token := newLeaseToken()
+		start := time.Now()
+		next, err := r.store.ClaimNext(ctx, published, token, claimNextDepth, int(held))
+		if err != nil {
+			r.logger.Warn("claim the next events of the aggregates published; the claims will find them", "error", err)
+			return
+		}
+		if len(next) == 0 {
+			return
+		}
+		r.obs.Claimed(len(next), time.Since(start))
+		r.deliver(ctx, next, token, true, &held)
+	}()
 }
 
 // publishAll publishes rows asynchronously and waits for their PubAcks, but

@@ -387,7 +387,8 @@ func (r *Relay) drainBacklog(ctx, hardCtx context.Context, through int64) {
 			defer r.slots.Release(int64(len(rows)))
 			// The rows after the bound are the slot's to publish: no
 			// next event of an aggregate is claimed here.
-			r.deliver(hardCtx, rows, token, false)
+			held := int64(len(rows))
+			r.deliver(hardCtx, rows, token, false, &held)
 		}()
 	}
 }
