@@ -126,6 +126,19 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 	if until != 0 {
 		backlogDone = true // claimed by the poll relay that asked
 	}
+	// Rows committed before the slot existed are not in its stream: they
+	// are published by claiming them, as the poll relay does, and all of
+	// them before the stream starts: an aggregate's older event claimed
+	// from the backlog would otherwise enter the stream after its newer
+	// one decoded from the slot (the fault run caught one). The slot
+	// keeps the WAL meanwhile.
+	if !backlogDone {
+		r.drainBacklog(softCtx, hardCtx, backlogThrough)
+		if softCtx.Err() != nil {
+			return softCtx.Err()
+		}
+		backlogDone = true
+	}
 	startCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
 	err = pglogrepl.StartReplication(startCtx, conn, r.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
 		PluginArgs: []string{"proto_version '1'", "publication_names '" + Publication + "'"},
@@ -352,6 +365,9 @@ func (r *Relay) drainBacklog(ctx, hardCtx context.Context, through int64) {
 	wait := r.cfg.PollInterval
 	for ctx.Err() == nil {
 		left, err := r.store.UnsentThrough(ctx, through)
+		if err == nil && left == 0 && r.store.OnFailed != outbox.SkipFailed {
+			_, err = r.store.MarkHeldThrough(ctx, through)
+		}
 		if err == nil && left == 0 {
 			_, err = r.pool.Exec(ctx, `UPDATE relay_capture SET backlog_done_at = now() WHERE slot_name = $1 AND backlog_through = $2`, r.cfg.Slot, through)
 			if err == nil {

@@ -121,6 +121,18 @@ func (p *pipeline) waitHandled(h *counting, n int) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	time.Sleep(100 * time.Millisecond) // the checkpoint and ack after the last
+	// The relay observes its publishes when it has recorded them, which
+	// may be after the subscriber handled them (CI's busy host saw no
+	// sample yet).
+	for {
+		if _, ok := p.quantiles("")[metrics.StagePublished]; ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			p.t.Fatalf("the relay recorded no publish after 30 s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // quantiles reads each stage's p50 and p99 (seconds) for subscriber (the
