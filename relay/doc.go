@@ -78,10 +78,10 @@
 // in order; outbox skip marks a row skipped and returns what was held
 // behind it. relay.on_failed skip lets them pass.
 //
-// Not ordered yet: rows written before migration 00009 (no number), and,
-// once, the rows a poll relay left when an installation switches to wal
-// capture: the backlog drain claims them while the slot publishes newer
-// events of the same aggregates.
+// Not ordered: rows written before migration 00009 (no number). The rows
+// a poll relay left when an installation switches to wal capture are all
+// published before the slot's stream starts (see below), so that none
+// goes after a newer event of its aggregate.
 //
 // # Retention
 //
@@ -171,7 +171,9 @@
 // installation switches to wal) are not in its stream: the relay that
 // creates the slot records in relay_capture the highest id then visible,
 // claims and publishes the pending rows up to it as the poll relay would,
-// and records when none is left.
+// before it starts the stream (the slot keeps the WAL meanwhile), marks
+// the rows held behind a failed one failed behind it, and records when
+// none is left.
 //
 // Switching back to poll: a poll relay that finds the slot takes over from
 // the wal relays before its first claim (handover.go), so the rows they
