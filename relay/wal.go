@@ -156,14 +156,8 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 	}
 	r.touchCapture()
 
-	// Rows committed before the slot existed are not in its stream: they
-	// are published by claiming them, as the poll relay does.
-	var drain sync.WaitGroup
-	drainCtx, stopDrain := context.WithCancel(softCtx)
-	defer func() {
-		stopDrain()
-		drain.Wait()
-	}()
+	var drain sync.WaitGroup // the watcher below
+	defer drain.Wait()
 	// The failed events that hold their aggregates (relay.on_failed hold),
 	// as the table has them now: the stream starts from the confirmed
 	// position, and marked them failed before it.
@@ -174,13 +168,6 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 		if err != nil {
 			return fmt.Errorf("read the failed events that hold their aggregates: %w", err)
 		}
-	}
-	if !backlogDone {
-		drain.Add(1)
-		go func() {
-			defer drain.Done()
-			r.drainBacklog(drainCtx, hardCtx, backlogThrough)
-		}()
 	}
 
 	// A server shutting down waits for its walsenders' clients to confirm
