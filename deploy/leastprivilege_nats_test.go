@@ -436,7 +436,7 @@ func TestNATSPermissions(t *testing.T) {
 				return err
 			})
 			c.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+other, func(ctx context.Context) error {
-				_, err := events.CreateOrUpdateConsumer(ctx, subscribers.ConsumerConfig(cacheinval.Name, cacheinval.Subscriber.EventTypes, cfg.Subscribers, cfg.Stream))
+				_, err := events.CreateOrUpdateConsumer(ctx, subscribers.ConsumerConfig(cacheinval.Name, cacheinval.Subscriber.EventTypes, false, cfg.Subscribers, cfg.Stream))
 				return err
 			})
 			c.deniedRequest(t, "$JS.API.CONSUMER.DELETE.EVENTS."+other, func(ctx context.Context) error {

@@ -53,6 +53,9 @@ type Letter struct {
 	// Resolved says how an operator resolved it (redriven, discarded), or
 	// is empty: the stream keeps resolved letters until they age out.
 	Resolved string
+	// HeldBy is, for an ordered subscriber's event held behind an earlier
+	// dead-lettered event of its aggregate, that event's id.
+	HeldBy string
 	// Raw is the stored message.
 	Raw    *jetstream.RawStreamMsg
 	parsed subscribers.DeadLetter
@@ -157,7 +160,8 @@ func Unresolved(ls []Letter) []Letter {
 func (d *DeadLetters) describe(m *jetstream.RawStreamMsg) Letter {
 	p, err := subscribers.ParseDeadLetter(m, d.subs, d.events)
 	l := Letter{Seq: m.Sequence, Subscriber: p.Subscriber, EventID: m.Header.Get(outbox.EventIDHeader),
-		EventType: m.Header.Get(outbox.EventTypeHeader), Reason: p.Reason, Deliveries: p.Deliveries, At: p.At, parsed: p, Raw: m}
+		EventType: m.Header.Get(outbox.EventTypeHeader), Reason: p.Reason, Deliveries: p.Deliveries, At: p.At, parsed: p, Raw: m,
+		HeldBy: m.Header.Get(subscribers.DeadHeldByHeader)}
 	if err != nil {
 		l.Refused = err.Error()
 	}
@@ -202,8 +206,10 @@ VALUES ($1, $2, nullif($3, 0), $4, $5, $6)`, action, l.Subscriber, id, int64(l.S
 
 // Discard resolves the unresolved letters among ls without handling them,
 // and returns how many it resolved. A letter that disagrees with itself is
-// refused.
-func (d *DeadLetters) Discard(ctx context.Context, ls []Letter, actor string) (int, error) {
+// refused. The event of an ordered subscriber (ordered says which are)
+// that holds its aggregate releases it: the aggregate moves past the
+// event, and the letters held behind it can be redriven, in order.
+func (d *DeadLetters) Discard(ctx context.Context, ls []Letter, ordered func(subscriber string) bool, actor string) (int, error) {
 	n := 0
 	for _, l := range ls {
 		if l.Refused != "" {
@@ -211,6 +217,12 @@ func (d *DeadLetters) Discard(ctx context.Context, ls []Letter, actor string) (i
 		}
 		if l.Resolved != "" {
 			continue
+		}
+		if ordered != nil && ordered(l.Subscriber) && l.HeldBy == "" {
+			id, _ := strconv.ParseInt(l.EventID, 10, 64)
+			if _, err := subscribers.Release(ctx, d.pool, l.Subscriber, id); err != nil {
+				return n, fmt.Errorf("discard %d: %w", l.Seq, err)
+			}
 		}
 		if err := d.Record(ctx, "discard", l, "discarded", actor); err != nil {
 			return n, err

@@ -86,12 +86,12 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	if forgedLetter.Subscriber != "salesledger" || !strings.Contains(forgedLetter.Refused, "may not speak for another") {
 		t.Errorf("the forged letter: subscriber %q, refused %q", forgedLetter.Subscriber, forgedLetter.Refused)
 	}
-	if _, err := dl.Discard(ctx, []operator.Letter{forgedLetter}, "test"); err == nil {
+	if _, err := dl.Discard(ctx, []operator.Letter{forgedLetter}, nil, "test"); err == nil {
 		t.Error("a forged letter was discarded")
 	}
 
 	// One discarded: resolved, no longer counted.
-	if n, err := dl.Discard(ctx, letters[:1], "ada"); err != nil || n != 1 {
+	if n, err := dl.Discard(ctx, letters[:1], nil, "ada"); err != nil || n != 1 {
 		t.Fatalf("discard: %d (%v)", n, err)
 	}
 	counts, err := operator.Counts(ctx, env.DB.Pool, env.JS, cfg.Subscribers)

@@ -9,7 +9,31 @@ const (
 	BrandUpdated        = "brand.updated"
 	CategoryUpdated     = "category.updated"
 	OrderCreated        = "order.created"
+	OrderPaid           = "order.paid"
+	OrderShipped        = "order.shipped"
+	OrderDelivered      = "order.delivered"
+	OrderCancelled      = "order.cancelled"
 )
+
+// An order's statuses. An order is created, then paid, shipped and
+// delivered; it may be cancelled until it is delivered. Nothing follows
+// delivered or cancelled.
+const (
+	StatusCreated   = "created"
+	StatusPaid      = "paid"
+	StatusShipped   = "shipped"
+	StatusDelivered = "delivered"
+	StatusCancelled = "cancelled"
+)
+
+// TransitionFrom lists, for each status an order can move to, the statuses
+// it can move from.
+var TransitionFrom = map[string][]string{
+	StatusPaid:      {StatusCreated},
+	StatusShipped:   {StatusPaid},
+	StatusDelivered: {StatusShipped},
+	StatusCancelled: {StatusCreated, StatusPaid, StatusShipped},
+}
 
 // Aggregate types.
 const (
@@ -59,4 +83,16 @@ type OrderEvent struct {
 	OrderID  int64  `json:"order_id"`
 	Customer string `json:"customer"`
 	Lines    int    `json:"lines"`
+}
+
+// OrderTransition is the payload of order.paid, order.shipped,
+// order.delivered and order.cancelled: the order moved from one status to
+// another, as its N-th transition (its creation is the first). It carries
+// everything a subscriber needs to follow the order's life from the events
+// alone, in order.
+type OrderTransition struct {
+	OrderID int64  `json:"order_id"`
+	From    string `json:"from"`
+	To      string `json:"to"`
+	N       int    `json:"n"`
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 
 	"github.com/fanout/fanout/outbox"
@@ -201,6 +202,9 @@ SELECT $1, $2, id, sku, name, $4, price FROM products WHERE id = $3`, orderID, i
 			return 0, 0, fmt.Errorf("create order line %d: product %d: %w", i+1, l.ProductID, ErrNotFound)
 		}
 	}
+	if _, err := tx.Exec(ctx, `INSERT INTO order_transitions (order_id, n, to_status) VALUES ($1, 1, $2)`, orderID, StatusCreated); err != nil {
+		return 0, 0, fmt.Errorf("create order: its first transition: %w", err)
+	}
 	eventID, err = outbox.Write(ctx, tx, outbox.Event{
 		AggregateType: AggregateOrder,
 		AggregateID:   strconv.FormatInt(orderID, 10),
@@ -209,4 +213,65 @@ SELECT $1, $2, id, sku, name, $4, price FROM products WHERE id = $3`, orderID, i
 		Headers:       outbox.TraceHeaders(ctx, outbox.HeadersFromContext(ctx)),
 	})
 	return orderID, eventID, err
+}
+
+// ErrTransition is returned when an order's status does not allow the
+// transition asked for (nothing follows delivered or cancelled).
+var ErrTransition = errors.New("transition not allowed")
+
+// PayOrder moves a created order to paid, and records order.paid.
+func PayOrder(ctx context.Context, tx pgx.Tx, orderID int64) (eventID int64, err error) {
+	return moveOrder(ctx, tx, orderID, StatusPaid)
+}
+
+// ShipOrder moves a paid order to shipped, and records order.shipped.
+func ShipOrder(ctx context.Context, tx pgx.Tx, orderID int64) (eventID int64, err error) {
+	return moveOrder(ctx, tx, orderID, StatusShipped)
+}
+
+// DeliverOrder moves a shipped order to delivered, and records
+// order.delivered.
+func DeliverOrder(ctx context.Context, tx pgx.Tx, orderID int64) (eventID int64, err error) {
+	return moveOrder(ctx, tx, orderID, StatusDelivered)
+}
+
+// CancelOrder cancels an order not yet delivered, and records
+// order.cancelled.
+func CancelOrder(ctx context.Context, tx pgx.Tx, orderID int64) (eventID int64, err error) {
+	return moveOrder(ctx, tx, orderID, StatusCancelled)
+}
+
+// moveOrder applies one transition under the order's row lock, so that
+// two writers of one order take turns: the transitions' numbers, and the
+// events' order in the outbox (aggregate_seq), follow their commits. A
+// status that does not allow it is ErrTransition; a missing order,
+// ErrNotFound.
+func moveOrder(ctx context.Context, tx pgx.Tx, orderID int64, to string) (int64, error) {
+	var from string
+	err := tx.QueryRow(ctx, `SELECT status FROM orders WHERE id = $1 FOR UPDATE`, orderID).Scan(&from)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, fmt.Errorf("order %d: %w", orderID, ErrNotFound)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("order %d: read its status: %w", orderID, err)
+	}
+	if !slices.Contains(TransitionFrom[to], from) {
+		return 0, fmt.Errorf("order %d is %s and cannot become %s: %w", orderID, from, to, ErrTransition)
+	}
+	var n int
+	err = tx.QueryRow(ctx, `
+WITH moved AS (UPDATE orders SET status = $3 WHERE id = $1)
+INSERT INTO order_transitions (order_id, n, from_status, to_status)
+SELECT $1, coalesce(max(n), 0) + 1, $2, $3 FROM order_transitions WHERE order_id = $1
+RETURNING n`, orderID, from, to).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("order %d: become %s: %w", orderID, to, err)
+	}
+	return outbox.Write(ctx, tx, outbox.Event{
+		AggregateType: AggregateOrder,
+		AggregateID:   strconv.FormatInt(orderID, 10),
+		Type:          "order." + to,
+		Payload:       OrderTransition{OrderID: orderID, From: from, To: to, N: n},
+		Headers:       outbox.TraceHeaders(ctx, outbox.HeadersFromContext(ctx)),
+	})
 }

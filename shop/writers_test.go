@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"testing"
 
@@ -219,5 +220,92 @@ func TestRenameCategoryBumpsItsProducts(t *testing.T) {
 		if p := docs[id]; p.Category != "gadgets" || p.Version != before[id][1]+1 {
 			t.Errorf("product %d's document: category %q at version %d, want gadgets at %d", id, p.Category, p.Version, before[id][1]+1)
 		}
+	}
+}
+
+// An order moves created → paid → shipped → delivered, or is cancelled on
+// the way; nothing follows delivered or cancelled. Each transition is a
+// numbered row of order_transitions and an order.<status> event carrying
+// it, numbered after the events before it in its aggregate.
+func TestOrderLifecycle(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	ctx := context.Background()
+	if _, err := shop.Seed(ctx, db.Pool, 1, rand.New(rand.NewPCG(1, 1))); err != nil {
+		t.Fatal(err)
+	}
+	var productID int64
+	if err := db.Pool.QueryRow(ctx, `SELECT min(id) FROM products`).Scan(&productID); err != nil {
+		t.Fatal(err)
+	}
+	newOrder := func() int64 {
+		var id int64
+		if err := inTx(t, db.Pool, func(tx pgx.Tx) (err error) {
+			id, _, err = shop.CreateOrder(ctx, tx, "ada", []shop.OrderLine{{ProductID: productID, Quantity: 1}})
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
+	move := func(write func(context.Context, pgx.Tx, int64) (int64, error), id int64) error {
+		return inTx(t, db.Pool, func(tx pgx.Tx) error { _, err := write(ctx, tx, id); return err })
+	}
+	history := func(id int64) (got []string) {
+		rows, err := db.Pool.Query(ctx, `
+SELECT t.n || ':' || coalesce(t.from_status, '-') || '>' || t.to_status || ' ' || o.event_type || ' #' || o.aggregate_seq
+FROM order_transitions t
+JOIN outbox o ON o.aggregate_type = 'order' AND o.aggregate_id = t.order_id::text AND o.aggregate_seq = t.n
+WHERE t.order_id = $1 ORDER BY t.n`, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+
+	delivered := newOrder()
+	for _, w := range []func(context.Context, pgx.Tx, int64) (int64, error){shop.PayOrder, shop.ShipOrder, shop.DeliverOrder} {
+		if err := move(w, delivered); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := []string{"1:->created order.created #1", "2:created>paid order.paid #2", "3:paid>shipped order.shipped #3", "4:shipped>delivered order.delivered #4"}
+	if got := history(delivered); !slices.Equal(got, want) {
+		t.Errorf("delivered order's history:\n got %q\nwant %q", got, want)
+	}
+	if ev := lastEvent(t, db.Pool); ev.eventType != shop.OrderDelivered || ev.payload["from"] != "shipped" || ev.payload["to"] != "delivered" || ev.payload["n"] != 4.0 {
+		t.Errorf("order.delivered event: %+v", ev)
+	}
+	for name, w := range map[string]func(context.Context, pgx.Tx, int64) (int64, error){"cancel": shop.CancelOrder, "pay": shop.PayOrder, "ship": shop.ShipOrder, "deliver": shop.DeliverOrder} {
+		if err := move(w, delivered); !errors.Is(err, shop.ErrTransition) {
+			t.Errorf("%s a delivered order: %v, want ErrTransition", name, err)
+		}
+	}
+
+	cancelled := newOrder()
+	if err := move(shop.PayOrder, cancelled); err != nil {
+		t.Fatal(err)
+	}
+	if err := move(shop.CancelOrder, cancelled); err != nil {
+		t.Fatal(err)
+	}
+	for name, w := range map[string]func(context.Context, pgx.Tx, int64) (int64, error){"cancel": shop.CancelOrder, "pay": shop.PayOrder, "ship": shop.ShipOrder, "deliver": shop.DeliverOrder} {
+		if err := move(w, cancelled); !errors.Is(err, shop.ErrTransition) {
+			t.Errorf("%s a cancelled order: %v, want ErrTransition", name, err)
+		}
+	}
+	want = []string{"1:->created order.created #1", "2:created>paid order.paid #2", "3:paid>cancelled order.cancelled #3"}
+	if got := history(cancelled); !slices.Equal(got, want) {
+		t.Errorf("cancelled order's history:\n got %q\nwant %q", got, want)
+	}
+	if err := move(shop.ShipOrder, newOrder()); !errors.Is(err, shop.ErrTransition) {
+		t.Errorf("ship an unpaid order: %v, want ErrTransition", err)
+	}
+	if err := move(shop.PayOrder, 999999); !errors.Is(err, shop.ErrNotFound) {
+		t.Errorf("pay a missing order: %v, want ErrNotFound", err)
 	}
 }

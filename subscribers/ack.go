@@ -96,6 +96,7 @@ func (r *Runner) ack(ctx context.Context, ds []*delivery, double bool) {
 	defer func() {
 		for _, d := range ds {
 			d.settled.Store(true)
+			d.fate.Store(fateAcked)
 		}
 		r.stall.finished()
 	}()

@@ -72,6 +72,20 @@ type Config struct {
 	// instead. 0 disables the watchdog. Default 2m, 0 or >= 1s, and longer
 	// than HandlerTimeout and RetryMax.
 	StallAfter time.Duration `koanf:"stall_after"`
+	// OnDeadLetter is what an ordered subscriber does with an aggregate
+	// whose event went to the dead letters: hold (its later events go to
+	// the dead letters behind it, naming it, until it is redriven) or skip
+	// (its later events are applied without it). Default hold.
+	OnDeadLetter string `koanf:"on_dead_letter"`
+	// GapWait is how long an ordered subscriber waits for an earlier event
+	// of an aggregate that has not arrived (still in flight, or redelivered
+	// after a crash) before it applies the later one anyway, marked
+	// AfterGap. Default 2m, longer than twice AckWait.
+	GapWait time.Duration `koanf:"gap_wait"`
+	// PinnedTTL is how long an ordered subscriber's pinned instance may go
+	// without pulling before JetStream pins another (a crashed instance's
+	// successor takes over after it). Default 15s, >= 3s.
+	PinnedTTL time.Duration `koanf:"pinned_ttl"`
 }
 
 // DeadLetterDuplicateWindow is how long the dead-letter stream remembers a
@@ -88,6 +102,7 @@ func DefaultConfig() Config {
 		MaxFailures: 10, MaxCrashes: 3, MaxAckPending: 1000, RetryMin: time.Second, RetryMax: time.Minute,
 		Start: "all", DeadLetterStream: "DEADLETTER", DeadLetterSubjectPrefix: "deadletter", DeadLetterProvision: "auto",
 		DeadLetterMaxAge: 720 * time.Hour, ShutdownTimeout: 30 * time.Second, StallAfter: 2 * time.Minute,
+		OnDeadLetter: "hold", GapWait: 2 * time.Minute, PinnedTTL: 15 * time.Second,
 	}
 }
 
@@ -127,6 +142,13 @@ func (c Config) Validate() error {
 	v.Positive("subscribers.shutdown_timeout", c.ShutdownTimeout)
 	if c.StallAfter != 0 && c.StallAfter < time.Second {
 		v.Bad("subscribers.stall_after", "must be 0 (off) or at least 1s (got %s)", c.StallAfter)
+	}
+	v.OneOf("subscribers.on_dead_letter", c.OnDeadLetter, "hold", "skip")
+	if c.GapWait <= 2*c.AckWait {
+		v.Bad("subscribers.gap_wait", "must be longer than twice subscribers.ack_wait (%s), or an event redelivered after a crash would count as missing (got %s)", c.AckWait, c.GapWait)
+	}
+	if c.PinnedTTL < 3*time.Second {
+		v.Bad("subscribers.pinned_ttl", "must be at least 3s (got %s)", c.PinnedTTL)
 	}
 	return v.Err()
 }

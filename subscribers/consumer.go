@@ -14,7 +14,9 @@ import (
 
 // ConsumerConfig is the durable consumer the subscriber name gets, for its
 // event types.
-func ConsumerConfig(name string, eventTypes []string, cfg Config, stream relay.StreamConfig) jetstream.ConsumerConfig {
+// An ordered subscriber's consumer pins one instance at a time (a priority
+// group with the pinned-client policy).
+func ConsumerConfig(name string, eventTypes []string, ordered bool, cfg Config, stream relay.StreamConfig) jetstream.ConsumerConfig {
 	filters := make([]string, 0, len(eventTypes))
 	for _, t := range eventTypes {
 		filters = append(filters, stream.SubjectPrefix+"."+t)
@@ -34,6 +36,12 @@ func ConsumerConfig(name string, eventTypes []string, cfg Config, stream relay.S
 		MaxAckPending: cfg.MaxAckPending,
 		Replicas:      stream.Replicas,
 		Metadata:      map[string]string{"fanout.subscriber": name},
+	}
+	if ordered {
+		cc.PriorityPolicy = jetstream.PriorityPolicyPinned
+		cc.PriorityGroups = []string{orderedGroup}
+		cc.PinnedTTL = cfg.PinnedTTL
+		cc.Metadata["fanout.ordered"] = "true"
 	}
 	switch cfg.Start {
 	case "new":
@@ -74,6 +82,10 @@ func ensureConsumer(ctx context.Context, stream jetstream.Stream, want jetstream
 		if !sameSet(have.FilterSubjects, want.FilterSubjects) && !(have.FilterSubject != "" && sameSet([]string{have.FilterSubject}, want.FilterSubjects)) {
 			return nil, fmt.Errorf("consumer %s filters %v, the subscriber wants %v", want.Durable, have.FilterSubjects, want.FilterSubjects)
 		}
+		if have.PriorityPolicy != want.PriorityPolicy || !slices.Equal(have.PriorityGroups, want.PriorityGroups) {
+			return nil, fmt.Errorf("consumer %s pins an instance: %t (groups %v), the subscriber wants %t (groups %v): an ordered subscriber pins one instance at a time, an unordered one none",
+				want.Durable, have.PriorityPolicy == jetstream.PriorityPolicyPinned, have.PriorityGroups, want.PriorityPolicy == jetstream.PriorityPolicyPinned, want.PriorityGroups)
+		}
 		return existing, nil
 	}
 	if existing != nil {
@@ -108,5 +120,5 @@ func sameSet(a, b []string) bool {
 // `fanout provision` runs it with the provisioning identity, so that the
 // subscribers themselves need no right to create or change consumers.
 func ProvisionConsumer(ctx context.Context, stream jetstream.Stream, d Declaration, cfg Config, streamCfg relay.StreamConfig) (jetstream.Consumer, error) {
-	return ensureConsumer(ctx, stream, ConsumerConfig(d.Name, d.EventTypes, cfg, streamCfg), "auto")
+	return ensureConsumer(ctx, stream, ConsumerConfig(d.Name, d.EventTypes, d.Ordered, cfg, streamCfg), "auto")
 }

@@ -79,11 +79,17 @@ func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg Con
 // the event stays in hand, unacked, and is tried again when it answers.
 // Nothing is termed before its dead letter has a PubAck.
 func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
-	if err := r.publishDeadLetter(ctx, d.msg.Data(), d.msg.Headers(), d.msg.Subject(), d.ev.StreamSeq, d.ev.Delivery, d.deadReason); err != nil {
+	if err := r.publishDeadLetter(ctx, d.msg.Data(), d.msg.Headers(), d.msg.Subject(), d.ev.StreamSeq, d.ev.Delivery, d.deadReason, d.heldBy); err != nil {
 		r.health.markDown(DependencyDeadLetters, fmt.Errorf("publish a dead letter to stream %s: %w", r.cfg.DeadLetterStream, err))
 		return false
 	}
 	r.health.markUp(DependencyDeadLetters)
+	// Before the term: a crash between them redelivers the event, which
+	// comes back here (its dead letter deduplicated) and records this then.
+	if err := r.afterDeadLetter(ctx, d); err != nil {
+		r.health.markDown(DependencyPostgres, err)
+		return false
+	}
 	termed := true
 	for _, m := range d.msgs() {
 		if err := m.TermWithReason(truncate(d.deadReason, 200)); err != nil {
@@ -94,6 +100,7 @@ func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
 		}
 	}
 	d.settled.Store(true)
+	d.fate.Store(fateTermed)
 	r.stall.finished()
 	if termed {
 		// Kept otherwise: its count sends the redelivery straight back
@@ -111,7 +118,7 @@ func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
 // sequence DeadStreamSeqHeader gives, for as long as the stream keeps it.
 const DeadBodyOmittedHeader = "Fanout-Dead-Body-Omitted"
 
-func (r *Runner) publishDeadLetter(ctx context.Context, data []byte, headers nats.Header, subject string, seq, deliveries uint64, reason string) error {
+func (r *Runner) publishDeadLetter(ctx context.Context, data []byte, headers nats.Header, subject string, seq, deliveries uint64, reason string, heldBy int64) error {
 	eventType := strings.TrimPrefix(subject, r.opts.Stream.SubjectPrefix+".")
 	msg := nats.NewMsg(r.cfg.DeadLetterSubjectPrefix + "." + r.name + "." + eventType)
 	msg.Data = data
@@ -127,6 +134,9 @@ func (r *Runner) publishDeadLetter(ctx context.Context, data []byte, headers nat
 	msg.Header.Set(DeadSubjectHeader, subject)
 	msg.Header.Set(DeadStreamSeqHeader, strconv.FormatUint(seq, 10))
 	msg.Header.Set(DeadAtHeader, time.Now().UTC().Format(time.RFC3339Nano))
+	if heldBy != 0 {
+		msg.Header.Set(DeadHeldByHeader, strconv.FormatInt(heldBy, 10))
+	}
 	// An event just under max_payload cannot carry the dead letter's own
 	// headers as well: stored without its body, the dead letter still says
 	// which event and why. Holding it instead would stop the subscriber for

@@ -37,6 +37,11 @@ type Declaration struct {
 	// "SELECT ON orders, order_lines" or "USAGE ON SEQUENCE invoice_seq".
 	// Its role gets exactly these: a query outside them is refused.
 	Grants []string
+	// Ordered: the subscriber applies each aggregate's events in order, one
+	// at a time per aggregate (its handler is made by OrderedTx). Its
+	// consumer pins one instance at a time; its role may write its rows of
+	// subscriber_aggregates.
+	Ordered bool
 	// New builds the handler from the connections in deps. It may check
 	// or prepare its dependencies (an index, a schema) and fail.
 	New func(deps Deps) (Handler, error)
@@ -120,6 +125,9 @@ func (d Declaration) Build(deps Deps) (Handler, error) {
 	}
 	if h.named == nil {
 		return Handler{}, fmt.Errorf("subscriber %s: its constructor returned no handler", d.Name)
+	}
+	if h.Ordered() != d.Ordered {
+		return Handler{}, fmt.Errorf("subscriber %s: its declaration says ordered=%t, its handler ordered=%t (make an ordered one with subscribers.OrderedTx)", d.Name, d.Ordered, h.Ordered())
 	}
 	if h.Name() != d.Name || !slices.Equal(h.EventTypes(), d.EventTypes) {
 		return Handler{}, fmt.Errorf("subscriber %s: its handler says %q with %v, its declaration %q with %v",

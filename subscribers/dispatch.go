@@ -66,6 +66,9 @@ func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- recei
 type received struct {
 	msgs []jetstream.Msg
 	at   time.Time
+	// order is, for an ordered subscriber, what its dispatcher says of
+	// each message (parallel to msgs).
+	order []orderInfo
 }
 
 // delivery is one received message and the event it carries, with what the
@@ -90,7 +93,23 @@ type delivery struct {
 	// pull buffer): they share this delivery's fate.
 	dups    []*delivery
 	settled atomic.Bool // acked, naked or termed
+	// fate is which of those (fateAcked, ...), for the ordered dispatcher;
+	// nakDelay the delay of a nak.
+	fate     atomic.Int32
+	nakDelay time.Duration
+	// order is the ordered dispatcher's word on the event; heldBy, the
+	// dead-lettered event its aggregate is held behind.
+	order  orderInfo
+	heldBy int64
 }
+
+// A delivery's fate.
+const (
+	fateNone   int32 = iota // not settled: abandoned at a stop, or held
+	fateAcked               // handled (or a duplicate): acked
+	fateNaked               // sent back to be tried again
+	fateTermed              // dead-lettered
+)
 
 // msgs are the delivery's message and its duplicates'.
 func (d *delivery) msgs() []jetstream.Msg {
@@ -124,12 +143,16 @@ const (
 // process takes a batch from delivery to its outcome. Events held by an
 // outage stay in hand (kept alive with in-progress signals) and are tried
 // again when every dependency answers; their deliveries cost them nothing.
-func (r *Runner) process(softCtx, hardCtx context.Context, batch received) {
+func (r *Runner) process(softCtx, hardCtx context.Context, batch received) (all []*delivery) {
 	ds := make([]*delivery, 0, len(batch.msgs))
 	first := make(map[int64]*delivery, len(batch.msgs))
-	for _, m := range batch.msgs {
+	for i, m := range batch.msgs {
 		ev, err := r.parse(m)
 		d := &delivery{msg: m, ev: ev, deliveredAt: batch.at}
+		if i < len(batch.order) {
+			d.order = batch.order[i]
+			d.ev.AfterGap = d.order.afterGap
+		}
 		if err != nil {
 			d.deadReason = err.Error()
 		} else if p := first[ev.ID]; p != nil {
@@ -143,6 +166,7 @@ func (r *Runner) process(softCtx, hardCtx context.Context, batch received) {
 		}
 		ds = append(ds, d)
 	}
+	all = ds
 	stop := r.keepAlive(ds)
 	defer stop()
 	for len(ds) > 0 {
@@ -150,10 +174,11 @@ func (r *Runner) process(softCtx, hardCtx context.Context, batch received) {
 			// Stopping during an outage: let the events go; another
 			// instance (or the next start) gets them after the ack wait.
 			r.closeAttempts(ds)
-			return
+			return all
 		}
 		ds = r.attempt(hardCtx, ds)
 	}
+	return all
 }
 
 // keepAlive tells JetStream the batch is still being worked on (or held
@@ -218,6 +243,9 @@ func EventFromParts(data []byte, h nats.Header, subject, subjectPrefix string) (
 	}
 	ev.AggregateType = h.Get(outbox.AggregateTypeHeader)
 	ev.AggregateID = h.Get(outbox.AggregateIDHeader)
+	if seq, err := strconv.ParseInt(h.Get(outbox.AggregateSeqHeader), 10, 64); err == nil && seq > 0 {
+		ev.AggregateSeq = seq
+	}
 	ev.CreatedAt, _ = time.Parse(time.RFC3339Nano, h.Get(outbox.CreatedAtHeader))
 	return ev, nil
 }

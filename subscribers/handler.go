@@ -16,13 +16,21 @@ type Event struct {
 	Type          string // e.g. "order.created"
 	AggregateType string
 	AggregateID   string
-	CreatedAt     time.Time // the outbox row's created_at: its writer's transaction
-	Payload       []byte
-	Headers       nats.Header
-	Subject       string
-	StreamSeq     uint64
-	StoredAt      time.Time // when the stream stored it: its PubAck (the server's clock)
-	Delivery      uint64    // 1 on the first delivery
+	// AggregateSeq is the event's number within its aggregate (1, 2, 3, ...
+	// in commit order; the Fanout-Aggregate-Seq header), 0 for an event
+	// written before numbering existed.
+	AggregateSeq int64
+	// AfterGap is set, for an ordered subscriber, on an event applied
+	// although earlier events of its aggregate never arrived within
+	// subscribers.gap_wait: the handler decides what that means to it.
+	AfterGap  bool
+	CreatedAt time.Time // the outbox row's created_at: its writer's transaction
+	Payload   []byte
+	Headers   nats.Header
+	Subject   string
+	StreamSeq uint64
+	StoredAt  time.Time // when the stream stored it: its PubAck (the server's clock)
+	Delivery  uint64    // 1 on the first delivery
 }
 
 // Named is what every handler is: a subscriber's name and the events it
@@ -43,14 +51,22 @@ type Named interface {
 // outside it. A type that implements both is run as the kind its
 // constructor names, never by a guess.
 type Handler struct {
-	named Named
-	tx    TxHandler
-	each  EventHandler
+	named   Named
+	tx      TxHandler
+	each    EventHandler
+	ordered bool
 }
 
 // Tx is h as a handler whose effects commit with its checkpoint, in the
 // runtime's transaction.
 func Tx(h TxHandler) Handler { return Handler{named: h, tx: h} }
+
+// OrderedTx is h as an ordered handler: each aggregate's events reach it one
+// at a time, in their aggregate's order (outbox.aggregate_seq), while
+// different aggregates run concurrently. Its per-aggregate checkpoint
+// commits in its transaction (see ordered.go). Its declaration says
+// Ordered: true.
+func OrderedTx(h TxHandler) Handler { return Handler{named: h, tx: h, ordered: true} }
 
 // Each is h as a handler whose effects live outside Postgres, event by
 // event (or batch by batch, for a BatchEventHandler).
@@ -61,6 +77,9 @@ func (h Handler) Name() string { return h.named.Name() }
 
 // EventTypes are the event types it wants.
 func (h Handler) EventTypes() []string { return h.named.EventTypes() }
+
+// Ordered reports whether it was made by OrderedTx.
+func (h Handler) Ordered() bool { return h.ordered }
 
 // Unwrap returns the handler as its author wrote it, for the optional
 // capabilities it may have (DependentHandler, the batch interfaces).

@@ -9,7 +9,10 @@ import (
 // letter use it): an event already in the checkpoint is not handled again
 // and handled is false.
 func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err error) {
-	d := &delivery{ev: ev, hasRow: true}
+	// An ordered subscriber's event must be its aggregate's next (a held
+	// aggregate's holder first); one its aggregate moved past is applied
+	// where the operator says so, its checkpoint left as it is.
+	d := &delivery{ev: ev, hasRow: true, order: orderInfo{lateOK: true}}
 	if r.txH != nil {
 		fresh, err := r.txBatch(ctx, []*delivery{d})
 		return len(fresh) == 1, err

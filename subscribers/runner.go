@@ -55,6 +55,7 @@ type TestHooks struct {
 type Runner struct {
 	opts    Options
 	name    string
+	ordered bool
 	eventH  EventHandler
 	txH     TxHandler
 	cfg     Config
@@ -100,6 +101,7 @@ func New(opts Options) (*Runner, error) {
 	}
 	// The handler's kind was chosen where it was made (Tx or Each).
 	r.txH, r.eventH = h.tx, h.each
+	r.ordered = h.Ordered()
 	js, err := jetstream.New(opts.Conn)
 	if err != nil {
 		return nil, err
@@ -137,7 +139,7 @@ func (r *Runner) start(ctx context.Context) error {
 	var cons jetstream.Consumer
 	err = jsretry.Do(ctx, r.logger, "provision the consumer", func() error {
 		var err error
-		cons, err = ensureConsumer(ctx, stream, ConsumerConfig(r.opts.Handler.Name(), r.opts.Handler.EventTypes(), r.cfg, r.opts.Stream), r.opts.Stream.Provision)
+		cons, err = ensureConsumer(ctx, stream, ConsumerConfig(r.opts.Handler.Name(), r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream), r.opts.Stream.Provision)
 		return err
 	})
 	if err != nil {
@@ -146,7 +148,13 @@ func (r *Runner) start(ctx context.Context) error {
 	r.cons = cons
 	// A small buffer: a draining instance finishes what it holds, so what
 	// it holds should be little.
-	iter, err := cons.Messages(jetstream.PullMaxMessages(r.cfg.BatchSize * r.cfg.Concurrency))
+	pull := []jetstream.PullMessagesOpt{jetstream.PullMaxMessages(r.cfg.BatchSize * r.cfg.Concurrency)}
+	if r.ordered {
+		// The pinned instance keeps its pin by pulling well within
+		// pinned_ttl, even when idle.
+		pull = append(pull, jetstream.PullPriorityGroup(orderedGroup), jetstream.PullExpiry(r.cfg.PinnedTTL/3))
+	}
+	iter, err := cons.Messages(pull...)
 	if err != nil {
 		return fmt.Errorf("subscriber %s: consume: %w", r.name, err)
 	}
@@ -158,6 +166,10 @@ func (r *Runner) start(ctx context.Context) error {
 	r.health = newHealth(hardCtx, r.name, r.logger, r.obs, r.dependencies())
 
 	batches := make(chan received)
+	var finished chan []*delivery
+	if r.ordered {
+		finished = make(chan []*delivery, r.cfg.Concurrency)
+	}
 	r.stall.finished() // the clock starts now
 	if r.cfg.StallAfter > 0 {
 		r.obs.Stalled(r.name, false)
@@ -170,7 +182,11 @@ func (r *Runner) start(ctx context.Context) error {
 	r.loops.Add(2)
 	go func() {
 		defer r.loops.Done()
-		r.dispatch(softCtx, hardCtx, batches)
+		if r.ordered {
+			r.dispatchOrdered(hardCtx, batches, finished)
+		} else {
+			r.dispatch(softCtx, hardCtx, batches)
+		}
 	}()
 	go func() {
 		defer r.loops.Done()
@@ -181,14 +197,20 @@ func (r *Runner) start(ctx context.Context) error {
 		go func() {
 			defer r.workers.Done()
 			for batch := range batches {
-				r.process(softCtx, hardCtx, batch)
+				ds := r.process(softCtx, hardCtx, batch)
+				if finished != nil {
+					select {
+					case finished <- ds:
+					case <-hardCtx.Done():
+					}
+				}
 			}
 		}()
 	}
 	info := cons.CachedInfo()
 	r.logger.Info("subscriber started", "consumer", info.Name, "filter_subjects", info.Config.FilterSubjects,
 		"pending", info.NumPending, "concurrency", r.cfg.Concurrency, "batch_size", r.cfg.BatchSize,
-		"max_failures", r.cfg.MaxFailures, "max_crashes", r.cfg.MaxCrashes)
+		"max_failures", r.cfg.MaxFailures, "max_crashes", r.cfg.MaxCrashes, "ordered", r.ordered)
 	return nil
 }
 

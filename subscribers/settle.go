@@ -35,6 +35,9 @@ func (r *Runner) judge(ctx context.Context, err error) result {
 	if delay, ok := retryDelay(err); ok {
 		return result{kind: resultSnooze, err: err, delay: delay}
 	}
+	if errors.Is(err, errOutOfTurn) {
+		return result{kind: resultRetry, err: err}
+	}
 	if r.health.probeAll(ctx) {
 		return result{kind: resultOutage, err: err}
 	}
@@ -62,6 +65,10 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 		case resultDone:
 		case resultPermanent:
 			d.deadReason = res.err.Error()
+			var he *heldError
+			if errors.As(res.err, &he) {
+				d.heldBy = he.by
+			}
 			if !r.deadLetter(ctx, d) {
 				held = append(held, d)
 			}
@@ -114,6 +121,8 @@ func (r *Runner) nak(d *delivery, delay time.Duration) {
 		}
 	}
 	d.settled.Store(true)
+	d.fate.Store(fateNaked)
+	d.nakDelay = delay
 	r.stall.finished() // a verdict, if not a success: not a stall
 	r.obs.Retried(r.name, 1)
 }

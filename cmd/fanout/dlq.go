@@ -113,6 +113,13 @@ func dlqCommand(a *app) *cobra.Command {
 			if !all {
 				shown = operator.Unresolved(ds)
 			}
+			// An ordered subscriber's letter names the events held behind it.
+			holds := map[string][]string{}
+			for _, d := range operator.Unresolved(ds) {
+				if d.HeldBy != "" {
+					holds[d.Subscriber+"/"+d.HeldBy] = append(holds[d.Subscriber+"/"+d.HeldBy], d.EventID)
+				}
+			}
 			tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
 			fmt.Fprintln(tw, "SEQ\tSUBSCRIBER\tEVENT\tTYPE\tDELIVERIES\tDEAD AT\tREASON")
 			for _, d := range shown {
@@ -122,6 +129,11 @@ func dlqCommand(a *app) *cobra.Command {
 					reason = "REFUSED (" + truncate(d.Refused, 160) + ")"
 				case d.Resolved != "":
 					reason = "RESOLVED: " + d.Resolved + " (" + truncate(d.Reason, 60) + ")"
+				case d.HeldBy != "":
+					reason = "HELD behind event " + d.HeldBy + ": redrive or discard it first, then this one"
+				}
+				if held := holds[d.Subscriber+"/"+d.EventID]; len(held) > 0 && d.Resolved == "" {
+					reason = fmt.Sprintf("HOLDS events %s of its aggregate; %s", strings.Join(held, ", "), reason)
 				}
 				fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%s\t%s\t%s\n", d.Seq, d.Subscriber, d.EventID, d.EventType, d.Deliveries, d.At, reason)
 			}
@@ -251,7 +263,11 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 			if err != nil {
 				return err
 			}
-			n, err := e.Discard(ctx, ds, actor)
+			ordered := func(name string) bool {
+				decl, err := subscriberRegistry.Lookup(name)
+				return err == nil && decl.Ordered
+			}
+			n, err := e.Discard(ctx, ds, ordered, actor)
 			if err != nil {
 				return err
 			}

@@ -265,6 +265,9 @@ func defaults() map[string]any {
 		"subscribers.dead_letter_subject_prefix": "deadletter",
 		"subscribers.shutdown_timeout":           "30s",
 		"subscribers.stall_after":                "2m",
+		"subscribers.on_dead_letter":             "hold",
+		"subscribers.gap_wait":                   "2m",
+		"subscribers.pinned_ttl":                 "15s",
 
 		"redis.url":           DefaultRedisURL,
 		"redis.password":      "",

@@ -18,7 +18,8 @@ import (
 // takes the shared one. The other subscribers.* keys (the dead-letter
 // stream, the shutdown timeout) are one setting for all.
 var SubscriberKeys = []string{"concurrency", "batch_size", "ack_wait", "handler_timeout", "max_failures", "max_crashes",
-	"max_ack_pending", "retry_min", "retry_max", "start", "start_time", "stall_after"}
+	"max_ack_pending", "retry_min", "retry_max", "start", "start_time", "stall_after",
+	"on_dead_letter", "gap_wait", "pinned_ttl"}
 
 // LoadOption changes what Load accepts.
 type LoadOption func(*loadOptions)

@@ -60,6 +60,7 @@ type subscriber struct {
 	Grants     []string
 	Redis      bool
 	Search     bool
+	Ordered    bool
 }
 
 type data struct {
@@ -77,6 +78,7 @@ func newData(decls []subscribers.Declaration) data {
 			Grants:     decl.Grants,
 			Redis:      decl.UsesService(subscribers.Redis),
 			Search:     decl.UsesService(subscribers.Search),
+			Ordered:    decl.Ordered,
 		}
 		d.Subscribers = append(d.Subscribers, s)
 		if s.Search {

@@ -37,7 +37,9 @@ func Counted(h subscribers.Handler) (subscribers.Handler, *Calls) { return count
 
 func counted(h subscribers.Handler) (subscribers.Handler, *Calls) {
 	calls := &Calls{n: map[int64]int{}}
-	if hh, ok := h.TxHandler(); ok {
+	if hh, ok := h.TxHandler(); ok && h.Ordered() {
+		return subscribers.OrderedTx(countedTx{hh, calls}), calls
+	} else if ok {
 		return subscribers.Tx(countedTx{hh, calls}), calls
 	}
 	if hh, ok := h.EventHandler(); ok {

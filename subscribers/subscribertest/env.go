@@ -55,6 +55,9 @@ func NewEnv(t *testing.T) *Env {
 	cfg.Subscribers.MaxFailures = 5
 	cfg.Subscribers.BatchSize = 50
 	cfg.Subscribers.Concurrency = 2
+	// An ordered subscriber's standby takes over 3 s after its pinned
+	// instance stops pulling.
+	cfg.Subscribers.PinnedTTL = 3 * time.Second
 	e := &Env{T: t, DB: pgtest.NewDB(t), NATS: natstest.Start(t), Config: cfg, Logger: Logger(t)}
 	e.Conn = e.Connect()
 	if e.JS, err = jetstream.New(e.Conn); err != nil {

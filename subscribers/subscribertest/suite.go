@@ -2,6 +2,7 @@ package subscribertest
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -121,6 +122,27 @@ func Run(t *testing.T, c Case) {
 			t.Fatal(err)
 		}
 		env.Republish(id)
+		if base.Ordered() {
+			// An ordered subscriber's event is also behind its aggregate's
+			// checkpoint: the copy is refused as late, to the dead
+			// letters, and the handler does not run.
+			WaitFor(t, 10*time.Second, "the late copy in the dead letters", func() (bool, string) {
+				for _, m := range env.DeadLetters(base.Name()) {
+					if m.Header.Get(outbox.EventIDHeader) == strconv.FormatInt(id, 10) &&
+						strings.Contains(m.Header.Get(subscribers.DeadReasonHeader), "moved past it") {
+						return true, ""
+					}
+				}
+				return false, "no dead letter for the copy"
+			})
+			if n := calls.of(id); n != 0 {
+				t.Errorf("handler ran %d times on an event behind its aggregate's checkpoint, want 0", n)
+			}
+			if n := c.Effects(env, ev); n != 1 {
+				t.Errorf("effects = %d after the late copy, want 1", n)
+			}
+			return
+		}
 		WaitFor(t, 10*time.Second, "the handler to run again", func() (bool, string) { return calls.of(id) == 1, "" })
 		env.WaitIdle(base.Name(), 10*time.Second)
 		switch n := c.Effects(env, ev); {
