@@ -72,6 +72,9 @@ type SubscriberStatus struct {
 	Checkpoint   int64  `json:"checkpoint_rows"`
 	DeadLetters  uint64 `json:"dead_letters"`
 	ConsumerGone bool   `json:"consumer_missing,omitempty"`
+	// HeldAggregates: an ordered subscriber's aggregates held behind a
+	// dead-lettered event (subscribers.on_dead_letter hold).
+	HeldAggregates int64 `json:"held_aggregates"`
 }
 
 // Sources are what a status is read from.
@@ -152,6 +155,10 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	if err != nil {
 		return st, err
 	}
+	held, err := subscribers.CountHeldAggregates(ctx, src.Pool)
+	if err != nil {
+		return st, err
+	}
 	dead, err := Counts(ctx, src.Pool, src.JS, src.Subscribers)
 	if err != nil {
 		return st, err
@@ -178,7 +185,7 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 		}
 	}
 	for n := range names {
-		s := SubscriberStatus{Name: n, Checkpoint: checkpoints[n], DeadLetters: dead[n]}
+		s := SubscriberStatus{Name: n, Checkpoint: checkpoints[n], DeadLetters: dead[n], HeldAggregates: held[n]}
 		if ci, ok := consumers[n]; ok {
 			s.Pending, s.AckPending, s.Redelivered = ci.NumPending, ci.NumAckPending, ci.NumRedelivered
 		} else {

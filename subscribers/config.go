@@ -80,7 +80,8 @@ type Config struct {
 	// GapWait is how long an ordered subscriber waits for an earlier event
 	// of an aggregate that has not arrived (still in flight, or redelivered
 	// after a crash) before it applies the later one anyway, marked
-	// AfterGap. Default 2m, longer than twice AckWait.
+	// AfterGap. Default 0: four times AckWait, at least 2m; else longer
+	// than AckWait (a crashed instance's events come back after it).
 	GapWait time.Duration `koanf:"gap_wait"`
 	// PinnedTTL is how long an ordered subscriber's pinned instance may go
 	// without pulling before JetStream pins another (a crashed instance's
@@ -95,6 +96,14 @@ type Config struct {
 // twice.
 const DeadLetterDuplicateWindow = 10 * time.Minute
 
+// gapWait is GapWait, with its default worked out.
+func (c Config) gapWait() time.Duration {
+	if c.GapWait != 0 {
+		return c.GapWait
+	}
+	return max(2*time.Minute, 4*c.AckWait)
+}
+
 // DefaultConfig returns the runtime's defaults.
 func DefaultConfig() Config {
 	return Config{
@@ -102,7 +111,7 @@ func DefaultConfig() Config {
 		MaxFailures: 10, MaxCrashes: 3, MaxAckPending: 1000, RetryMin: time.Second, RetryMax: time.Minute,
 		Start: "all", DeadLetterStream: "DEADLETTER", DeadLetterSubjectPrefix: "deadletter", DeadLetterProvision: "auto",
 		DeadLetterMaxAge: 720 * time.Hour, ShutdownTimeout: 30 * time.Second, StallAfter: 2 * time.Minute,
-		OnDeadLetter: "hold", GapWait: 2 * time.Minute, PinnedTTL: 15 * time.Second,
+		OnDeadLetter: "hold", PinnedTTL: 15 * time.Second,
 	}
 }
 
@@ -144,8 +153,8 @@ func (c Config) Validate() error {
 		v.Bad("subscribers.stall_after", "must be 0 (off) or at least 1s (got %s)", c.StallAfter)
 	}
 	v.OneOf("subscribers.on_dead_letter", c.OnDeadLetter, "hold", "skip")
-	if c.GapWait <= 2*c.AckWait {
-		v.Bad("subscribers.gap_wait", "must be longer than twice subscribers.ack_wait (%s), or an event redelivered after a crash would count as missing (got %s)", c.AckWait, c.GapWait)
+	if c.GapWait != 0 && c.GapWait <= c.AckWait {
+		v.Bad("subscribers.gap_wait", "must be 0 (four times subscribers.ack_wait, at least 2m) or longer than subscribers.ack_wait (%s), or an event redelivered after a crash would count as missing (got %s)", c.AckWait, c.GapWait)
 	}
 	if c.PinnedTTL < 3*time.Second {
 		v.Bad("subscribers.pinned_ttl", "must be at least 3s (got %s)", c.PinnedTTL)

@@ -48,6 +48,63 @@
 // batch is rolled back and its events are handled again one per transaction,
 // so one bad event never holds up the others.
 //
+// # Ordered subscribers
+//
+// A subscriber whose handler applies each event's payload in turn (an
+// order's state machine, a balance, a projection) declares itself Ordered
+// and is made with OrderedTx. Each aggregate's events then reach its
+// handler one at a time, in their aggregate's order (outbox.aggregate_seq,
+// the Fanout-Aggregate-Seq header, which the relay publishes in order),
+// while different aggregates run side by side, up to
+// subscribers.concurrency batches of one event per aggregate each.
+//
+// How, and why this way:
+//
+//   - One instance at a time. The consumer has a priority group with the
+//     pinned-client policy: JetStream delivers to one instance, the others
+//     wait as standbys, and one takes over when the pinned instance stops
+//     pulling for subscribers.pinned_ttl (a crash, a stop). Partitioning
+//     (a consumer per partition of the subject space, by subject
+//     transform) would let several instances share the work, but fanout's
+//     subjects name the event type, not the aggregate: partitioning needs
+//     the aggregate in the subject, a change to every subject, filter and
+//     permission. And a partition's failing event would hold the whole
+//     partition, where here it holds only its own aggregate. So an ordered
+//     subscriber's throughput is one instance's; more instances add
+//     failover, not speed.
+//   - In the instance, the dispatcher (ordered.go) keeps each aggregate's
+//     received events sorted by number and hands a worker an aggregate's
+//     next event only when the one before it is done. A failing event is
+//     retried with its usual backoff; its aggregate's later events wait in
+//     hand (kept alive), the other aggregates go on.
+//   - JetStream does not promise exclusivity while the pin moves (an
+//     instance may still be working when another is pinned). The
+//     guarantee is in Postgres: subscriber_aggregates holds, per
+//     aggregate, the number of the last event applied, and the handler's
+//     transaction moves it from n-1 to n under its row lock, before the
+//     handler runs. Two instances never apply one aggregate's events at
+//     once, and never out of order; an event that is not its aggregate's
+//     next is sent back and tried again.
+//   - A duplicate (already in processed_events) is acked and skipped, as
+//     everywhere. A gap (an earlier event has not arrived: in flight, or
+//     redelivered after a crash) is waited for, for subscribers.gap_wait;
+//     then the event is applied with Event.AfterGap set, and the handler
+//     decides what that means (fulfilment records a violation). An event
+//     that arrives after its aggregate moved past it is sent to the dead
+//     letters as late, never applied out of order.
+//   - A dead-lettered event holds its aggregate (subscribers.on_dead_letter
+//     = hold, the default): the aggregate's later events go to the dead
+//     letters behind it, each naming it (Fanout-Dead-Held-By;
+//     `fanout dlq list` shows which events each letter holds). To go on,
+//     redrive it (`fanout dlq redrive`, once fixed) or discard it (`fanout
+//     dlq discard`, which moves the aggregate past it), then redrive the
+//     held letters, in order. With skip, the aggregate moves past the
+//     dead-lettered event at once.
+//
+// An ordered subscriber's effects must be in Postgres (OrderedTx): the
+// per-aggregate checkpoint commits with them. Events without a number
+// (written before migration 00009) are taken in the order they arrive.
+//
 // # Adding a subscriber
 //
 // Copy subscribers/example (the template), give it a name and its

@@ -286,8 +286,10 @@ type waitingMsg struct {
 type aggregateLine struct {
 	key     aggregateKey
 	waiting []waitingMsg // by number; events without one in arrival order
-	// sent is the message with a worker, or nil.
+	// sent is the message in a batch (formed, or with a worker: taken),
+	// or nil.
 	sent    jetstream.Msg
+	taken   bool
 	queued  bool // in the ready list, or in the batch being formed
 	loaded  bool // lastSeq and held are read from the checkpoint
 	loading bool
@@ -338,7 +340,7 @@ const maxIdleLines = 100_000
 // deliveries when its worker is done with them.
 func (r *Runner) dispatchOrdered(hardCtx context.Context, batches chan<- received, finished <-chan []*delivery) {
 	defer close(batches)
-	incoming := make(chan jetstream.Msg)
+	incoming := make(chan []jetstream.Msg)
 	reading := make(chan struct{})
 	go func() {
 		defer close(reading)
@@ -365,15 +367,20 @@ func (r *Runner) dispatchOrdered(hardCtx context.Context, batches chan<- receive
 		}
 		select {
 		case out <- next:
+			for _, m := range next.msgs {
+				od.lines[keyOf(m.Headers())].taken = true
+			}
 			od.forming = nil
 			od.inFlight++
-		case m, ok := <-incoming:
+		case ms, ok := <-incoming:
 			if !ok {
 				incoming = nil
 				od.unform()
 				continue
 			}
-			od.add(m)
+			for _, m := range ms {
+				od.add(m)
+			}
 		case ds := <-finished:
 			od.inFlight--
 			od.finish(ds)
@@ -387,12 +394,14 @@ func (r *Runner) dispatchOrdered(hardCtx context.Context, batches chan<- receive
 	}
 }
 
-// readOrdered forwards received messages to the dispatcher, until the
-// iterator is drained or stopped. It reads on through an outage (the
-// workers hold their events then): an instance that stopped reading would
-// stop pulling, and lose its pin to another instance after
-// subscribers.pinned_ttl while still holding events.
-func (r *Runner) readOrdered(hardCtx context.Context, out chan<- jetstream.Msg) {
+// readOrdered forwards received messages to the dispatcher, a few at a
+// time (what arrives within gatherWait: their aggregates' checkpoints are
+// then read in one query), until the iterator is drained or stopped. It
+// reads on through an outage (the workers hold their events then): an
+// instance that stopped reading would stop pulling, and lose its pin to
+// another instance after subscribers.pinned_ttl while still holding
+// events.
+func (r *Runner) readOrdered(hardCtx context.Context, out chan<- []jetstream.Msg) {
 	defer close(out)
 	for {
 		msg, err := r.iter.Next(jetstream.NextContext(hardCtx))
@@ -403,9 +412,22 @@ func (r *Runner) readOrdered(hardCtx context.Context, out chan<- jetstream.Msg) 
 			r.logger.Warn("receive", "error", err)
 			continue
 		}
+		msgs := []jetstream.Msg{msg}
+		closed := false
+		for len(msgs) < r.cfg.BatchSize {
+			m, err := r.iter.Next(jetstream.NextMaxWait(gatherWait))
+			if err != nil {
+				closed = errors.Is(err, jetstream.ErrMsgIteratorClosed)
+				break
+			}
+			msgs = append(msgs, m)
+		}
 		select {
-		case out <- msg:
+		case out <- msgs:
 		case <-hardCtx.Done():
+			return
+		}
+		if closed {
 			return
 		}
 	}
@@ -455,7 +477,7 @@ func (od *orderedDispatch) evaluate(l *aggregateLine) {
 		od.reload(l)
 		return
 	}
-	if time.Since(l.gapSince) < od.r.cfg.GapWait {
+	if time.Since(l.gapSince) < od.r.cfg.gapWait() {
 		return
 	}
 	if !l.gapChecked {
@@ -465,7 +487,7 @@ func (od *orderedDispatch) evaluate(l *aggregateLine) {
 	}
 	od.r.logger.Warn("giving up on an aggregate's missing events: applying the next one that arrived (marked AfterGap)",
 		"aggregate_type", l.key.typ, "aggregate_id", l.key.id, "number", head.seq, "applied", l.lastSeq,
-		"waited", time.Since(l.gapSince).Round(time.Second), "gap_wait", od.r.cfg.GapWait)
+		"waited", time.Since(l.gapSince).Round(time.Second), "gap_wait", od.r.cfg.gapWait())
 	l.queued = true
 	od.ready = append(od.ready, l)
 }
@@ -589,7 +611,7 @@ func (od *orderedDispatch) finish(ds []*delivery) {
 			continue
 		}
 		l.remove(d.msg)
-		l.sent, l.queued = nil, false
+		l.sent, l.taken, l.queued = nil, false, false
 		switch d.fate.Load() {
 		case fateAcked:
 			l.lastSeq = max(l.lastSeq, d.ev.AggregateSeq)
@@ -608,11 +630,12 @@ func (od *orderedDispatch) finish(ds []*delivery) {
 }
 
 // keepAlive tells JetStream the held events are still wanted, so that
-// they are not redelivered (to this instance, out of turn) meanwhile.
+// they are not redelivered (to this instance, out of turn) meanwhile. A
+// worker keeps its own batch alive.
 func (od *orderedDispatch) keepAlive() {
 	for _, l := range od.lines {
 		for _, w := range l.waiting {
-			if w.msg != l.sent {
+			if w.msg != l.sent || !l.taken {
 				_ = w.msg.InProgress()
 			}
 		}
@@ -625,7 +648,7 @@ func (od *orderedDispatch) release() {
 	n := 0
 	for _, l := range od.lines {
 		for _, w := range l.waiting {
-			if w.msg != l.sent {
+			if w.msg != l.sent || !l.taken {
 				_ = w.msg.Nak()
 				n++
 			}

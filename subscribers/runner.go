@@ -49,6 +49,10 @@ type TestHooks struct {
 	// transaction commits, and waits this long in between: a crash in that
 	// window loses the events.
 	AckBeforeCommit time.Duration
+	// Unordered (sabotage) runs an ordered subscriber without its order:
+	// events are dispatched as they arrive and its per-aggregate
+	// checkpoint is not consulted (its consumer still pins one instance).
+	Unordered bool
 }
 
 // Runner runs one subscriber: its consumer, its workers, its dead letters.
@@ -166,8 +170,10 @@ func (r *Runner) start(ctx context.Context) error {
 	r.health = newHealth(hardCtx, r.name, r.logger, r.obs, r.dependencies())
 
 	batches := make(chan received)
+	// An ordered subscriber's dispatcher learns what became of each batch.
+	inOrder := r.ordered && !r.opts.TestHooks.Unordered
 	var finished chan []*delivery
-	if r.ordered {
+	if inOrder {
 		finished = make(chan []*delivery, r.cfg.Concurrency)
 	}
 	r.stall.finished() // the clock starts now
@@ -182,7 +188,7 @@ func (r *Runner) start(ctx context.Context) error {
 	r.loops.Add(2)
 	go func() {
 		defer r.loops.Done()
-		if r.ordered {
+		if inOrder {
 			r.dispatchOrdered(hardCtx, batches, finished)
 		} else {
 			r.dispatch(softCtx, hardCtx, batches)

@@ -32,6 +32,17 @@ func init() {
 			_, again := tried.LoadOrStore(id, true)
 			return id%5 == 0 && !again
 		}
+	case "subscriber-unordered":
+		// Ordered subscribers take their events as they come, and the
+		// first attempt on one event in 5 fails (retried after a
+		// backoff): an order's later transitions overtake it.
+		sabotage.subscriber.Unordered = true
+		sabotage.handler = func(h subscribers.Handler) subscribers.Handler {
+			if th, ok := h.TxHandler(); ok && h.Ordered() {
+				return subscribers.OrderedTx(&failOnce{TxHandler: th})
+			}
+			return h
+		}
 	case "ack-before-commit":
 		// Subscribers whose effect is in Postgres ack a batch before its
 		// transaction commits: a process killed in between loses it.
@@ -78,4 +89,17 @@ func (t twice) HandleBatchTx(ctx context.Context, tx pgx.Tx, evs []subscribers.E
 		}
 	}
 	return nil
+}
+
+// failOnce fails the first attempt on one event in 5.
+type failOnce struct {
+	subscribers.TxHandler
+	tried sync.Map
+}
+
+func (f *failOnce) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
+	if _, again := f.tried.LoadOrStore(ev.ID, true); ev.ID%5 == 0 && !again {
+		return fmt.Errorf("sabotage: event %d fails once", ev.ID)
+	}
+	return f.TxHandler.HandleTx(ctx, tx, ev)
 }

@@ -106,6 +106,12 @@ func printStatus(w io.Writer, st operator.Status) {
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\n", s.Name, pending, s.AckPending, s.Redelivered, s.Checkpoint, s.DeadLetters)
 	}
 	tw.Flush()
+	for _, s := range st.Subscribers {
+		if s.HeldAggregates > 0 {
+			fmt.Fprintf(w, "held     %s: %d aggregates wait behind a dead-lettered event (subscribers.on_dead_letter hold): fanout dlq list --subscriber %s shows which\n",
+				s.Name, s.HeldAggregates, s.Name)
+		}
+	}
 	if st.Stages != nil {
 		printStages(w, *st.Stages)
 	}

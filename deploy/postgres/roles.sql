@@ -55,6 +55,10 @@
 --   fanout_cacheinval: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts; and
 --       SELECT ON products, brands, categories, inventory
+--   fanout_fulfilment: LOGIN. Its own checkpoint rows in processed_events
+--       and its own rows in subscriber_attempts and subscriber_aggregates; and
+--       SELECT, INSERT, UPDATE ON fulfilment_orders
+--       SELECT, INSERT ON fulfilment_history, fulfilment_violations
 --   fanout_invoicing: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts; and
 --       SELECT ON orders, order_lines, products
@@ -82,7 +86,7 @@
 --
 -- processed_events and subscriber_attempts have row-level security: each
 -- subscriber role sees and writes only the rows of its own subscriber name
--- (cacheinval, invoicing, salesledger, searchindex), so one
+-- (cacheinval, fulfilment, invoicing, salesledger, searchindex), so one
 -- subscriber cannot skip, replay or dead-letter another's events. The table
 -- owner (fanout_migrate) and superusers bypass it.
 --
@@ -90,6 +94,7 @@
 -- variable is set in psql's environment, the role's password is set from it:
 --   FANOUT_PG_MIGRATE_PASSWORD, FANOUT_PG_RELAY_PASSWORD,
 --   FANOUT_PG_CACHEINVAL_PASSWORD,
+--   FANOUT_PG_FULFILMENT_PASSWORD,
 --   FANOUT_PG_INVOICING_PASSWORD,
 --   FANOUT_PG_SALESLEDGER_PASSWORD,
 --   FANOUT_PG_SEARCHINDEX_PASSWORD,
@@ -121,7 +126,7 @@ BEGIN;
 -- Roles -----------------------------------------------------------------------
 
 SELECT format('CREATE ROLE %I', r)
-FROM unnest(ARRAY['fanout_migrate', 'fanout_relay', 'fanout_writer', 'fanout_operator', 'fanout_cacheinval', 'fanout_invoicing', 'fanout_salesledger', 'fanout_searchindex']) AS r
+FROM unnest(ARRAY['fanout_migrate', 'fanout_relay', 'fanout_writer', 'fanout_operator', 'fanout_cacheinval', 'fanout_fulfilment', 'fanout_invoicing', 'fanout_salesledger', 'fanout_searchindex']) AS r
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = r) \gexec
 
 ALTER ROLE fanout_migrate     LOGIN   NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
@@ -131,6 +136,7 @@ ALTER ROLE fanout_relay REPLICATION;
 \endif
 ALTER ROLE fanout_writer      NOLOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_cacheinval LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE fanout_fulfilment LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_invoicing LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_salesledger LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 ALTER ROLE fanout_searchindex LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
@@ -151,6 +157,11 @@ ALTER ROLE fanout_relay PASSWORD :'fanout_password';
 \getenv fanout_password FANOUT_PG_CACHEINVAL_PASSWORD
 \if :{?fanout_password}
 ALTER ROLE fanout_cacheinval PASSWORD :'fanout_password';
+\unset fanout_password
+\endif
+\getenv fanout_password FANOUT_PG_FULFILMENT_PASSWORD
+\if :{?fanout_password}
+ALTER ROLE fanout_fulfilment PASSWORD :'fanout_password';
 \unset fanout_password
 \endif
 \getenv fanout_password FANOUT_PG_INVOICING_PASSWORD
@@ -176,18 +187,18 @@ ALTER ROLE fanout_operator PASSWORD :'fanout_password';
 
 -- The operator acts as each subscriber when it redrives that subscriber's
 -- dead letters (and as the search indexer when it reindexes).
-GRANT fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex TO fanout_operator;
+GRANT fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex TO fanout_operator;
 
 -- Database and schema ---------------------------------------------------------
 
 SELECT current_database() AS fanout_database \gset
 GRANT CONNECT ON DATABASE :"fanout_database"
-    TO fanout_migrate, fanout_relay, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
+    TO fanout_migrate, fanout_relay, fanout_operator, fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
 GRANT CREATE ON DATABASE :"fanout_database" TO fanout_migrate;
 GRANT USAGE, CREATE ON SCHEMA public TO fanout_migrate;
 GRANT USAGE ON SCHEMA public
-    TO fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
+    TO fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
 -- Tables (once migrated) --------------------------------------------------------
 
@@ -195,7 +206,9 @@ SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migra
 FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands', 'categories',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
                   'invoice_number_seq', 'product_sales', 'dead_letter_actions', 'relay_capture',
-                  'outbox_partitions', 'outbox_default', 'outbox_aggregates']) AS t \gset
+                  'outbox_partitions', 'outbox_default', 'outbox_aggregates', 'subscriber_aggregates',
+                  'order_transitions', 'fulfilment_orders', 'fulfilment_history',
+                  'fulfilment_violations']) AS t \gset
 
 \if :fanout_migrated
 
@@ -208,7 +221,9 @@ WHERE c.relnamespace = 'public'::regnamespace
   AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'subscriber_attempts',
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
                     'invoices', 'invoice_lines', 'dead_letter_actions', 'product_sales', 'relay_capture',
-                    'outbox_partitions', 'outbox_aggregates')
+                    'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
+                    'order_transitions', 'fulfilment_orders', 'fulfilment_history',
+                    'fulfilment_violations')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
 -- must own the outbox to do so).
@@ -225,9 +240,9 @@ WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::re
 
 -- Start from nothing, so that a run converges on the lists below.
 REVOKE ALL ON ALL TABLES IN SCHEMA public
-    FROM fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
+    FROM fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA public
-    FROM fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_invoicing, fanout_salesledger, fanout_searchindex;
+    FROM fanout_relay, fanout_writer, fanout_operator, fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
 -- The relay.
 GRANT SELECT, DELETE ON outbox TO fanout_relay;
@@ -251,6 +266,10 @@ GRANT SELECT, INSERT, DELETE ON processed_events TO fanout_cacheinval;
 DROP POLICY IF EXISTS fanout_cacheinval_checkpoints ON processed_events;
 CREATE POLICY fanout_cacheinval_checkpoints ON processed_events TO fanout_cacheinval
     USING (subscriber = 'cacheinval') WITH CHECK (subscriber = 'cacheinval');
+GRANT SELECT, INSERT, DELETE ON processed_events TO fanout_fulfilment;
+DROP POLICY IF EXISTS fanout_fulfilment_checkpoints ON processed_events;
+CREATE POLICY fanout_fulfilment_checkpoints ON processed_events TO fanout_fulfilment
+    USING (subscriber = 'fulfilment') WITH CHECK (subscriber = 'fulfilment');
 GRANT SELECT, INSERT, DELETE ON processed_events TO fanout_invoicing;
 DROP POLICY IF EXISTS fanout_invoicing_checkpoints ON processed_events;
 CREATE POLICY fanout_invoicing_checkpoints ON processed_events TO fanout_invoicing
@@ -271,6 +290,10 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_attempts TO fanout_cacheinval
 DROP POLICY IF EXISTS fanout_cacheinval_attempts ON subscriber_attempts;
 CREATE POLICY fanout_cacheinval_attempts ON subscriber_attempts TO fanout_cacheinval
     USING (subscriber = 'cacheinval') WITH CHECK (subscriber = 'cacheinval');
+GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_attempts TO fanout_fulfilment;
+DROP POLICY IF EXISTS fanout_fulfilment_attempts ON subscriber_attempts;
+CREATE POLICY fanout_fulfilment_attempts ON subscriber_attempts TO fanout_fulfilment
+    USING (subscriber = 'fulfilment') WITH CHECK (subscriber = 'fulfilment');
 GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_attempts TO fanout_invoicing;
 DROP POLICY IF EXISTS fanout_invoicing_attempts ON subscriber_attempts;
 CREATE POLICY fanout_invoicing_attempts ON subscriber_attempts TO fanout_invoicing
@@ -284,8 +307,18 @@ DROP POLICY IF EXISTS fanout_searchindex_attempts ON subscriber_attempts;
 CREATE POLICY fanout_searchindex_attempts ON subscriber_attempts TO fanout_searchindex
     USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
 
+-- Ordered subscribers: their per-aggregate checkpoint, restricted to their
+-- rows (rows are kept: no DELETE).
+ALTER TABLE subscriber_aggregates ENABLE ROW LEVEL SECURITY;
+GRANT SELECT, INSERT, UPDATE ON subscriber_aggregates TO fanout_fulfilment;
+DROP POLICY IF EXISTS fanout_fulfilment_aggregates ON subscriber_aggregates;
+CREATE POLICY fanout_fulfilment_aggregates ON subscriber_aggregates TO fanout_fulfilment
+    USING (subscriber = 'fulfilment') WITH CHECK (subscriber = 'fulfilment');
+
 -- Each subscriber's own grants (its declaration's Grants).
 GRANT SELECT ON products, brands, categories, inventory TO fanout_cacheinval;
+GRANT SELECT, INSERT, UPDATE ON fulfilment_orders TO fanout_fulfilment;
+GRANT SELECT, INSERT ON fulfilment_history, fulfilment_violations TO fanout_fulfilment;
 GRANT SELECT ON orders, order_lines, products TO fanout_invoicing;
 GRANT INSERT ON invoices, invoice_lines TO fanout_invoicing;
 GRANT SELECT (id, order_id) ON invoices TO fanout_invoicing;
@@ -301,6 +334,11 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
 GRANT SELECT, INSERT ON dead_letter_actions TO fanout_operator;
 GRANT SELECT ON relay_capture TO fanout_operator;
 GRANT SELECT ON outbox_partitions, outbox_default TO fanout_operator;
+-- fanout status counts the ordered subscribers' held aggregates (releasing
+-- one, at a discard, it does as the subscriber).
+GRANT SELECT ON subscriber_aggregates TO fanout_operator;
+DROP POLICY IF EXISTS fanout_operator_aggregates ON subscriber_aggregates;
+CREATE POLICY fanout_operator_aggregates ON subscriber_aggregates FOR SELECT TO fanout_operator USING (true);
 -- outbox skip marks a failed row skipped (the status column, above).
 
 \else

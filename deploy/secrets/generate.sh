@@ -18,6 +18,7 @@ cd "$(dirname "$0")"
 chmod 0700 .
 for name in pg_superuser pg_migrate pg_relay pg_operator nats_relay nats_provisioner nats_operator nats_admin redis es \
             pg_cacheinval nats_cacheinval \
+            pg_fulfilment nats_fulfilment \
             pg_invoicing nats_invoicing \
             pg_salesledger nats_salesledger \
             pg_searchindex nats_searchindex es_searchindex \

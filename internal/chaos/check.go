@@ -13,6 +13,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/fulfilment"
 	"github.com/fanout/fanout/subscribers/salesledger"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5"
@@ -45,6 +46,7 @@ func (r *run) check() {
 	r.checkDelivered(ctx, stream, dead)
 	r.checkInvoices(ctx)
 	r.checkLedger(ctx)
+	r.checkFulfilment(ctx)
 	r.checkSearch(ctx)
 	r.checkCache(ctx)
 }
@@ -546,6 +548,31 @@ func (r *run) checkLedger(ctx context.Context) {
 	if err := r.pool().QueryRow(ctx, `SELECT count(*) FROM product_sales`).Scan(&products); err != nil || products == 0 {
 		rep.violate("2 ("+salesledger.Name+")", fmt.Sprintf("an empty ledger (%v): the check proves nothing", err))
 	}
+}
+
+// checkFulfilment: the ordered subscriber applied every order's
+// transitions as they were committed, one at a time and in order, across
+// its instances' crashes and the pin moving between them: its history
+// equals order_transitions, and it recorded no violation (out of order,
+// after a gap, after the order ended).
+func (r *run) checkFulfilment(ctx context.Context) {
+	if !slices.Contains(r.subscriberNames(), fulfilment.Name) {
+		return
+	}
+	rep := r.report
+	diffs, err := fulfilment.Compare(ctx, r.pool(), 10)
+	if err != nil {
+		rep.violate("8 (read "+fulfilment.Name+")", err.Error())
+		return
+	}
+	if len(diffs) > 0 {
+		rep.violate("8 (every order's applied history equals its committed history, no violation recorded)", head(diffs))
+	}
+	var moved int
+	if err := r.pool().QueryRow(ctx, `SELECT count(*) FROM fulfilment_history WHERE n > 1`).Scan(&moved); err != nil || moved == 0 {
+		rep.violate("8 ("+fulfilment.Name+")", fmt.Sprintf("no order moved past created (%v): the check proves nothing", err))
+	}
+	rep.Transitions = moved
 }
 
 // checkSearch: every search document equals its SQL join; no deleted

@@ -79,7 +79,10 @@ func (r *run) plantMalformedOrder(ctx context.Context) error {
 	var id int64
 	err := inTx(ctx, r.pool(), func(tx pgx.Tx) error {
 		var err error
-		id, err = outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: "?", Type: shop.OrderCreated,
+		// An aggregate of its own: an ordered subscriber (fulfilment)
+		// holds the aggregate of a dead letter, and the run checks that
+		// it holds no other.
+		id, err = outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: "planted-" + strconv.Itoa(r.plantRand.intn(1<<30)), Type: shop.OrderCreated,
 			Payload: json.RawMessage(`{"order_id": "forty-two"}`)})
 		return err
 	})
@@ -153,6 +156,9 @@ func (r *run) plantOrderWithMissingProduct(ctx context.Context) error {
 			return err
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO order_lines (order_id, line_no, product_id, quantity, unit_price) VALUES ($1, 1, $2, 1, 1)`, orderID, missingProduct); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO order_transitions (order_id, n, to_status) VALUES ($1, 1, 'created')`, orderID); err != nil {
 			return err
 		}
 		var err error

@@ -29,7 +29,10 @@ type Report struct {
 	DefaultRows          int64
 	// Aggregates whose events the stream holds, each checked to be in
 	// commit order (invariant 8).
-	Aggregates  int
+	Aggregates int
+	// Order transitions (after created) the ordered subscriber applied,
+	// its history checked against the committed one (invariant 8).
+	Transitions int
 	DeadLetters map[string]map[string]int // subscriber -> planted kind (or NOT PLANTED: reason) -> letters
 	// PlantedDeleted counts rejected products the load deleted before the
 	// indexer reached their event: indexed as gone, no letter expected.
@@ -68,6 +71,7 @@ func (r *Report) String() string {
 		fmt.Fprintf(&b, "    %-48s %d\n", k, r.Faults[k])
 	}
 	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows; %d aggregates, each one's events checked in commit order\n", r.OutboxRows, r.Events, r.FailedRows, r.Aggregates)
+	fmt.Fprintf(&b, "  orders: %d transitions after created applied by the ordered subscriber, its history checked against the committed one\n", r.Transitions)
 	fmt.Fprintf(&b, "  outbox ranges at the end: %d (%d sealed), %d rows in outbox_default\n", r.Ranges, r.SealedRanges, r.DefaultRows)
 	letters := 0
 	for _, byKind := range r.DeadLetters {

@@ -382,7 +382,7 @@ func (r *run) waitConsumers() {
 // load writes the shop's traffic at the rate, and plants bad input.
 func (r *run) load(ctx context.Context) {
 	d := &demo.Driver{Pool: r.db.Pool, Rate: r.o.Rate, Rand: rand.New(rand.NewPCG(r.o.Seed, 2)), Logger: quietLogger(),
-		Mix: demo.Mix{Price: 34, Stock: 25, Order: 25, Create: 6, Delete: 4, RenameBrand: 4, RenameCategory: 2}}
+		Mix: demo.Mix{Price: 34, Stock: 25, Order: 15, Lifecycle: 10, Create: 6, Delete: 4, RenameBrand: 4, RenameCategory: 2}}
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() {

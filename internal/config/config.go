@@ -266,7 +266,7 @@ func defaults() map[string]any {
 		"subscribers.shutdown_timeout":           "30s",
 		"subscribers.stall_after":                "2m",
 		"subscribers.on_dead_letter":             "hold",
-		"subscribers.gap_wait":                   "2m",
+		"subscribers.gap_wait":                   "0s",
 		"subscribers.pinned_ttl":                 "15s",
 
 		"redis.url":           DefaultRedisURL,

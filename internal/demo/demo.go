@@ -26,11 +26,14 @@ type Mix struct {
 	// the documents of all its products (a tenth of the catalog, with the
 	// seed's ten categories), so a small share goes a long way.
 	RenameCategory int
+	// Lifecycle moves an open order on: paid, shipped, delivered, or (one
+	// time in six) cancelled.
+	Lifecycle int
 }
 
 // DefaultMix resembles a shop: mostly price and stock changes, some orders,
 // now and then a brand or a category renamed.
-var DefaultMix = Mix{Price: 39, Stock: 30, Order: 20, Create: 5, Delete: 3, RenameBrand: 2, RenameCategory: 1}
+var DefaultMix = Mix{Price: 39, Stock: 30, Order: 12, Lifecycle: 8, Create: 5, Delete: 3, RenameBrand: 2, RenameCategory: 1}
 
 // Driver writes at Rate transactions per second until its context ends.
 type Driver struct {
@@ -141,6 +144,8 @@ func (d *Driver) writeOne(ctx context.Context) error {
 			}
 			_, err := shop.RenameCategory(ctx, tx, categoryID, renamed(name, d.Rand))
 			return err
+		case op < m.Price+m.Stock+m.Order+m.Create+m.Delete+m.RenameCategory+m.Lifecycle:
+			return d.moveOrder(ctx, tx)
 		default:
 			// Brand renames last, so that a mix written before category
 			// renames existed draws the same writes from the same seed.
@@ -156,6 +161,36 @@ func (d *Driver) writeOne(ctx context.Context) error {
 }
 
 var errNoProducts = errors.New("no products: seed the catalog first")
+
+// nextStatus is an open order's next step in its life.
+var nextStatus = map[string]func(context.Context, pgx.Tx, int64) (int64, error){
+	shop.StatusCreated: shop.PayOrder, shop.StatusPaid: shop.ShipOrder, shop.StatusShipped: shop.DeliverOrder,
+}
+
+// moveOrder takes one of the 8 newest open orders one step on (or cancels
+// it), so an order lives its life in a few seconds, its events close
+// together; with none open, it writes nothing.
+func (d *Driver) moveOrder(ctx context.Context, tx pgx.Tx) error {
+	var id int64
+	var status string
+	err := tx.QueryRow(ctx, `
+SELECT id, status FROM orders WHERE status IN ('created', 'paid', 'shipped') ORDER BY id DESC LIMIT 1 OFFSET $1`,
+		d.Rand.IntN(8)).Scan(&id, &status)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("pick an open order: %w", err)
+	}
+	move := nextStatus[status]
+	if d.Rand.IntN(6) == 0 {
+		move = shop.CancelOrder
+	}
+	if _, err = move(ctx, tx, id); errors.Is(err, shop.ErrTransition) {
+		return nil // another writer moved it first
+	}
+	return err
+}
 
 // randomProduct picks an existing product id cheaply: a random point in the
 // id range, then the next id that exists.

@@ -105,7 +105,7 @@ func TestDriverRenamesCategories(t *testing.T) {
 // DefaultMix shares out all of the writes, category renames included.
 func TestDefaultMixSumsTo100(t *testing.T) {
 	m := demo.DefaultMix
-	if sum := m.Price + m.Stock + m.Order + m.Create + m.Delete + m.RenameBrand + m.RenameCategory; sum != 100 || m.RenameCategory == 0 {
-		t.Errorf("DefaultMix %+v sums to %d, want 100 with some category renames", m, sum)
+	if sum := m.Price + m.Stock + m.Order + m.Create + m.Delete + m.RenameBrand + m.RenameCategory + m.Lifecycle; sum != 100 || m.RenameCategory == 0 || m.Lifecycle == 0 {
+		t.Errorf("DefaultMix %+v sums to %d, want 100 with some category renames and order transitions", m, sum)
 	}
 }

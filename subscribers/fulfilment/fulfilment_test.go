@@ -19,6 +19,7 @@ import (
 	"github.com/fanout/fanout/subscribers/fulfilment"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
 )
 
@@ -507,4 +508,53 @@ func TestConformance(t *testing.T) {
 		// event is still behind its aggregate's checkpoint, and a
 		// redelivery is refused as late rather than applied again.
 	})
+}
+
+// A gap: an order's second event never reaches the stream (a relay that
+// skipped it). The third waits subscribers.gap_wait for it, then is
+// applied marked AfterGap, which fulfilment records as a violation; the
+// second, arriving after all, is refused as late.
+func TestGapIsWaitedForThenMarked(t *testing.T) {
+	t.Parallel()
+	env, _ := newEnv(t)
+	env.Config.Subscribers.GapWait = 3 * time.Second
+	env.StartRunner(subscribers.OrderedTx(fulfilment.New()), nil)
+	ctx := context.Background()
+	const order = 424242
+	publish := func(id, seq int64, eventType string, payload string) {
+		m := nats.NewMsg(env.Config.Stream.SubjectPrefix + "." + eventType)
+		m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
+		m.Header.Set(outbox.EventTypeHeader, eventType)
+		m.Header.Set(outbox.AggregateTypeHeader, shop.AggregateOrder)
+		m.Header.Set(outbox.AggregateIDHeader, strconv.Itoa(order))
+		m.Header.Set(outbox.AggregateSeqHeader, strconv.FormatInt(seq, 10))
+		m.Data = []byte(payload)
+		if _, err := env.JS.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	publish(9000001, 1, shop.OrderCreated, `{"order_id": 424242, "customer": "gap", "lines": 1}`)
+	start := time.Now()
+	publish(9000003, 3, shop.OrderShipped, `{"order_id": 424242, "from": "paid", "to": "shipped", "n": 3}`)
+	var reason string
+	subscribertest.WaitFor(t, 30*time.Second, "the third event applied after the gap", func() (bool, string) {
+		err := env.DB.Pool.QueryRow(ctx, `SELECT reason FROM fulfilment_violations WHERE event_id = 9000003`).Scan(&reason)
+		return err == nil, fmt.Sprint(err)
+	})
+	if waited := time.Since(start); waited < 3*time.Second || !strings.Contains(reason, "after a gap") {
+		t.Errorf("violation %q after %s; want after a gap, after gap_wait (3s)", reason, waited)
+	}
+	publish(9000002, 2, shop.OrderPaid, `{"order_id": 424242, "from": "created", "to": "paid", "n": 2}`)
+	subscribertest.WaitFor(t, 30*time.Second, "the late second event in the dead letters", func() (bool, string) {
+		for _, m := range env.DeadLetters(fulfilment.Name) {
+			if m.Header.Get(outbox.EventIDHeader) == "9000002" {
+				return strings.Contains(m.Header.Get(subscribers.DeadReasonHeader), "moved past it"), m.Header.Get(subscribers.DeadReasonHeader)
+			}
+		}
+		return false, "none yet"
+	})
+	var applied int
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM fulfilment_history WHERE order_id = $1`, order).Scan(&applied); err != nil || applied != 1 {
+		t.Errorf("%d transitions applied (%v), want 1 (the creation)", applied, err)
+	}
 }

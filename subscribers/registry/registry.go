@@ -17,6 +17,7 @@ import (
 
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
+	"github.com/fanout/fanout/subscribers/fulfilment"
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/fanout/fanout/subscribers/salesledger"
 	"github.com/fanout/fanout/subscribers/searchindex"
@@ -24,6 +25,7 @@ import (
 
 var declared = []subscribers.Declaration{
 	cacheinval.Subscriber,
+	fulfilment.Subscriber,
 	invoicing.Subscriber,
 	salesledger.Subscriber,
 	searchindex.Subscriber,
