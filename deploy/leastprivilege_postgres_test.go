@@ -93,10 +93,18 @@ func TestPostgresRoles(t *testing.T) {
 		"products fanout_cacheinval=r",
 		"processed_events fanout_invoicing=dar",
 		"policy fanout_invoicing_checkpoints (subscriber = 'invoicing'::text) (subscriber = 'invoicing'::text)",
+		// Only ordered subscribers keep a per-aggregate checkpoint.
+		"subscriber_aggregates fanout_fulfilment=arw",
+		"policy fanout_fulfilment_aggregates (subscriber = 'fulfilment'::text) (subscriber = 'fulfilment'::text)",
+		"subscriber_aggregates fanout_operator=r",
+		"policy fanout_operator_aggregates true -",
 	} {
 		if !strings.Contains(first, want+"\n") {
 			t.Errorf("privileges lack %q:\n%s", want, first)
 		}
+	}
+	if strings.Contains(first, "subscriber_aggregates fanout_invoicing") {
+		t.Errorf("an unordered subscriber may write subscriber_aggregates:\n%s", first)
 	}
 
 	// Seed a catalog and order as the superuser (the business application).
@@ -390,7 +398,7 @@ SELECT line FROM (
     WHERE c.relnamespace = 'public'::regnamespace
     GROUP BY c.relname, att.attname, a.grantee
     UNION ALL
-    SELECT 'policy ' || polname || ' ' || pg_get_expr(polqual, polrelid) || ' ' || pg_get_expr(polwithcheck, polrelid)
+    SELECT 'policy ' || polname || ' ' || pg_get_expr(polqual, polrelid) || ' ' || coalesce(pg_get_expr(polwithcheck, polrelid), '-')
     FROM pg_policy
 ) l ORDER BY line`)
 	if err != nil {

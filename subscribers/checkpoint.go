@@ -37,9 +37,20 @@ ON CONFLICT DO NOTHING`
 
 // CountCheckpoints returns each subscriber's number of checkpoint rows.
 func CountCheckpoints(ctx context.Context, pool *pgxpool.Pool) (map[string]int64, error) {
-	rows, err := pool.Query(ctx, countCheckpointsSQL)
+	counts, err := countBySubscriber(ctx, pool, countCheckpointsSQL)
 	if err != nil {
 		return nil, fmt.Errorf("count checkpoints: %w", err)
+	}
+	return counts, nil
+}
+
+// countBySubscriber runs a query of (subscriber, count) rows.
+func countBySubscriber(ctx context.Context, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}, sql string) (map[string]int64, error) {
+	rows, err := q.Query(ctx, sql)
+	if err != nil {
+		return nil, err
 	}
 	counts := map[string]int64{}
 	var name string
@@ -48,10 +59,7 @@ func CountCheckpoints(ctx context.Context, pool *pgxpool.Pool) (map[string]int64
 		counts[name] = n
 		return nil
 	})
-	if err != nil {
-		return nil, fmt.Errorf("count checkpoints: %w", err)
-	}
-	return counts, nil
+	return counts, err
 }
 
 // pruneSQL deletes one batch of a subscriber's checkpoint rows older than the

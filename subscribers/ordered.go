@@ -14,6 +14,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -95,20 +96,8 @@ WHERE subscriber = $1 AND held_by_event = $2`
 
 // CountHeldAggregates returns, per ordered subscriber, how many aggregates
 // are held behind a dead-lettered event.
-func CountHeldAggregates(ctx context.Context, q interface {
-	Query(context.Context, string, ...any) (pgx.Rows, error)
-}) (map[string]int64, error) {
-	rows, err := q.Query(ctx, countHeldSQL)
-	if err != nil {
-		return nil, fmt.Errorf("count held aggregates: %w", err)
-	}
-	counts := map[string]int64{}
-	var name string
-	var n int64
-	_, err = pgx.ForEachRow(rows, []any{&name, &n}, func() error {
-		counts[name] = n
-		return nil
-	})
+func CountHeldAggregates(ctx context.Context, pool *pgxpool.Pool) (map[string]int64, error) {
+	counts, err := countBySubscriber(ctx, pool, countHeldSQL)
 	if err != nil {
 		return nil, fmt.Errorf("count held aggregates: %w", err)
 	}

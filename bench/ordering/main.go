@@ -142,8 +142,8 @@ func run(ctx context.Context) error {
 }
 
 // fill writes the orders' whole lives, one step of every order after the
-// other (so each aggregate's events are far apart in the stream), and
-// publishes them through a relay.
+// other, each step published through a relay before the next is written:
+// each aggregate's events are an order apart in the stream.
 func (b *bench) fill(ctx context.Context) error {
 	if _, err := b.pool.Exec(ctx, `INSERT INTO orders (customer) SELECT 'bench-' || g FROM generate_series(1, $1) g`, *orders); err != nil {
 		return err
@@ -164,11 +164,15 @@ FROM t ORDER BY order_id`, n+1, s.from, s.to)
 		if err != nil {
 			return err
 		}
+		// Published step by step: the relay publishes an aggregate's
+		// waiting events one after the other, which would put each order's
+		// life in one run of the stream.
+		if err := benchkit.Publish(ctx, b.pool, b.nc, b.cfg.Relay, b.cfg.Stream); err != nil {
+			return err
+		}
 	}
-	if _, err := b.pool.Exec(ctx, `UPDATE orders SET status = 'delivered'`); err != nil {
-		return err
-	}
-	return benchkit.Publish(ctx, b.pool, b.nc, b.cfg.Relay, b.cfg.Stream)
+	_, err := b.pool.Exec(ctx, `UPDATE orders SET status = 'delivered'`)
+	return err
 }
 
 // reset forgets fulfilment's state, checkpoints and consumer: the next run
@@ -230,6 +234,14 @@ func (b *bench) fulfil(ctx context.Context, ordered bool, instances int) (float6
 	if done != 4**orders {
 		return 0, fmt.Errorf("%d events checkpointed, want %d", done, 4**orders)
 	}
+	var violations, redelivered int
+	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM fulfilment_violations`).Scan(&violations); err != nil {
+		return 0, err
+	}
+	if c, err := b.js.Consumer(ctx, b.cfg.Stream.Name, fulfilment.Name); err == nil {
+		redelivered = c.CachedInfo().NumRedelivered
+	}
+	fmt.Printf("      ordered %t, instances %d: %s, %d violations recorded, %d redelivered\n", ordered, instances, took.Round(time.Millisecond), violations, redelivered)
 	if ordered {
 		diffs, err := fulfilment.Compare(ctx, b.pool, 5)
 		if err != nil {

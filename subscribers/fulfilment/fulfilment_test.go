@@ -213,26 +213,6 @@ func sum(ns []int) (s int) {
 	return s
 }
 
-// startRelay starts one more relay on env's database.
-func startRelay(t *testing.T, env *subscribertest.Env, hooks relay.TestHooks) {
-	t.Helper()
-	r, err := relay.New(relay.Options{Relay: env.Config.Relay, Stream: env.Config.Stream, Pool: env.DB.Pool, Conn: env.Connect(),
-		Logger: env.Logger.With("component", "relay2"), TestHooks: hooks})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := r.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		_ = r.Stop(ctx)
-	})
-}
-
 // failOnce fails the first publish of one event in three.
 func failOnce() func(int64) bool {
 	var failed sync.Map
@@ -251,7 +231,7 @@ func failOnce() func(int64) bool {
 func TestOrdersFollowTheirHistory(t *testing.T) {
 	t.Parallel()
 	env, product := newEnv(t)
-	startRelay(t, env, relay.TestHooks{FailPublish: failOnce()})
+	env.StartRelay(relay.TestHooks{FailPublish: failOnce()})
 	for range 3 {
 		env.StartRunner(subscribers.OrderedTx(jittery{}), nil)
 	}

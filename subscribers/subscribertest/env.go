@@ -63,21 +63,29 @@ func NewEnv(t *testing.T) *Env {
 	if e.JS, err = jetstream.New(e.Conn); err != nil {
 		t.Fatal(err)
 	}
-	r, err := relay.New(relay.Options{Relay: cfg.Relay, Stream: cfg.Stream, Pool: e.DB.Pool, Conn: e.Connect(), Logger: e.Logger.With("component", "relay")})
+	e.StartRelay(relay.TestHooks{})
+	return e
+}
+
+// StartRelay starts one more relay on the env's database (NewEnv starts
+// the first), with hooks, and stops it when the test ends.
+func (e *Env) StartRelay(hooks relay.TestHooks) {
+	e.T.Helper()
+	r, err := relay.New(relay.Options{Relay: e.Config.Relay, Stream: e.Config.Stream, Pool: e.DB.Pool, Conn: e.Connect(),
+		Logger: e.Logger.With("component", "relay"), TestHooks: hooks})
 	if err != nil {
-		t.Fatal(err)
+		e.T.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := r.Start(ctx); err != nil {
-		t.Fatal(err)
+		e.T.Fatal(err)
 	}
-	t.Cleanup(func() {
+	e.T.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		_ = r.Stop(ctx)
 	})
-	return e
 }
 
 // ProxiedPool returns a pool to the env's database through a proxy the
