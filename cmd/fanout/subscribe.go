@@ -180,6 +180,15 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 				return err
 			}
 			d.reg.MustRegister(metrics.NewConsumerCollector(js, a.cfg.Stream.Name, args, a.logger))
+			var ordered []string
+			for _, name := range args {
+				if decl, err := subscriberRegistry.Lookup(name); err == nil && decl.Ordered {
+					ordered = append(ordered, name)
+				}
+			}
+			if len(ordered) > 0 {
+				d.reg.MustRegister(metrics.NewHeldAggregatesCollector(pool, ordered, a.logger))
+			}
 			stopOps, err := startOps(a, d.reg, d.checks)
 			if err != nil {
 				_ = stopAll()

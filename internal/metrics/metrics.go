@@ -305,3 +305,34 @@ func (c *consumerCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.redeliv, prometheus.GaugeValue, float64(info.NumRedelivered), name)
 	}
 }
+
+// NewHeldAggregatesCollector reports, for each ordered subscriber in
+// names, how many of its aggregates are held behind a dead-lettered event
+// (subscribers.on_dead_letter hold): each waits for an operator.
+func NewHeldAggregatesCollector(pool *pgxpool.Pool, names []string, logger *slog.Logger) prometheus.Collector {
+	return &heldAggregatesCollector{pool: pool, names: names, logger: logger,
+		held: prometheus.NewDesc("fanout_subscriber_held_aggregates",
+			"Aggregates an ordered subscriber holds behind a dead-lettered event (subscribers.on_dead_letter hold).", []string{"subscriber"}, nil)}
+}
+
+type heldAggregatesCollector struct {
+	pool   *pgxpool.Pool
+	names  []string
+	logger *slog.Logger
+	held   *prometheus.Desc
+}
+
+func (c *heldAggregatesCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.held }
+
+func (c *heldAggregatesCollector) Collect(ch chan<- prometheus.Metric) {
+	ctx, cancel := context.WithTimeout(context.Background(), scrapeTimeout)
+	defer cancel()
+	counts, err := subscribers.CountHeldAggregates(ctx, c.pool)
+	if err != nil {
+		c.logger.Warn("metrics: count held aggregates", "error", err)
+		return
+	}
+	for _, name := range c.names {
+		ch <- prometheus.MustNewConstMetric(c.held, prometheus.GaugeValue, float64(counts[name]), name)
+	}
+}

@@ -42,7 +42,8 @@ func registered(t *testing.T) map[string]bool {
 	}
 	// The scrape-time collectors.
 	for _, n := range []string{"fanout_outbox_backlog_rows", "fanout_outbox_oldest_pending_age_seconds", "fanout_outbox_failed_rows",
-		"fanout_subscriber_pending_events", "fanout_subscriber_ack_pending_events", "fanout_subscriber_redelivered_events"} {
+		"fanout_subscriber_pending_events", "fanout_subscriber_ack_pending_events", "fanout_subscriber_redelivered_events",
+		"fanout_subscriber_held_aggregates"} {
 		names[n] = true
 	}
 	return names
