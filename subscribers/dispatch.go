@@ -31,33 +31,41 @@ func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- recei
 		if !r.health.waitUp(softCtx) {
 			return
 		}
-		msg, err := r.iter.Next(jetstream.NextContext(hardCtx))
-		if err != nil {
-			if errors.Is(err, jetstream.ErrMsgIteratorClosed) || hardCtx.Err() != nil {
+		msgs, closed := r.receive(hardCtx)
+		if len(msgs) > 0 {
+			select {
+			case batches <- received{msgs: msgs, at: time.Now()}:
+			case <-hardCtx.Done():
 				return
 			}
-			r.logger.Warn("receive", "error", err)
-			continue
-		}
-		batch := received{msgs: []jetstream.Msg{msg}, at: time.Now()}
-		closed := false
-		for len(batch.msgs) < r.cfg.BatchSize {
-			m, err := r.iter.Next(jetstream.NextMaxWait(gatherWait))
-			if err != nil {
-				closed = errors.Is(err, jetstream.ErrMsgIteratorClosed)
-				break
-			}
-			batch.msgs = append(batch.msgs, m)
-		}
-		select {
-		case batches <- batch:
-		case <-hardCtx.Done():
-			return
 		}
 		if closed {
 			return
 		}
 	}
+}
+
+// receive waits for a message, then takes the ones that arrive within
+// gatherWait, up to a batch. closed: the iterator is drained or stopped
+// (or ctx ended), and nothing more will come.
+func (r *Runner) receive(ctx context.Context) (msgs []jetstream.Msg, closed bool) {
+	msg, err := r.iter.Next(jetstream.NextContext(ctx))
+	if err != nil {
+		if errors.Is(err, jetstream.ErrMsgIteratorClosed) || ctx.Err() != nil {
+			return nil, true
+		}
+		r.logger.Warn("receive", "error", err)
+		return nil, false
+	}
+	msgs = []jetstream.Msg{msg}
+	for len(msgs) < r.cfg.BatchSize {
+		m, err := r.iter.Next(jetstream.NextMaxWait(gatherWait))
+		if err != nil {
+			return msgs, errors.Is(err, jetstream.ErrMsgIteratorClosed)
+		}
+		msgs = append(msgs, m)
+	}
+	return msgs, false
 }
 
 // received is a batch of messages as the dispatcher took them from the

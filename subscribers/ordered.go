@@ -393,28 +393,13 @@ func (r *Runner) dispatchOrdered(hardCtx context.Context, batches chan<- receive
 func (r *Runner) readOrdered(hardCtx context.Context, out chan<- []jetstream.Msg) {
 	defer close(out)
 	for {
-		msg, err := r.iter.Next(jetstream.NextContext(hardCtx))
-		if err != nil {
-			if errors.Is(err, jetstream.ErrMsgIteratorClosed) || hardCtx.Err() != nil {
+		msgs, closed := r.receive(hardCtx)
+		if len(msgs) > 0 {
+			select {
+			case out <- msgs:
+			case <-hardCtx.Done():
 				return
 			}
-			r.logger.Warn("receive", "error", err)
-			continue
-		}
-		msgs := []jetstream.Msg{msg}
-		closed := false
-		for len(msgs) < r.cfg.BatchSize {
-			m, err := r.iter.Next(jetstream.NextMaxWait(gatherWait))
-			if err != nil {
-				closed = errors.Is(err, jetstream.ErrMsgIteratorClosed)
-				break
-			}
-			msgs = append(msgs, m)
-		}
-		select {
-		case out <- msgs:
-		case <-hardCtx.Done():
-			return
 		}
 		if closed {
 			return
