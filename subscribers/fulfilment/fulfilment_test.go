@@ -21,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
+	"golang.org/x/sync/errgroup"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -77,12 +78,9 @@ var moves = []func(context.Context, pgx.Tx, int64) (int64, error){shop.PayOrder,
 func rushOrders(t *testing.T, env *subscribertest.Env, product int64, writers, perWriter int, seed uint64) {
 	t.Helper()
 	ctx := context.Background()
-	var wg sync.WaitGroup
-	errs := make(chan error, writers)
+	var g errgroup.Group
 	for w := range writers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		g.Go(func() error {
 			rng := rand.New(rand.NewPCG(seed, uint64(w)))
 			for range perWriter {
 				var order int64
@@ -101,15 +99,13 @@ func rushOrders(t *testing.T, env *subscribertest.Env, product int64, writers, p
 					err = pgx.BeginFunc(ctx, env.DB.Pool, func(tx pgx.Tx) error { _, err := shop.CancelOrder(ctx, tx, order); return err })
 				}
 				if err != nil {
-					errs <- err
-					return
+					return err
 				}
 			}
-		}()
+			return nil
+		})
 	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
+	if err := g.Wait(); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -124,18 +120,15 @@ func mixOrders(t *testing.T, env *subscribertest.Env, product int64, writers, or
 	var mu sync.Mutex
 	open := map[int64]int{} // order → steps taken
 	created := 0
-	var wg sync.WaitGroup
-	errs := make(chan error, writers)
+	var g errgroup.Group
 	for w := range writers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		g.Go(func() error {
 			rng := rand.New(rand.NewPCG(seed, uint64(w)))
 			for {
 				mu.Lock()
 				if created == orders && len(open) == 0 {
 					mu.Unlock()
-					return
+					return nil
 				}
 				var order int64
 				step := -1
@@ -177,8 +170,7 @@ func mixOrders(t *testing.T, env *subscribertest.Env, product int64, writers, or
 					continue // another writer moved it first
 				}
 				if err != nil {
-					errs <- err
-					return
+					return err
 				}
 				mu.Lock()
 				if ended {
@@ -188,11 +180,9 @@ func mixOrders(t *testing.T, env *subscribertest.Env, product int64, writers, or
 				}
 				mu.Unlock()
 			}
-		}()
+		})
 	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
+	if err := g.Wait(); err != nil {
 		t.Fatal(err)
 	}
 }
