@@ -2,6 +2,7 @@ package outbox
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
@@ -148,17 +149,11 @@ RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.hea
 // events moving at the pace of a publish, not of the claims (package
 // relay).
 func (s *Store) ClaimNext(ctx context.Context, published []Claimed, token pgtype.UUID, depth, n int) ([]Claimed, error) {
-	var types, ids []string
-	var seqs []int64
-	for _, c := range published {
-		if c.AggregateSeq.Valid {
-			types, ids, seqs = append(types, c.AggregateType), append(ids, c.AggregateID), append(seqs, c.AggregateSeq.Int64)
-		}
-	}
-	if len(seqs) == 0 || n < 1 {
+	args := nextClaimArgs(published, token, depth, n)
+	if args == nil {
 		return nil, nil
 	}
-	rows, err := s.pool.Query(ctx, claimNextSQL, types, ids, seqs, token, max(depth, 1), n)
+	rows, err := s.pool.Query(ctx, claimNextSQL, args...)
 	if err != nil {
 		return nil, fmt.Errorf("claim the next events of published aggregates: %w", err)
 	}
@@ -167,6 +162,22 @@ func (s *Store) ClaimNext(ctx context.Context, published []Claimed, token pgtype
 		return nil, fmt.Errorf("claim the next events of published aggregates: %w", err)
 	}
 	return claimed, nil
+}
+
+// nextClaimArgs are claimNextSQL's arguments, or nil if there is nothing
+// to claim.
+func nextClaimArgs(published []Claimed, token pgtype.UUID, depth, n int) []any {
+	var types, ids []string
+	var seqs []int64
+	for _, c := range published {
+		if c.AggregateSeq.Valid {
+			types, ids, seqs = append(types, c.AggregateType), append(ids, c.AggregateID), append(seqs, c.AggregateSeq.Int64)
+		}
+	}
+	if len(seqs) == 0 || n < 1 {
+		return nil
+	}
+	return []any{types, ids, seqs, token, max(depth, 1), n}
 }
 
 // claimUnorderedSQL is claimSQL without the per-aggregate check, which
@@ -220,6 +231,167 @@ func (s *Store) ClaimRange(ctx context.Context, n int, token pgtype.UUID, after,
 		return nil, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	return claimed, nil
+}
+
+// ClaimWindow is what the relay's claim loop claims with: up to n due
+// heads (as ClaimRange) among the first window unpublished rows above
+// after, oldest first, so that a claim's walk is bounded however large the
+// backlog of events waiting for the one before them. It also reports the
+// newest id in the outbox as the claim began and whether the window was
+// full (there are unpublished rows beyond it). A claim that returns fewer
+// than n rows looked at every row of the window, or up to the newest id
+// if the window was not full, whose transaction had committed. Both
+// statements go in one round trip.
+func (s *Store) ClaimWindow(ctx context.Context, n int, token pgtype.UUID, after int64, window int) (Window, error) {
+	query := claimWindowSQL
+	if s.Unordered {
+		query = claimUnorderedWindowSQL
+	}
+	var w Window
+	var end pgtype.Int8
+	b := &pgx.Batch{}
+	b.Queue(`SELECT (SELECT coalesce(max(id), 0) FROM outbox), (`+windowEndSQL+`)`, after, max(window, 1)-1).QueryRow(func(row pgx.Row) error {
+		return row.Scan(&w.Newest, &end)
+	})
+	b.Queue(query, n, token, int64(math.MaxInt64), after, s.OnFailed != SkipFailed, max(window, 1)-1).Query(func(rows pgx.Rows) (err error) {
+		w.Claimed, err = pgx.CollectRows(rows, scanClaimed)
+		return err
+	})
+	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
+		return Window{}, fmt.Errorf("claim outbox batch: %w", err)
+	}
+	w.Full, w.End = end.Valid, end.Int64
+	return w, nil
+}
+
+// Window is what ClaimWindow claimed and saw.
+type Window struct {
+	Claimed []Claimed
+	Newest  int64 // the newest id in the outbox as the claim began
+	Full    bool  // the window was full: unpublished rows lie beyond End
+	End     int64 // the window's last row, if Full
+}
+
+// windowEndSQL is the id of the ($2+1)-th unpublished row above $1.
+const windowEndSQL = `SELECT id FROM outbox WHERE published_at IS NULL AND id > $1 ORDER BY id OFFSET $2 LIMIT 1`
+
+// claimWindowSQL is claimSQL through the end of a window of $6+1
+// unpublished rows above $4 (or $3 if there are fewer).
+var claimWindowSQL, claimUnorderedWindowSQL = func() (string, string) {
+	bound := "o.id <= coalesce((" + strings.NewReplacer("$1", "$4", "$2", "$6").Replace(windowEndSQL) + "), $3)"
+	if !strings.Contains(claimSQL, "o.id <= $3") {
+		panic("outbox: claimSQL has no upper bound to window")
+	}
+	return strings.Replace(claimSQL, "o.id <= $3", bound, 1), strings.Replace(claimUnorderedSQL, "o.id <= $3", bound, 1)
+}()
+
+// claimHeadsSQL claims up to $1 due heads (an aggregate's first event
+// still to publish) under lease token $2 by walking aggregates, not rows:
+// from the aggregate after ($4, $5), the first event of each of up to $6
+// aggregates with unpublished events (a skip scan of
+// outbox_aggregate_unsent_idx: one probe per aggregate, however many
+// events wait behind its first). $3 is whether failed rows hold. The last
+// row tells how many aggregates were looked at and the last one (with no
+// claimed row in it when nothing was claimed).
+const claimHeadsSQL = `
+WITH RECURSIVE heads AS (
+    (SELECT e.aggregate_type, e.aggregate_id, e.id, e.status, 1 AS n FROM outbox e
+     WHERE e.published_at IS NULL AND (e.aggregate_type, e.aggregate_id) > ($4, $5)
+       AND (e.status IN ('pending', 'sending') OR (e.status = 'failed' AND $3))
+     ORDER BY e.aggregate_type, e.aggregate_id, e.aggregate_seq LIMIT 1)
+  UNION ALL
+    SELECT nx.aggregate_type, nx.aggregate_id, nx.id, nx.status, h.n + 1 FROM heads h, LATERAL (
+        SELECT e.aggregate_type, e.aggregate_id, e.id, e.status FROM outbox e
+        WHERE e.published_at IS NULL AND (e.aggregate_type, e.aggregate_id) > (h.aggregate_type, h.aggregate_id)
+          AND (e.status IN ('pending', 'sending') OR (e.status = 'failed' AND $3))
+        ORDER BY e.aggregate_type, e.aggregate_id, e.aggregate_seq LIMIT 1) nx
+    WHERE h.n < $6
+), picked AS (
+    SELECT o.id FROM heads h JOIN outbox o ON o.id = h.id
+    WHERE h.status = 'pending' AND o.published_at IS NULL AND o.status = 'pending' AND o.available_at <= now()
+    ORDER BY o.id
+    LIMIT $1
+    FOR UPDATE OF o SKIP LOCKED
+), claimed AS (
+    UPDATE outbox o
+    SET status = 'sending', claimed_at = now(), lease_token = $2
+    FROM picked
+    WHERE o.id = picked.id
+    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.created_at, o.aggregate_seq
+), seen AS (
+    SELECT count(*) AS n,
+           (SELECT aggregate_type FROM heads ORDER BY n DESC LIMIT 1) AS last_type,
+           (SELECT aggregate_id FROM heads ORDER BY n DESC LIMIT 1) AS last_id
+    FROM heads
+)
+SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.headers, c.created_at, c.aggregate_seq,
+       s.n, s.last_type, s.last_id
+FROM seen s LEFT JOIN claimed c ON true`
+
+// AggregateKey names an aggregate.
+type AggregateKey struct{ Type, ID string }
+
+// Heads is what ClaimHeads claimed and saw.
+type Heads struct {
+	Claimed []Claimed
+	Seen    int          // aggregates looked at
+	Last    AggregateKey // the last of them, where the next walk goes on
+}
+
+// ClaimHeads claims up to n due heads of the aggregates after `after`, in
+// aggregate order, looking at no more than aggregates of them: the relay's
+// claim loop goes round the aggregates with it when the rows above its
+// floor are mostly events waiting for the one before them, which a walk by
+// id would step over one by one. Seen < aggregates means the walk reached
+// the last aggregate.
+func (s *Store) ClaimHeads(ctx context.Context, n int, token pgtype.UUID, after AggregateKey, aggregates int) (Heads, error) {
+	rows, err := s.pool.Query(ctx, claimHeadsSQL, n, token, s.OnFailed != SkipFailed, after.Type, after.ID, max(aggregates, 1))
+	if err != nil {
+		return Heads{}, fmt.Errorf("claim the heads of aggregates: %w", err)
+	}
+	var h Heads
+	for rows.Next() {
+		var id, seq pgtype.Int8
+		var aggType, aggID, eventType, lastType, lastID pgtype.Text
+		var payload, headers []byte
+		var created pgtype.Timestamptz
+		var seen int64
+		if err := rows.Scan(&id, &aggType, &aggID, &eventType, &payload, &headers, &created, &seq, &seen, &lastType, &lastID); err != nil {
+			rows.Close()
+			return Heads{}, fmt.Errorf("claim the heads of aggregates: %w", err)
+		}
+		h.Seen, h.Last = int(seen), AggregateKey{Type: lastType.String, ID: lastID.String}
+		if id.Valid {
+			h.Claimed = append(h.Claimed, Claimed{
+				ID: id.Int64, AggregateType: aggType.String, AggregateID: aggID.String, EventType: eventType.String,
+				Payload: payload, Headers: headers, CreatedAt: created, AggregateSeq: seq,
+			})
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return Heads{}, fmt.Errorf("claim the heads of aggregates: %w", err)
+	}
+	return h, nil
+}
+
+// NthUnsent returns the id of the n-th unpublished row above after and up
+// to through, in id order, and false if there are fewer: the relay's
+// sweeper walks the rows below its claim floor a window of that many at a
+// time.
+func (s *Store) NthUnsent(ctx context.Context, after, through int64, n int) (int64, bool, error) {
+	var id int64
+	err := s.pool.QueryRow(ctx, `
+SELECT id FROM outbox
+WHERE published_at IS NULL AND id > $1 AND id <= $2
+ORDER BY id
+OFFSET $3 LIMIT 1`, after, through, max(n, 1)-1).Scan(&id)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, fmt.Errorf("find the sweep window's end: %w", err)
+	}
+	return id, true, nil
 }
 
 // Unpublished reads the rows among ids that are pending and unpublished,
@@ -295,32 +467,57 @@ type Outcomes struct {
 	FailedReasons []string
 	// Returned rows go back to pending unpublished, no attempt counted.
 	Returned []int64
+	// Next, if set, claims in the same transaction the next events of the
+	// aggregates of Next.Published, as ClaimNext: a relay goes on with an
+	// aggregate's backlog for the price of one round trip.
+	Next *NextClaim
+}
+
+// NextClaim is a ClaimNext made with a Record.
+type NextClaim struct {
+	Published []Claimed // the last row published of each aggregate
+	Token     pgtype.UUID
+	Depth, N  int
 }
 
 // Record marks a batch's outcomes in one transaction, for the rows still
 // under token, and returns how many were marked sent (fewer than
-// len(o.Sent) when the lease was lost).
-func (s *Store) Record(ctx context.Context, token pgtype.UUID, o Outcomes) (sent int64, err error) {
-	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		b := &pgx.Batch{}
-		if len(o.Sent) > 0 {
-			b.Queue(markSentSQL, o.Sent, token).Exec(func(ct pgconn.CommandTag) error {
-				sent = ct.RowsAffected()
-				return nil
+// len(o.Sent) when the lease was lost) and the rows o.Next claimed.
+//
+// The statements go in one round trip, as one implicit transaction (a
+// batch without BEGIN): a failed one rolls back the others.
+func (s *Store) Record(ctx context.Context, token pgtype.UUID, o Outcomes) (sent int64, next []Claimed, err error) {
+	b := &pgx.Batch{}
+	if len(o.Sent) > 0 {
+		b.Queue(markSentSQL, o.Sent, token).Exec(func(ct pgconn.CommandTag) error {
+			sent = ct.RowsAffected()
+			return nil
+		})
+	}
+	if len(o.Retry) > 0 {
+		b.Queue(markRetrySQL, o.Retry, o.RetryReasons, o.RetryMin.Seconds(), o.RetryMax.Seconds(), token)
+	}
+	if len(o.Failed) > 0 {
+		b.Queue(markFailedSQL, o.Failed, o.FailedReasons, token)
+	}
+	if len(o.Returned) > 0 {
+		b.Queue(markReturnedSQL, o.Returned, token)
+	}
+	if o.Next != nil {
+		if args := nextClaimArgs(o.Next.Published, o.Next.Token, o.Next.Depth, o.Next.N); args != nil {
+			b.Queue(claimNextSQL, args...).Query(func(rows pgx.Rows) (err error) {
+				next, err = pgx.CollectRows(rows, scanClaimed)
+				return err
 			})
 		}
-		if len(o.Retry) > 0 {
-			b.Queue(markRetrySQL, o.Retry, o.RetryReasons, o.RetryMin.Seconds(), o.RetryMax.Seconds(), token)
-		}
-		if len(o.Failed) > 0 {
-			b.Queue(markFailedSQL, o.Failed, o.FailedReasons, token)
-		}
-		if len(o.Returned) > 0 {
-			b.Queue(markReturnedSQL, o.Returned, token)
-		}
-		return tx.SendBatch(ctx, b).Close()
-	})
-	return sent, err
+	}
+	if b.Len() == 0 {
+		return 0, nil, nil
+	}
+	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
+		return 0, nil, err
+	}
+	return sent, next, nil
 }
 
 // reapSQL returns rows whose lease expired to `pending`. Their relay died or

@@ -49,10 +49,10 @@ func TestStore(t *testing.T) {
 		t.Fatalf("after the claim: %+v", b)
 	}
 	// Another relay's token changes nothing.
-	if sent, err := store.Record(ctx, pgtype.UUID{Bytes: [16]byte{2}, Valid: true}, outbox.Outcomes{Sent: ids[:4]}); err != nil || sent != 0 {
+	if sent, _, err := store.Record(ctx, pgtype.UUID{Bytes: [16]byte{2}, Valid: true}, outbox.Outcomes{Sent: ids[:4]}); err != nil || sent != 0 {
 		t.Fatalf("record under a stale token: %d marked (%v)", sent, err)
 	}
-	sent, err := store.Record(ctx, token, outbox.Outcomes{
+	sent, _, err := store.Record(ctx, token, outbox.Outcomes{
 		Sent:  ids[:2],
 		Retry: ids[2:3], RetryReasons: []string{"nats down"}, RetryMin: time.Hour, RetryMax: 2 * time.Hour,
 		Failed: ids[3:4], FailedReasons: []string{"too big"},
@@ -180,14 +180,18 @@ func TestClaimKeepsEachAggregatesOrder(t *testing.T) {
 	if got := claim(); len(got) != 0 {
 		t.Fatalf("claim while the first events are in flight: %v, want none", got)
 	}
-	if _, err := store.Record(ctx, token, outbox.Outcomes{Sent: []int64{x[0], y[0]}}); err != nil {
-		t.Fatal(err)
-	}
-	next, err := store.ClaimNext(ctx, first, token, 1, 10)
+	// The next events are claimed with the record, in its transaction.
+	_, next, err := store.Record(ctx, token, outbox.Outcomes{
+		Sent: []int64{x[0], y[0]},
+		Next: &outbox.NextClaim{Published: first, Token: token, Depth: 1, N: 10},
+	})
 	if err != nil || len(next) != 1 || next[0].ID != x[1] || next[0].AggregateSeq.Int64 != 2 {
 		t.Fatalf("claim the next events: %+v (%v), want order 7's second", next, err)
 	}
-	if _, err := store.Record(ctx, token, outbox.Outcomes{Failed: []int64{x[1]}, FailedReasons: []string{"too big"}}); err != nil {
+	if again, err := store.ClaimNext(ctx, first, token, 1, 10); err != nil || len(again) != 0 {
+		t.Fatalf("claim the next events again: %+v (%v), want none (claimed already)", again, err)
+	}
+	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Failed: []int64{x[1]}, FailedReasons: []string{"too big"}}); err != nil {
 		t.Fatal(err)
 	}
 	if got := claim(); len(got) != 0 {
@@ -199,6 +203,61 @@ func TestClaimKeepsEachAggregatesOrder(t *testing.T) {
 	store.OnFailed = outbox.SkipFailed
 	if got := claim(); len(got) != 1 || got[0] != x[2] {
 		t.Fatalf("claim past a failed event with on_failed skip: %v, want %d", got, x[2])
+	}
+}
+
+// ClaimWindow walks a bounded window of unpublished rows by id and says
+// whether more lie beyond it; ClaimHeads finds each aggregate's first
+// unpublished event anywhere, one probe per aggregate, and goes round the
+// aggregates from where it stopped.
+func TestClaimWindowAndClaimHeads(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	store := outbox.NewStore(db.Pool)
+	a := writeOrders(t, db.Pool, 5, "1")
+	b := writeOrders(t, db.Pool, 5, "2")
+	c := writeOrders(t, db.Pool, 1, "3")
+	token := pgtype.UUID{Bytes: [16]byte{3}, Valid: true}
+
+	// A window of 3 rows holds order 1's first three events: one head.
+	w, err := store.ClaimWindow(ctx, 10, token, 0, 3)
+	if err != nil || len(w.Claimed) != 1 || w.Claimed[0].ID != a[0] || !w.Full || w.End != a[2] || w.Newest != c[0] {
+		t.Fatalf("claim a window of 3: %+v (%v), want order 1's first event, full, ending at %d, newest %d", w, err, a[2], c[0])
+	}
+	// Order 1 is in flight; the heads of orders 2 and 3 are found beyond
+	// any window, and order 1's next events are not taken.
+	h, err := store.ClaimHeads(ctx, 10, token, outbox.AggregateKey{}, 10)
+	if err != nil || len(h.Claimed) != 2 || h.Claimed[0].ID != b[0] || h.Claimed[1].ID != c[0] || h.Seen != 3 || h.Last != (outbox.AggregateKey{Type: "order", ID: "3"}) {
+		t.Fatalf("claim heads: %+v (%v), want the first events of orders 2 and 3, 3 aggregates seen, the last order 3", h, err)
+	}
+	// Going round two aggregates at a time: orders 1 and 2 (in flight,
+	// nothing to claim), then order 3 (in flight too), then the end.
+	h, err = store.ClaimHeads(ctx, 10, token, outbox.AggregateKey{}, 2)
+	if err != nil || len(h.Claimed) != 0 || h.Seen != 2 || h.Last != (outbox.AggregateKey{Type: "order", ID: "2"}) {
+		t.Fatalf("claim heads, 2 aggregates: %+v (%v), want none claimed, 2 seen, the last order 2", h, err)
+	}
+	if h, err = store.ClaimHeads(ctx, 10, token, h.Last, 2); err != nil || h.Seen != 1 {
+		t.Fatalf("claim heads after order 2: %+v (%v), want 1 seen", h, err)
+	}
+	if h, err = store.ClaimHeads(ctx, 10, token, h.Last, 2); err != nil || h.Seen != 0 || len(h.Claimed) != 0 {
+		t.Fatalf("claim heads after the last order: %+v (%v), want none seen", h, err)
+	}
+	// Order 2's first event published: its second is its head now; a
+	// failed event holds its order unless failed events are skipped.
+	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Sent: []int64{b[0]}, Failed: []int64{a[0]}, FailedReasons: []string{"too big"}}); err != nil {
+		t.Fatal(err)
+	}
+	if h, err = store.ClaimHeads(ctx, 10, token, outbox.AggregateKey{}, 10); err != nil || len(h.Claimed) != 1 || h.Claimed[0].ID != b[1] || h.Claimed[0].AggregateSeq.Int64 != 2 {
+		t.Fatalf("claim heads after order 2's first event: %+v (%v), want its second", h, err)
+	}
+	store.OnFailed = outbox.SkipFailed
+	if h, err = store.ClaimHeads(ctx, 10, token, outbox.AggregateKey{}, 10); err != nil || len(h.Claimed) != 1 || h.Claimed[0].ID != a[1] {
+		t.Fatalf("claim heads past a failed event with on_failed skip: %+v (%v), want order 1's second", h, err)
+	}
+	// A window with nothing beyond it is not full.
+	if w, err = store.ClaimWindow(ctx, 10, token, c[0], 3); err != nil || w.Full || len(w.Claimed) != 0 {
+		t.Fatalf("claim above the newest row: %+v (%v), want nothing, not full", w, err)
 	}
 }
 

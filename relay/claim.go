@@ -21,37 +21,115 @@ const fullClaimEvery = time.Second
 // claimFloor splits the claims: the claim loop takes rows above the floor,
 // the sweeper those at or below it.
 type claimFloor struct {
-	after  atomic.Int64 // the floor: the claim loop starts above this id
-	newest atomic.Int64 // the highest id the claim loop claimed
-	next   int64        // the floor after the next sweep (the sweeper's)
+	after atomic.Int64 // the floor: the claim loop starts above this id
+	// newest is the highest id the claim loop has looked at: the last row
+	// it claimed, or the newest row in the outbox when a claim came back
+	// short (it walked to the end). With per-aggregate order most of a
+	// backlog is rows waiting for the event before them, which only the
+	// deliveries that published that event claim (ClaimNext): counting
+	// them as looked at keeps the claim loop from walking the whole
+	// backlog at every claim.
+	newest atomic.Int64
+	next   int64 // the floor after the next sweep (the sweeper's)
 }
 
-// swept moves the floor after a sweep to the newest id claimed when the
+// swept moves the floor after a sweep to the newest id looked at when the
 // previous sweep began. Ids are taken in order, so a row below it that
 // was not claimed yet belongs to a transaction open since before then, at
 // least fullClaimEvery ago: the floor lags a sweep behind the newest rows
 // so that only such rows (and the ones a sweep is there for) fall below it.
 func (f *claimFloor) swept(newestAtStart int64) {
-	if f.next > f.after.Load() {
-		f.after.Store(f.next)
-	}
+	f.raise(f.next)
 	f.next = newestAtStart
 }
+
+// raise moves the floor up to id, never down.
+func (f *claimFloor) raise(id int64) {
+	for {
+		cur := f.after.Load()
+		if id <= cur || f.after.CompareAndSwap(cur, id) {
+			return
+		}
+	}
+}
+
+// saw records that the claim loop has looked at every row up to id.
+func (f *claimFloor) saw(id int64) {
+	for {
+		cur := f.newest.Load()
+		if id <= cur || f.newest.CompareAndSwap(cur, id) {
+			return
+		}
+	}
+}
+
+// heads is the claim loop's walk round the aggregates (claim): where it
+// goes on, and the newest id when its round began.
+type heads struct {
+	after        outbox.AggregateKey
+	newestAtTurn int64
+}
+
+// claimWindow is how many unpublished rows above the floor a claim walks
+// by id: the rows in flight (up to max_in_flight), and as many again.
+func (r *Relay) claimWindow() int { return 2 * r.cfg.MaxInFlight }
 
 func (r *Relay) claim(ctx context.Context) ([]row, pgtype.UUID, error) {
 	token := newLeaseToken()
 	// Nothing is decoded in the claim: message() judges each row on its
 	// own, and a bad row becomes `failed`.
-	claimed, err := r.store.ClaimRange(ctx, r.cfg.BatchSize, token, r.floor.after.Load(), math.MaxInt64)
+	w, err := r.store.ClaimWindow(ctx, r.cfg.BatchSize, token, r.floor.after.Load(), r.claimWindow())
 	if err != nil {
 		return nil, token, err
 	}
-	sortRows(claimed)
-	if n := len(claimed); n > 0 && claimed[n-1].ID > r.floor.newest.Load() {
-		r.floor.newest.Store(claimed[n-1].ID)
+	claimed := w.Claimed
+	switch {
+	case len(claimed) == r.cfg.BatchSize:
+		r.floor.saw(claimed[len(claimed)-1].ID)
+	case !w.Full:
+		r.floor.saw(w.Newest)
+	case r.hooks.Unordered:
+		r.floor.saw(w.End)
+	default:
+		// More rows wait above the window than a claim walks, most of
+		// them, as a rule, events waiting for the one before them (a
+		// backlog of busy aggregates, drained a few events of each at a
+		// time by ClaimNext). A walk by id would probe each of them; a
+		// walk round the aggregates probes each aggregate once, and
+		// finds the heads anywhere in the backlog, the newest rows' too.
+		if r.heads.after == (outbox.AggregateKey{}) {
+			r.heads.newestAtTurn = w.Newest
+		}
+		h, err := r.store.ClaimHeads(ctx, r.cfg.BatchSize-len(claimed), token, r.heads.after, r.cfg.MaxInFlight)
+		if err != nil {
+			// The window's rows are claimed: deliver them, and walk
+			// round the aggregates again at the next claim.
+			r.logger.Warn("claim the heads of the aggregates; the next claim tries again", "error", err)
+			break
+		}
+		claimed = append(claimed, h.Claimed...)
+		r.heads.after = h.Last
+		if h.Seen < r.cfg.MaxInFlight {
+			// A whole round: every aggregate's head up to the newest
+			// row when it began was looked at. The floor goes there at
+			// once (a row below it whose transaction was still open
+			// waits for the sweeper), so that the next claims walk only
+			// the rows written since, not the backlog again.
+			r.floor.saw(r.heads.newestAtTurn)
+			r.floor.raise(r.heads.newestAtTurn)
+			r.heads.after = outbox.AggregateKey{}
+		}
 	}
+	sortRows(claimed)
 	return claimed, token, nil
 }
+
+// sweepWindow is how many unpublished rows below the floor one sweep walks
+// at most: a large backlog of events waiting for the one before them
+// (per-aggregate order) is walked a window a sweep, round and round,
+// rather than all of it every second. A backlog smaller than the window,
+// the usual case, is walked whole by every sweep.
+func (r *Relay) sweepWindow() int { return max(10*r.cfg.BatchSize, 10_000) }
 
 // sweepLoop claims the rows at or below the floor every fullClaimEvery.
 // It runs beside the claim loop, so that its walk from the lowest id,
@@ -59,6 +137,7 @@ func (r *Relay) claim(ctx context.Context) ([]row, pgtype.UUID, error) {
 func (r *Relay) sweepLoop(softCtx, hardCtx context.Context) {
 	t := time.NewTicker(fullClaimEvery)
 	defer t.Stop()
+	cursor := int64(math.MinInt64)
 	for {
 		select {
 		case <-r.stopping:
@@ -68,46 +147,68 @@ func (r *Relay) sweepLoop(softCtx, hardCtx context.Context) {
 		case <-t.C:
 		}
 		newest := r.floor.newest.Load()
-		if !r.sweep(softCtx, hardCtx) {
+		next, ok := r.sweep(softCtx, hardCtx, cursor)
+		if !ok {
 			continue // the floor stays until a sweep completes
 		}
+		cursor = next
 		r.floor.swept(newest)
 	}
 }
 
-// sweep claims and delivers every due row at or below the floor; it
-// returns false if it could not finish (NATS or Postgres unreachable, a
-// stop), leaving the rest to the next one.
-func (r *Relay) sweep(softCtx, hardCtx context.Context) bool {
+// sweep claims and delivers every due row at or below the floor in the
+// window above from (sweepWindow); it returns where the next sweep starts
+// (the lowest id again once a window reached the floor), or false if it
+// could not finish (NATS or Postgres unreachable, a stop), leaving the
+// window to the next one.
+func (r *Relay) sweep(softCtx, hardCtx context.Context, from int64) (int64, bool) {
 	floor := r.floor.after.Load()
+	if from >= floor {
+		from = math.MinInt64
+	}
+	through, inside, err := r.store.NthUnsent(hardCtx, from, floor, r.sweepWindow())
+	if err != nil {
+		r.logger.Warn("claim the rows below the claim floor; the next sweep tries again", "error", err, "floor", floor)
+		return from, false
+	}
+	if !inside {
+		through = floor
+	}
 	batch := int64(r.cfg.BatchSize)
-	for {
+	for after := from; ; {
 		if !r.nc.IsConnected() {
-			return false
+			return from, false
 		}
 		if err := r.slots.Acquire(softCtx, batch); err != nil {
-			return false
+			return from, false
 		}
 		token := newLeaseToken()
 		start := time.Now()
 		// On hardCtx, as the claim loop's: a claim cancelled after the
 		// server committed would strand its rows until their lease ends.
-		rows, err := r.store.ClaimRange(hardCtx, r.cfg.BatchSize, token, math.MinInt64, floor)
+		rows, err := r.store.ClaimRange(hardCtx, r.cfg.BatchSize, token, after, through)
 		r.slots.Release(batch - int64(len(rows)))
 		if err != nil {
 			r.logger.Warn("claim the rows below the claim floor; the next sweep tries again", "error", err, "floor", floor)
-			return false
+			return from, false
 		}
 		if len(rows) == 0 {
-			return true
+			break
 		}
 		r.obs.Claimed(len(rows), time.Since(start))
 		sortRows(rows)
+		// The claim picked the lowest ids it could take: the rows it
+		// walked past below the last are not claimable now.
+		after = rows[len(rows)-1].ID
 		r.deliverAsync(hardCtx, rows, token)
 		if len(rows) < r.cfg.BatchSize {
-			return true
+			break
 		}
 	}
+	if through >= floor {
+		return math.MinInt64, true
+	}
+	return through, true
 }
 
 // deliverAsync publishes and records a claimed batch in the background;
@@ -126,8 +227,9 @@ func (r *Relay) deliverAsync(hardCtx context.Context, rows []row, token pgtype.U
 // Postgres is unreachable (a restart, a failover) for up to half the lease.
 // If it still cannot, the rows stay `sending` and the reaper returns them;
 // their second publish is dropped by JetStream as a duplicate. It returns
-// whether it recorded them.
-func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, results []outcome) bool {
+// whether it recorded them, and the rows next claimed with them (see
+// outbox.Outcomes.Next).
+func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, results []outcome, next *outbox.NextClaim) ([]row, bool) {
 	var sentIDs, retryIDs, failedIDs, returnedIDs []int64
 	var retryReasons, failedReasons []string
 	var published []Published
@@ -149,13 +251,15 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 	}
 
 	var sent int64
+	var claimed []row
 	op := func() (struct{}, error) {
 		var err error
-		sent, err = r.store.Record(ctx, token, outbox.Outcomes{
+		sent, claimed, err = r.store.Record(ctx, token, outbox.Outcomes{
 			Sent:  sentIDs,
 			Retry: retryIDs, RetryReasons: retryReasons, RetryMin: r.cfg.RetryMin, RetryMax: r.cfg.RetryMax,
 			Failed: failedIDs, FailedReasons: failedReasons,
 			Returned: returnedIDs,
+			Next:     next,
 		})
 		if err != nil && ctx.Err() != nil {
 			return struct{}{}, backoff.Permanent(err)
@@ -173,7 +277,7 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 	if err != nil {
 		r.logger.Error("record published batch: giving up; the reaper will return the rows after their lease",
 			"error", err, "rows", len(rows), "first_id", rows[0].ID)
-		return false
+		return nil, false
 	}
 	if int(sent) < len(sentIDs) {
 		// Another relay holds these rows now (our lease expired); it will
@@ -191,7 +295,7 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 			r.logger.Error("outbox row can never be published: marked failed", "event_id", id, "reason", failedReasons[i])
 		}
 	}
-	return true
+	return claimed, true
 }
 
 // reportPublished tells the observer about rows stored in the stream, and

@@ -164,11 +164,11 @@ func TestStaleLeaseCannotMark(t *testing.T) {
 	}
 
 	acked := []outcome{{acked: true, ackedAt: time.Now()}, {acked: true}, {permanent: true, err: "x"}}
-	stale.record(ctx, rows, staleToken, acked)
+	stale.record(ctx, rows, staleToken, acked, nil)
 	if c := statusCounts(t, h.db.Pool); c["sending"] != 3 {
 		t.Fatalf("after the stale relay recorded: %s, want all 3 still sending under the new lease", formatCounts(c))
 	}
-	current.record(ctx, rows2, currentToken, []outcome{{acked: true}, {acked: true}, {acked: true}})
+	current.record(ctx, rows2, currentToken, []outcome{{acked: true}, {acked: true}, {acked: true}}, nil)
 	if c := statusCounts(t, h.db.Pool); c["sent"] != 3 {
 		t.Fatalf("after the current relay recorded: %s, want 3 sent", formatCounts(c))
 	}
@@ -196,7 +196,7 @@ func TestFailedPublishBacksOff(t *testing.T) {
 		if err := h.db.Pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&before); err != nil {
 			t.Fatal(err)
 		}
-		r.record(ctx, rows, token, outcomes)
+		r.record(ctx, rows, token, outcomes, nil)
 		if err := h.db.Pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&after); err != nil {
 			t.Fatal(err)
 		}

@@ -109,6 +109,7 @@ type Relay struct {
 	lastClaimed  atomic.Int64
 	lastClaimErr atomic.Pointer[string]
 	floor        claimFloor // where most claims start (claim.go)
+	heads        heads      // the claim loop's walk round the aggregates (claim.go)
 
 	// wal capture (see wal.go).
 	captureState   atomic.Int32  // captureConnecting, captureStandby, captureStreaming
@@ -465,57 +466,77 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, clai
 			}
 			r.testHookBeforeRecord(ctx, ids)
 		}
-		if !r.record(ctx, rows, token, results) || !claimNext || r.hooks.Unordered {
-			return
-		}
-		// The last published event of each aggregate.
-		last := map[aggregateKey]row{}
-		for i, res := range results {
-			if res.acked && rows[i].AggregateSeq.Valid {
-				if l, ok := last[keyOf(rows[i])]; !ok || l.AggregateSeq.Int64 < rows[i].AggregateSeq.Int64 {
-					last[keyOf(rows[i])] = rows[i]
-				}
-			}
-		}
-		select {
-		case <-r.stopping:
-			return
-		default:
-		}
-		if len(last) == 0 {
-			return
-		}
-		published := make([]row, 0, len(last))
-		for _, rw := range last {
-			published = append(published, rw)
-		}
-		// One delivery goes on with a batch's worth of aggregates; the
-		// others go on beside it, so that a busy backlog keeps several
-		// batches in flight, as the claim loop does.
-		if per := max(1, r.cfg.BatchSize/claimNextDepth); len(published) > per {
-			for rest := published[per:]; len(rest) > 0; rest = rest[min(per, len(rest)):] {
-				r.continueAsync(ctx, rest[:min(per, len(rest))])
-			}
-			published = published[:per]
-		}
-		for want := int64(len(published)*claimNextDepth) - *held; want > 0; want /= 2 {
-			if r.slots.TryAcquire(want) {
-				*held += want
-				break
-			}
-		}
-		token = newLeaseToken()
+		next, rest := r.nextClaim(rows, results, claimNext, held)
 		start := time.Now()
-		next, err := r.store.ClaimNext(ctx, published, token, claimNextDepth, int(*held))
-		if err != nil {
-			r.logger.Warn("claim the next events of the aggregates published; the claims will find them", "error", err)
+		claimed, ok := r.record(ctx, rows, token, results, next)
+		if !ok {
 			return
 		}
-		if len(next) > 0 {
-			r.obs.Claimed(len(next), time.Since(start))
+		// The other aggregates go on beside this delivery, once their
+		// events are recorded (ClaimNext takes no more than the next ones).
+		for _, chunk := range rest {
+			r.continueAsync(ctx, chunk)
 		}
-		rows = next
+		if next == nil {
+			return
+		}
+		if len(claimed) > 0 {
+			r.obs.Claimed(len(claimed), time.Since(start))
+		}
+		rows, token = claimed, next.Token
 	}
+}
+
+// nextClaim is the claim of the next events of the aggregates a delivery
+// published (rows and their results), made with its record: for a batch's
+// worth of aggregates (it takes the slots it can for them, up to
+// claimNextDepth each); the others, in chunks of a batch's worth, go on
+// in deliveries of their own (continueAsync), so that a busy backlog
+// keeps several batches in flight, as the claim loop does. It is nil when
+// there is nothing to go on with or the relay is stopping.
+func (r *Relay) nextClaim(rows []row, results []outcome, claimNext bool, held *int64) (*outbox.NextClaim, [][]row) {
+	if !claimNext || r.hooks.Unordered {
+		return nil, nil
+	}
+	select {
+	case <-r.stopping:
+		return nil, nil
+	default:
+	}
+	// The last published event of each aggregate.
+	last := map[aggregateKey]row{}
+	for i, res := range results {
+		if res.acked && rows[i].AggregateSeq.Valid {
+			if l, ok := last[keyOf(rows[i])]; !ok || l.AggregateSeq.Int64 < rows[i].AggregateSeq.Int64 {
+				last[keyOf(rows[i])] = rows[i]
+			}
+		}
+	}
+	if len(last) == 0 {
+		return nil, nil
+	}
+	published := make([]row, 0, len(last))
+	for _, rw := range last {
+		published = append(published, rw)
+	}
+	// In id order, so that a chunk's next events lie near each other in
+	// the table (as the claim loop's, taken in id order, do): a chunk of
+	// aggregates picked at random touches a page per event.
+	sortRows(published)
+	var rest [][]row
+	if per := max(1, r.cfg.BatchSize/claimNextDepth); len(published) > per {
+		for more := published[per:]; len(more) > 0; more = more[min(per, len(more)):] {
+			rest = append(rest, more[:min(per, len(more))])
+		}
+		published = published[:per]
+	}
+	for want := int64(len(published)*claimNextDepth) - *held; want > 0; want /= 2 {
+		if r.slots.TryAcquire(want) {
+			*held += want
+			break
+		}
+	}
+	return &outbox.NextClaim{Published: published, Token: newLeaseToken(), Depth: claimNextDepth, N: int(*held)}, rest
 }
 
 // continueAsync claims and delivers the next events of the aggregates of
