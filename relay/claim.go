@@ -129,7 +129,12 @@ func (r *Relay) claim(ctx context.Context) ([]row, pgtype.UUID, error) {
 // (per-aggregate order) is walked a window a sweep, round and round,
 // rather than all of it every second. A backlog smaller than the window,
 // the usual case, is walked whole by every sweep.
-func (r *Relay) sweepWindow() int { return max(10*r.cfg.BatchSize, 10_000) }
+func (r *Relay) sweepWindow() int {
+	if r.testSweepWindow > 0 {
+		return r.testSweepWindow
+	}
+	return max(10*r.cfg.BatchSize, 10_000)
+}
 
 // sweepLoop claims the rows at or below the floor every fullClaimEvery.
 // It runs beside the claim loop, so that its walk from the lowest id,

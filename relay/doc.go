@@ -63,12 +63,23 @@
 // in that order, with any number of relays, publish failures, backoffs,
 // leases expiring and relays killed mid-batch. The poll claim takes a row
 // only when no earlier event of its aggregate is unpublished (outbox's
-// claimSQL), so an aggregate has at most one event in flight; after a
-// batch is recorded, the relay claims the next event of each aggregate it
-// published at once (deliver), since the claim loop's floor may have passed
-// it. A wal relay publishes rows from concurrent chunks that retry on their
-// own, so each row waits for the previous row of its aggregate to be done
-// (aggregateOrder). Different aggregates go in parallel as before.
+// claimSQL), so an aggregate has at most one event in flight; in the
+// transaction that records a batch, the relay claims the next events of
+// each aggregate it published (deliver, outbox.Outcomes.Next), since the
+// claim loop's floor may have passed them. A wal relay publishes rows from
+// concurrent chunks that retry on their own, so each row waits for the
+// previous row of its aggregate to be done (aggregateOrder). Different
+// aggregates go in parallel as before.
+//
+// A backlog of busy aggregates is mostly events waiting for the one before
+// them, and a claim that walks rows by id probes each of them. So a claim
+// walks a window of unpublished rows above the floor (twice
+// relay.max_in_flight), and when more lie beyond it, it goes round the
+// aggregates instead (outbox.ClaimHeads: one probe per aggregate, finding
+// each one's first unpublished event wherever it is), then raises the floor
+// past the backlog; the sweeper walks the rows below the floor a window per
+// sweep, round and round. Before this, draining bench:relay's 200 events
+// per aggregate, each claim walked the whole backlog: 5 s of Postgres.
 //
 // A failed row holds its aggregate's later events (relay.on_failed hold):
 // the poll claim leaves them pending, and a wal relay, which leaves

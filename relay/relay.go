@@ -135,6 +135,9 @@ type Relay struct {
 	// testHookBeforeRecord, when set, runs after the PubAcks of a batch
 	// arrived and before the batch is recorded in Postgres.
 	testHookBeforeRecord func(ctx context.Context, ids []int64)
+	// testSweepWindow, when set, replaces sweepWindow (tests walk a
+	// backlog below the floor in windows of a few rows).
+	testSweepWindow int
 	// testHookBeforeConfirm, when set, runs in wal capture after every row
 	// of a transaction has its PubAck and before the slot may be confirmed
 	// past it.

@@ -311,6 +311,112 @@ func jsonEqual(a, b []byte) bool {
 	return json.Unmarshal(a, &va) == nil && json.Unmarshal(b, &vb) == nil && reflect.DeepEqual(va, vb)
 }
 
+// The sweeper walks the rows below the floor a window at a time and goes
+// round: late rows spread over more windows than one sweep walks, behind
+// a window's worth of rows that can never go, are all published.
+func TestSweeperGoesRoundTheRowsBelowTheFloor(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	ctx := context.Background()
+	// A failed row and the events it holds: the first rows of every walk
+	// from the lowest id, never claimed.
+	if _, err := h.db.Pool.Exec(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+VALUES ('order', 'held', 'order.updated', '{}', '{"x-count": 1}')`); err != nil {
+		t.Fatal(err)
+	}
+	for range 5 {
+		write(t, h.db.Pool, outbox.Event{AggregateType: "order", AggregateID: "held", Type: "order.updated", Payload: map[string]int{"n": 1}})
+	}
+	r := h.newRelay(nil, nil)
+	r.testSweepWindow = 3
+	h.start(r)
+
+	// Ten transactions take their ids and stay open while the floor
+	// passes them, on connections of their own (the relay's pool is the
+	// test's).
+	var late []pgx.Tx
+	var lastLate int64
+	for i := range 10 {
+		conn, err := pgx.Connect(ctx, h.db.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx) //nolint:errcheck
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx) //nolint:errcheck
+		if lastLate, err = outbox.Write(ctx, tx, productEvent(1000+i)); err != nil {
+			t.Fatal(err)
+		}
+		late = append(late, tx)
+		writeMany(t, h.db.Pool, 2)
+	}
+	n := 20
+	waitFor(t, 15*time.Second, "the claim floor above the open transactions' rows", func() (bool, string) {
+		writeMany(t, h.db.Pool, 5)
+		n += 5
+		time.Sleep(50 * time.Millisecond)
+		return r.floor.after.Load() > lastLate, fmt.Sprintf("floor %d, last late row %d", r.floor.after.Load(), lastLate)
+	})
+	waitFor(t, 20*time.Second, "the rows committed so far published", func() (bool, string) {
+		c := statusCounts(t, h.db.Pool)
+		return c["sent"] == n, formatCounts(c)
+	})
+	for _, tx := range late {
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Six windows at least (3 rows each), a sweep a second.
+	waitFor(t, 30*time.Second, "the late rows published", func() (bool, string) {
+		c := statusCounts(t, h.db.Pool)
+		return c["sent"] == n+10, formatCounts(c)
+	})
+	if c := statusCounts(t, h.db.Pool); c["failed"] != 1 || c["pending"] != 5 {
+		t.Fatalf("the held order: %s, want 1 failed and 5 pending", formatCounts(c))
+	}
+}
+
+// Above the floor, a claim walks a window of rows by id (twice
+// relay.max_in_flight); past it, it goes round the aggregates. An
+// aggregate's event behind more held events than a window holds is still
+// claimed at once.
+func TestHeadBehindABacklogLargerThanTheClaimWindowIsPublished(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	ctx := context.Background()
+	// A writer in another language stores headers that are not strings:
+	// the row can never be published, and it holds its aggregate.
+	if _, err := h.db.Pool.Exec(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+VALUES ('order', 'held', 'order.updated', '{}', '{"x-count": 1}')`); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		batch := make([]outbox.Event, 20)
+		for i := range batch {
+			batch[i] = outbox.Event{AggregateType: "order", AggregateID: "held", Type: "order.updated", Payload: map[string]int{"n": i}}
+		}
+		write(t, h.db.Pool, batch...)
+	}
+	behind := write(t, h.db.Pool, outbox.Event{AggregateType: "order", AggregateID: "free", Type: "order.updated", Payload: map[string]int{"n": 0}})[0]
+
+	// A claim walks 2 × 5 = 10 rows by id: the failed row and 9 held ones.
+	h.startRelay(func(c *Config) { c.BatchSize, c.MaxInFlight = 5, 5 }, nil)
+	waitFor(t, 10*time.Second, "the free order's event published past the held backlog", func() (bool, string) {
+		c := statusCounts(t, h.db.Pool)
+		return c["sent"] == 1 && c["failed"] == 1, formatCounts(c)
+	})
+	var status string
+	if err := h.db.Pool.QueryRow(ctx, `SELECT status FROM outbox WHERE id = $1`, behind).Scan(&status); err != nil || status != "sent" {
+		t.Fatalf("the free order's event: %s (%v), want sent", status, err)
+	}
+	if c := statusCounts(t, h.db.Pool); c["pending"] != 60 {
+		t.Fatalf("held: %s, want 60 pending behind the failed row", formatCounts(c))
+	}
+}
+
 // Most claims start from a floor near the newest rows. A row below it
 // whose writer's transaction commits late (it took its id long before) is
 // still published, by the full walk that runs every fullClaimEvery.
