@@ -127,13 +127,14 @@ func (r *Relay) claim(ctx context.Context) ([]row, pgtype.UUID, error) {
 // sweepWindow is how many unpublished rows below the floor one sweep walks
 // at most: a large backlog of events waiting for the one before them
 // (per-aggregate order) is walked a window a sweep, round and round,
-// rather than all of it every second. A backlog smaller than the window,
-// the usual case, is walked whole by every sweep.
+// rather than all of it every second, and a sweep whose window is full
+// also walks round the aggregates (sweepHeads). A backlog smaller than the
+// window, the usual case, is walked whole by every sweep.
 func (r *Relay) sweepWindow() int {
 	if r.testSweepWindow > 0 {
 		return r.testSweepWindow
 	}
-	return max(10*r.cfg.BatchSize, 10_000)
+	return max(2*r.cfg.BatchSize, 2_000)
 }
 
 // sweepLoop claims the rows at or below the floor every fullClaimEvery.
@@ -210,10 +211,47 @@ func (r *Relay) sweep(softCtx, hardCtx context.Context, from int64) (int64, bool
 			break
 		}
 	}
+	if inside && !r.hooks.Unordered && !r.sweepHeads(softCtx, hardCtx) {
+		return from, false
+	}
 	if through >= floor {
 		return math.MinInt64, true
 	}
 	return through, true
+}
+
+// sweepHeads is the sweeper's walk round the aggregates, a claim's worth
+// of them a sweep (see claim): below a floor with more rows than a window
+// (a backlog of events waiting for the one before them), the heads a sweep
+// is there for (a lease reaped, a backoff over, a late commit) are found
+// in as many sweeps as it takes to go round the aggregates, not round the
+// backlog's rows. It returns false if it could not claim.
+func (r *Relay) sweepHeads(softCtx, hardCtx context.Context) bool {
+	batch := int64(r.cfg.BatchSize)
+	if !r.nc.IsConnected() {
+		return false
+	}
+	if err := r.slots.Acquire(softCtx, batch); err != nil {
+		return false
+	}
+	token := newLeaseToken()
+	start := time.Now()
+	h, err := r.store.ClaimHeads(hardCtx, r.cfg.BatchSize, token, r.sweptHeads, r.cfg.MaxInFlight)
+	r.slots.Release(batch - int64(len(h.Claimed)))
+	if err != nil {
+		r.logger.Warn("claim the heads of the aggregates below the claim floor; the next sweep tries again", "error", err)
+		return false
+	}
+	r.sweptHeads = h.Last
+	if h.Seen < r.cfg.MaxInFlight {
+		r.sweptHeads = outbox.AggregateKey{}
+	}
+	if len(h.Claimed) > 0 {
+		r.obs.Claimed(len(h.Claimed), time.Since(start))
+		sortRows(h.Claimed)
+		r.deliverAsync(hardCtx, h.Claimed, token)
+	}
+	return true
 }
 
 // deliverAsync publishes and records a claimed batch in the background;

@@ -108,8 +108,9 @@ type Relay struct {
 	// readiness reads them, with no query of its own.
 	lastClaimed  atomic.Int64
 	lastClaimErr atomic.Pointer[string]
-	floor        claimFloor // where most claims start (claim.go)
-	heads        heads      // the claim loop's walk round the aggregates (claim.go)
+	floor        claimFloor          // where most claims start (claim.go)
+	heads        heads               // the claim loop's walk round the aggregates (claim.go)
+	sweptHeads   outbox.AggregateKey // where the sweeper's walk round the aggregates goes on (sweepHeads)
 
 	// wal capture (see wal.go).
 	captureState   atomic.Int32  // captureConnecting, captureStandby, captureStreaming
