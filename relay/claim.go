@@ -74,14 +74,22 @@ type heads struct {
 // by id: the rows in flight (up to max_in_flight), and as many again.
 func (r *Relay) claimWindow() int { return 2 * r.cfg.MaxInFlight }
 
-func (r *Relay) claim(ctx context.Context) ([]row, pgtype.UUID, error) {
+// claim claims the claim loop's next batch. backlog says whether rows
+// wait beyond it (a full batch, or a full window): only then do its
+// deliveries go on with the next events of the aggregates they publish
+// (ClaimNext). Otherwise the next events are new rows, which the next
+// claims find; claiming after every small batch, mostly in vain, cost more
+// than the claims themselves at a steady 1000 writes/s (bench:relay's held
+// horizon: 35,671 such claims in three minutes took 11,533 rows).
+func (r *Relay) claim(ctx context.Context) (_ []row, _ pgtype.UUID, backlog bool, _ error) {
 	token := newLeaseToken()
 	// Nothing is decoded in the claim: message() judges each row on its
 	// own, and a bad row becomes `failed`.
 	w, err := r.store.ClaimWindow(ctx, r.cfg.BatchSize, token, r.floor.after.Load(), r.claimWindow())
 	if err != nil {
-		return nil, token, err
+		return nil, token, false, err
 	}
+	backlog = w.Full || len(w.Claimed) == r.cfg.BatchSize
 	claimed := w.Claimed
 	switch {
 	case len(claimed) == r.cfg.BatchSize:
@@ -121,7 +129,7 @@ func (r *Relay) claim(ctx context.Context) ([]row, pgtype.UUID, error) {
 		}
 	}
 	sortRows(claimed)
-	return claimed, token, nil
+	return claimed, token, backlog, nil
 }
 
 // sweepWindow is how many unpublished rows below the floor one sweep walks
@@ -206,7 +214,7 @@ func (r *Relay) sweep(softCtx, hardCtx context.Context, from int64) (int64, bool
 		// The claim picked the lowest ids it could take: the rows it
 		// walked past below the last are not claimable now.
 		after = rows[len(rows)-1].ID
-		r.deliverAsync(hardCtx, rows, token)
+		r.deliverAsync(hardCtx, rows, token, true)
 		if len(rows) < r.cfg.BatchSize {
 			break
 		}
@@ -249,20 +257,21 @@ func (r *Relay) sweepHeads(softCtx, hardCtx context.Context) bool {
 	if len(h.Claimed) > 0 {
 		r.obs.Claimed(len(h.Claimed), time.Since(start))
 		sortRows(h.Claimed)
-		r.deliverAsync(hardCtx, h.Claimed, token)
+		r.deliverAsync(hardCtx, h.Claimed, token, true)
 	}
 	return true
 }
 
 // deliverAsync publishes and records a claimed batch in the background;
-// the batch holds its slots in flight until it is done.
-func (r *Relay) deliverAsync(hardCtx context.Context, rows []row, token pgtype.UUID) {
+// the batch holds its slots in flight until it is done. With claimNext, it
+// goes on with the next events of the aggregates it publishes (deliver).
+func (r *Relay) deliverAsync(hardCtx context.Context, rows []row, token pgtype.UUID, claimNext bool) {
 	r.batches.Add(1)
 	go func() {
 		defer r.batches.Done()
 		held := int64(len(rows))
 		defer func() { r.slots.Release(held) }()
-		r.deliver(hardCtx, rows, token, true, &held)
+		r.deliver(hardCtx, rows, token, claimNext, &held)
 	}()
 }
 

@@ -147,7 +147,7 @@ func TestStaleLeaseCannotMark(t *testing.T) {
 	stale := h.newRelay(nil, nil)
 	current := h.newRelay(nil, nil)
 
-	rows, staleToken, err := stale.claim(ctx)
+	rows, staleToken, _, err := stale.claim(ctx)
 	if err != nil || len(rows) != 3 {
 		t.Fatalf("claim: %d rows, %v", len(rows), err)
 	}
@@ -158,7 +158,7 @@ func TestStaleLeaseCannotMark(t *testing.T) {
 	if _, err := outbox.NewStore(h.db.Pool).Reap(ctx, time.Minute); err != nil {
 		t.Fatal(err)
 	}
-	rows2, currentToken, err := current.claim(ctx)
+	rows2, currentToken, _, err := current.claim(ctx)
 	if err != nil || len(rows2) != 3 {
 		t.Fatalf("second claim: %d rows, %v", len(rows2), err)
 	}
@@ -184,7 +184,7 @@ func TestFailedPublishBacksOff(t *testing.T) {
 	ctx := context.Background()
 	writeMany(t, h.db.Pool, 2)
 	r := h.newRelay(nil, nil)
-	rows, token, err := r.claim(ctx)
+	rows, token, _, err := r.claim(ctx)
 	if err != nil || len(rows) != 2 {
 		t.Fatalf("claim: %d rows, %v", len(rows), err)
 	}
@@ -218,7 +218,7 @@ SELECT attempts, last_error, available_at FROM outbox WHERE id = $1 AND status =
 	}
 	// Claimed again after the backoff, a second failure doubles the wait.
 	time.Sleep(60 * time.Millisecond)
-	rows, token, err = r.claim(ctx)
+	rows, token, _, err = r.claim(ctx)
 	if err != nil || len(rows) != 2 {
 		t.Fatalf("claim after backoff: %d rows, %v", len(rows), err)
 	}

@@ -377,7 +377,7 @@ func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
 		// The claim runs on hardCtx: cancelling it after the server committed
 		// would strand the claimed rows until their lease expires.
 		start := time.Now()
-		rows, token, err := r.claim(hardCtx)
+		rows, token, backlog, err := r.claim(hardCtx)
 		if err != nil {
 			msg := err.Error()
 			r.lastClaimErr.Store(&msg)
@@ -401,7 +401,7 @@ func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
 		}
 		r.obs.Claimed(len(rows), time.Since(start))
 		idle = eagerPollMin
-		r.deliverAsync(hardCtx, rows, token)
+		r.deliverAsync(hardCtx, rows, token, backlog)
 	}
 }
 
