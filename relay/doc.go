@@ -63,10 +63,12 @@
 // in that order, with any number of relays, publish failures, backoffs,
 // leases expiring and relays killed mid-batch. The poll claim takes a row
 // only when no earlier event of its aggregate is unpublished (outbox's
-// claimSQL), so an aggregate has at most one event in flight; in the
-// transaction that records a batch, the relay claims the next events of
-// each aggregate it published (deliver, outbox.Outcomes.Next), since the
-// claim loop's floor may have passed them. A wal relay publishes rows from
+// claimSQL), so an aggregate has at most one event in flight; when rows
+// wait beyond a batch (a backlog), the relay claims the next events of
+// each aggregate it published in the transaction that records the batch
+// (deliver, outbox.Outcomes.Next), since the claim loop's floor may have
+// passed them. Without a backlog, the next events are new rows the next
+// claims find. A wal relay publishes rows from
 // concurrent chunks that retry on their own, so each row waits for the
 // previous row of its aggregate to be done (aggregateOrder). Different
 // aggregates go in parallel as before.
