@@ -17,6 +17,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -320,13 +321,7 @@ func TestSweeperGoesRoundTheRowsBelowTheFloor(t *testing.T) {
 	ctx := context.Background()
 	// A failed row and the events it holds: the first rows of every walk
 	// from the lowest id, never claimed.
-	if _, err := h.db.Pool.Exec(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
-VALUES ('order', 'held', 'order.updated', '{}', '{"x-count": 1}')`); err != nil {
-		t.Fatal(err)
-	}
-	for range 5 {
-		write(t, h.db.Pool, outbox.Event{AggregateType: "order", AggregateID: "held", Type: "order.updated", Payload: map[string]int{"n": 1}})
-	}
+	writeHeldOrder(t, h.db.Pool, 5)
 	r := h.newRelay(nil, nil)
 	r.testSweepWindow = 3
 	h.start(r)
@@ -387,19 +382,7 @@ func TestHeadBehindABacklogLargerThanTheClaimWindowIsPublished(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t)
 	ctx := context.Background()
-	// A writer in another language stores headers that are not strings:
-	// the row can never be published, and it holds its aggregate.
-	if _, err := h.db.Pool.Exec(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
-VALUES ('order', 'held', 'order.updated', '{}', '{"x-count": 1}')`); err != nil {
-		t.Fatal(err)
-	}
-	for range 3 {
-		batch := make([]outbox.Event, 20)
-		for i := range batch {
-			batch[i] = outbox.Event{AggregateType: "order", AggregateID: "held", Type: "order.updated", Payload: map[string]int{"n": i}}
-		}
-		write(t, h.db.Pool, batch...)
-	}
+	writeHeldOrder(t, h.db.Pool, 60)
 	behind := write(t, h.db.Pool, outbox.Event{AggregateType: "order", AggregateID: "free", Type: "order.updated", Payload: map[string]int{"n": 0}})[0]
 
 	// A claim walks 2 × 5 = 10 rows by id: the failed row and 9 held ones.
@@ -415,6 +398,23 @@ VALUES ('order', 'held', 'order.updated', '{}', '{"x-count": 1}')`); err != nil 
 	if c := statusCounts(t, h.db.Pool); c["pending"] != 60 {
 		t.Fatalf("held: %s, want 60 pending behind the failed row", formatCounts(c))
 	}
+}
+
+// writeHeldOrder writes, for order "held", a row that can never be
+// published (a writer in another language stored headers that are not
+// strings: it becomes failed and holds its aggregate) and n events behind
+// it.
+func writeHeldOrder(t *testing.T, pool *pgxpool.Pool, n int) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(), `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+VALUES ('order', 'held', 'order.updated', '{}', '{"x-count": 1}')`); err != nil {
+		t.Fatal(err)
+	}
+	events := make([]outbox.Event, n)
+	for i := range events {
+		events[i] = outbox.Event{AggregateType: "order", AggregateID: "held", Type: "order.updated", Payload: map[string]int{"n": i}}
+	}
+	write(t, pool, events...)
 }
 
 // Most claims start from a floor near the newest rows. A row below it
