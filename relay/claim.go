@@ -44,20 +44,16 @@ func (f *claimFloor) swept(newestAtStart int64) {
 }
 
 // raise moves the floor up to id, never down.
-func (f *claimFloor) raise(id int64) {
-	for {
-		cur := f.after.Load()
-		if id <= cur || f.after.CompareAndSwap(cur, id) {
-			return
-		}
-	}
-}
+func (f *claimFloor) raise(id int64) { atLeast(&f.after, id) }
 
 // saw records that the claim loop has looked at every row up to id.
-func (f *claimFloor) saw(id int64) {
+func (f *claimFloor) saw(id int64) { atLeast(&f.newest, id) }
+
+// atLeast raises v to id if it is lower.
+func atLeast(v *atomic.Int64, id int64) {
 	for {
-		cur := f.newest.Load()
-		if id <= cur || f.newest.CompareAndSwap(cur, id) {
+		cur := v.Load()
+		if id <= cur || v.CompareAndSwap(cur, id) {
 			return
 		}
 	}

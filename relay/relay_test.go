@@ -348,13 +348,7 @@ func TestSweeperGoesRoundTheRowsBelowTheFloor(t *testing.T) {
 		late = append(late, tx)
 		writeMany(t, h.db.Pool, 2)
 	}
-	n := 20
-	waitFor(t, 15*time.Second, "the claim floor above the open transactions' rows", func() (bool, string) {
-		writeMany(t, h.db.Pool, 5)
-		n += 5
-		time.Sleep(50 * time.Millisecond)
-		return r.floor.after.Load() > lastLate, fmt.Sprintf("floor %d, last late row %d", r.floor.after.Load(), lastLate)
-	})
+	n := 20 + writeUntilFloorPasses(t, h, r, lastLate)
 	waitFor(t, 20*time.Second, "the rows committed so far published", func() (bool, string) {
 		c := statusCounts(t, h.db.Pool)
 		return c["sent"] == n, formatCounts(c)
@@ -400,6 +394,20 @@ func TestHeadBehindABacklogLargerThanTheClaimWindowIsPublished(t *testing.T) {
 	}
 }
 
+// writeUntilFloorPasses commits rows until r's claim floor is above id,
+// and returns how many it committed.
+func writeUntilFloorPasses(t *testing.T, h *harness, r *Relay, id int64) int {
+	t.Helper()
+	n := 0
+	waitFor(t, 15*time.Second, "the claim floor above the open transactions' rows", func() (bool, string) {
+		writeMany(t, h.db.Pool, 5)
+		n += 5
+		time.Sleep(50 * time.Millisecond)
+		return r.floor.after.Load() > id, fmt.Sprintf("floor %d, row %d", r.floor.after.Load(), id)
+	})
+	return n
+}
+
 // writeHeldOrder writes, for order "held", a row that can never be
 // published (a writer in another language stored headers that are not
 // strings: it becomes failed and holds its aggregate) and n events behind
@@ -437,13 +445,7 @@ func TestLateCommitBelowTheClaimFloorIsPublished(t *testing.T) {
 	}
 
 	// Rows committed after it, for a few full walks: the floor passes it.
-	n := 0
-	waitFor(t, 15*time.Second, "the claim floor above the open transaction's row", func() (bool, string) {
-		writeMany(t, h.db.Pool, 5)
-		n += 5
-		time.Sleep(50 * time.Millisecond)
-		return r.floor.after.Load() > lateID, fmt.Sprintf("floor %d, row %d", r.floor.after.Load(), lateID)
-	})
+	n := writeUntilFloorPasses(t, h, r, lateID)
 	h.waitAllSent(n, 20*time.Second)
 
 	if err := late.Commit(ctx); err != nil {
