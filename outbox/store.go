@@ -108,11 +108,19 @@ RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.hea
 
 // headOfAggregate holds for a row o (claimSQL) when no earlier event of
 // its aggregate is still to be published; $5 is whether failed rows hold.
+//
+// It is a probe of outbox_aggregate_unsent_idx per row, and must stay one:
+// num_nulls(e.published_at) = 1, not published_at IS NULL, keeps the
+// planner off outbox_unsent_idx (migration 00013), and OFFSET 0 keeps it
+// from turning the probes into one scan of the whole index for all the
+// rows. Both indexes look empty to the planner, and under a held snapshot
+// both hold an entry for every row published since.
 const headOfAggregate = `NOT EXISTS (
           SELECT FROM outbox e
           WHERE e.aggregate_type = o.aggregate_type AND e.aggregate_id = o.aggregate_id
-            AND e.aggregate_seq < o.aggregate_seq AND e.published_at IS NULL
-            AND (e.status IN ('pending', 'sending') OR (e.status = 'failed' AND $5)))`
+            AND e.aggregate_seq < o.aggregate_seq AND num_nulls(e.published_at) = 1
+            AND (e.status IN ('pending', 'sending') OR (e.status = 'failed' AND $5))
+          OFFSET 0)`
 
 // claimNextSQL claims, for each aggregate in $1..$3 (types, ids, and the
 // number just published), its next events: up to $5 in a row from the
@@ -120,15 +128,23 @@ const headOfAggregate = `NOT EXISTS (
 // another relay holds (a run must have no hole: the relay publishes it in
 // order). At most $6 rows in all, the aggregates' next events first.
 // Their predecessor was just published, and the ones before it before
-// it, so no other check is needed.
+// it, so no other check is needed. Each aggregate is a probe of
+// outbox_aggregate_unsent_idx of its own, as in headOfAggregate (LIMIT
+// keeps the probes apart).
 const claimNextSQL = `
 WITH candidates AS (
-    SELECT o.id, o.aggregate_type, o.aggregate_id, o.aggregate_seq - p.seq AS pos
+    SELECT n.id, n.aggregate_type, n.aggregate_id, n.pos
     FROM unnest($1::text[], $2::text[], $3::bigint[]) AS p(aggregate_type, aggregate_id, seq)
-    JOIN outbox o ON o.aggregate_type = p.aggregate_type AND o.aggregate_id = p.aggregate_id
-                 AND o.aggregate_seq > p.seq AND o.aggregate_seq <= p.seq + $5 AND o.published_at IS NULL
-    WHERE o.status = 'pending' AND o.available_at <= now()
-    FOR UPDATE OF o SKIP LOCKED
+    CROSS JOIN LATERAL (
+        SELECT e.id, e.aggregate_type, e.aggregate_id, e.aggregate_seq - p.seq AS pos
+        FROM outbox e
+        WHERE e.aggregate_type = p.aggregate_type AND e.aggregate_id = p.aggregate_id
+          AND e.aggregate_seq > p.seq AND e.aggregate_seq <= p.seq + $5 AND num_nulls(e.published_at) = 1
+          AND e.status = 'pending' AND e.available_at <= now()
+        ORDER BY e.aggregate_seq
+        LIMIT $5
+        FOR UPDATE OF e SKIP LOCKED
+    ) n
 ), runs AS (
     SELECT id, pos, row_number() OVER (PARTITION BY aggregate_type, aggregate_id ORDER BY pos) AS rn
     FROM candidates
@@ -296,13 +312,13 @@ var claimWindowSQL, claimUnorderedWindowSQL = func() (string, string) {
 const claimHeadsSQL = `
 WITH RECURSIVE heads AS (
     (SELECT e.aggregate_type, e.aggregate_id, e.id, e.status, 1 AS n FROM outbox e
-     WHERE e.published_at IS NULL AND (e.aggregate_type, e.aggregate_id) > ($4, $5)
+     WHERE num_nulls(e.published_at) = 1 AND (e.aggregate_type, e.aggregate_id) > ($4, $5)
        AND (e.status IN ('pending', 'sending') OR (e.status = 'failed' AND $3))
      ORDER BY e.aggregate_type, e.aggregate_id, e.aggregate_seq LIMIT 1)
   UNION ALL
     SELECT nx.aggregate_type, nx.aggregate_id, nx.id, nx.status, h.n + 1 FROM heads h, LATERAL (
         SELECT e.aggregate_type, e.aggregate_id, e.id, e.status FROM outbox e
-        WHERE e.published_at IS NULL AND (e.aggregate_type, e.aggregate_id) > (h.aggregate_type, h.aggregate_id)
+        WHERE num_nulls(e.published_at) = 1 AND (e.aggregate_type, e.aggregate_id) > (h.aggregate_type, h.aggregate_id)
           AND (e.status IN ('pending', 'sending') OR (e.status = 'failed' AND $3))
         ORDER BY e.aggregate_type, e.aggregate_id, e.aggregate_seq LIMIT 1) nx
     WHERE h.n < $6
@@ -668,7 +684,7 @@ WITH f AS (
 )
 SELECT count(*), count(DISTINCT (p.aggregate_type, p.aggregate_id))
 FROM f JOIN outbox p ON p.aggregate_type = f.aggregate_type AND p.aggregate_id = f.aggregate_id
-WHERE p.aggregate_seq > f.seq AND p.published_at IS NULL
+WHERE p.aggregate_seq > f.seq AND num_nulls(p.published_at) = 1
   AND ((p.status IN ('pending', 'sending') AND $1 AND NOT EXISTS (SELECT FROM relay_capture))
        OR (p.status = 'failed' AND starts_with(p.last_error, $2)))`, s.OnFailed != SkipFailed, HeldBehindPrefix).Scan(&rows, &aggregates)
 	return rows, aggregates, err
@@ -759,7 +775,7 @@ WHERE published_at IS NULL AND status IN ('pending', 'sending') AND id <= $1
   AND NOT ($2 AND EXISTS (
       SELECT FROM outbox f
       WHERE f.aggregate_type = o.aggregate_type AND f.aggregate_id = o.aggregate_id
-        AND f.aggregate_seq < o.aggregate_seq AND f.published_at IS NULL AND f.status = 'failed'))`,
+        AND f.aggregate_seq < o.aggregate_seq AND num_nulls(f.published_at) = 1 AND f.status = 'failed'))`,
 		maxID, s.OnFailed != SkipFailed).Scan(&n)
 	return n, err
 }
@@ -775,7 +791,7 @@ SET status = 'failed', last_error = $2 || h.failed_id || $3
 FROM (
     SELECT p.id, (SELECT min(f.id) FROM outbox f
                   WHERE f.aggregate_type = p.aggregate_type AND f.aggregate_id = p.aggregate_id
-                    AND f.aggregate_seq < p.aggregate_seq AND f.published_at IS NULL AND f.status = 'failed') AS failed_id
+                    AND f.aggregate_seq < p.aggregate_seq AND num_nulls(f.published_at) = 1 AND f.status = 'failed') AS failed_id
     FROM outbox p
     WHERE p.published_at IS NULL AND p.status = 'pending' AND p.id <= $1
 ) h
