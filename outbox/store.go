@@ -2,7 +2,6 @@ package outbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"math"
 	"strconv"
@@ -249,34 +248,47 @@ func (s *Store) ClaimRange(ctx context.Context, n int, token pgtype.UUID, after,
 	return claimed, nil
 }
 
-// ClaimWindow is what the relay's claim loop claims with: up to n due
-// heads (as ClaimRange) among the first window unpublished rows above
-// after, oldest first, so that a claim's walk is bounded however large the
-// backlog of events waiting for the one before them. It also reports the
-// newest id in the outbox as the claim began and whether the window was
-// full (there are unpublished rows beyond it). A claim that returns fewer
-// than n rows looked at every row of the window, or up to the newest id
-// if the window was not full, whose transaction had committed. Both
-// statements go in one round trip.
-func (s *Store) ClaimWindow(ctx context.Context, n int, token pgtype.UUID, after int64, window int) (Window, error) {
+// ClaimWindow is what the relay's claim loop and sweeper claim with: up to
+// n due heads (as ClaimRange) among the first window unpublished rows
+// above after and up to through, oldest first, so that a claim's walk is
+// bounded however large the backlog of events waiting for the one before
+// them. It also reports the newest id in the outbox as the claim began
+// and whether the window was full (more unpublished rows lie up to
+// through). A claim that returns fewer than n rows looked at every row of
+// the window, or up to the newest id if the window was not full, whose
+// transaction had committed. It is one statement, which finds the
+// window's end once: under a held snapshot every walk over the index
+// steps over the entries of every row published since.
+func (s *Store) ClaimWindow(ctx context.Context, n int, token pgtype.UUID, after, through int64, window int) (Window, error) {
 	query := claimWindowSQL
 	if s.Unordered {
 		query = claimUnorderedWindowSQL
 	}
-	var w Window
-	var end pgtype.Int8
-	b := &pgx.Batch{}
-	b.Queue(`SELECT (SELECT coalesce(max(id), 0) FROM outbox), (`+windowEndSQL+`)`, after, max(window, 1)-1).QueryRow(func(row pgx.Row) error {
-		return row.Scan(&w.Newest, &end)
-	})
-	b.Queue(query, n, token, int64(math.MaxInt64), after, s.OnFailed != SkipFailed, max(window, 1)-1).Query(func(rows pgx.Rows) (err error) {
-		w.Claimed, err = pgx.CollectRows(rows, scanClaimed)
-		return err
-	})
-	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
+	rows, err := s.pool.Query(ctx, query, n, token, through, after, s.OnFailed != SkipFailed, max(window, 1)-1)
+	if err != nil {
 		return Window{}, fmt.Errorf("claim outbox batch: %w", err)
 	}
-	w.Full, w.End = end.Valid, end.Int64
+	var w Window
+	for rows.Next() {
+		var id, seq, end pgtype.Int8
+		var aggType, aggID, eventType pgtype.Text
+		var payload, headers []byte
+		var created pgtype.Timestamptz
+		if err := rows.Scan(&id, &aggType, &aggID, &eventType, &payload, &headers, &created, &seq, &end, &w.Newest); err != nil {
+			rows.Close()
+			return Window{}, fmt.Errorf("claim outbox batch: %w", err)
+		}
+		w.Full, w.End = end.Valid, end.Int64
+		if id.Valid {
+			w.Claimed = append(w.Claimed, Claimed{
+				ID: id.Int64, AggregateType: aggType.String, AggregateID: aggID.String, EventType: eventType.String,
+				Payload: payload, Headers: headers, CreatedAt: created, AggregateSeq: seq,
+			})
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return Window{}, fmt.Errorf("claim outbox batch: %w", err)
+	}
 	return w, nil
 }
 
@@ -284,21 +296,35 @@ func (s *Store) ClaimWindow(ctx context.Context, n int, token pgtype.UUID, after
 type Window struct {
 	Claimed []Claimed
 	Newest  int64 // the newest id in the outbox as the claim began
-	Full    bool  // the window was full: unpublished rows lie beyond End
+	Full    bool  // the window was full: more unpublished rows may lie beyond End
 	End     int64 // the window's last row, if Full
 }
 
-// windowEndSQL is the id of the ($2+1)-th unpublished row above $1.
-const windowEndSQL = `SELECT id FROM outbox WHERE published_at IS NULL AND id > $1 ORDER BY id OFFSET $2 LIMIT 1`
-
 // claimWindowSQL is claimSQL through the end of a window of $6+1
-// unpublished rows above $4 (or $3 if there are fewer).
+// unpublished rows above $4 and up to $3 (or through $3 if there are
+// fewer), and it returns, on every row and on one row with nothing
+// claimed if it claims nothing, the window's end if it was full and the
+// newest id in the outbox.
 var claimWindowSQL, claimUnorderedWindowSQL = func() (string, string) {
-	bound := "o.id <= coalesce((" + strings.NewReplacer("$1", "$4", "$2", "$6").Replace(windowEndSQL) + "), $3)"
-	if !strings.Contains(claimSQL, "o.id <= $3") {
-		panic("outbox: claimSQL has no upper bound to window")
+	window := func(claim string) string {
+		const bound = "o.id <= $3"
+		if !strings.Contains(claim, bound) || !strings.HasPrefix(claim, "\nWITH picked AS (") {
+			panic("outbox: claimSQL has no upper bound to window")
+		}
+		claim = strings.Replace(claim, bound, "o.id <= coalesce((SELECT last FROM bounds), $3)", 1)
+		claim = strings.Replace(claim, "\nWITH picked AS (", `
+WITH bounds AS (
+    SELECT (SELECT id FROM outbox WHERE published_at IS NULL AND id > $4 AND id <= $3 ORDER BY id OFFSET $6 LIMIT 1) AS last,
+           (SELECT coalesce(max(id), 0) FROM outbox) AS newest
+), picked AS (`, 1)
+		claim = strings.Replace(claim, "\nUPDATE outbox o", "\n, claimed AS (\nUPDATE outbox o", 1)
+		return claim + `
+)
+SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.headers, c.created_at, c.aggregate_seq,
+       b.last, b.newest
+FROM bounds b LEFT JOIN claimed c ON true`
 	}
-	return strings.Replace(claimSQL, "o.id <= $3", bound, 1), strings.Replace(claimUnorderedSQL, "o.id <= $3", bound, 1)
+	return window(claimSQL), window(claimUnorderedSQL)
 }()
 
 // claimHeadsSQL claims up to $1 due heads (an aggregate's first event
@@ -388,26 +414,6 @@ func (s *Store) ClaimHeads(ctx context.Context, n int, token pgtype.UUID, after 
 		return Heads{}, fmt.Errorf("claim the heads of aggregates: %w", err)
 	}
 	return h, nil
-}
-
-// NthUnsent returns the id of the n-th unpublished row above after and up
-// to through, in id order, and false if there are fewer: the relay's
-// sweeper walks the rows below its claim floor a window of that many at a
-// time.
-func (s *Store) NthUnsent(ctx context.Context, after, through int64, n int) (int64, bool, error) {
-	var id int64
-	err := s.pool.QueryRow(ctx, `
-SELECT id FROM outbox
-WHERE published_at IS NULL AND id > $1 AND id <= $2
-ORDER BY id
-OFFSET $3 LIMIT 1`, after, through, max(n, 1)-1).Scan(&id)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, false, nil
-	}
-	if err != nil {
-		return 0, false, fmt.Errorf("find the sweep window's end: %w", err)
-	}
-	return id, true, nil
 }
 
 // Unpublished reads the rows among ids that are pending and unpublished,

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"encoding/json"
+	"math"
 	"strconv"
 	"testing"
 	"time"
@@ -220,8 +221,16 @@ func TestClaimWindowAndClaimHeads(t *testing.T) {
 	c := writeOrders(t, db.Pool, 1, "3")
 	token := pgtype.UUID{Bytes: [16]byte{3}, Valid: true}
 
+	// Up to order 1's second event, a window of 3 rows is not full.
+	w, err := store.ClaimWindow(ctx, 10, token, 0, a[1], 3)
+	if err != nil || len(w.Claimed) != 1 || w.Claimed[0].ID != a[0] || w.Full || w.Newest != c[0] {
+		t.Fatalf("claim a window of 3 through %d: %+v (%v), want order 1's first event, not full, newest %d", a[1], w, err, c[0])
+	}
+	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Returned: []int64{a[0]}}); err != nil {
+		t.Fatal(err)
+	}
 	// A window of 3 rows holds order 1's first three events: one head.
-	w, err := store.ClaimWindow(ctx, 10, token, 0, 3)
+	w, err = store.ClaimWindow(ctx, 10, token, 0, math.MaxInt64, 3)
 	if err != nil || len(w.Claimed) != 1 || w.Claimed[0].ID != a[0] || !w.Full || w.End != a[2] || w.Newest != c[0] {
 		t.Fatalf("claim a window of 3: %+v (%v), want order 1's first event, full, ending at %d, newest %d", w, err, a[2], c[0])
 	}
@@ -256,7 +265,7 @@ func TestClaimWindowAndClaimHeads(t *testing.T) {
 		t.Fatalf("claim heads past a failed event with on_failed skip: %+v (%v), want order 1's second", h, err)
 	}
 	// A window with nothing beyond it is not full.
-	if w, err = store.ClaimWindow(ctx, 10, token, c[0], 3); err != nil || w.Full || len(w.Claimed) != 0 {
+	if w, err = store.ClaimWindow(ctx, 10, token, c[0], math.MaxInt64, 3); err != nil || w.Full || len(w.Claimed) != 0 || w.Newest != c[0] {
 		t.Fatalf("claim above the newest row: %+v (%v), want nothing, not full", w, err)
 	}
 }

@@ -81,7 +81,7 @@ func (r *Relay) claim(ctx context.Context) (_ []row, _ pgtype.UUID, backlog bool
 	token := newLeaseToken()
 	// Nothing is decoded in the claim: message() judges each row on its
 	// own, and a bad row becomes `failed`.
-	w, err := r.store.ClaimWindow(ctx, r.cfg.BatchSize, token, r.floor.after.Load(), r.claimWindow())
+	w, err := r.store.ClaimWindow(ctx, r.cfg.BatchSize, token, r.floor.after.Load(), math.MaxInt64, r.claimWindow())
 	if err != nil {
 		return nil, token, false, err
 	}
@@ -170,22 +170,17 @@ func (r *Relay) sweepLoop(softCtx, hardCtx context.Context) {
 // window above from (sweepWindow); it returns where the next sweep starts
 // (the lowest id again once a window reached the floor), or false if it
 // could not finish (NATS or Postgres unreachable, a stop), leaving the
-// window to the next one.
+// window to the next one. Its first claim finds the window's end as it
+// claims (ClaimWindow), so that a sweep walks the rows below the floor
+// once, however many published ones a held snapshot keeps in the index.
 func (r *Relay) sweep(softCtx, hardCtx context.Context, from int64) (int64, bool) {
 	floor := r.floor.after.Load()
 	if from >= floor {
 		from = math.MinInt64
 	}
-	through, inside, err := r.store.NthUnsent(hardCtx, from, floor, r.sweepWindow())
-	if err != nil {
-		r.logger.Warn("claim the rows below the claim floor; the next sweep tries again", "error", err, "floor", floor)
-		return from, false
-	}
-	if !inside {
-		through = floor
-	}
 	batch := int64(r.cfg.BatchSize)
-	for after := from; ; {
+	through, inside := floor, false
+	for after, first := from, true; ; first = false {
 		if !r.nc.IsConnected() {
 			return from, false
 		}
@@ -194,9 +189,21 @@ func (r *Relay) sweep(softCtx, hardCtx context.Context, from int64) (int64, bool
 		}
 		token := newLeaseToken()
 		start := time.Now()
-		// On hardCtx, as the claim loop's: a claim cancelled after the
-		// server committed would strand its rows until their lease ends.
-		rows, err := r.store.ClaimRange(hardCtx, r.cfg.BatchSize, token, after, through)
+		var rows []row
+		var err error
+		if first {
+			// On hardCtx, as the claim loop's: a claim cancelled after the
+			// server committed would strand its rows until their lease ends.
+			var w outbox.Window
+			if w, err = r.store.ClaimWindow(hardCtx, r.cfg.BatchSize, token, after, floor, r.sweepWindow()); err == nil {
+				rows = w.Claimed
+				if w.Full {
+					through, inside = w.End, true
+				}
+			}
+		} else {
+			rows, err = r.store.ClaimRange(hardCtx, r.cfg.BatchSize, token, after, through)
+		}
 		r.slots.Release(batch - int64(len(rows)))
 		if err != nil {
 			r.logger.Warn("claim the rows below the claim floor; the next sweep tries again", "error", err, "floor", floor)
