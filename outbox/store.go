@@ -269,26 +269,11 @@ func (s *Store) ClaimWindow(ctx context.Context, n int, token pgtype.UUID, after
 		return Window{}, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	var w Window
-	for rows.Next() {
-		var id, seq, end pgtype.Int8
-		var aggType, aggID, eventType pgtype.Text
-		var payload, headers []byte
-		var created pgtype.Timestamptz
-		if err := rows.Scan(&id, &aggType, &aggID, &eventType, &payload, &headers, &created, &seq, &end, &w.Newest); err != nil {
-			rows.Close()
-			return Window{}, fmt.Errorf("claim outbox batch: %w", err)
-		}
-		w.Full, w.End = end.Valid, end.Int64
-		if id.Valid {
-			w.Claimed = append(w.Claimed, Claimed{
-				ID: id.Int64, AggregateType: aggType.String, AggregateID: aggID.String, EventType: eventType.String,
-				Payload: payload, Headers: headers, CreatedAt: created, AggregateSeq: seq,
-			})
-		}
-	}
-	if err := rows.Err(); err != nil {
+	var end pgtype.Int8
+	if w.Claimed, err = scanClaimedAnd(rows, &end, &w.Newest); err != nil {
 		return Window{}, fmt.Errorf("claim outbox batch: %w", err)
 	}
+	w.Full, w.End = end.Valid, end.Int64
 	return w, nil
 }
 
@@ -392,27 +377,12 @@ func (s *Store) ClaimHeads(ctx context.Context, n int, token pgtype.UUID, after 
 		return Heads{}, fmt.Errorf("claim the heads of aggregates: %w", err)
 	}
 	var h Heads
-	for rows.Next() {
-		var id, seq pgtype.Int8
-		var aggType, aggID, eventType, lastType, lastID pgtype.Text
-		var payload, headers []byte
-		var created pgtype.Timestamptz
-		var seen int64
-		if err := rows.Scan(&id, &aggType, &aggID, &eventType, &payload, &headers, &created, &seq, &seen, &lastType, &lastID); err != nil {
-			rows.Close()
-			return Heads{}, fmt.Errorf("claim the heads of aggregates: %w", err)
-		}
-		h.Seen, h.Last = int(seen), AggregateKey{Type: lastType.String, ID: lastID.String}
-		if id.Valid {
-			h.Claimed = append(h.Claimed, Claimed{
-				ID: id.Int64, AggregateType: aggType.String, AggregateID: aggID.String, EventType: eventType.String,
-				Payload: payload, Headers: headers, CreatedAt: created, AggregateSeq: seq,
-			})
-		}
-	}
-	if err := rows.Err(); err != nil {
+	var seen int64
+	var lastType, lastID pgtype.Text
+	if h.Claimed, err = scanClaimedAnd(rows, &seen, &lastType, &lastID); err != nil {
 		return Heads{}, fmt.Errorf("claim the heads of aggregates: %w", err)
 	}
+	h.Seen, h.Last = int(seen), AggregateKey{Type: lastType.String, ID: lastID.String}
 	return h, nil
 }
 
@@ -432,6 +402,31 @@ ORDER BY id`, ids)
 		return nil, fmt.Errorf("read pending outbox rows: %w", err)
 	}
 	return found, nil
+}
+
+// scanClaimedAnd reads the rows of a claim that also reports what it saw
+// (ClaimWindow, ClaimHeads): each row is a claimed row followed by the
+// columns read into also, the same on every row, and one row with no
+// claimed row in it (all NULL) stands for a claim that took nothing.
+func scanClaimedAnd(rows pgx.Rows, also ...any) ([]Claimed, error) {
+	defer rows.Close()
+	var claimed []Claimed
+	for rows.Next() {
+		var id, seq pgtype.Int8
+		var aggType, aggID, eventType pgtype.Text
+		var payload, headers []byte
+		var created pgtype.Timestamptz
+		if err := rows.Scan(append([]any{&id, &aggType, &aggID, &eventType, &payload, &headers, &created, &seq}, also...)...); err != nil {
+			return nil, err
+		}
+		if id.Valid {
+			claimed = append(claimed, Claimed{
+				ID: id.Int64, AggregateType: aggType.String, AggregateID: aggID.String, EventType: eventType.String,
+				Payload: payload, Headers: headers, CreatedAt: created, AggregateSeq: seq,
+			})
+		}
+	}
+	return claimed, rows.Err()
 }
 
 func scanClaimed(rows pgx.CollectableRow) (Claimed, error) {
