@@ -170,9 +170,10 @@ func (r *Relay) sweepLoop(softCtx, hardCtx context.Context) {
 // window above from (sweepWindow); it returns where the next sweep starts
 // (the lowest id again once a window reached the floor), or false if it
 // could not finish (NATS or Postgres unreachable, a stop), leaving the
-// window to the next one. Its first claim finds the window's end as it
-// claims (ClaimWindow), so that a sweep walks the rows below the floor
-// once, however many published ones a held snapshot keeps in the index.
+// window to the next one. Its first claim finds the window's end in the
+// same statement (ClaimWindow). That is still two walks over the rows
+// below the floor, and under a held snapshot each steps over every row
+// published since it was taken (README, the held horizon).
 func (r *Relay) sweep(softCtx, hardCtx context.Context, from int64) (int64, bool) {
 	floor := r.floor.after.Load()
 	if from >= floor {
