@@ -396,31 +396,33 @@ func TestReindexVerifiesHotProducts(t *testing.T) {
 // check.
 func TestReindexOutlastsTheStatementTimeout(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, search.OpenSearch, 1500)
+	f := newFixture(t, search.OpenSearch, 3000)
 	ctx := context.Background()
 	cfg, err := pgxpool.ParseConfig(f.env.DB.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The whole load takes longer (about 1 s here), a page of 100 far less
-	// (a few ms; 100 ms was once exceeded on a host busy with the fault run).
-	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "300" // ms
+	// The whole load takes longer (0.5–2 s here: 1500 products once
+	// loaded in 255 ms, under a 300 ms timeout), a page of 25 far less (a
+	// few ms; a page of 100 once took over 100 ms on a host busy with the
+	// fault run).
+	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "150" // ms
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer pool.Close()
 	r := f.reindexer()
-	r.Pool, r.PageSize = pool, 100
+	r.Pool, r.PageSize = pool, 25
 	rep, err := r.Reindex(ctx)
 	if err != nil {
-		t.Fatalf("reindex with a 300ms statement timeout: %v", err)
+		t.Fatalf("reindex with a 150ms statement timeout: %v", err)
 	}
-	if rep.Snapshot != 1500 || rep.Loaded != 1500 || rep.LoadTime < 300*time.Millisecond {
-		t.Errorf("reindex: %+v; want 1500 of 1500 loaded, in longer than the statement timeout", rep)
+	if rep.Snapshot != 3000 || rep.Loaded != 3000 || rep.LoadTime < 150*time.Millisecond {
+		t.Errorf("reindex: %+v; want 3000 of 3000 loaded, in longer than the statement timeout", rep)
 	}
 	d, err := searchindex.Check(ctx, f.client, pool, rep.To, 0)
 	if err != nil || d.Total() != 0 {
-		t.Errorf("full check with a 300ms statement timeout: %v, drift %s", err, d)
+		t.Errorf("full check with a 150ms statement timeout: %v, drift %s", err, d)
 	}
 }
