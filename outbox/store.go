@@ -292,9 +292,9 @@ type Window struct {
 // newest id in the outbox.
 var claimWindowSQL, claimUnorderedWindowSQL = func() (string, string) {
 	window := func(claim string) string {
-		const bound = "o.id <= $3"
-		if !strings.Contains(claim, bound) || !strings.HasPrefix(claim, "\nWITH picked AS (") {
-			panic("outbox: claimSQL has no upper bound to window")
+		const bound, update = "o.id <= $3", "\nUPDATE outbox o"
+		if strings.Count(claim, bound) != 1 || strings.Count(claim, update) != 1 || !strings.HasPrefix(claim, "\nWITH picked AS (") {
+			panic("outbox: claimSQL is not the one CTE, upper bound and UPDATE that claimWindowSQL rewrites")
 		}
 		claim = strings.Replace(claim, bound, "o.id <= coalesce((SELECT last FROM bounds), $3)", 1)
 		claim = strings.Replace(claim, "\nWITH picked AS (", `
@@ -302,7 +302,7 @@ WITH bounds AS (
     SELECT (SELECT id FROM outbox WHERE published_at IS NULL AND id > $4 AND id <= $3 ORDER BY id OFFSET $6 LIMIT 1) AS last,
            (SELECT coalesce(max(id), 0) FROM outbox) AS newest
 ), picked AS (`, 1)
-		claim = strings.Replace(claim, "\nUPDATE outbox o", "\n, claimed AS (\nUPDATE outbox o", 1)
+		claim = strings.Replace(claim, update, "\n, claimed AS ("+update, 1)
 		return claim + `
 )
 SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.headers, c.created_at, c.aggregate_seq,
