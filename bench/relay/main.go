@@ -217,14 +217,22 @@ func relayConfig() config.Relay {
 }
 
 // fillOutbox inserts n pending product.updated rows with payloads like the
-// demo's, in one statement.
+// demo's, over 1000 products, a statement (and a transaction) per 1000
+// rows: one transaction numbering many events of one aggregate costs
+// quadratically (README, "Per-aggregate order"), and in one statement the
+// 200,000 rows of a drain took 9 s to write instead of under 1 s.
 func fillOutbox(ctx context.Context, pool *pgxpool.Pool, n int) error {
-	_, err := pool.Exec(ctx, `
+	const chunk = 1000
+	for from := 1; from <= n; from += chunk {
+		if _, err := pool.Exec(ctx, `
 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
 SELECT 'product', (g % 1000 + 1)::text, 'product.updated',
        jsonb_build_object('product_id', g % 1000 + 1, 'version', g, 'price_cents', 1000 + g % 90000)
-FROM generate_series(1, $1) AS g`, n)
-	return err
+FROM generate_series($1::bigint, $2::bigint) AS g`, from, min(from+chunk-1, n)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // counter counts published rows and can wait for a total.
