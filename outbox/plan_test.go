@@ -79,6 +79,11 @@ SELECT 'order', (i % 20)::text, 'order.paid', '{}' FROM generate_series(1, $1) i
 					t.Errorf("%s, %s: the probe is a %s of %q (index condition %q), want a probe of outbox_aggregate_unsent_idx by aggregate; plan:\n%s",
 						st.name, mode, p.node, p.index, p.cond, plan)
 				}
+				// The claim's probe looks up the one event before the row,
+				// not a range of its aggregate's numbers (headOfAggregate).
+				if st.name == "claim" && !strings.Contains(p.cond, "(aggregate_seq = (o.aggregate_seq - 1))") {
+					t.Errorf("%s, %s: the probe's index condition is %q, want the number before the row's alone", st.name, mode, p.cond)
+				}
 			}
 		}
 	}
@@ -116,4 +121,95 @@ func probeScans(t *testing.T, plan []byte, alias string) []scan {
 	}
 	walk(doc[0].Plan)
 	return scans
+}
+
+// While a snapshot is held, every event of an aggregate published since
+// keeps its entry in outbox_aggregate_unsent_idx. The claim's probe of a
+// row's aggregate reads the entry of the event before it only, so its cost
+// does not grow with the aggregate's history: here 400 published events
+// behind a held snapshot, which a probe of every earlier number steps over
+// one by one (403 buffers, when tried with such a probe).
+func TestClaimProbeUnderHeldSnapshotReadsOneEntry(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := db.Pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	holder, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	if _, err := holder.Exec(ctx, `SET TRANSACTION ISOLATION LEVEL REPEATABLE READ`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := holder.Exec(ctx, `SELECT count(*) FROM outbox`); err != nil {
+		t.Fatal(err)
+	}
+	// 400 events of each of 40 orders, interleaved: one order's events lie
+	// on pages of their own, as a busy outbox's do.
+	exec(`INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+SELECT 'order', (g % 40)::text, 'order.paid', '{}' FROM generate_series(1, 16000) g`)
+	exec(`UPDATE outbox SET status = 'sent', published_at = now()`)
+	exec(`VACUUM outbox_default`) // removes nothing the held snapshot may see
+	exec(`INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', '7', 'order.shipped', '{}')`)
+
+	conn, err := db.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, `PREPARE claim(int, uuid, bigint, bigint, boolean, int) AS `+claimWindowSQL); err != nil {
+		t.Fatal(err)
+	}
+	var plan []byte
+	if err := conn.QueryRow(ctx, `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim(10, '00000000-0000-0000-0000-000000000001', 9223372036854775807, 0, true, 100)`).Scan(&plan); err != nil {
+		t.Fatal(err)
+	}
+	var seq int64
+	var status string
+	if err := db.Pool.QueryRow(ctx, `SELECT aggregate_seq, status FROM outbox WHERE event_type = 'order.shipped'`).Scan(&seq, &status); err != nil {
+		t.Fatal(err)
+	}
+	if seq != 401 || status != "sending" {
+		t.Fatalf("the event after 400 published ones: number %d, %s; want 401, claimed (sending)", seq, status)
+	}
+	buffers := probeBuffers(t, plan, "e")
+	if buffers < 1 || buffers > 20 {
+		t.Errorf("the probe read %d buffers, want a handful (one entry and its row); plan:\n%s", buffers, plan)
+	}
+}
+
+// probeBuffers sums the buffers the scans of a relation aliased alias (or
+// alias_N) read in an EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) plan.
+func probeBuffers(t *testing.T, plan []byte, alias string) int64 {
+	t.Helper()
+	type node struct {
+		Alias string `json:"Alias"`
+		Hit   int64  `json:"Shared Hit Blocks"`
+		Read  int64  `json:"Shared Read Blocks"`
+		Plans []node `json:"Plans"`
+	}
+	var doc []struct {
+		Plan node `json:"Plan"`
+	}
+	if err := json.Unmarshal(plan, &doc); err != nil || len(doc) != 1 {
+		t.Fatalf("read the plan: %v", err)
+	}
+	var sum int64
+	var walk func(n node)
+	walk = func(n node) {
+		if n.Alias == alias || strings.HasPrefix(n.Alias, alias+"_") {
+			sum += n.Hit + n.Read
+		}
+		for _, c := range n.Plans {
+			walk(c)
+		}
+	}
+	walk(doc[0].Plan)
+	return sum
 }

@@ -62,8 +62,10 @@
 // schema migration 00009), and the relays publish each aggregate's events
 // in that order, with any number of relays, publish failures, backoffs,
 // leases expiring and relays killed mid-batch. The poll claim takes a row
-// only when no earlier event of its aggregate is unpublished (outbox's
-// claimSQL), so an aggregate has at most one event in flight; when rows
+// only when the event numbered before it in its aggregate is published
+// (outbox's claimSQL and headOfAggregate: the numbers have no gaps, so
+// that one stands for every earlier one), so an aggregate has at most one
+// event in flight; when rows
 // wait beyond a batch (a backlog), the relay claims the next events of
 // each aggregate it published in the transaction that records the batch
 // (deliver, outbox.Outcomes.Next), since the claim loop's floor may have
