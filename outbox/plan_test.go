@@ -24,12 +24,7 @@ func TestClaimsProbeOnlyTheAggregatesEntries(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	exec := func(sql string, args ...any) {
-		t.Helper()
-		if _, err := db.Pool.Exec(ctx, sql, args...); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
+	exec := execer(t, db)
 	write := func(n int) {
 		exec(`INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
 SELECT 'order', (i % 20)::text, 'order.paid', '{}' FROM generate_series(1, $1) i`, n)
@@ -89,8 +84,12 @@ SELECT 'order', (i % 20)::text, 'order.paid', '{}' FROM generate_series(1, $1) i
 	}
 }
 
-// scan is how a plan reads one relation.
-type scan struct{ node, index, cond string }
+// scan is how a plan reads one relation, and the buffers it read (with
+// EXPLAIN's ANALYZE and BUFFERS).
+type scan struct {
+	node, index, cond string
+	buffers           int64
+}
 
 // probeScans returns how each scan of a relation aliased alias (or
 // alias_N, one of its ranges) in an EXPLAIN (FORMAT JSON) plan reads it.
@@ -101,6 +100,8 @@ func probeScans(t *testing.T, plan []byte, alias string) []scan {
 		Alias     string `json:"Alias"`
 		IndexName string `json:"Index Name"`
 		IndexCond string `json:"Index Cond"`
+		Hit       int64  `json:"Shared Hit Blocks"`
+		Read      int64  `json:"Shared Read Blocks"`
 		Plans     []node `json:"Plans"`
 	}
 	var doc []struct {
@@ -113,7 +114,7 @@ func probeScans(t *testing.T, plan []byte, alias string) []scan {
 	var walk func(n node)
 	walk = func(n node) {
 		if n.Alias == alias || strings.HasPrefix(n.Alias, alias+"_") {
-			scans = append(scans, scan{n.NodeType, n.IndexName, n.IndexCond})
+			scans = append(scans, scan{n.NodeType, n.IndexName, n.IndexCond, n.Hit + n.Read})
 		}
 		for _, c := range n.Plans {
 			walk(c)
@@ -133,12 +134,7 @@ func TestClaimProbeUnderHeldSnapshotReadsOneEntry(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	exec := func(sql string, args ...any) {
-		t.Helper()
-		if _, err := db.Pool.Exec(ctx, sql, args...); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
-	}
+	exec := execer(t, db)
 	holder, err := db.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -178,38 +174,21 @@ SELECT 'order', (g % 40)::text, 'order.paid', '{}' FROM generate_series(1, 16000
 	if seq != 401 || status != "sending" {
 		t.Fatalf("the event after 400 published ones: number %d, %s; want 401, claimed (sending)", seq, status)
 	}
-	buffers := probeBuffers(t, plan, "e")
+	var buffers int64
+	for _, p := range probeScans(t, plan, "e") {
+		buffers += p.buffers
+	}
 	if buffers < 1 || buffers > 20 {
 		t.Errorf("the probe read %d buffers, want a handful (one entry and its row); plan:\n%s", buffers, plan)
 	}
 }
 
-// probeBuffers sums the buffers the scans of a relation aliased alias (or
-// alias_N) read in an EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) plan.
-func probeBuffers(t *testing.T, plan []byte, alias string) int64 {
-	t.Helper()
-	type node struct {
-		Alias string `json:"Alias"`
-		Hit   int64  `json:"Shared Hit Blocks"`
-		Read  int64  `json:"Shared Read Blocks"`
-		Plans []node `json:"Plans"`
-	}
-	var doc []struct {
-		Plan node `json:"Plan"`
-	}
-	if err := json.Unmarshal(plan, &doc); err != nil || len(doc) != 1 {
-		t.Fatalf("read the plan: %v", err)
-	}
-	var sum int64
-	var walk func(n node)
-	walk = func(n node) {
-		if n.Alias == alias || strings.HasPrefix(n.Alias, alias+"_") {
-			sum += n.Hit + n.Read
-		}
-		for _, c := range n.Plans {
-			walk(c)
+// execer returns a function that runs a statement on db, or fails t.
+func execer(t *testing.T, db *pgtest.DB) func(sql string, args ...any) {
+	return func(sql string, args ...any) {
+		t.Helper()
+		if _, err := db.Pool.Exec(context.Background(), sql, args...); err != nil {
+			t.Fatalf("%s: %v", sql, err)
 		}
 	}
-	walk(doc[0].Plan)
-	return sum
 }
