@@ -65,15 +65,14 @@
 // only when the event numbered before it in its aggregate is published
 // (outbox's claimSQL and headOfAggregate: the numbers have no gaps, so
 // that one stands for every earlier one), so an aggregate has at most one
-// event in flight; when rows
-// wait beyond a batch (a backlog), the relay claims the next events of
-// each aggregate it published in the transaction that records the batch
-// (deliver, outbox.Outcomes.Next), since the claim loop's floor may have
-// passed them. Without a backlog, the next events are new rows the next
-// claims find. A wal relay publishes rows from
-// concurrent chunks that retry on their own, so each row waits for the
-// previous row of its aggregate to be done (aggregateOrder). Different
-// aggregates go in parallel as before.
+// event in flight; when rows wait beyond a batch (a backlog), the relay
+// claims the next events of each aggregate it published in the
+// transaction that records the batch (deliver, outbox.Outcomes.Next),
+// since the claim loop's floor may have passed them. Without a backlog,
+// the next events are new rows the next claims find. A wal relay publishes
+// rows from concurrent chunks that retry on their own, so each row waits
+// for the previous row of its aggregate to be done (aggregateOrder).
+// Different aggregates go in parallel as before.
 //
 // A backlog of busy aggregates is mostly events waiting for the one before
 // them, and a claim that walks rows by id probes each of them. So a claim

@@ -600,8 +600,8 @@ func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
 			continue
 		}
 		// message() set Nats-Msg-Id and Nats-Expected-Stream: publish
-		// options would set them again, validating each name, and that
-		// was a tenth of the relay's CPU in a drain (bench:relay).
+		// options would set them again, validating each name (about a
+		// twentieth of the relay's CPU in a drain, bench:relay's profile).
 		f, err := r.js.PublishMsgAsync(msg)
 		if err != nil {
 			results[i] = classify(rw.ID, err)
