@@ -23,8 +23,8 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/internal/repo"
-	"github.com/fanout/fanout/internal/syncbuf"
+	"github.com/fanout/fanout/internal/testenv/repo"
+	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/subscribers/registry"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"

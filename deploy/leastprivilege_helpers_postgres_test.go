@@ -20,8 +20,8 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/internal/pgtest"
-	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"

@@ -21,10 +21,10 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
-	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/outbox"
-	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
 	"github.com/fanout/fanout/subscribers/invoicing"
@@ -65,7 +65,7 @@ func TestNATSPermissions(t *testing.T) {
 	// consumer, and runs again (update) without harm.
 	minDup := config.RepublishDelay(cfg.Relay)
 	for range 2 {
-		if err := relay.EnsureStream(ctx, prov.js, cfg.Stream, minDup, discard); err != nil {
+		if err := stream.Ensure(ctx, prov.js, cfg.Stream, minDup, discard); err != nil {
 			t.Fatalf("provisioner provisions the stream: %v", err)
 		}
 		if _, err := subscribers.ProvisionDeadLetterStream(ctx, prov.js, cfg.Subscribers, cfg.Stream.Replicas); err != nil {
@@ -86,7 +86,7 @@ func TestNATSPermissions(t *testing.T) {
 	// The relay checks EVENTS (verify) and publishes with PubAcks.
 	verify := cfg.Stream
 	verify.Provision = "verify"
-	if err := relay.EnsureStream(ctx, rel.js, verify, minDup, discard); err != nil {
+	if err := stream.Ensure(ctx, rel.js, verify, minDup, discard); err != nil {
 		t.Fatalf("relay verifies the stream: %v", err)
 	}
 	publish := func(subject string, id int) uint64 {
@@ -300,7 +300,7 @@ func TestNATSPermissions(t *testing.T) {
 		}
 		update := func(name string) refusal {
 			return refusal{"change stream " + name, "$JS.API.STREAM.UPDATE." + name, func(ctx context.Context, c *natsClient) error {
-				sc := relay.JetStreamConfig(cfg.Stream)
+				sc := stream.JetStreamConfig(cfg.Stream)
 				if name == cfg.Subscribers.DeadLetterStream {
 					sc = subscribers.DeadLetterStreamConfig(cfg.Subscribers, cfg.Stream.Replicas)
 				}

@@ -17,10 +17,11 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/jackc/pgx/v5"
@@ -95,7 +96,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := relay.EnsureStream(ctx, provJS, cfg.Stream, config.RepublishDelay(cfg.Relay), logger); err != nil {
+	if err := stream.Ensure(ctx, provJS, cfg.Stream, config.RepublishDelay(cfg.Relay), logger); err != nil {
 		t.Fatalf("provision the stream as provisioner: %v", err)
 	}
 	if _, err := subscribers.ProvisionDeadLetterStream(ctx, provJS, cfg.Subscribers, cfg.Stream.Replicas); err != nil {

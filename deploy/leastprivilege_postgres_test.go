@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/schema"
 	"github.com/fanout/fanout/shop"

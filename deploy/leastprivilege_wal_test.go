@@ -13,10 +13,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/pgtest"
-	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/nats-io/nats.go/jetstream"
@@ -74,7 +75,7 @@ func TestRelayRoleReplicatesOnlyInWALCapture(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		if err := relay.EnsureStream(ctx, provJS, cfg.Stream, relay.RepublishDelay(cfg.Relay), logger); err != nil {
+		if err := stream.Ensure(ctx, provJS, cfg.Stream, relay.RepublishDelay(cfg.Relay), logger); err != nil {
 			return err
 		}
 		cfg.Stream.Provision = "verify"

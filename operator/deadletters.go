@@ -11,7 +11,7 @@ import (
 	"strconv"
 
 	"github.com/fanout/fanout/outbox"
-	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -25,12 +25,12 @@ type DeadLetters struct {
 	pool   *pgxpool.Pool
 	js     jetstream.JetStream
 	stream jetstream.Stream
-	events relay.StreamConfig
+	events stream.Config
 	subs   subscribers.Config
 }
 
 // OpenDeadLetters binds the dead-letter stream subs.DeadLetterStream.
-func OpenDeadLetters(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, events relay.StreamConfig, subs subscribers.Config) (*DeadLetters, error) {
+func OpenDeadLetters(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, events stream.Config, subs subscribers.Config) (*DeadLetters, error) {
 	s, err := js.Stream(ctx, subs.DeadLetterStream)
 	if err != nil {
 		return nil, fmt.Errorf("dead-letter stream %s: %w", subs.DeadLetterStream, err)

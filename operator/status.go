@@ -9,6 +9,7 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -82,7 +83,7 @@ type Sources struct {
 	Pool        *pgxpool.Pool
 	JS          jetstream.JetStream
 	Relay       relay.Config
-	Stream      relay.StreamConfig
+	Stream      stream.Config
 	Subscribers subscribers.Config
 	// Known are the subscribers the binary runs: each is reported, with or
 	// without a consumer.

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5"
 )

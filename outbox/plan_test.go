@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 )
 
 // The relay's claims probe the aggregates' own entries of

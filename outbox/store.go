@@ -26,7 +26,7 @@ type Store struct {
 	// it before the Store is used.
 	OnFailed OnFailed
 	// Unordered claims without per-aggregate order, for the self-test of
-	// the checkers that must catch events out of order (relay.TestHooks).
+	// the checkers that must catch events out of order (internal/testhooks).
 	Unordered bool
 }
 

@@ -6,6 +6,8 @@ import (
 	"strconv"
 	"strings"
 	"unicode/utf8"
+
+	"github.com/fanout/fanout/stream"
 )
 
 // Limits on what an event carries. Each keeps its part of the NATS message
@@ -46,7 +48,7 @@ func ValidEventType(t string) error {
 		return fmt.Errorf("%w: event type %s is not valid UTF-8", ErrInvalidEvent, clip(t))
 	}
 	for tok := range strings.SplitSeq(t, ".") {
-		if !ValidSubjectToken(tok) {
+		if !stream.ValidSubjectToken(tok) {
 			return fmt.Errorf("%w: event type %s: each dot-separated token must be non-empty, printable, without spaces, '*' or '>'", ErrInvalidEvent, clip(t))
 		}
 	}

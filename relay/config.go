@@ -1,7 +1,6 @@
 package relay
 
 import (
-	"strings"
 	"time"
 
 	"github.com/fanout/fanout/internal/validate"
@@ -145,69 +144,6 @@ func (c Config) Validate() error {
 // stream.duplicate_window must be longer, so JetStream drops the repeat.
 func RepublishDelay(r Config) time.Duration {
 	return r.Lease + r.PublishTimeout + r.ReapInterval + r.RetryMax
-}
-
-// StreamConfig is the JetStream stream that carries the events (the
-// stream.* keys). The subscribers read it too.
-type StreamConfig struct {
-	// Name of the stream. Default "EVENTS".
-	Name string `koanf:"name"`
-	// SubjectPrefix is the first subject token: events go to
-	// <prefix>.<event_type>. Default "events".
-	SubjectPrefix string `koanf:"subject_prefix"`
-	// Replicas is 1 on one server, 3 in a cluster. Default 1, 1..5.
-	Replicas int `koanf:"replicas"`
-	// MaxAge is how long events stay, so a new subscriber can replay history.
-	// Default 168h (7 days), > 0.
-	MaxAge time.Duration `koanf:"max_age"`
-	// MaxBytes caps the stream's size; -1 is unlimited. Default -1.
-	MaxBytes int64 `koanf:"max_bytes"`
-	// DuplicateWindow is how long JetStream remembers Nats-Msg-Ids. It must
-	// exceed RepublishDelay of the relay's settings (the longest a row's
-	// second publish can follow its first), and not exceed MaxAge.
-	// Default 10m.
-	DuplicateWindow time.Duration `koanf:"duplicate_window"`
-	// Provision is auto (the relay creates or updates the stream, and each
-	// subscriber its consumer), verify (they refuse to start unless the
-	// stream, or the consumer, exists and fits: `fanout provision` made
-	// them), or off (trust other tooling). Default auto.
-	Provision string `koanf:"provision"`
-}
-
-// Stream defaults.
-const (
-	DefaultStreamName    = "EVENTS"
-	DefaultSubjectPrefix = "events"
-)
-
-// DefaultStreamConfig returns the stream's defaults.
-func DefaultStreamConfig() StreamConfig {
-	return StreamConfig{Name: DefaultStreamName, SubjectPrefix: DefaultSubjectPrefix, Replicas: 1, MaxAge: 168 * time.Hour,
-		MaxBytes: -1, DuplicateWindow: 10 * time.Minute, Provision: "auto"}
-}
-
-// Validate checks each stream.* key alone.
-func (s StreamConfig) Validate() error {
-	var v validate.Errors
-	if !ValidStreamName(s.Name) {
-		v.Bad("stream.name", "must be a non-empty name without spaces, '.', '*', '>' or path separators (got %q)", s.Name)
-	}
-	if !outbox.ValidSubjectToken(s.SubjectPrefix) {
-		v.Bad("stream.subject_prefix", "must be one subject token without '.', '*', '>' or spaces (got %q)", s.SubjectPrefix)
-	}
-	v.Between("stream.replicas", int64(s.Replicas), 1, 5)
-	v.Positive("stream.max_age", s.MaxAge)
-	if s.MaxBytes == 0 || s.MaxBytes < -1 {
-		v.Bad("stream.max_bytes", "must be -1 (unlimited) or a positive byte count (got %d)", s.MaxBytes)
-	}
-	v.Positive("stream.duplicate_window", s.DuplicateWindow)
-	v.OneOf("stream.provision", s.Provision, "auto", "verify", "off")
-	return v.Err()
-}
-
-// ValidStreamName reports whether s can name a JetStream stream.
-func ValidStreamName(s string) bool {
-	return outbox.ValidSubjectToken(s) && !strings.ContainsAny(s, `/\`)
 }
 
 func validSlotName(s string) bool {

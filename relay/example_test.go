@@ -7,12 +7,13 @@ import (
 	"os/signal"
 
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 )
 
 // A relay embedded in another Go program: its settings are its own
-// (relay.Config, relay.StreamConfig, with their defaults and checks), its
+// (relay.Config, stream.Config, with their defaults and checks), its
 // connections the program's.
 func ExampleNew() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
@@ -30,14 +31,14 @@ func ExampleNew() {
 
 	cfg := relay.DefaultConfig()
 	cfg.BatchSize = 500
-	stream := relay.DefaultStreamConfig()
-	stream.Replicas = 3
-	for _, err := range []error{cfg.Validate(), stream.Validate()} {
+	events := stream.DefaultConfig()
+	events.Replicas = 3
+	for _, err := range []error{cfg.Validate(), events.Validate()} {
 		if err != nil {
 			panic(err) // names the key: "relay.batch_size must be between 1 and 10000 (got 0)"
 		}
 	}
-	r, err := relay.New(relay.Options{Relay: cfg, Stream: stream, Pool: pool, Conn: nc, Logger: slog.Default()})
+	r, err := relay.New(relay.Options{Relay: cfg, Stream: events, Pool: pool, Conn: nc, Logger: slog.Default()})
 	if err != nil {
 		panic(err)
 	}

@@ -13,8 +13,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/natstest"
+	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -74,7 +75,7 @@ func FuzzPoisonRows(f *testing.F) {
 		f.Fatal(err)
 	}
 	ctx := context.Background()
-	stream, err := js.Stream(ctx, h.cfg.Stream.Name)
+	evs, err := js.Stream(ctx, h.cfg.Stream.Name)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -136,7 +137,7 @@ func FuzzPoisonRows(f *testing.F) {
 
 		// Sent: the stream's last message is this row, and the stream holds
 		// one message per sent row, so none is there twice.
-		info, err := stream.Info(ctx)
+		info, err := evs.Info(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -147,7 +148,7 @@ func FuzzPoisonRows(f *testing.F) {
 		if info.State.Msgs != sent {
 			t.Fatalf("stream holds %d messages for %d sent rows", info.State.Msgs, sent)
 		}
-		m, err := stream.GetMsg(ctx, info.State.LastSeq)
+		m, err := evs.GetMsg(ctx, info.State.LastSeq)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -178,8 +179,8 @@ func FuzzPoisonRows(f *testing.F) {
 		if len(m.Header) != len(want) {
 			t.Errorf("message has headers %q, want exactly %q", m.Header, want)
 		}
-		if m.Subject != outbox.Subject(prefix, eventType) || string(m.Data) != storedPayload {
-			t.Errorf("message %q with body %.100q, want %q with %.100q", m.Subject, m.Data, outbox.Subject(prefix, eventType), storedPayload)
+		if m.Subject != stream.Subject(prefix, eventType) || string(m.Data) != storedPayload {
+			t.Errorf("message %q with body %.100q, want %q with %.100q", m.Subject, m.Data, stream.Subject(prefix, eventType), storedPayload)
 		}
 	})
 }

@@ -11,9 +11,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/natstest"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/natstest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -31,12 +32,12 @@ type harness struct {
 // testConfig is the relay's and the stream's settings for one test.
 type testConfig struct {
 	Relay  Config
-	Stream StreamConfig
+	Stream stream.Config
 }
 
 func newHarness(t testing.TB, opts ...natstest.Option) *harness {
 	t.Helper()
-	cfg := &testConfig{Relay: DefaultConfig(), Stream: DefaultStreamConfig()}
+	cfg := &testConfig{Relay: DefaultConfig(), Stream: stream.DefaultConfig()}
 	cfg.Relay.PollInterval = 50 * time.Millisecond
 	cfg.Relay.RetryMin = 50 * time.Millisecond
 	cfg.Relay.RetryMax = 500 * time.Millisecond

@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/natstest"
+	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )

@@ -15,7 +15,9 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/jsretry"
+	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -72,19 +74,17 @@ func (NopObserver) SlotLag(int64, time.Duration) {}
 // Options are the relay's collaborators.
 type Options struct {
 	Relay    Config
-	Stream   StreamConfig
+	Stream   stream.Config
 	Pool     *pgxpool.Pool
 	Conn     *nats.Conn
 	Logger   *slog.Logger
 	Observer Observer // optional
-	// TestHooks are for tests only; leave them zero.
-	TestHooks TestHooks
 }
 
 // Relay publishes outbox rows. Start it with Start, stop it with Stop.
 type Relay struct {
 	cfg    Config
-	stream StreamConfig
+	stream stream.Config
 	pool   *pgxpool.Pool
 	store  *outbox.Store
 	nc     *nats.Conn
@@ -92,7 +92,7 @@ type Relay struct {
 	logger *slog.Logger
 	obs    Observer
 
-	hooks TestHooks
+	hooks testhooks.Relay // zero but in tests (internal/testhooks)
 
 	// order keeps each aggregate's events in order through the wal
 	// relay's concurrent publishes.
@@ -180,14 +180,12 @@ func New(opts Options) (*Relay, error) {
 		js:       js,
 		logger:   opts.Logger,
 		obs:      obs,
-		hooks:    opts.TestHooks,
 		order:    newAggregateOrder(),
 		wake:     make(chan struct{}, 1),
 		slots:    semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
 		stopping: make(chan struct{}),
 	}
 	r.store.OnFailed = outbox.OnFailed(r.cfg.OnFailed)
-	r.store.Unordered = r.hooks.Unordered
 	if r.cfg.PartitionSize == 0 {
 		r.cfg.PartitionSize = DefaultPartitionSize
 	}
@@ -210,8 +208,10 @@ func (r *Relay) Start(ctx context.Context) error {
 }
 
 func (r *Relay) start(ctx context.Context) error {
+	r.hooks = testhooks.RelayFrom(ctx)
+	r.store.Unordered = r.hooks.Unordered
 	if err := jsretry.Do(ctx, r.logger, "provision the stream", func() error {
-		return EnsureStream(ctx, r.js, r.stream, RepublishDelay(r.cfg), r.logger)
+		return stream.Ensure(ctx, r.js, r.stream, RepublishDelay(r.cfg), r.logger)
 	}); err != nil {
 		return err
 	}
@@ -660,7 +660,7 @@ func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
 		return nil, err
 	}
 	msg := &nats.Msg{
-		Subject: outbox.Subject(r.stream.SubjectPrefix, rw.EventType),
+		Subject: stream.Subject(r.stream.SubjectPrefix, rw.EventType),
 		Data:    rw.Payload,
 		Header:  make(nats.Header, len(headers)+8),
 	}

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/stream"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -24,11 +25,11 @@ func TestStreamProvisioning(t *testing.T) {
 
 	verify := h.cfg.Stream
 	verify.Provision = "verify"
-	if err := EnsureStream(ctx, js, verify, minDup, logger); err == nil {
+	if err := stream.Ensure(ctx, js, verify, minDup, logger); err == nil {
 		t.Fatal("verify passed with no stream")
 	}
 
-	if err := EnsureStream(ctx, js, h.cfg.Stream, minDup, logger); err != nil {
+	if err := stream.Ensure(ctx, js, h.cfg.Stream, minDup, logger); err != nil {
 		t.Fatalf("auto: %v", err)
 	}
 	s, err := js.Stream(ctx, h.cfg.Stream.Name)
@@ -40,7 +41,7 @@ func TestStreamProvisioning(t *testing.T) {
 		c.Duplicates != h.cfg.Stream.DuplicateWindow || c.Subjects[0] != "events.>" || c.Description == "" || c.Metadata["fanout.msg_id"] != "outbox.id" {
 		t.Errorf("provisioned stream config: %+v", c)
 	}
-	if err := EnsureStream(ctx, js, verify, minDup, logger); err != nil {
+	if err := stream.Ensure(ctx, js, verify, minDup, logger); err != nil {
 		t.Fatalf("verify after auto: %v", err)
 	}
 	// Events leave by age only: no API call deletes or purges them.
@@ -56,14 +57,14 @@ func TestStreamProvisioning(t *testing.T) {
 	if _, err := js.UpdateStream(ctx, c); err != nil {
 		t.Fatal(err)
 	}
-	err = EnsureStream(ctx, js, verify, minDup, logger)
-	if !errors.Is(err, ErrStreamUnfit) || !strings.Contains(err.Error(), "1m0s") || !strings.Contains(err.Error(), minDup.String()) {
-		t.Fatalf("verify with a short duplicates window: %v; want ErrStreamUnfit naming both durations", err)
+	err = stream.Ensure(ctx, js, verify, minDup, logger)
+	if !errors.Is(err, stream.ErrUnfit) || !strings.Contains(err.Error(), "1m0s") || !strings.Contains(err.Error(), minDup.String()) {
+		t.Fatalf("verify with a short duplicates window: %v; want stream.ErrUnfit naming both durations", err)
 	}
 
 	off := h.cfg.Stream
 	off.Provision = "off"
-	if err := EnsureStream(ctx, js, off, minDup, logger); err != nil {
+	if err := stream.Ensure(ctx, js, off, minDup, logger); err != nil {
 		t.Fatalf("off: %v", err)
 	}
 }

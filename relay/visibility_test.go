@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 )
 
 func TestSnapshotVisible(t *testing.T) {

@@ -9,7 +9,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/schema"
 )
 

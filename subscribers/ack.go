@@ -54,7 +54,7 @@ func (r *Runner) succeeded(ctx context.Context, ds []*delivery, freshIDs []int64
 	if ctx.Err() != nil {
 		return // hard stop: the events come back after the ack wait, and are skipped
 	}
-	if r.opts.TestHooks.AckBeforeCommit == 0 {
+	if r.hooks.AckBeforeCommit == 0 {
 		r.ack(ctx, ds, true)
 	}
 	r.health.handlerWorked()
@@ -79,14 +79,14 @@ func redelivered(ds []*delivery) int {
 }
 
 func (r *Runner) beforeAck(ctx context.Context, ds []*delivery) {
-	if r.opts.TestHooks.BeforeAck == nil || len(ds) == 0 {
+	if r.hooks.BeforeAck == nil || len(ds) == 0 {
 		return
 	}
 	ids := make([]int64, len(ds))
 	for i, d := range ds {
 		ids[i] = d.ev.ID
 	}
-	r.opts.TestHooks.BeforeAck(ctx, ids)
+	r.hooks.BeforeAck(ctx, ids)
 }
 
 // ackParallelism bounds concurrent double acks: each is a round trip.

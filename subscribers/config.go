@@ -4,8 +4,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/validate"
-	"github.com/fanout/fanout/outbox"
-	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 )
 
 // Config is the subscriber runtime's configuration (the subscribers.*
@@ -140,10 +139,10 @@ func (c Config) Validate() error {
 			v.Bad("subscribers.start_time", "must be an RFC 3339 time such as 2026-01-02T15:04:05Z when subscribers.start is time (got %q)", c.StartTime)
 		}
 	}
-	if !relay.ValidStreamName(c.DeadLetterStream) {
+	if !stream.ValidName(c.DeadLetterStream) {
 		v.Bad("subscribers.dead_letter_stream", "must be a non-empty name without spaces, '.', '*', '>' or path separators (got %q)", c.DeadLetterStream)
 	}
-	if !outbox.ValidSubjectToken(c.DeadLetterSubjectPrefix) {
+	if !stream.ValidSubjectToken(c.DeadLetterSubjectPrefix) {
 		v.Bad("subscribers.dead_letter_subject_prefix", "must be one subject token without '.', '*', '>' or spaces (got %q)", c.DeadLetterSubjectPrefix)
 	}
 	v.Positive("subscribers.dead_letter_max_age", c.DeadLetterMaxAge)

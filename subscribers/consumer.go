@@ -8,7 +8,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -16,7 +16,7 @@ import (
 // event types.
 // An ordered subscriber's consumer pins one instance at a time (a priority
 // group with the pinned-client policy).
-func ConsumerConfig(name string, eventTypes []string, ordered bool, cfg Config, stream relay.StreamConfig) jetstream.ConsumerConfig {
+func ConsumerConfig(name string, eventTypes []string, ordered bool, cfg Config, stream stream.Config) jetstream.ConsumerConfig {
 	filters := make([]string, 0, len(eventTypes))
 	for _, t := range eventTypes {
 		filters = append(filters, stream.SubjectPrefix+"."+t)
@@ -119,6 +119,6 @@ func sameSet(a, b []string) bool {
 // to its configuration (keeping the start position of an existing one):
 // `fanout provision` runs it with the provisioning identity, so that the
 // subscribers themselves need no right to create or change consumers.
-func ProvisionConsumer(ctx context.Context, stream jetstream.Stream, d Declaration, cfg Config, streamCfg relay.StreamConfig) (jetstream.Consumer, error) {
+func ProvisionConsumer(ctx context.Context, stream jetstream.Stream, d Declaration, cfg Config, streamCfg stream.Config) (jetstream.Consumer, error) {
 	return ensureConsumer(ctx, stream, ConsumerConfig(d.Name, d.EventTypes, d.Ordered, cfg, streamCfg), "auto")
 }

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -191,7 +191,7 @@ var ErrDeadLetterRefused = errors.New("dead letter refused")
 // ParseDeadLetter reads m, a message of the dead-letter stream. It refuses
 // a letter stored outside cfg's subject prefix, or whose subscriber header
 // names another subscriber than its subject.
-func ParseDeadLetter(m *jetstream.RawStreamMsg, cfg Config, stream relay.StreamConfig) (DeadLetter, error) {
+func ParseDeadLetter(m *jetstream.RawStreamMsg, cfg Config, stream stream.Config) (DeadLetter, error) {
 	h := m.Header
 	dl := DeadLetter{Seq: m.Sequence, Reason: h.Get(DeadReasonHeader), Deliveries: h.Get(DeadDeliveriesHeader), At: h.Get(DeadAtHeader), Raw: m}
 	rest, ok := strings.CutPrefix(m.Subject, cfg.DeadLetterSubjectPrefix+".")
@@ -217,7 +217,7 @@ func ParseDeadLetter(m *jetstream.RawStreamMsg, cfg Config, stream relay.StreamC
 // one the subscriber's consumer wants; dl.Event becomes that copy. An event
 // the stream no longer holds (past stream.max_age) returns an error wrapping
 // jetstream.ErrMsgNotFound: the caller decides whether to trust the letter.
-func (dl *DeadLetter) Verify(ctx context.Context, js jetstream.JetStream, stream relay.StreamConfig) error {
+func (dl *DeadLetter) Verify(ctx context.Context, js jetstream.JetStream, stream stream.Config) error {
 	seq, err := strconv.ParseUint(dl.Raw.Header.Get(DeadStreamSeqHeader), 10, 64)
 	if err != nil || seq == 0 {
 		return fmt.Errorf("%w: letter %d names no stream sequence (%s)", ErrDeadLetterRefused, dl.Seq, DeadStreamSeqHeader)

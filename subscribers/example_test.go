@@ -8,7 +8,7 @@ import (
 	"os"
 	"os/signal"
 
-	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -35,7 +35,7 @@ func (auditLog) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) e
 }
 
 // The subscriber runtime embedded in another Go program, with its own
-// settings (subscribers.Config) and the stream's (relay.StreamConfig).
+// settings (subscribers.Config) and the stream's (stream.Config).
 func ExampleNew() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
 	defer stop()
@@ -55,7 +55,7 @@ func ExampleNew() {
 	if err := cfg.Validate(); err != nil {
 		panic(err) // names the key: "subscribers.concurrency must be between 1 and 256 (got 0)"
 	}
-	r, err := subscribers.New(subscribers.Options{Handler: subscribers.Tx(auditLog{}), Config: cfg, Stream: relay.DefaultStreamConfig(),
+	r, err := subscribers.New(subscribers.Options{Handler: subscribers.Tx(auditLog{}), Config: cfg, Stream: stream.DefaultConfig(),
 		Pool: pool, Conn: nc, Logger: slog.Default()})
 	if err != nil {
 		panic(err)

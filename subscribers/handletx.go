@@ -65,9 +65,9 @@ func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh []int64, er
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
 	fresh, err = r.inTx(actx, tx, ds, ids, forget)
 	if err == nil {
-		if r.opts.TestHooks.AckBeforeCommit > 0 {
+		if r.hooks.AckBeforeCommit > 0 {
 			r.ack(ctx, ds, false)
-			time.Sleep(r.opts.TestHooks.AckBeforeCommit)
+			time.Sleep(r.hooks.AckBeforeCommit)
 		}
 		err = tx.Commit(actx)
 	}
@@ -95,7 +95,7 @@ func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forge
 	for _, id := range newIDs {
 		todo[id] = true
 	}
-	if r.ordered && !r.opts.TestHooks.Unordered {
+	if r.ordered && !r.hooks.Unordered {
 		// Before the handler: the checkpoint's row lock keeps another
 		// instance off the aggregate, and an event out of turn does no work.
 		if err := r.advance(ctx, tx, ds, todo); err != nil {

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/subscribertest"
@@ -248,12 +249,11 @@ func TestCheckpointedEventIsNeverDeadLettered(t *testing.T) {
 	h := subscribers.Tx(txScripted{sc})
 	var once sync.Once
 	crashNow := make(chan struct{})
-	r := env.StartRunner(h, func(o *subscribers.Options) {
-		o.TestHooks.BeforeAck = func(ctx context.Context, ids []int64) {
-			once.Do(func() { close(crashNow) })
-			<-ctx.Done()
-		}
-	})
+	r := env.NewRunner(h, nil)
+	env.StartHooked(r, testhooks.Subscriber{BeforeAck: func(ctx context.Context, ids []int64) {
+		once.Do(func() { close(crashNow) })
+		<-ctx.Done()
+	}})
 	id := write(env, testEvent("fail", 1))[0] // fails once, then commits
 	select {
 	case <-crashNow:

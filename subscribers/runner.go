@@ -14,8 +14,8 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/jsretry"
-	"github.com/fanout/fanout/outbox"
-	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/internal/testhooks"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -27,37 +27,17 @@ import (
 type Options struct {
 	Handler  Handler
 	Config   Config
-	Stream   relay.StreamConfig
+	Stream   stream.Config
 	Pool     *pgxpool.Pool
 	Conn     *nats.Conn
 	Logger   *slog.Logger
 	Observer Observer // optional
-	// TestHooks are for tests only; leave them zero.
-	TestHooks TestHooks
-}
-
-// TestHooks let tests reach the moments faults matter (and the fault run's
-// self-test break the runtime on purpose, to prove its checker catches
-// it). Production leaves them zero: only tests, and binaries built with
-// the fanout_sabotage tag, set them. The relay has the same kind.
-type TestHooks struct {
-	// BeforeAck, when set, runs after a batch's effects and checkpoints are
-	// recorded and before its messages are acked: a test dies there, at
-	// the worst moment.
-	BeforeAck func(ctx context.Context, ids []int64)
-	// AckBeforeCommit (sabotage) acks a TxHandler's batch before its
-	// transaction commits, and waits this long in between: a crash in that
-	// window loses the events.
-	AckBeforeCommit time.Duration
-	// Unordered (sabotage) runs an ordered subscriber without its order:
-	// events are dispatched as they arrive and its per-aggregate
-	// checkpoint is not consulted (its consumer still pins one instance).
-	Unordered bool
 }
 
 // Runner runs one subscriber: its consumer, its workers, its dead letters.
 type Runner struct {
 	opts    Options
+	hooks   testhooks.Subscriber // zero but in tests (internal/testhooks)
 	name    string
 	ordered bool
 	eventH  EventHandler
@@ -92,7 +72,7 @@ func New(opts Options) (*Runner, error) {
 	if h.named == nil {
 		return nil, errors.New("subscriber: no handler (make one with subscribers.Tx or subscribers.Each)")
 	}
-	if !outbox.ValidSubjectToken(h.Name()) || strings.ContainsAny(h.Name(), `/\`) {
+	if !stream.ValidSubjectToken(h.Name()) || strings.ContainsAny(h.Name(), `/\`) {
 		return nil, fmt.Errorf("subscriber name %q: must be one subject token (letters, digits, '-', '_')", h.Name())
 	}
 	if len(h.EventTypes()) == 0 {
@@ -127,6 +107,7 @@ func (r *Runner) Start(ctx context.Context) error {
 }
 
 func (r *Runner) start(ctx context.Context) error {
+	r.hooks = testhooks.SubscriberFrom(ctx)
 	if err := r.checkStore(ctx); err != nil {
 		return err
 	}
@@ -171,7 +152,7 @@ func (r *Runner) start(ctx context.Context) error {
 
 	batches := make(chan received)
 	// An ordered subscriber's dispatcher learns what became of each batch.
-	inOrder := r.ordered && !r.opts.TestHooks.Unordered
+	inOrder := r.ordered && !r.hooks.Unordered
 	var finished chan []*delivery
 	if inOrder {
 		finished = make(chan []*delivery, r.cfg.Concurrency)

@@ -7,7 +7,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/fanout/fanout/internal/benchkit"
+	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/relay"
 	"github.com/jackc/pgx/v5"

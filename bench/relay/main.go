@@ -37,13 +37,14 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/fanout/fanout/internal/benchkit"
+	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -297,10 +298,10 @@ func benchDrainWAL(ctx context.Context, nc *nats.Conn) (result, error) {
 		return result{}, err
 	}
 	defer env.close()
-	db, stream, rp := env.db, env.stream, env.relayPool
+	db, sc, rp := env.db, env.stream, env.relayPool
 	rc := relayConfig()
 	rc.Capture, rc.Slot = relay.CaptureWAL, db.Name
-	first, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet})
+	first, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
 	if err != nil {
 		return result{}, err
 	}
@@ -328,7 +329,7 @@ func benchDrainWAL(ctx context.Context, nc *nats.Conn) (result, error) {
 	if err := benchkit.Settle(ctx, db.Pool); err != nil {
 		return result{}, err
 	}
-	res, _, err := timeDrain(ctx, relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet})
+	res, _, err := timeDrain(ctx, relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
 	return res, err
 }
 
@@ -360,7 +361,7 @@ func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
 		return result{}, err
 	}
 	defer db.Close()
-	stream, done, err := freshStream(nc)
+	sc, done, err := freshStream(nc)
 	if err != nil {
 		return result{}, err
 	}
@@ -369,7 +370,7 @@ func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
 	if err != nil {
 		return result{}, err
 	}
-	if err := relay.EnsureStream(ctx, js, stream, 0, quiet); err != nil {
+	if err := stream.Ensure(ctx, js, sc, 0, quiet); err != nil {
 		return result{}, err
 	}
 	if err := fillOutbox(ctx, db.Pool, 10_000); err != nil {
@@ -402,7 +403,7 @@ func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
 		}
 		var ids []int64
 		for _, r := range batch {
-			if _, err := js.Publish(runCtx, stream.SubjectPrefix+"."+r.typ, r.payload, jetstream.WithMsgID(strconv.FormatInt(r.id, 10))); err != nil {
+			if _, err := js.Publish(runCtx, sc.SubjectPrefix+"."+r.typ, r.payload, jetstream.WithMsgID(strconv.FormatInt(r.id, 10))); err != nil {
 				break
 			}
 			ids = append(ids, r.id)
@@ -420,7 +421,7 @@ func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
 }
 
 func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
-	stream, done, err := freshStream(nc)
+	sc, done, err := freshStream(nc)
 	if err != nil {
 		return result{}, err
 	}
@@ -430,14 +431,14 @@ func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
 	if err != nil {
 		return result{}, err
 	}
-	if err := relay.EnsureStream(ctx, js, stream, 0, quiet); err != nil {
+	if err := stream.Ensure(ctx, js, sc, 0, quiet); err != nil {
 		return result{}, err
 	}
 	payloads := make([][]byte, 1000)
 	for i := range payloads {
 		payloads[i] = fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, i, i+1, 1000+i)
 	}
-	subject := stream.SubjectPrefix + ".product.updated"
+	subject := sc.SubjectPrefix + ".product.updated"
 	var failed atomic.Int64
 	start := time.Now()
 	futures := make([]jetstream.PubAckFuture, 0, *rows)
@@ -541,7 +542,7 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 		if capture == "" {
 			return fn()
 		}
-		stream, done, err := freshStream(nc)
+		sc, done, err := freshStream(nc)
 		if err != nil {
 			return err
 		}
@@ -553,7 +554,7 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 		defer rp.Close()
 		rc := relayConfig()
 		rc.Capture, rc.Slot = capture, db.Name
-		r, err := relay.New(relay.Options{Relay: rc, Stream: stream, Pool: rp, Conn: nc, Logger: quiet})
+		r, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
 		if err != nil {
 			return err
 		}

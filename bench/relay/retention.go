@@ -7,8 +7,8 @@ import (
 	"math"
 	"time"
 
-	"github.com/fanout/fanout/internal/benchkit"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/bench/benchkit"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 )

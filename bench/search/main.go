@@ -26,14 +26,15 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/fanout/fanout/internal/benchkit"
+	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/metrics"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5"
@@ -116,7 +117,7 @@ func run(ctx context.Context) error {
 		return err
 	}
 	defer b.pool.Close()
-	if err := relay.EnsureStream(ctx, b.js, cfg.Stream, 0, quiet); err != nil {
+	if err := stream.Ensure(ctx, b.js, cfg.Stream, 0, quiet); err != nil {
 		return err
 	}
 	b.env = []string{
@@ -405,7 +406,7 @@ func (b *bench) freshnessRun(ctx context.Context, run int) (freshnessResult, err
 	stages := metrics.StagesOf(reg)
 	sc := b.cfg.Subscribers
 	sc.Start = "new"
-	r, err := relay.New(relay.Options{Relay: b.cfg.Relay, Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet, Observer: metrics.NewRelay(reg)})
+	r, err := relay.New(relay.Options{Relay: b.cfg.Relay, Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet, Observer: relay.NewMetrics(reg)})
 	if err != nil {
 		return res, err
 	}
@@ -416,7 +417,7 @@ func (b *bench) freshnessRun(ctx context.Context, run int) (freshnessResult, err
 	indexer := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
 	indexer.ObserveSearchable(func(took []time.Duration) { stages.Observe(metrics.StageSearchable, searchindex.Name, took...) })
 	sub, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(indexer), Config: sc,
-		Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet, Observer: metrics.NewSubscribers(reg)})
+		Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet, Observer: subscribers.NewMetrics(reg)})
 	if err != nil {
 		return res, err
 	}

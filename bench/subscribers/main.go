@@ -19,9 +19,9 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/fanout/fanout/internal/benchkit"
+	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/config"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"

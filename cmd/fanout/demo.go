@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
-	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/opsserver"
@@ -19,6 +18,8 @@ import (
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/shop/demo"
+	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
@@ -72,7 +73,7 @@ func upCommand(a *app) *cobra.Command {
 			defer func() { _ = running.stop() }()
 			var published atomic.Int64
 			reg := metrics.NewRegistry()
-			r, conns, err := startRelay(ctx, a, countPublished{Observer: metrics.NewRelay(reg), n: &published})
+			r, conns, err := startRelay(ctx, a, countPublished{Observer: relay.NewMetrics(reg), n: &published})
 			if err != nil {
 				return err
 			}
@@ -83,7 +84,7 @@ func upCommand(a *app) *cobra.Command {
 				natsCheck(conns.nc), {Name: "relay", Fn: func(context.Context) error { return r.Ready() }},
 			}}
 			running.add(func() error { sd.close(); return nil })
-			stopSubscribers, err := startSubscribers(ctx, a, sd, names, conns.nc, metrics.NewSubscribers(reg))
+			stopSubscribers, err := startSubscribers(ctx, a, sd, names, conns.nc, subscribers.NewMetrics(reg))
 			if err != nil {
 				return err
 			}
@@ -92,7 +93,7 @@ func upCommand(a *app) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			reg.MustRegister(metrics.NewOutboxCollector(pool, a.cfg.Relay.OnFailed, a.logger), metrics.NewConsumerCollector(js, a.cfg.Stream.Name, names, a.logger))
+			reg.MustRegister(relay.NewOutboxCollector(pool, a.cfg.Relay.OnFailed, a.logger), subscribers.NewConsumerCollector(js, a.cfg.Stream.Name, names, a.logger))
 			stopOps, err := startOps(a, reg, sd.checks)
 			if err != nil {
 				return err

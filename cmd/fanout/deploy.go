@@ -7,7 +7,7 @@ import (
 	"os"
 	"path/filepath"
 
-	"github.com/fanout/fanout/internal/deployment"
+	"github.com/fanout/fanout/deploy"
 	"github.com/spf13/cobra"
 )
 
@@ -38,7 +38,7 @@ they differ. Each file can also be printed on its own.`,
 			decls := subscriberRegistry.All()
 			if check {
 				var stale []string
-				for _, f := range deployment.Files {
+				for _, f := range deploy.Files {
 					want, err := f.Render(decls)
 					if err != nil {
 						return err
@@ -57,7 +57,7 @@ they differ. Each file can also be printed on its own.`,
 				fmt.Fprintln(cmd.OutOrStdout(), "deployment files up to date")
 				return nil
 			}
-			changed, err := deployment.RenderAll(dir, decls)
+			changed, err := deploy.RenderAll(dir, decls)
 			for _, p := range changed {
 				fmt.Fprintln(cmd.OutOrStdout(), "wrote", p)
 			}
@@ -69,7 +69,7 @@ they differ. Each file can also be printed on its own.`,
 	}
 	render.Flags().BoolVar(&check, "check", false, "write nothing; fail if a file differs")
 	cmd.AddCommand(render)
-	for _, f := range deployment.Files {
+	for _, f := range deploy.Files {
 		cmd.AddCommand(&cobra.Command{
 			Use:   f.Name,
 			Short: "Print " + f.Path,

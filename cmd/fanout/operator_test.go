@@ -12,9 +12,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/natstest"
-	"github.com/fanout/fanout/internal/pgtest"
-	"github.com/fanout/fanout/internal/redistest"
+	"github.com/fanout/fanout/internal/testenv/natstest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/internal/testenv/redistest"
 	"github.com/fanout/fanout/operator"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/natstest"
+	"github.com/fanout/fanout/internal/testenv/natstest"
 )
 
 // A role whose NATS connection is closed for good stops waiting and

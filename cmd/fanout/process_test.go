@@ -18,13 +18,14 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/natstest"
-	"github.com/fanout/fanout/internal/pgtest"
-	"github.com/fanout/fanout/internal/redistest"
-	"github.com/fanout/fanout/internal/syncbuf"
+	"github.com/fanout/fanout/internal/testenv/natstest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/internal/testenv/redistest"
+	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/subscribers/registry"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
@@ -281,7 +282,7 @@ func TestUnknownSubscriberAndBadConfigAreClearErrors(t *testing.T) {
 		args []string
 		want string
 	}{
-		{nil, []string{"subscribe", "billing"}, `unknown subscriber "billing" (known: cacheinval, fulfilment, invoicing, salesledger, searchindex)`},
+		{nil, []string{"subscribe", "billing"}, `unknown subscriber "billing" (known: ` + strings.Join(registry.Default.Names(), ", ") + ")"},
 		{[]string{"FANOUT_SUBSCRIBERS_MAX_FAILURES=0"}, []string{"subscribe", "invoicing"}, "subscribers.max_failures must be between 1 and 1000 (got 0)"},
 		{[]string{"FANOUT_SUBSCRIBERS_MAX_DELIVER=10"}, []string{"subscribe", "invoicing"}, `config key "subscribers.max_deliver" is gone: replaced by subscribers.max_failures`},
 		{[]string{"FANOUT_RELAY_MAX_IN_FLIGHT=600", "FANOUT_RELAY_BATCH_SIZE=1000"}, []string{"relay"}, "relay.max_in_flight (600) must be at least relay.batch_size (1000)"},

@@ -9,6 +9,7 @@ import (
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/opsserver"
+	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/relay"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -25,12 +26,12 @@ func relayCommand(a *app) *cobra.Command {
 				return err
 			}
 			reg := metrics.NewRegistry()
-			r, deps, err := startRelay(cmd.Context(), a, metrics.NewRelay(reg))
+			r, deps, err := startRelay(cmd.Context(), a, relay.NewMetrics(reg))
 			if err != nil {
 				return err
 			}
 			defer deps.close()
-			reg.MustRegister(metrics.NewOutboxCollector(deps.pool, a.cfg.Relay.OnFailed, a.logger))
+			reg.MustRegister(relay.NewOutboxCollector(deps.pool, a.cfg.Relay.OnFailed, a.logger))
 			stopOps, err := startOps(a, reg, []opsserver.Check{
 				natsCheck(deps.nc), {Name: "relay", Fn: func(context.Context) error { return r.Ready() }},
 			})
@@ -69,16 +70,15 @@ func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, 
 	}
 	deps := relayDeps{pool: pool, nc: nc}
 	r, err := relay.New(relay.Options{
-		Relay:     a.cfg.Relay,
-		Stream:    a.cfg.Stream,
-		Pool:      pool,
-		Conn:      nc,
-		Logger:    logging.Component(a.logger, "relay"),
-		Observer:  obs,
-		TestHooks: sabotage.relay,
+		Relay:    a.cfg.Relay,
+		Stream:   a.cfg.Stream,
+		Pool:     pool,
+		Conn:     nc,
+		Logger:   logging.Component(a.logger, "relay"),
+		Observer: obs,
 	})
 	if err == nil {
-		err = r.Start(ctx)
+		err = r.Start(testhooks.WithRelay(ctx, sabotage.relay))
 	}
 	if err != nil {
 		deps.close()

@@ -1,7 +1,7 @@
 package main
 
 import (
-	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/subscribers"
 )
 
@@ -10,8 +10,8 @@ import (
 // every binary but one built with the fanout_sabotage tag and started with
 // FANOUT_TEST_SABOTAGE naming a kind (sabotage_on.go).
 var sabotage struct {
-	relay      relay.TestHooks
-	subscriber subscribers.TestHooks
+	relay      testhooks.Relay
+	subscriber testhooks.Subscriber
 	// handler, if set, wraps each subscriber's handler.
 	handler func(subscribers.Handler) subscribers.Handler
 }

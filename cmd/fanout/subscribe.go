@@ -11,6 +11,7 @@ import (
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/opsserver"
+	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -110,10 +111,9 @@ func startSubscribers(ctx context.Context, a *app, d *deps, names []string, nc *
 		r, err := subscribers.New(subscribers.Options{
 			Handler: sabotaged(h), Config: a.cfg.Subscriber(name), Stream: a.cfg.Stream,
 			Pool: d.pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"), Observer: obs,
-			TestHooks: sabotage.subscriber,
 		})
 		if err == nil {
-			err = r.Start(ctx)
+			err = r.Start(testhooks.WithSubscriber(ctx, sabotage.subscriber))
 		}
 		if err != nil {
 			_ = stopAll()
@@ -168,7 +168,7 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 			defer nc.Close()
 			d := &deps{a: a, ctx: ctx, pool: pool, reg: metrics.NewRegistry(), checks: []opsserver.Check{natsCheck(nc)}}
 			defer d.close()
-			obs := metrics.NewSubscribers(d.reg)
+			obs := subscribers.NewMetrics(d.reg)
 
 			stopAll, err := startSubscribers(ctx, a, d, args, nc, obs)
 			if err != nil {
@@ -179,7 +179,7 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 				_ = stopAll()
 				return err
 			}
-			d.reg.MustRegister(metrics.NewConsumerCollector(js, a.cfg.Stream.Name, args, a.logger))
+			d.reg.MustRegister(subscribers.NewConsumerCollector(js, a.cfg.Stream.Name, args, a.logger))
 			var ordered []string
 			for _, name := range args {
 				if decl, err := subscriberRegistry.Lookup(name); err == nil && decl.Ordered {
@@ -187,7 +187,7 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 				}
 			}
 			if len(ordered) > 0 {
-				d.reg.MustRegister(metrics.NewHeldAggregatesCollector(pool, ordered, a.logger))
+				d.reg.MustRegister(subscribers.NewHeldAggregatesCollector(pool, ordered, a.logger))
 			}
 			stopOps, err := startOps(a, d.reg, d.checks)
 			if err != nil {

@@ -1,5 +1,5 @@
 -- Written by `fanout deploy render` from the subscribers' declarations
--- (subscribers/registry): edit the template in internal/deployment, or a
+-- (subscribers/registry): edit the template in deploy/templates, or a
 -- subscriber's Grants, not this file.
 --
 -- fanout's PostgreSQL roles, each with the least privilege its code needs.

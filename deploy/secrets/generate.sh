@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Written by `fanout deploy render` from the subscribers' declarations
-# (subscribers/registry): edit the template in internal/deployment, not this
+# (subscribers/registry): edit the template in deploy/templates, not this
 # file.
 #
 # Writes a random password into each missing secret file compose.yaml mounts.

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/repo"
+	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/subscribers/example"
 	"github.com/fanout/fanout/subscribers/registry"

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/go-viper/mapstructure/v2"
@@ -85,7 +86,7 @@ type NATS struct {
 
 // Stream is the JetStream stream that carries the events (package relay
 // owns its settings and their checks).
-type Stream = relay.StreamConfig
+type Stream = stream.Config
 
 // Relay moves outbox rows onto the stream (package relay owns its settings
 // and their checks).
@@ -188,8 +189,8 @@ type Demo struct {
 const (
 	DefaultPostgresURL = "postgres://fanout@127.0.0.1:55432/fanout?sslmode=disable"
 	DefaultNATSURL     = "nats://127.0.0.1:4222"
-	DefaultStreamName  = relay.DefaultStreamName
-	DefaultSubjectRoot = relay.DefaultSubjectPrefix
+	DefaultStreamName  = stream.DefaultName
+	DefaultSubjectRoot = stream.DefaultSubjectPrefix
 	DefaultBatchSize   = relay.DefaultBatchSize
 	DefaultMaxInFlight = relay.DefaultMaxInFlight
 	DefaultLease       = relay.DefaultLease

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 )
 
@@ -261,8 +262,8 @@ func TestPackageDefaultsAreTheDefaults(t *testing.T) {
 	if cfg.Relay != relay.DefaultConfig() {
 		t.Errorf("relay: loaded %+v, relay.DefaultConfig %+v", cfg.Relay, relay.DefaultConfig())
 	}
-	if cfg.Stream != relay.DefaultStreamConfig() {
-		t.Errorf("stream: loaded %+v, relay.DefaultStreamConfig %+v", cfg.Stream, relay.DefaultStreamConfig())
+	if cfg.Stream != stream.DefaultConfig() {
+		t.Errorf("stream: loaded %+v, relay.DefaultStreamConfig %+v", cfg.Stream, stream.DefaultConfig())
 	}
 	if cfg.Subscribers != subscribers.DefaultConfig() {
 		t.Errorf("subscribers: loaded %+v, subscribers.DefaultConfig %+v", cfg.Subscribers, subscribers.DefaultConfig())
@@ -273,7 +274,7 @@ func TestPackageDefaultsAreTheDefaults(t *testing.T) {
 		want []string
 	}{
 		{relay.Config{}.Validate(), []string{"relay.batch_size", "relay.lease", "relay.poll_interval", "relay.stall_after"}},
-		{relay.StreamConfig{}.Validate(), []string{"stream.name", "stream.subject_prefix", "stream.replicas", "stream.provision"}},
+		{stream.Config{}.Validate(), []string{"stream.name", "stream.subject_prefix", "stream.replicas", "stream.provision"}},
 		{subscribers.Config{}.Validate(), []string{"subscribers.concurrency", "subscribers.ack_wait", "subscribers.max_crashes", "subscribers.dead_letter_stream"}},
 	} {
 		for _, key := range c.want {
@@ -282,7 +283,7 @@ func TestPackageDefaultsAreTheDefaults(t *testing.T) {
 			}
 		}
 	}
-	for _, err := range []error{relay.DefaultConfig().Validate(), relay.DefaultStreamConfig().Validate(), subscribers.DefaultConfig().Validate()} {
+	for _, err := range []error{relay.DefaultConfig().Validate(), stream.DefaultConfig().Validate(), subscribers.DefaultConfig().Validate()} {
 		if err != nil {
 			t.Errorf("defaults refused: %v", err)
 		}

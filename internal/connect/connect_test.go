@@ -19,8 +19,8 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/internal/natstest"
-	"github.com/fanout/fanout/internal/syncbuf"
+	"github.com/fanout/fanout/internal/testenv/natstest"
+	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"

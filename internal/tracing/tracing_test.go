@@ -11,7 +11,7 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/logging"
-	"github.com/fanout/fanout/internal/syncbuf"
+	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/internal/tracing"
 	"go.opentelemetry.io/otel"
 )

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/redistest"
+	"github.com/fanout/fanout/internal/testenv/redistest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
-	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/fulfilment"
@@ -238,7 +238,7 @@ func failOnce() func(int64) bool {
 func TestOrdersFollowTheirHistory(t *testing.T) {
 	t.Parallel()
 	env, product := newEnv(t)
-	env.StartRelay(relay.TestHooks{FailPublish: failOnce()})
+	env.StartRelay(testhooks.Relay{FailPublish: failOnce()})
 	h := newFlaky()
 	for range 3 {
 		env.StartRunner(subscribers.OrderedTx(h), nil)
@@ -288,18 +288,15 @@ func TestOrdersSurviveAnInstanceKilledMidAggregate(t *testing.T) {
 	var killed atomic.Bool
 	kill := make(chan struct{})
 	first := env.Connect()
-	a := env.NewRunner(subscribers.OrderedTx(jittery{}), func(o *subscribers.Options) {
-		o.Conn = first
-		o.TestHooks.BeforeAck = func(ctx context.Context, ids []int64) {
-			if len(ids) > 0 && ids[0]%7 == 0 && killed.CompareAndSwap(false, true) {
-				close(kill) // dies here: committed, not acked
-				<-ctx.Done()
-			}
-		}
-	})
+	a := env.NewRunner(subscribers.OrderedTx(jittery{}), func(o *subscribers.Options) { o.Conn = first })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := a.Start(ctx); err != nil {
+	if err := a.Start(testhooks.WithSubscriber(ctx, testhooks.Subscriber{BeforeAck: func(ctx context.Context, ids []int64) {
+		if len(ids) > 0 && ids[0]%7 == 0 && killed.CompareAndSwap(false, true) {
+			close(kill) // dies here: committed, not acked
+			<-ctx.Done()
+		}
+	}})); err != nil {
 		t.Fatal(err)
 	}
 	env.StartRunner(subscribers.OrderedTx(jittery{}), nil)

@@ -99,7 +99,7 @@ var Subscriber = subscribers.Declaration{
 		}
 		h := New(d.Search, d.Pool, cfg, d.Logger)
 		if d.Metrics != nil {
-			h.ObserveBulkItems(metrics.NewBulkItems(d.Metrics).BulkItem)
+			h.ObserveBulkItems(NewBulkItems(d.Metrics).BulkItem)
 			stages := metrics.StagesOf(d.Metrics)
 			h.ObserveSearchable(func(took []time.Duration) { stages.Observe(metrics.StageSearchable, Name, took...) })
 		}

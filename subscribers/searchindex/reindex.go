@@ -13,10 +13,10 @@ import (
 	"sync"
 	"time"
 
-	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -30,7 +30,7 @@ type Reindexer struct {
 	Client *search.Client
 	Pool   *pgxpool.Pool
 	JS     jetstream.JetStream
-	Stream relay.StreamConfig
+	Stream stream.Config
 	Search Config
 	Logger *slog.Logger
 	// Progress receives the load's progress (nil: none): a bar on a

@@ -15,10 +15,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/shop/demo"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"

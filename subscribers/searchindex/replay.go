@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -42,7 +42,7 @@ func consumerGone(err error) bool {
 // behind for ten minutes at most. (A pull consumer is inactive while no
 // pull is waiting, which includes the time a batch is being indexed: the
 // threshold is long so that a slow engine does not delete it mid-replay.)
-func replayConsumerConfig(stream relay.StreamConfig, from uint64) jetstream.ConsumerConfig {
+func replayConsumerConfig(stream stream.Config, from uint64) jetstream.ConsumerConfig {
 	return jetstream.ConsumerConfig{
 		Name:              ReplayConsumer,
 		Description:       "fanout reindex: replays product, brand and category events onto a new search index; deleted when the reindex ends",
@@ -59,7 +59,7 @@ func replayConsumerConfig(stream relay.StreamConfig, from uint64) jetstream.Cons
 // replayFilters are the indexer's own filter subjects: a replay that missed
 // an event type the indexer handles (a category rename) would swap in an
 // index that lacks its changes.
-func replayFilters(stream relay.StreamConfig) []string {
+func replayFilters(stream stream.Config) []string {
 	var filters []string
 	for _, t := range eventTypes {
 		filters = append(filters, stream.SubjectPrefix+"."+t)
@@ -76,7 +76,7 @@ func replayFilters(stream relay.StreamConfig) []string {
 // checks that consumer sequences have no gap (a message lost on a broken
 // connection) and, on one, starts a new consumer after the last message it
 // has: what an ordered consumer does, under a name a permission can name.
-func ReadEvents(ctx context.Context, js jetstream.JetStream, stream relay.StreamConfig, after, upTo uint64, fn func([]subscribers.Event) error) (read int, pos uint64, err error) {
+func ReadEvents(ctx context.Context, js jetstream.JetStream, stream stream.Config, after, upTo uint64, fn func([]subscribers.Event) error) (read int, pos uint64, err error) {
 	pos = after
 	if upTo <= after {
 		return 0, pos, nil

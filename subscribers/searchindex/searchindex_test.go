@@ -15,11 +15,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/demo"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/shop/demo"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/fanout/fanout/subscribers/subscribertest"

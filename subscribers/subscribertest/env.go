@@ -16,9 +16,10 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
-	"github.com/fanout/fanout/internal/faultproxy"
-	"github.com/fanout/fanout/internal/natstest"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/faultproxy"
+	"github.com/fanout/fanout/internal/testenv/natstest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/subscribers"
@@ -63,22 +64,22 @@ func NewEnv(t *testing.T) *Env {
 	if e.JS, err = jetstream.New(e.Conn); err != nil {
 		t.Fatal(err)
 	}
-	e.StartRelay(relay.TestHooks{})
+	e.StartRelay(testhooks.Relay{})
 	return e
 }
 
 // StartRelay starts one more relay on the env's database (NewEnv starts
 // the first), with hooks, and stops it when the test ends.
-func (e *Env) StartRelay(hooks relay.TestHooks) {
+func (e *Env) StartRelay(hooks testhooks.Relay) {
 	e.T.Helper()
 	r, err := relay.New(relay.Options{Relay: e.Config.Relay, Stream: e.Config.Stream, Pool: e.DB.Pool, Conn: e.Connect(),
-		Logger: e.Logger.With("component", "relay"), TestHooks: hooks})
+		Logger: e.Logger.With("component", "relay")})
 	if err != nil {
 		e.T.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := r.Start(ctx); err != nil {
+	if err := r.Start(testhooks.WithRelay(ctx, hooks)); err != nil {
 		e.T.Fatal(err)
 	}
 	e.T.Cleanup(func() {
@@ -162,9 +163,16 @@ func (e *Env) StartRunner(h subscribers.Handler, mutate func(*subscribers.Option
 // Start starts r and stops it when the test ends.
 func (e *Env) Start(r *subscribers.Runner) {
 	e.T.Helper()
+	e.StartHooked(r, testhooks.Subscriber{})
+}
+
+// StartHooked starts r with test hooks (a moment to die at, say) and stops
+// it when the test ends.
+func (e *Env) StartHooked(r *subscribers.Runner, hooks testhooks.Subscriber) {
+	e.T.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := r.Start(ctx); err != nil {
+	if err := r.Start(testhooks.WithSubscriber(ctx, hooks)); err != nil {
 		e.T.Fatal(err)
 	}
 	e.T.Cleanup(func() {

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
@@ -88,13 +89,11 @@ func Run(t *testing.T, c Case) {
 		// dies before acking.
 		recorded := make(chan struct{})
 		var once sync.Once
-		dying := env.NewRunner(base, func(o *subscribers.Options) {
-			o.TestHooks.BeforeAck = func(ctx context.Context, _ []int64) {
-				once.Do(func() { close(recorded) })
-				<-ctx.Done()
-			}
-		})
-		env.Start(dying)
+		dying := env.NewRunner(base, nil)
+		env.StartHooked(dying, testhooks.Subscriber{BeforeAck: func(ctx context.Context, _ []int64) {
+			once.Do(func() { close(recorded) })
+			<-ctx.Done()
+		}})
 		ev, id := writeValid(env, c)
 		select {
 		case <-recorded:

@@ -1,4 +1,4 @@
-package relay
+package stream
 
 import (
 	"context"
@@ -11,8 +11,8 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// StreamConfig is the stream that stream.provision=auto creates.
-func JetStreamConfig(cfg StreamConfig) jetstream.StreamConfig {
+// JetStreamConfig is the stream that stream.provision=auto creates.
+func JetStreamConfig(cfg Config) jetstream.StreamConfig {
 	return jetstream.StreamConfig{
 		Name: cfg.Name,
 		Description: "fanout: domain events relayed from the Postgres outbox. " +
@@ -41,16 +41,16 @@ func JetStreamConfig(cfg StreamConfig) jetstream.StreamConfig {
 	}
 }
 
-// ErrStreamUnfit is wrapped by the errors EnsureStream returns for a stream
+// ErrUnfit is wrapped by the errors Ensure returns for a stream
 // that exists but cannot carry fanout's events safely.
-var ErrStreamUnfit = errors.New("stream unfit for fanout")
+var ErrUnfit = errors.New("stream unfit for fanout")
 
-// EnsureStream creates or updates the stream (provision auto), checks it
+// Ensure creates or updates the stream (provision auto), checks it
 // (verify), or does nothing (off). In auto and verify it refuses a stream
 // whose duplicates window is not longer than minDuplicates (the longest a
-// row's second publish can follow its first, RepublishDelay): the
+// row's second publish can follow its first, relay.RepublishDelay): the
 // stream would then store that row twice.
-func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig, minDuplicates time.Duration, logger *slog.Logger) error {
+func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config, minDuplicates time.Duration, logger *slog.Logger) error {
 	want := JetStreamConfig(cfg)
 	var info *jetstream.StreamInfo
 	switch cfg.Provision {
@@ -73,22 +73,22 @@ func EnsureStream(ctx context.Context, js jetstream.JetStream, cfg StreamConfig,
 	default:
 		return fmt.Errorf("stream.provision must be auto, verify or off (got %q)", cfg.Provision)
 	}
-	return checkStream(info, cfg, minDuplicates, logger)
+	return check(info, cfg, minDuplicates, logger)
 }
 
-func checkStream(info *jetstream.StreamInfo, cfg StreamConfig, minDuplicates time.Duration, logger *slog.Logger) error {
+func check(info *jetstream.StreamInfo, cfg Config, minDuplicates time.Duration, logger *slog.Logger) error {
 	c := info.Config
 	var errs []error
 	if need := minDuplicates; c.Duplicates <= need {
 		errs = append(errs, fmt.Errorf("%w: stream %s has a duplicates window of %s, which must be longer than relay.lease + relay.publish_timeout + relay.reap_interval + relay.retry_max = %s",
-			ErrStreamUnfit, c.Name, c.Duplicates, need))
+			ErrUnfit, c.Name, c.Duplicates, need))
 	}
 	wantSubject := cfg.SubjectPrefix + ".>"
 	if !slices.Contains(c.Subjects, wantSubject) && !slices.Contains(c.Subjects, ">") {
-		errs = append(errs, fmt.Errorf("%w: stream %s listens on %v, not on %s", ErrStreamUnfit, c.Name, c.Subjects, wantSubject))
+		errs = append(errs, fmt.Errorf("%w: stream %s listens on %v, not on %s", ErrUnfit, c.Name, c.Subjects, wantSubject))
 	}
 	if c.Retention == jetstream.WorkQueuePolicy {
-		errs = append(errs, fmt.Errorf("%w: stream %s has work-queue retention, which allows one subscriber per event; fanout needs limits retention", ErrStreamUnfit, c.Name))
+		errs = append(errs, fmt.Errorf("%w: stream %s has work-queue retention, which allows one subscriber per event; fanout needs limits retention", ErrUnfit, c.Name))
 	}
 	if c.Retention == jetstream.InterestPolicy {
 		logger.Warn("stream has interest retention: a new subscriber cannot replay history", "stream", c.Name)

@@ -1,11 +1,11 @@
-// Package deployment writes fanout's deployment files from the subscribers'
+// Package deploy writes fanout's deployment files from the subscribers'
 // declarations: the NATS server configuration (a user and permissions per
 // subscriber), the Postgres roles script (a role, grants and row-level
 // policies per subscriber), the compose file (a service and secrets per
 // subscriber) and the script that generates the secrets. The files in
 // deploy/ are its output (`fanout deploy render deploy`); a test fails when
 // they drift from what the registry declares.
-package deployment
+package deploy
 
 import (
 	"bytes"

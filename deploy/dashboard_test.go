@@ -1,4 +1,4 @@
-package metrics
+package deploy_test
 
 import (
 	"encoding/json"
@@ -9,15 +9,17 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
 // registered returns the names of every metric fanout registers.
 func registered(t *testing.T) map[string]bool {
 	reg := prometheus.NewRegistry()
-	r := NewRelay(reg)
-	s := NewSubscribers(reg)
-	b := NewBulkItems(reg)
+	r := relay.NewMetrics(reg)
+	s := subscribers.NewMetrics(reg)
+	b := searchindex.NewBulkItems(reg)
 	// Touch each vector so that Gather reports it.
 	r.Published([]relay.Published{{CreatedAt: time.Now(), AckedAt: time.Now()}})
 	r.Claimed(1, time.Millisecond)
@@ -51,7 +53,7 @@ func registered(t *testing.T) map[string]bool {
 
 // Every metric the Grafana dashboard queries exists.
 func TestDashboardQueriesRealMetrics(t *testing.T) {
-	raw, err := os.ReadFile("../../deploy/grafana/fanout-dashboard.json")
+	raw, err := os.ReadFile("grafana/fanout-dashboard.json")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/demo"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/shop/demo"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.uber.org/goleak"

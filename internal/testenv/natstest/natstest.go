@@ -18,8 +18,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/repo"
-	"github.com/fanout/fanout/internal/syncbuf"
+	"github.com/fanout/fanout/internal/testenv/repo"
+	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )

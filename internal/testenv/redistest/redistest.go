@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/syncbuf"
+	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/redis/go-redis/v9"
 )
 

@@ -1,4 +1,4 @@
-package metrics_test
+package subscribers_test
 
 import (
 	"context"
@@ -6,8 +6,8 @@ import (
 	"log/slog"
 	"testing"
 
-	"github.com/fanout/fanout/internal/metrics"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/subscribers"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -26,7 +26,7 @@ INSERT INTO subscriber_aggregates (subscriber, aggregate_type, aggregate_id, las
 		t.Fatal(err)
 	}
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(metrics.NewHeldAggregatesCollector(db.Pool, []string{"fulfilment", "billing"}, slog.New(slog.NewTextHandler(io.Discard, nil))))
+	reg.MustRegister(subscribers.NewHeldAggregatesCollector(db.Pool, []string{"fulfilment", "billing"}, slog.New(slog.NewTextHandler(io.Discard, nil))))
 	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)

@@ -1,4 +1,4 @@
-package metrics_test
+package subscribers_test
 
 import (
 	"context"
@@ -10,10 +10,11 @@ import (
 
 	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/metrics"
-	"github.com/fanout/fanout/internal/natstest"
-	"github.com/fanout/fanout/internal/pgtest"
+	"github.com/fanout/fanout/internal/testenv/natstest"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
@@ -90,12 +91,12 @@ func (p *pipeline) start(r runnable, err error) {
 
 func (p *pipeline) startRelay() {
 	p.start(relay.New(relay.Options{Relay: p.cfg.Relay, Stream: p.cfg.Stream, Pool: p.db.Pool, Conn: p.conn(),
-		Logger: slog.New(slog.DiscardHandler), Observer: metrics.NewRelay(p.reg)}))
+		Logger: slog.New(slog.DiscardHandler), Observer: relay.NewMetrics(p.reg)}))
 }
 
 func (p *pipeline) startSubscriber(h *counting) {
 	p.start(subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: p.cfg.Subscribers, Stream: p.cfg.Stream,
-		Pool: p.db.Pool, Conn: p.conn(), Logger: slog.New(slog.DiscardHandler), Observer: metrics.NewSubscribers(p.reg)}))
+		Pool: p.db.Pool, Conn: p.conn(), Logger: slog.New(slog.DiscardHandler), Observer: subscribers.NewMetrics(p.reg)}))
 }
 
 // write commits n events, gap apart.
@@ -183,7 +184,7 @@ func TestStageLatencyFollowsTheDelayedStage(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := relay.EnsureStream(ctx, js, p.cfg.Stream, 0, slog.New(slog.DiscardHandler)); err != nil {
+		if err := stream.Ensure(ctx, js, p.cfg.Stream, 0, slog.New(slog.DiscardHandler)); err != nil {
 			t.Fatal(err)
 		}
 		p.startSubscriber(h)
