@@ -18,7 +18,7 @@ data=${FANOUT_DEV_DATA_DIR:-$repo/.data}
 bin=$repo/.bin
 pg_bin=/usr/lib/postgresql/$POSTGRES_MAJOR/bin
 
-log() { printf '[services] %s\n' "$*"; }
+log() { printf '[services %3ds] %s\n' "$SECONDS" "$*"; }
 die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
 
 # wait_for NAME SECONDS CMD...: run CMD until it succeeds or time runs out.
@@ -77,7 +77,6 @@ pg_dir() {
 }
 
 pg_up() {
-  apt_install "postgresql-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" "postgresql-client-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION"
   local dir; dir=$(pg_dir)
   if "$pg_bin/pg_isready" -q -h 127.0.0.1 -p "$POSTGRES_PORT"; then
     log "postgres already answering on 127.0.0.1:$POSTGRES_PORT"
@@ -124,7 +123,6 @@ pg_down() {
 # --- Redis ------------------------------------------------------------------
 
 redis_up() {
-  apt_install "redis-server=$REDIS_DEB_VERSION" "redis-tools=$REDIS_DEB_VERSION"
   local dir=$data/redis
   mkdir -p "$dir"
   if redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG; then
@@ -146,8 +144,6 @@ redis_down() {
 nats_healthy() { curl -fsS "http://127.0.0.1:$NATS_MONITOR_PORT/healthz?js-enabled-only=true" >/dev/null 2>&1; }
 
 nats_up() {
-  go_install nats-server "github.com/nats-io/nats-server/v2@$NATS_SERVER_VERSION"
-  go_install nats "github.com/nats-io/natscli/nats@$NATSCLI_VERSION"
   local dir=$data/nats
   mkdir -p "$dir"
   if nats_healthy; then
@@ -175,9 +171,7 @@ nats_down() {
 # --- OpenSearch -------------------------------------------------------------
 
 search_up() {
-  if [[ -x $repo/deploy/opensearch/start.sh ]]; then
-    FANOUT_DEV_OPENSEARCH_PORT=$OPENSEARCH_PORT "$repo/deploy/opensearch/start.sh"
-  fi
+  FANOUT_DEV_OPENSEARCH_PORT=$OPENSEARCH_PORT "$repo/deploy/opensearch/start.sh"
 }
 
 search_down() {
@@ -186,16 +180,56 @@ search_down() {
   fi
 }
 
+# --- Installing, all at once -------------------------------------------------
+
+# install_all installs what is missing, each kind of install in the
+# background beside the others: on a fresh machine the Debian packages, the
+# two Go builds and the Maven download take minutes each, mostly waiting on
+# the network, so side by side they take about as long as the slowest.
+install_all() {
+  local names=() pids=()
+  spawn() { # spawn NAME CMD...: run CMD in the background, its output in a log
+    local name=$1; shift
+    ("$@") >"$data/install-$name.log" 2>&1 &
+    names+=("$name"); pids+=($!)
+  }
+  spawn apt apt_install \
+    "postgresql-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" "postgresql-client-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" \
+    "redis-server=$REDIS_DEB_VERSION" "redis-tools=$REDIS_DEB_VERSION"
+  spawn nats-server go_install nats-server "github.com/nats-io/nats-server/v2@$NATS_SERVER_VERSION"
+  spawn nats go_install nats "github.com/nats-io/natscli/nats@$NATSCLI_VERSION"
+  if [[ ${FANOUT_DEV_SKIP_SEARCH:-} != 1 ]]; then
+    spawn opensearch "$repo/deploy/opensearch/start.sh" --build-only
+  fi
+  local failed=()
+  for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then failed+=("${names[$i]}"); fi
+    cat "$data/install-${names[$i]}.log"
+  done
+  ((${#failed[@]} == 0)) || die "installing ${failed[*]} failed (logs: $data/install-*.log)"
+}
+
 # ----------------------------------------------------------------------------
 
 cmd=${1:-up}
 mkdir -p "$data" "$bin"
 case $cmd in
   up)
+    install_all
+    # OpenSearch's JVM takes the longest to answer: it starts first, in
+    # the background, while the others start.
+    search_pid=
+    if [[ ${FANOUT_DEV_SKIP_SEARCH:-} != 1 ]]; then
+      search_up >"$data/start-opensearch.log" 2>&1 &
+      search_pid=$!
+    fi
     pg_up
     redis_up
     nats_up
-    if [[ ${FANOUT_DEV_SKIP_SEARCH:-} != 1 ]]; then search_up; fi
+    if [[ -n $search_pid ]]; then
+      wait "$search_pid" || { cat "$data/start-opensearch.log" >&2; die "opensearch did not start"; }
+      cat "$data/start-opensearch.log"
+    fi
     log "all services up"
     ;;
   down)

@@ -3,6 +3,9 @@
 # Waits until the cluster is green (yellow accepted: all primaries active), at most
 # FANOUT_DEV_OPENSEARCH_START_TIMEOUT seconds.
 # Idempotent: if a healthy cluster already answers on 127.0.0.1:$PORT it only says so.
+# With --build-only it only resolves the jars and compiles the launcher (the
+# slow part of a first start: deploy/services.sh runs it beside the other
+# installs) and starts nothing.
 #
 # Env: FANOUT_DEV_OPENSEARCH_PORT           HTTP port (default 9200; transport = port+100)
 #      FANOUT_DEV_OPENSEARCH_HEAP           max heap (default 1g; -Xms is 512m)
@@ -31,6 +34,31 @@ health() { # prints cluster health JSON if green/yellow, fails otherwise
 version() { curl -fsS --max-time 5 "$URL/" 2>/dev/null | sed -n 's/.*"number" *: *"\([^"]*\)".*/\1/p' | head -1; }
 is_ours() { [ -r "/proc/$1/cmdline" ] && tr '\0' ' ' < "/proc/$1/cmdline" | grep -q "$MAIN"; }
 status_of() { printf '%s\n' "$1" | sed -n 's/.*"status":"\([a-z]*\)".*/\1/p'; }
+
+# build resolves the jars (the first run downloads ~95 from Maven Central;
+# later runs are skipped or offline) and compiles the launcher.
+build() {
+  cd "$HERE"
+  CP_FILE="$HERE/target/classpath.txt"
+  fresh=1
+  if [ ! -s "$CP_FILE" ] || [ ! -f "$HERE/target/classes/fanout/opensearch/Launcher.class" ] \
+     || [ "$HERE/pom.xml" -nt "$CP_FILE" ] \
+     || [ -n "$(find "$HERE/src" -newer "$CP_FILE" -type f 2>/dev/null | head -1)" ]; then
+    fresh=0
+  else
+    IFS=: read -r -a jars < "$CP_FILE" || true  # file has no trailing newline
+    for j in "${jars[@]}"; do [ -f "$j" ] || { fresh=0; break; }; done
+  fi
+  if [ "$fresh" = 0 ]; then
+    mvncmd=(mvn -q -B -Dstyle.color=never compile dependency:build-classpath -Dmdep.outputFile="$CP_FILE")
+    "${mvncmd[@]}" -o >/dev/null 2>&1 || "${mvncmd[@]}" >&2
+  fi
+}
+
+if [ "${1:-}" = --build-only ]; then
+  build
+  exit 0
+fi
 
 mkdir -p "$DATA"
 
@@ -61,22 +89,7 @@ if [ -z "$pid" ]; then
     exit 1
   fi
 
-  # Build (first run downloads ~95 jars from Maven Central; later runs are skipped or offline).
-  cd "$HERE"
-  CP_FILE="$HERE/target/classpath.txt"
-  fresh=1
-  if [ ! -s "$CP_FILE" ] || [ ! -f "$HERE/target/classes/fanout/opensearch/Launcher.class" ] \
-     || [ "$HERE/pom.xml" -nt "$CP_FILE" ] \
-     || [ -n "$(find "$HERE/src" -newer "$CP_FILE" -type f 2>/dev/null | head -1)" ]; then
-    fresh=0
-  else
-    IFS=: read -r -a jars < "$CP_FILE" || true  # file has no trailing newline
-    for j in "${jars[@]}"; do [ -f "$j" ] || { fresh=0; break; }; done
-  fi
-  if [ "$fresh" = 0 ]; then
-    mvncmd=(mvn -q -B -Dstyle.color=never compile dependency:build-classpath -Dmdep.outputFile="$CP_FILE")
-    "${mvncmd[@]}" -o >/dev/null 2>&1 || "${mvncmd[@]}" >&2
-  fi
+  build
 
   mkdir -p "$DATA/tmp"
   {

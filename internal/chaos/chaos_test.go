@@ -15,12 +15,19 @@ import (
 	"github.com/fanout/fanout/subscribers/registry"
 )
 
+// Every run has servers of its own (Postgres, Redis, nats-server, the
+// proxies) and spends most of its time waiting on its fixed schedule, so
+// the runs go side by side: each test and subtest here is parallel, as
+// many at a time as -parallel allows (`go tool task test` runs this
+// package beside the others with -parallel 3).
+
 // TestChaos is the fault-injection run, once on a single nats-server and
 // once on a three-node JetStream cluster. FANOUT_TEST_CHAOS_DURATION sets
 // the load-and-faults time of each (default 40s; `go tool task chaos` runs
 // 10m), FANOUT_TEST_CHAOS_SEED the fault schedule (default 1), and
 // FANOUT_TEST_CHAOS_MODE=single or cluster runs one of them.
 func TestChaos(t *testing.T) {
+	t.Parallel()
 	duration := 40 * time.Second
 	if d, err := time.ParseDuration(os.Getenv("FANOUT_TEST_CHAOS_DURATION")); err == nil {
 		duration = d
@@ -39,6 +46,7 @@ func TestChaos(t *testing.T) {
 				continue
 			}
 			t.Run(mode+"/"+capture, func(t *testing.T) {
+				t.Parallel()
 				rep := Run(t, Options{Duration: duration, Seed: seed, Cluster: mode == "cluster", Rate: 40, Binary: bin, Logf: t.Logf, Capture: capture})
 				t.Log("\n" + rep.String())
 				if !rep.Pass() {
@@ -49,7 +57,8 @@ func TestChaos(t *testing.T) {
 	}
 }
 
-// build compiles the fanout binary, with extra build flags.
+// build compiles the fanout binary, with extra build flags, into the
+// test's temporary directory.
 func build(t *testing.T, flags ...string) string {
 	t.Helper()
 	root, err := repo.Root()
@@ -69,6 +78,7 @@ func build(t *testing.T, flags ...string) string {
 // violation of the invariant the sabotage breaks. A checker that passed
 // any of them would be worthless.
 func TestChaosSelfTest(t *testing.T) {
+	t.Parallel()
 	duration := 25 * time.Second
 	if d, err := time.ParseDuration(os.Getenv("FANOUT_TEST_CHAOS_SELFTEST_DURATION")); err == nil {
 		duration = d
@@ -98,6 +108,7 @@ func TestChaosSelfTest(t *testing.T) {
 		{"handle-twice", relay.CapturePoll, []string{"relay"}, "sales ledger equals its order lines"},
 	} {
 		t.Run(tc.sabotage+"/"+tc.capture, func(t *testing.T) {
+			t.Parallel()
 			rep := Run(t, Options{Duration: duration, Seed: 1, Rate: 40, Binary: bin, Logf: t.Logf,
 				Sabotage: tc.sabotage, KillOnly: tc.killOnly, Capture: tc.capture})
 			t.Log("\n" + rep.String())
@@ -119,6 +130,7 @@ func TestChaosSelfTest(t *testing.T) {
 // checkpoint or its dead letters, and its dead letters must match the
 // planted input.
 func TestChaosWithANewSubscriber(t *testing.T) {
+	t.Parallel()
 	bin := build(t, "-tags", "fanout_example")
 	reg, err := registry.Default.With(example.Subscriber)
 	if err != nil {
