@@ -107,17 +107,5 @@
 //
 // # Adding a subscriber
 //
-// Copy subscribers/example (the template), give it a name and its
-// handler, and declare in its Subscriber (a Declaration) the event types it
-// wants, the services it uses besides Postgres and NATS, and the Postgres
-// grants its handler needs. Add that declaration to subscribers/registry
-// (one line) and run `go run ./cmd/fanout deploy render deploy`: its NATS
-// user and permissions, its Postgres role, grants and row-level policies,
-// its compose service and its secrets are derived from the declaration.
-// `fanout provision` creates its consumer, `fanout subscribe <name>` runs
-// it, `fanout status` reports it, and the fault run and the
-// least-privilege test include it. Writers, the relay and the schema do
-// not change: with subscribers.start = all the new consumer replays the
-// stream's history (stream.max_age, 7 days by default). Run the
-// conformance suite (package subscribertest) in the new package's tests.
+// See the README's "Adding a subscriber": the steps are kept there, once.
 package subscribers
