@@ -79,19 +79,19 @@
 //     hand (kept alive), the other aggregates go on.
 //   - JetStream does not promise exclusivity while the pin moves (an
 //     instance may still be working when another is pinned). The
-//     guarantee is in Postgres: subscriber_aggregates holds, per
-//     aggregate, the number of the last event applied, and the handler's
-//     transaction moves it from n-1 to n under its row lock, before the
-//     handler runs. Two instances never apply one aggregate's events at
-//     once, and never out of order; an event that is not its aggregate's
-//     next is sent back and tried again.
+//     guarantee is in Postgres: subscriber_aggregates
+//     (orderedcheckpoint.go) holds, per aggregate, the number of the last
+//     event applied, and the handler's transaction moves it from n-1 to n
+//     under its row lock, before the handler runs. Two instances never
+//     apply one aggregate's events at once, and never out of order; an
+//     event that is not its aggregate's next is sent back and tried again.
 //   - A duplicate (already in processed_events) is acked and skipped, as
 //     everywhere. A gap (an earlier event has not arrived: in flight, or
-//     redelivered after a crash) is waited for, for subscribers.gap_wait;
-//     then the event is applied with Event.AfterGap set, and the handler
-//     decides what that means (fulfilment records a violation). An event
-//     that arrives after its aggregate moved past it is sent to the dead
-//     letters as late, never applied out of order.
+//     redelivered after a crash) is waited for, for subscribers.gap_wait
+//     (orderedturn.go); then the event is applied with Event.AfterGap
+//     set, and the handler decides what that means (fulfilment records a
+//     violation). An event that arrives after its aggregate moved past it
+//     is sent to the dead letters as late, never applied out of order.
 //   - A dead-lettered event holds its aggregate (subscribers.on_dead_letter
 //     = hold, the default): the aggregate's later events go to the dead
 //     letters behind it, each naming it (Fanout-Dead-Held-By;
@@ -107,17 +107,5 @@
 //
 // # Adding a subscriber
 //
-// Copy subscribers/example (the template), give it a name and its
-// handler, and declare in its Subscriber (a Declaration) the event types it
-// wants, the services it uses besides Postgres and NATS, and the Postgres
-// grants its handler needs. Add that declaration to subscribers/registry
-// (one line) and run `go run ./cmd/fanout deploy render deploy`: its NATS
-// user and permissions, its Postgres role, grants and row-level policies,
-// its compose service and its secrets are derived from the declaration.
-// `fanout provision` creates its consumer, `fanout subscribe <name>` runs
-// it, `fanout status` reports it, and the fault run and the
-// least-privilege test include it. Writers, the relay and the schema do
-// not change: with subscribers.start = all the new consumer replays the
-// stream's history (stream.max_age, 7 days by default). Run the
-// conformance suite (package subscribertest) in the new package's tests.
+// See the README's "Adding a subscriber": the steps are kept there, once.
 package subscribers

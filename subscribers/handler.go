@@ -64,8 +64,8 @@ func Tx(h TxHandler) Handler { return Handler{named: h, tx: h} }
 // OrderedTx is h as an ordered handler: each aggregate's events reach it one
 // at a time, in their aggregate's order (outbox.aggregate_seq), while
 // different aggregates run concurrently. Its per-aggregate checkpoint
-// commits in its transaction (see ordered.go). Its declaration says
-// Ordered: true.
+// commits in its transaction (see orderedcheckpoint.go). Its declaration
+// says Ordered: true.
 func OrderedTx(h TxHandler) Handler { return Handler{named: h, tx: h, ordered: true} }
 
 // Each is h as a handler whose effects live outside Postgres, event by

@@ -2,19 +2,18 @@ package subscribers
 
 // Ordered subscribers: each aggregate's events one at a time, in their
 // aggregate's order, while different aggregates run concurrently. The
-// choices are explained in the package doc ("Ordered subscribers").
+// choices are explained in the package doc ("Ordered subscribers"). This
+// file is the dispatcher, which hands the workers each aggregate's next
+// event; orderedturn.go decides when that event may go (the checkpoint as
+// read, a gap waited for), and orderedcheckpoint.go is the per-aggregate
+// checkpoint in Postgres that the handler's transaction moves.
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"slices"
 	"time"
 
 	"github.com/fanout/fanout/outbox"
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -22,10 +21,6 @@ import (
 // orderedGroup is the priority group an ordered subscriber's instances
 // pull in: the consumer pins it to one instance at a time.
 const orderedGroup = "fanout"
-
-// DeadHeldByHeader is set on the dead letter of an event held behind an
-// earlier dead-lettered event of its aggregate: the id of that event.
-const DeadHeldByHeader = "Fanout-Dead-Held-By"
 
 // orderInfo is what the ordered dispatcher tells the handler's transaction
 // about one event.
@@ -48,265 +43,6 @@ func keyOf(h nats.Header) aggregateKey {
 	return aggregateKey{h.Get(outbox.AggregateTypeHeader), h.Get(outbox.AggregateIDHeader)}
 }
 
-// The statements on subscriber_aggregates, the per-aggregate checkpoint.
-const (
-	// advanceSQL moves each aggregate's checkpoint to its event's number,
-	// where it is at the number expected (prev) and not held behind
-	// another event. The event holding an aggregate releases it (a redrive).
-	advanceSQL = `
-INSERT INTO subscriber_aggregates AS a (subscriber, aggregate_type, aggregate_id, last_seq, prev_seq, last_event_id)
-SELECT $1, t, i, s, p, e FROM unnest($2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[]) AS w(t, i, s, p, e)
-ON CONFLICT (subscriber, aggregate_type, aggregate_id) DO UPDATE
-SET last_seq = excluded.last_seq, prev_seq = excluded.prev_seq, last_event_id = excluded.last_event_id,
-    held_by_event = NULL, held_seq = NULL, updated_at = now()
-WHERE a.last_seq = excluded.prev_seq AND (a.held_by_event IS NULL OR a.held_by_event = excluded.last_event_id)
-RETURNING last_event_id`
-
-	// aggregatesSQL reads the checkpoints of some aggregates (no row: none
-	// of its events applied yet).
-	aggregatesSQL = `
-SELECT w.t, w.i, a.last_seq, a.held_by_event, a.held_seq
-FROM unnest($2::text[], $3::text[]) AS w(t, i)
-LEFT JOIN subscriber_aggregates a ON a.subscriber = $1 AND a.aggregate_type = w.t AND a.aggregate_id = w.i`
-
-	// holdSQL holds an aggregate behind its dead-lettered event (unless it
-	// is held already, or moved past the event).
-	holdSQL = `
-INSERT INTO subscriber_aggregates AS a (subscriber, aggregate_type, aggregate_id, last_seq, prev_seq, held_by_event, held_seq)
-VALUES ($1, $2, $3, $4::bigint - 1, $4::bigint - 1, $5::bigint, $4::bigint)
-ON CONFLICT (subscriber, aggregate_type, aggregate_id) DO UPDATE
-SET held_by_event = excluded.held_by_event, held_seq = excluded.held_seq, updated_at = now()
-WHERE a.held_by_event IS NULL AND a.last_seq < excluded.held_seq`
-
-	// passSQL lets an aggregate move past its dead-lettered event.
-	passSQL = `
-INSERT INTO subscriber_aggregates AS a (subscriber, aggregate_type, aggregate_id, last_seq, prev_seq, last_event_id)
-VALUES ($1, $2, $3, $4::bigint, $4::bigint - 1, $5::bigint)
-ON CONFLICT (subscriber, aggregate_type, aggregate_id) DO UPDATE
-SET last_seq = excluded.last_seq, prev_seq = a.last_seq, last_event_id = excluded.last_event_id, updated_at = now()
-WHERE a.held_by_event IS NULL AND a.last_seq < excluded.last_seq`
-
-	releaseSQL = `
-UPDATE subscriber_aggregates
-SET last_seq = held_seq, prev_seq = last_seq, last_event_id = held_by_event, held_by_event = NULL, held_seq = NULL, updated_at = now()
-WHERE subscriber = $1 AND held_by_event = $2`
-
-	countHeldSQL = `SELECT subscriber, count(*) FROM subscriber_aggregates WHERE held_by_event IS NOT NULL GROUP BY subscriber`
-)
-
-// CountHeldAggregates returns, per ordered subscriber, how many aggregates
-// are held behind a dead-lettered event.
-func CountHeldAggregates(ctx context.Context, pool *pgxpool.Pool) (map[string]int64, error) {
-	counts, err := countBySubscriber(ctx, pool, countHeldSQL)
-	if err != nil {
-		return nil, fmt.Errorf("count held aggregates: %w", err)
-	}
-	return counts, nil
-}
-
-// Release lets an ordered subscriber's aggregate held behind event (its
-// dead letter discarded by an operator) move past it: the events held
-// behind it can then be redriven, in order, and its later events flow
-// again. It reports whether event held an aggregate.
-func Release(ctx context.Context, q interface {
-	Exec(context.Context, string, ...any) (pgconn.CommandTag, error)
-}, subscriber string, event int64) (bool, error) {
-	ct, err := q.Exec(ctx, releaseSQL, subscriber, event)
-	if err != nil {
-		return false, fmt.Errorf("release the aggregate held behind event %d: %w", event, err)
-	}
-	return ct.RowsAffected() > 0, nil
-}
-
-// errOutOfTurn: the checkpoint of the event's aggregate is not where the
-// dispatcher thought (another instance moved it, or an earlier event is
-// still missing). Not the event's fault: it is tried again.
-var errOutOfTurn = errors.New("not its aggregate's next event")
-
-// heldError: the event's aggregate is held behind a dead-lettered event.
-type heldError struct {
-	by, bySeq int64
-	seq       int64
-}
-
-func (e *heldError) Error() string {
-	return fmt.Sprintf("held behind event %d (number %d of its aggregate), which went to the dead letters before it "+
-		"(subscribers.on_dead_letter=hold): redrive event %d first, then this one (number %d)", e.by, e.bySeq, e.by, e.seq)
-}
-
-// advance moves the per-aggregate checkpoints of the fresh, numbered
-// events in ds, in the handler's transaction. An event that may not be
-// applied now is an error: held or late (the dead letters), or out of
-// turn (tried again).
-func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh map[int64]bool) error {
-	var types, ids []string
-	var seqs, prevs, events []int64
-	late := map[int64]bool{}
-	for _, d := range ds {
-		if !fresh[d.ev.ID] || d.ev.AggregateSeq == 0 {
-			continue
-		}
-		types, ids = append(types, d.ev.AggregateType), append(ids, d.ev.AggregateID)
-		prev := d.order.prev
-		if !d.order.afterGap {
-			prev = d.ev.AggregateSeq - 1
-		}
-		seqs, prevs, events = append(seqs, d.ev.AggregateSeq), append(prevs, prev), append(events, d.ev.ID)
-		late[d.ev.ID] = d.order.lateOK
-	}
-	if len(events) == 0 {
-		return nil
-	}
-	rows, err := tx.Query(ctx, advanceSQL, r.name, types, ids, seqs, prevs, events)
-	if err != nil {
-		return fmt.Errorf("advance the aggregates' checkpoints: %w", err)
-	}
-	advanced, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil {
-		return fmt.Errorf("advance the aggregates' checkpoints: %w", err)
-	}
-	if len(advanced) == len(events) {
-		return nil
-	}
-	// Why not: read the checkpoints of the aggregates left behind.
-	done := map[int64]bool{}
-	for _, id := range advanced {
-		done[id] = true
-	}
-	var lt, li []string
-	var lseq, lev []int64
-	for i, id := range events {
-		if !done[id] {
-			lt, li, lseq, lev = append(lt, types[i]), append(li, ids[i]), append(lseq, seqs[i]), append(lev, id)
-		}
-	}
-	states, err := r.aggregateStates(ctx, tx, lt, li)
-	if err != nil {
-		return err
-	}
-	for i, id := range lev {
-		st := states[aggregateKey{lt[i], li[i]}]
-		switch {
-		case st.heldBy != 0 && st.heldBy != id:
-			return &eventError{id: id, err: Permanent(&heldError{by: st.heldBy, bySeq: st.heldSeq, seq: lseq[i]})}
-		case st.last >= lseq[i] && late[id]:
-			// An operator's redrive of an event its aggregate moved past:
-			// applied, the checkpoint left as it is.
-		case st.last >= lseq[i]:
-			return &eventError{id: id, err: Permanent(fmt.Errorf(
-				"arrived after its aggregate %s/%s moved past it: this is number %d, and number %d is applied "+
-					"(it was let pass: a gap given up on after subscribers.gap_wait, or a dead letter under on_dead_letter=skip)",
-				lt[i], li[i], lseq[i], st.last))}
-		default:
-			return &eventError{id: id, err: fmt.Errorf("event %d (number %d of %s/%s): %w: the checkpoint is at number %d",
-				id, lseq[i], lt[i], li[i], errOutOfTurn, st.last)}
-		}
-	}
-	return nil
-}
-
-// aggregateState is one aggregate's checkpoint as read.
-type aggregateState struct {
-	exists          bool
-	last            int64
-	heldBy, heldSeq int64
-}
-
-func (r *Runner) aggregateStates(ctx context.Context, q interface {
-	Query(context.Context, string, ...any) (pgx.Rows, error)
-}, types, ids []string) (map[aggregateKey]aggregateState, error) {
-	rows, err := q.Query(ctx, aggregatesSQL, r.name, types, ids)
-	if err != nil {
-		return nil, fmt.Errorf("read the aggregates' checkpoints: %w", err)
-	}
-	out := make(map[aggregateKey]aggregateState, len(types))
-	var k aggregateKey
-	var last, heldBy, heldSeq *int64
-	_, err = pgx.ForEachRow(rows, []any{&k.typ, &k.id, &last, &heldBy, &heldSeq}, func() error {
-		st := aggregateState{exists: last != nil}
-		if last != nil {
-			st.last = *last
-		}
-		if heldBy != nil {
-			st.heldBy = *heldBy
-		}
-		if heldSeq != nil {
-			st.heldSeq = *heldSeq
-		}
-		out[k] = st
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("read the aggregates' checkpoints: %w", err)
-	}
-	return out, nil
-}
-
-// afterDeadLetter records what a dead-lettered event of an ordered
-// subscriber does to its aggregate: holds it (on_dead_letter=hold) or lets
-// it pass (skip). An event held behind another changes nothing.
-func (r *Runner) afterDeadLetter(ctx context.Context, d *delivery) error {
-	if !r.ordered || d.ev.AggregateSeq == 0 || d.heldBy != 0 {
-		return nil
-	}
-	ctx, cancel := r.bookkeeping(ctx)
-	defer cancel()
-	sql := holdSQL
-	if r.cfg.OnDeadLetter == "skip" {
-		sql = passSQL
-	}
-	_, err := r.opts.Pool.Exec(ctx, sql, r.name, d.ev.AggregateType, d.ev.AggregateID, d.ev.AggregateSeq, d.ev.ID)
-	if err != nil {
-		return fmt.Errorf("record the dead letter in its aggregate's checkpoint: %w", err)
-	}
-	return nil
-}
-
-// The ordered dispatcher -----------------------------------------------------
-
-// waitingMsg is a received message waiting for its aggregate's turn.
-type waitingMsg struct {
-	msg jetstream.Msg
-	seq int64 // 0: an event without a number, taken in arrival order
-}
-
-// aggregateLine is one aggregate's received events and what is known of
-// its checkpoint.
-type aggregateLine struct {
-	key     aggregateKey
-	waiting []waitingMsg // by number; events without one in arrival order
-	// sent is the message in a batch (formed, or with a worker: taken),
-	// or nil.
-	sent    jetstream.Msg
-	taken   bool
-	queued  bool // in the ready list, or in the batch being formed
-	loaded  bool // lastSeq and held are read from the checkpoint
-	loading bool
-	lastSeq int64
-	held    bool
-	// gapSince: the first waiting event has been waiting since then for an
-	// earlier one (in the future while an event sent back waits for its
-	// redelivery). The checkpoint is read again when the gap is seen
-	// (gapLoaded) and after gap_wait (gapChecked), in case another
-	// instance moved it.
-	gapSince              time.Time
-	gapLoaded, gapChecked bool
-}
-
-func (l *aggregateLine) insert(w waitingMsg) {
-	i := len(l.waiting)
-	if w.seq > 0 {
-		for i > 0 && l.waiting[i-1].seq > w.seq {
-			i--
-		}
-	}
-	l.waiting = slices.Insert(l.waiting, i, w)
-}
-
-func (l *aggregateLine) remove(m jetstream.Msg) {
-	l.waiting = slices.DeleteFunc(l.waiting, func(w waitingMsg) bool { return w.msg == m })
-}
-
 // orderedDispatch is the dispatcher's state: one goroutine owns it.
 type orderedDispatch struct {
 	r        *Runner
@@ -317,10 +53,6 @@ type orderedDispatch struct {
 	forming  *received // a batch formed and not yet taken by a worker
 	inFlight int       // batches with the workers
 }
-
-// maxIdleLines bounds the aggregates whose checkpoint the dispatcher
-// remembers while none of their events waits.
-const maxIdleLines = 100_000
 
 // dispatchOrdered is dispatch for an ordered subscriber: it holds each
 // aggregate's events in number order and gives the workers batches of at
@@ -421,110 +153,6 @@ func (od *orderedDispatch) add(m jetstream.Msg) {
 	}
 	l.insert(waitingMsg{msg: m, seq: seq})
 	od.evaluate(l)
-}
-
-// evaluate puts the line in the ready list if its first waiting event may
-// go to a worker now.
-func (od *orderedDispatch) evaluate(l *aggregateLine) {
-	if l.sent != nil || l.queued || len(l.waiting) == 0 {
-		return
-	}
-	if !l.loaded {
-		od.reload(l)
-		return
-	}
-	head := l.waiting[0]
-	if head.seq == 0 || l.held || head.seq <= l.lastSeq+1 {
-		l.gapSince, l.gapLoaded, l.gapChecked = time.Time{}, false, false
-		l.queued = true
-		od.ready = append(od.ready, l)
-		return
-	}
-	// A gap: an earlier event of the aggregate has not arrived.
-	if l.gapSince.IsZero() {
-		l.gapSince = time.Now()
-		od.r.logger.Debug("an aggregate's event waits for an earlier one", "aggregate_type", l.key.typ, "aggregate_id", l.key.id,
-			"number", head.seq, "applied", l.lastSeq)
-	}
-	if !l.gapLoaded {
-		l.gapLoaded = true
-		od.reload(l)
-		return
-	}
-	if time.Since(l.gapSince) < od.r.cfg.gapWait() {
-		return
-	}
-	if !l.gapChecked {
-		l.gapChecked = true
-		od.reload(l)
-		return
-	}
-	od.r.logger.Warn("giving up on an aggregate's missing events: applying the next one that arrived (marked AfterGap)",
-		"aggregate_type", l.key.typ, "aggregate_id", l.key.id, "number", head.seq, "applied", l.lastSeq,
-		"waited", time.Since(l.gapSince).Round(time.Second), "gap_wait", od.r.cfg.gapWait())
-	l.queued = true
-	od.ready = append(od.ready, l)
-}
-
-// reload reads the line's checkpoint again before its next event goes.
-func (od *orderedDispatch) reload(l *aggregateLine) {
-	l.loaded = false
-	if !l.loading {
-		l.loading = true
-		od.toLoad = append(od.toLoad, l)
-	}
-}
-
-// checkGaps looks again at the lines waiting for an earlier event, and
-// forgets idle aggregates when too many are remembered.
-func (od *orderedDispatch) checkGaps() {
-	for _, l := range od.lines {
-		if !l.gapSince.IsZero() && l.sent == nil && !l.queued && l.loaded {
-			od.evaluate(l)
-		}
-	}
-	if len(od.lines) > maxIdleLines {
-		for k, l := range od.lines {
-			if len(l.waiting) == 0 && l.sent == nil && !l.loading {
-				delete(od.lines, k)
-			}
-		}
-	}
-}
-
-// load reads the checkpoints of the lines that need them, in one query.
-func (od *orderedDispatch) load(ctx context.Context) {
-	if len(od.toLoad) == 0 || time.Now().Before(od.loadWait) {
-		return
-	}
-	lines := od.toLoad
-	od.toLoad = nil
-	types, ids := make([]string, len(lines)), make([]string, len(lines))
-	for i, l := range lines {
-		types[i], ids[i] = l.key.typ, l.key.id
-	}
-	qctx, cancel := od.r.bookkeeping(ctx)
-	states, err := od.r.aggregateStates(qctx, od.r.opts.Pool, types, ids)
-	cancel()
-	if err != nil {
-		if ctx.Err() == nil {
-			od.r.health.markDown(DependencyPostgres, err)
-			od.loadWait = time.Now().Add(time.Second)
-		}
-		od.toLoad = append(lines, od.toLoad...)
-		return
-	}
-	for _, l := range lines {
-		st := states[l.key]
-		l.loading, l.loaded = false, true
-		l.lastSeq, l.held = st.last, st.heldBy != 0
-		if !st.exists && od.r.cfg.Start != "all" && len(l.waiting) > 0 && l.waiting[0].seq > 0 {
-			// The consumer began after the stream's start: the aggregate's
-			// history begins, for this subscriber, with its first event.
-			l.lastSeq = l.waiting[0].seq - 1
-		}
-		od.evaluate(l)
-	}
 }
 
 // formBatch takes ready lines into the batch being formed: their first

@@ -85,7 +85,7 @@ func TestConformance(t *testing.T) {
 			return outbox.Event{AggregateType: "product", AggregateID: strconv.FormatInt(id, 10), Type: shop.ProductUpdated,
 				Payload: shop.ProductEvent{ProductID: id, PriceCents: &price}}, nil
 		},
-		Effects: func(env *subscribertest.Env, ev outbox.Event) int {
+		Effects: func(env *subscribertest.Env, ev outbox.Event, _ int64) int {
 			defer lock()()
 			f := get(env)
 			_, tomb, _, err := f.cache.Cached(context.Background(), ev.Payload.(shop.ProductEvent).ProductID)

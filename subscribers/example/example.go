@@ -1,8 +1,5 @@
-// Package example is the template for a new subscriber: copy this folder,
-// rename the package and Name, write HandleTx (or Handle, for an effect
-// outside Postgres), declare the grants it needs, and add its Subscriber to
-// subscribers/registry. Then `go run ./cmd/fanout deploy render deploy`
-// writes its NATS user, Postgres role, compose service and secrets.
+// Package example is the template for a new subscriber, to copy (the steps:
+// see the README's "Adding a subscriber").
 //
 // This one checks each new order (it exists and has lines) inside the
 // transaction that records its checkpoint, and logs it. It is not in the

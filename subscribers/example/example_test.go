@@ -3,6 +3,7 @@ package example_test
 import (
 	"context"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -50,11 +51,19 @@ SELECT id FROM o`).Scan(&orderID)
 			return outbox.Event{AggregateType: shop.AggregateOrder, AggregateID: strconv.FormatInt(orderID, 10), Type: shop.OrderCreated,
 				Payload: shop.OrderEvent{OrderID: orderID, Customer: "test", Lines: 1}}, err
 		},
-		Effects: func(env *subscribertest.Env, ev outbox.Event) int {
+		// The lines logged for this very event, naming its order.
+		Effects: func(env *subscribertest.Env, ev outbox.Event, id int64) int {
 			mu.Lock()
 			buf := logs[env]
 			mu.Unlock()
-			return strings.Count(buf.String(), "order_id="+ev.AggregateID+" ")
+			n := 0
+			for line := range strings.Lines(buf.String()) {
+				f := strings.Fields(line)
+				if slices.Contains(f, "event_id="+strconv.FormatInt(id, 10)) && slices.Contains(f, "order_id="+ev.AggregateID) {
+					n++
+				}
+			}
+			return n
 		},
 		Invalid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, string, error) {
 			return outbox.Event{AggregateType: shop.AggregateOrder, AggregateID: "x", Type: shop.OrderCreated,

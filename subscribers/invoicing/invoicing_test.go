@@ -77,7 +77,7 @@ var conformance = subscribertest.Case{
 		id, err := insertOrder(context.Background(), tx)
 		return orderEvent(id), err
 	},
-	Effects: func(env *subscribertest.Env, ev outbox.Event) int {
+	Effects: func(env *subscribertest.Env, ev outbox.Event, _ int64) int {
 		return invoicesOf(env, ev.Payload.(shop.OrderEvent).OrderID)
 	},
 	Invalid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, string, error) {

@@ -4,9 +4,7 @@
 // `fanout deploy` writes its NATS user, Postgres role and compose service,
 // and the fault run and the least-privilege test exercise it.
 //
-// Adding a subscriber is its package (with its Subscriber declaration) and
-// one line below; then `go run ./cmd/fanout deploy render deploy` to bring
-// the files in deploy/ along (a test fails until they are).
+// Adding a subscriber: see the README's "Adding a subscriber".
 package registry
 
 import (

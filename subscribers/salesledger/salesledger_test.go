@@ -63,7 +63,7 @@ func TestConformance(t *testing.T) {
 			return orderEvent(id), err
 		},
 		// Each handling adds 3 units: the effects are the units / 3.
-		Effects: func(env *subscribertest.Env, ev outbox.Event) int {
+		Effects: func(env *subscribertest.Env, ev outbox.Event, _ int64) int {
 			var units int64
 			err := env.DB.Pool.QueryRow(context.Background(), `SELECT coalesce(sum(units), 0) FROM product_sales`).Scan(&units)
 			if err != nil {

@@ -167,7 +167,7 @@ INSERT INTO inventory (product_id, stock) SELECT id, 5 FROM p RETURNING product_
 					return outbox.Event{AggregateType: "product", AggregateID: strconv.FormatInt(id, 10), Type: shop.ProductCreated,
 						Payload: shop.ProductEvent{ProductID: id, Version: 1, PriceCents: &price}}, err
 				},
-				Effects: func(env *subscribertest.Env, ev outbox.Event) int {
+				Effects: func(env *subscribertest.Env, ev outbox.Event, _ int64) int {
 					f := get(env)
 					_ = f.client.Refresh(context.Background(), f.alias)
 					if _, _, found := f.doc(ev.Payload.(shop.ProductEvent).ProductID); found && f.inSync(ev.Payload.(shop.ProductEvent).ProductID) {

@@ -22,8 +22,11 @@ type Case struct {
 	// returns the event.
 	Valid func(env *Env, tx pgx.Tx) (outbox.Event, error)
 	// Effects counts the effect a valid event had: 1 when handled, however
-	// often it was delivered.
-	Effects func(env *Env, ev outbox.Event) int
+	// often it was delivered. ev is the event Valid returned, id its event
+	// id (the outbox id: Event.ID as the handler got it), so that a case
+	// can look for the effect of this very event where its subscriber
+	// records the id.
+	Effects func(env *Env, ev outbox.Event, id int64) int
 	// Invalid returns an event the handler must send to the dead letters,
 	// and a substring of the reason it must give.
 	Invalid func(env *Env, tx pgx.Tx) (ev outbox.Event, reason string, err error)
@@ -47,7 +50,7 @@ func Run(t *testing.T, c Case) {
 		ev, id := writeValid(env, c)
 		waitCheckpointed(env, h.Name(), id)
 		env.WaitIdle(h.Name(), 10*time.Second)
-		if n := c.Effects(env, ev); n != 1 {
+		if n := c.Effects(env, ev, id); n != 1 {
 			t.Errorf("effects = %d, want 1", n)
 		}
 		if n := calls.of(id); n != 1 {
@@ -68,7 +71,7 @@ func Run(t *testing.T, c Case) {
 		if n := calls.of(id); n != 1 {
 			t.Errorf("handler called %d times for an event delivered twice under one id, want 1", n)
 		}
-		if n := c.Effects(env, ev); n != 1 {
+		if n := c.Effects(env, ev, id); n != 1 {
 			t.Errorf("effects = %d after a duplicate, want 1", n)
 		}
 	})
@@ -108,7 +111,7 @@ func Run(t *testing.T, c Case) {
 		h, calls := counted(base)
 		env.StartRunner(h, nil)
 		env.WaitIdle(base.Name(), 15*time.Second)
-		if n := c.Effects(env, ev); n != 1 {
+		if n := c.Effects(env, ev, id); n != 1 {
 			t.Errorf("effects = %d after a redelivery, want 1", n)
 		}
 		if n := calls.of(id); n != 0 {
@@ -137,14 +140,14 @@ func Run(t *testing.T, c Case) {
 			if n := calls.of(id); n != 0 {
 				t.Errorf("handler ran %d times on an event behind its aggregate's checkpoint, want 0", n)
 			}
-			if n := c.Effects(env, ev); n != 1 {
+			if n := c.Effects(env, ev, id); n != 1 {
 				t.Errorf("effects = %d after the late copy, want 1", n)
 			}
 			return
 		}
 		WaitFor(t, 10*time.Second, "the handler to run again", func() (bool, string) { return calls.of(id) == 1, "" })
 		env.WaitIdle(base.Name(), 10*time.Second)
-		switch n := c.Effects(env, ev); {
+		switch n := c.Effects(env, ev, id); {
 		case c.CheckpointOnly && n != 2:
 			t.Errorf("effects = %d after handling the event again without its checkpoint, want 2: the suite cannot see a second handling of this subscriber", n)
 		case !c.CheckpointOnly && n != 1:
@@ -169,7 +172,7 @@ func Run(t *testing.T, c Case) {
 		// An event behind the bad one flows on.
 		ev, id := writeValid(env, c)
 		waitCheckpointed(env, h.Name(), id)
-		waitEffect(env, c, ev, 1)
+		waitEffect(env, c, ev, id, 1)
 		WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) { return len(env.DeadLetters(h.Name())) > 0, "" })
 		env.WaitIdle(h.Name(), 15*time.Second)
 		dead := env.DeadLetters(h.Name())
@@ -225,7 +228,7 @@ func Run(t *testing.T, c Case) {
 				t.Error("Handle with a cancelled context returned nil")
 			}
 		}
-		if n := c.Effects(env, oev); n != 0 {
+		if n := c.Effects(env, oev, ev.ID); n != 0 {
 			t.Errorf("effects = %d after a cancelled call, want 0", n)
 		}
 	})
@@ -249,10 +252,10 @@ func waitCheckpointed(env *Env, name string, id int64) {
 	})
 }
 
-func waitEffect(env *Env, c Case, ev outbox.Event, want int) {
+func waitEffect(env *Env, c Case, ev outbox.Event, id int64, want int) {
 	env.T.Helper()
 	WaitFor(env.T, 15*time.Second, "the event's effect", func() (bool, string) {
-		n := c.Effects(env, ev)
+		n := c.Effects(env, ev, id)
 		return n == want, "effects " + itoa(int64(n))
 	})
 }
