@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"text/template"
 
@@ -66,6 +67,8 @@ type subscriber struct {
 type data struct {
 	Subscribers       []subscriber
 	SearchSubscribers []subscriber
+	// Tables are the subscribers' own tables (Declaration.Tables), sorted.
+	Tables []string
 }
 
 func newData(decls []subscribers.Declaration) data {
@@ -81,10 +84,13 @@ func newData(decls []subscribers.Declaration) data {
 			Ordered:    decl.Ordered,
 		}
 		d.Subscribers = append(d.Subscribers, s)
+		d.Tables = append(d.Tables, decl.Tables...)
 		if s.Search {
 			d.SearchSubscribers = append(d.SearchSubscribers, s)
 		}
 	}
+	slices.Sort(d.Tables)
+	d.Tables = slices.Compact(d.Tables)
 	return d
 }
 

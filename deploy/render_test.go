@@ -58,7 +58,8 @@ func TestANewSubscriberGetsItsDeployment(t *testing.T) {
 		Name:       "audit_trail",
 		EventTypes: []string{"order.created", "product.>"},
 		Uses:       []subscribers.Service{subscribers.Redis},
-		Grants:     []string{"SELECT ON orders"},
+		Grants:     []string{"SELECT ON orders", "SELECT, INSERT ON audit_entries"},
+		Tables:     []string{"audit_entries"},
 		New:        func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Handler{}, nil },
 	}
 	reg, err := registry.Default.With(extra)
@@ -90,6 +91,12 @@ func TestANewSubscriberGetsItsDeployment(t *testing.T) {
 		{"postgres-roles", `CREATE POLICY fanout_audit_trail_attempts ON subscriber_attempts TO fanout_audit_trail`},
 		{"postgres-roles", `\getenv fanout_password FANOUT_PG_AUDIT_TRAIL_PASSWORD`},
 		{"postgres-roles", operatorMembership(reg)},
+		// Its table: roles.sql waits for it to exist, then hands it to
+		// fanout_migrate and grants on it.
+		{"postgres-roles", `'order_transitions', 'audit_entries', 'fulfilment_history'`},
+		{"postgres-roles", `'order_transitions', 'audit_entries', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
+  AND c.relowner <> 'fanout_migrate'::regrole`},
+		{"postgres-roles", `GRANT SELECT, INSERT ON audit_entries TO fanout_audit_trail;`},
 		{"compose", `  audit_trail:
     <<: *fanout
     command: ["subscribe", "audit_trail"]`},

@@ -37,6 +37,13 @@ type Declaration struct {
 	// "SELECT ON orders, order_lines" or "USAGE ON SEQUENCE invoice_seq".
 	// Its role gets exactly these: a query outside them is refused.
 	Grants []string
+	// Tables are the tables its own migrations create (under
+	// schema/migrations), e.g. "product_sales": fanout_migrate owns them,
+	// and deploy/postgres/roles.sql, rendered from this, grants nothing on
+	// a database until they exist (it runs once before `fanout migrate`
+	// and once after). Its role's access to them is in Grants. Tables of
+	// the writers' domain that it only reads are not listed here.
+	Tables []string
 	// Ordered: the subscriber applies each aggregate's events in order, one
 	// at a time per aggregate (its handler is made by OrderedTx). Its
 	// consumer pins one instance at a time; its role may write its rows of
@@ -93,6 +100,9 @@ func (d Declaration) UsesService(s Service) bool { return slices.Contains(d.Uses
 // subject token and part of a Postgres role name.
 var nameRE = regexp.MustCompile(`^[a-z][a-z0-9_]{0,40}$`)
 
+// tableRE is a table name roles.sql can quote without escaping.
+var tableRE = regexp.MustCompile(`^[a-z][a-z0-9_]{0,62}$`)
+
 // Validate reports a declaration fanout cannot run or deploy.
 func (d Declaration) Validate() error {
 	var errs []error
@@ -105,6 +115,11 @@ func (d Declaration) Validate() error {
 	for _, s := range d.Uses {
 		if s != Redis && s != Search {
 			errs = append(errs, fmt.Errorf("uses unknown service %q (known: %s, %s)", s, Redis, Search))
+		}
+	}
+	for _, t := range d.Tables {
+		if !tableRE.MatchString(t) {
+			errs = append(errs, fmt.Errorf("table %q: want a lower-case SQL name (letters, digits and _, starting with a letter)", t))
 		}
 	}
 	if d.New == nil {

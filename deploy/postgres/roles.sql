@@ -205,10 +205,9 @@ GRANT USAGE ON SCHEMA public
 SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migrated
 FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands', 'categories',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
-                  'invoice_number_seq', 'product_sales', 'dead_letter_actions', 'relay_capture',
+                  'invoice_number_seq', 'dead_letter_actions', 'relay_capture',
                   'outbox_partitions', 'outbox_default', 'outbox_aggregates', 'subscriber_aggregates',
-                  'order_transitions', 'fulfilment_orders', 'fulfilment_history',
-                  'fulfilment_violations']) AS t \gset
+                  'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
 
 \if :fanout_migrated
 
@@ -220,10 +219,9 @@ WHERE c.relnamespace = 'public'::regnamespace
   AND c.relkind IN ('r', 'p')
   AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'subscriber_attempts',
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
-                    'invoices', 'invoice_lines', 'dead_letter_actions', 'product_sales', 'relay_capture',
+                    'invoices', 'invoice_lines', 'dead_letter_actions', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
-                    'order_transitions', 'fulfilment_orders', 'fulfilment_history',
-                    'fulfilment_violations')
+                    'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
 -- must own the outbox to do so).

@@ -49,7 +49,9 @@ var Subscriber = subscribers.Declaration{
 		"SELECT, INSERT, UPDATE ON fulfilment_orders",
 		"SELECT, INSERT ON fulfilment_history, fulfilment_violations",
 	},
-	New: func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.OrderedTx(New()), nil },
+	// Migration 00012_fulfilment.sql.
+	Tables: []string{"fulfilment_history", "fulfilment_orders", "fulfilment_violations"},
+	New:    func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.OrderedTx(New()), nil },
 }
 
 // ErrMalformed is why an event goes to the dead letters: its payload is

@@ -47,7 +47,9 @@ var Subscriber = subscribers.Declaration{
 		// It adds each order to its products' totals.
 		"SELECT, INSERT, UPDATE ON product_sales",
 	},
-	New: func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Tx(New()), nil },
+	// Its ledger (migration 00005_product_sales.sql).
+	Tables: []string{"product_sales"},
+	New:    func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Tx(New()), nil },
 }
 
 // ErrMalformed and ErrUnknownOrder are the reasons an order.created event
