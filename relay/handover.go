@@ -7,6 +7,7 @@ import (
 	"hash/fnv"
 	"time"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 )
@@ -184,4 +185,64 @@ func (r *Relay) waitHandover(softCtx, hardCtx context.Context) bool {
 		wait = min(wait*2, 2*time.Second)
 	}
 	return false
+}
+
+// Switching from poll to wal capture.
+//
+// Rows committed before the slot existed (a poll relay's backlog) are not
+// in its stream. The relay that creates the slot records the highest id
+// then visible (ensureSlot), and a wal relay publishes the rows up to it
+// by claiming them, as a poll relay would, before it starts the stream
+// (streamSlot, drainBacklog).
+
+// drainBacklog claims and publishes the rows committed before the slot
+// existed (ids up to through), then records that they are done. A relay
+// that stops first leaves the record open; the next one drains again.
+func (r *Relay) drainBacklog(ctx, hardCtx context.Context, through int64) {
+	batch := int64(r.cfg.BatchSize)
+	wait := r.cfg.PollInterval
+	for ctx.Err() == nil {
+		left, err := r.store.UnsentThrough(ctx, through)
+		if err == nil && left == 0 && r.store.OnFailed != outbox.SkipFailed {
+			_, err = r.store.MarkHeldThrough(ctx, through)
+		}
+		if err == nil && left == 0 {
+			_, err = r.pool.Exec(ctx, `UPDATE relay_capture SET backlog_done_at = now() WHERE slot_name = $1 AND backlog_through = $2`, r.cfg.Slot, through)
+			if err == nil {
+				r.backlogDone.Store(true)
+				r.logger.Info("published the rows committed before the slot existed", "through_id", through)
+				return
+			}
+		}
+		if err != nil {
+			r.logger.Warn("drain the rows committed before the slot", "error", err)
+		}
+		if err := r.slots.Acquire(ctx, batch); err != nil {
+			return
+		}
+		token := newLeaseToken()
+		rows, err := r.store.ClaimThrough(hardCtx, r.cfg.BatchSize, token, through)
+		r.slots.Release(batch - int64(len(rows)))
+		if err != nil || len(rows) == 0 {
+			if err != nil {
+				r.logger.Warn("claim rows committed before the slot", "error", err)
+			}
+			// Rows backing off, or `sending` under a dead poll relay's
+			// lease (the reaper returns them).
+			if !r.sleep(ctx, wait) {
+				return
+			}
+			continue
+		}
+		sortRows(rows)
+		r.batches.Add(1)
+		func() {
+			defer r.batches.Done()
+			defer r.slots.Release(int64(len(rows)))
+			// The rows after the bound are the slot's to publish: no
+			// next event of an aggregate is claimed here.
+			held := int64(len(rows))
+			r.deliver(hardCtx, rows, token, false, &held)
+		}()
+	}
 }

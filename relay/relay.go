@@ -112,7 +112,7 @@ type Relay struct {
 	heads        heads               // the claim loop's walk round the aggregates (claim.go)
 	sweptHeads   outbox.AggregateKey // where the sweeper's walk round the aggregates goes on (sweepHeads)
 
-	// wal capture (see wal.go).
+	// wal capture (see walstream.go).
 	captureState   atomic.Int32  // captureConnecting, captureStandby, captureStreaming
 	confirmedLSN   atomic.Uint64 // the last position confirmed to the server
 	confirmedAt    atomic.Int64  // unix nanoseconds of the last confirm over a transaction

@@ -1,0 +1,246 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// SlotState is what the server says of a wal relay's replication slot.
+type SlotState struct {
+	Name      string
+	Active    bool   // a relay streams from it now
+	WALStatus string // reserved, extended, unreserved or lost
+	// LagBytes is how far the confirmed position is behind the server's
+	// current WAL position.
+	LagBytes int64
+	// SafeWALBytes is how much more WAL may be written before the server
+	// invalidates the slot (max_slot_wal_keep_size); -1 when unlimited.
+	SafeWALBytes int64
+	// Stuck is how long the slot has been behind without its confirmed
+	// position moving (0 when it is not behind).
+	Stuck     time.Duration
+	CheckedAt time.Time
+}
+
+// slotCheckInterval is how often a wal relay reads its slot's state.
+const slotCheckInterval = 5 * time.Second
+
+// ReadSlot reads the state of a replication slot of the current database;
+// ok is false if there is none of that name.
+func ReadSlot(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, slot string) (st SlotState, confirmed string, ok bool, err error) {
+	var safe *int64
+	err = q.QueryRow(ctx, `
+SELECT active, coalesce(wal_status, ''),
+       coalesce(pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn), 0)::bigint,
+       safe_wal_size, coalesce(confirmed_flush_lsn::text, '')
+FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()`, slot).Scan(&st.Active, &st.WALStatus, &st.LagBytes, &safe, &confirmed)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return SlotState{Name: slot}, "", false, nil
+	}
+	if err != nil {
+		return SlotState{}, "", false, fmt.Errorf("read replication slot %s: %w", slot, err)
+	}
+	st.Name = slot
+	st.SafeWALBytes = -1
+	if safe != nil {
+		st.SafeWALBytes = *safe
+	}
+	st.CheckedAt = time.Now()
+	return st, confirmed, true, nil
+}
+
+// slotLoop watches the slot: lag for the metrics and readiness, and a
+// warning before the server would invalidate it.
+func (r *Relay) slotLoop(ctx context.Context) {
+	var (
+		lastConfirmed string
+		movedAt       = time.Now()
+		warned        bool
+	)
+	t := time.NewTicker(r.slotCheckEvery)
+	defer t.Stop()
+	for {
+		checkCtx, cancel := context.WithTimeout(ctx, max(r.slotCheckEvery, time.Second))
+		st, confirmed, ok, err := ReadSlot(checkCtx, r.pool, r.cfg.Slot)
+		cancel()
+		switch {
+		case err != nil:
+			if ctx.Err() == nil {
+				r.logger.Warn("read the replication slot's state", "error", err)
+			}
+		case !ok:
+			r.slot.Store(nil)
+		default:
+			if confirmed != lastConfirmed || st.LagBytes == 0 {
+				lastConfirmed, movedAt = confirmed, time.Now()
+			}
+			if st.LagBytes > 0 {
+				st.Stuck = time.Since(movedAt)
+			}
+			r.slot.Store(&st)
+			r.obs.SlotLag(st.LagBytes, st.Stuck)
+			near := st.WALStatus == "unreserved" || (st.SafeWALBytes >= 0 && st.SafeWALBytes < st.LagBytes)
+			if near && !warned {
+				r.logger.Warn("the replication slot is near max_slot_wal_keep_size: if the server invalidates it, events must be republished",
+					"slot", r.cfg.Slot, "lag_bytes", st.LagBytes, "safe_wal_bytes", st.SafeWALBytes, "wal_status", st.WALStatus)
+			}
+			warned = near
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// Slot returns the last state read of a wal relay's slot (nil before the
+// first read, in poll capture, or when the slot does not exist).
+func (r *Relay) Slot() *SlotState { return r.slot.Load() }
+
+// walReady: a wal relay is ready while it streams or stands by for the
+// slot, in contact with the server; it is not when the slot is behind and
+// has not moved for relay.stall_after, or was invalidated.
+func (r *Relay) walReady() error {
+	since := time.Since(time.Unix(0, r.lastClaimed.Load()))
+	if since > r.cfg.StallAfter {
+		why := ""
+		if last := r.lastClaimErr.Load(); last != nil {
+			why = "; last error: " + *last
+		}
+		return fmt.Errorf("relay stalled: no contact with the replication slot %s for %s (relay.stall_after is %s)%s",
+			r.cfg.Slot, since.Round(time.Second), r.cfg.StallAfter, why)
+	}
+	st := r.slot.Load()
+	if st == nil {
+		return nil
+	}
+	if st.WALStatus == "lost" {
+		return fmt.Errorf("replication slot %s was invalidated by the server (max_slot_wal_keep_size)", r.cfg.Slot)
+	}
+	if r.captureState.Load() == captureStreaming && st.Stuck > r.cfg.StallAfter {
+		return fmt.Errorf("relay stalled: replication slot %s is %d bytes behind and has not moved for %s (relay.stall_after is %s)",
+			r.cfg.Slot, st.LagBytes, st.Stuck.Round(time.Second), r.cfg.StallAfter)
+	}
+	return nil
+}
+
+// errSlotLost: the server invalidated the slot (max_slot_wal_keep_size);
+// the WAL it needed is gone.
+var errSlotLost = errors.New("replication slot invalidated")
+
+// ensureSlot creates the slot if it does not exist and returns the bound of
+// the rows it does not capture (those committed before it), and whether
+// they have all been published.
+func (r *Relay) ensureSlot(ctx context.Context, conn *pgconn.PgConn, create bool) (backlogThrough int64, backlogDone bool, err error) {
+	var (
+		plugin, walStatus string
+		database          string
+		found             bool
+	)
+	err = r.pool.QueryRow(ctx, `
+SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1`, r.cfg.Slot).
+		Scan(&plugin, &database, &walStatus)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+	case err != nil:
+		return 0, false, fmt.Errorf("look up replication slot %s: %w", r.cfg.Slot, err)
+	default:
+		found = true
+	}
+	if found {
+		var current string
+		if err := r.pool.QueryRow(ctx, `SELECT current_database()`).Scan(&current); err != nil {
+			return 0, false, err
+		}
+		if plugin != "pgoutput" || database != current {
+			return 0, false, fmt.Errorf("replication slot %s exists but is not fanout's (plugin %q, database %q; want pgoutput on %q): set relay.slot to another name", r.cfg.Slot, plugin, database, current)
+		}
+		if walStatus == "lost" {
+			if !create {
+				return 0, false, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, r.cfg.Slot)
+			}
+			if err := r.recoverLostSlot(ctx); err != nil {
+				return 0, false, err
+			}
+			found = false
+		}
+	}
+	if !found && !create {
+		return 0, false, fmt.Errorf("replication slot %s is gone", r.cfg.Slot)
+	}
+	if !found {
+		createCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		res, err := pglogrepl.CreateReplicationSlot(createCtx, conn, r.cfg.Slot, "pgoutput",
+			pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "NOEXPORT_SNAPSHOT", Mode: pglogrepl.LogicalReplication})
+		cancel()
+		if err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "42710" { // another relay created it a moment ago
+				return 0, false, fmt.Errorf("%w: %s", errSlotInUse, pgErr.Message)
+			}
+			return 0, false, fmt.Errorf("create replication slot %s: %w", r.cfg.Slot, err)
+		}
+		r.logger.Info("created the replication slot", "slot", res.SlotName, "consistent_point", res.ConsistentPoint)
+		// Every row committed before the slot's consistent point has an id
+		// at most the highest id visible now; a row with a higher id was
+		// inserted later, so the slot decodes it.
+		if _, err := r.pool.Exec(ctx, `
+INSERT INTO relay_capture (slot_name, backlog_through)
+VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox))
+ON CONFLICT (slot_name) DO UPDATE SET backlog_through = EXCLUDED.backlog_through, created_at = now(), backlog_done_at = NULL`,
+			r.cfg.Slot); err != nil {
+			return 0, false, fmt.Errorf("record the slot's backlog: %w", err)
+		}
+	}
+	// A relay that died between creating the slot and recording its
+	// backlog left no row: the bound taken now is higher, which only
+	// claims more rows (JetStream drops those the slot also published).
+	var doneAt pgtype.Timestamptz
+	err = r.pool.QueryRow(ctx, `
+INSERT INTO relay_capture (slot_name, backlog_through)
+VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox))
+ON CONFLICT (slot_name) DO UPDATE SET slot_name = EXCLUDED.slot_name
+RETURNING backlog_through, backlog_done_at`, r.cfg.Slot).Scan(&backlogThrough, &doneAt)
+	if err != nil {
+		return 0, false, fmt.Errorf("read the slot's backlog: %w", err)
+	}
+	r.backlogThrough.Store(backlogThrough)
+	r.backlogDone.Store(doneAt.Valid)
+	return backlogThrough, doneAt.Valid, nil
+}
+
+// recoverLostSlot drops a slot the server invalidated (it removed WAL the
+// slot still needed, past max_slot_wal_keep_size), so that ensureSlot
+// creates it again. The new slot's backlog bound then covers every row the
+// outbox still holds, and the drain claims and publishes them all again:
+// the events the old slot never delivered among them. JetStream drops
+// those inside its duplicates window, the subscribers' checkpoints the
+// rest. Events whose rows retention already deleted cannot be recovered;
+// the log names the range that is.
+func (r *Relay) recoverLostSlot(ctx context.Context) error {
+	var lo, hi int64
+	var oldest pgtype.Timestamptz
+	err := r.pool.QueryRow(ctx, `
+SELECT coalesce(min(id), 0), coalesce(max(id), 0), min(created_at)
+FROM outbox WHERE published_at IS NULL AND status = 'pending'`).Scan(&lo, &hi, &oldest)
+	if err != nil {
+		return fmt.Errorf("read the outbox to recover invalidated slot %s: %w", r.cfg.Slot, err)
+	}
+	if _, err := r.pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, r.cfg.Slot); err != nil {
+		return fmt.Errorf("drop invalidated replication slot %s: %w", r.cfg.Slot, err)
+	}
+	r.logger.Error("the server invalidated the replication slot (max_slot_wal_keep_size): it is dropped and created again, "+
+		"and every pending row the outbox still holds is published again; events whose rows retention deleted before they were published are lost",
+		"slot", r.cfg.Slot, "republish_from_id", lo, "republish_to_id", hi, "oldest_row_created_at", oldest.Time)
+	return nil
+}
