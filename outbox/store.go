@@ -6,13 +6,15 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// Store holds every query on the outbox table besides the writers' own
-// inserts (Write, Queue): the relay's claims (claim.go), the marks that
+// Store holds every query on the outbox's tables (outbox and its ranges,
+// outbox_default, outbox_partitions, relay_capture) besides the writers'
+// own inserts (Write, Queue): the relay's claims (claim.go), the marks that
 // record a batch's outcomes and the reaper's (record.go), what a wal relay
-// reads and marks (capture.go), retention (retention.go), and what status,
-// the metrics (status.go) and the operator commands (operator.go) read and
-// change. A role needs only the grants of the methods it calls (see
-// deploy/postgres/roles.sql).
+// reads and marks, and its slot's record (capture.go), retention
+// (retention.go), and what status, the metrics (status.go) and the
+// operator commands (operator.go) read and change. Package relay runs no
+// SQL on these tables. A role needs only the grants of the methods it
+// calls (see deploy/postgres/roles.sql).
 type Store struct {
 	pool *pgxpool.Pool
 	// OnFailed says whether a failed row holds its aggregate's later

@@ -9,7 +9,6 @@ import (
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // SlotState is what the server says of a wal relay's replication slot.
@@ -191,32 +190,18 @@ SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replicat
 			return 0, false, fmt.Errorf("create replication slot %s: %w", r.cfg.Slot, err)
 		}
 		r.logger.Info("created the replication slot", "slot", res.SlotName, "consistent_point", res.ConsistentPoint)
-		// Every row committed before the slot's consistent point has an id
-		// at most the highest id visible now; a row with a higher id was
-		// inserted later, so the slot decodes it.
-		if _, err := r.pool.Exec(ctx, `
-INSERT INTO relay_capture (slot_name, backlog_through)
-VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox))
-ON CONFLICT (slot_name) DO UPDATE SET backlog_through = EXCLUDED.backlog_through, created_at = now(), backlog_done_at = NULL`,
-			r.cfg.Slot); err != nil {
+		if err := r.store.StartCapture(ctx, r.cfg.Slot); err != nil {
 			return 0, false, fmt.Errorf("record the slot's backlog: %w", err)
 		}
 	}
-	// A relay that died between creating the slot and recording its
-	// backlog left no row: the bound taken now is higher, which only
-	// claims more rows (JetStream drops those the slot also published).
-	var doneAt pgtype.Timestamptz
-	err = r.pool.QueryRow(ctx, `
-INSERT INTO relay_capture (slot_name, backlog_through)
-VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox))
-ON CONFLICT (slot_name) DO UPDATE SET slot_name = EXCLUDED.slot_name
-RETURNING backlog_through, backlog_done_at`, r.cfg.Slot).Scan(&backlogThrough, &doneAt)
+	// Recorded now if the relay that created the slot died first.
+	backlogThrough, backlogDone, err = r.store.CaptureBacklog(ctx, r.cfg.Slot)
 	if err != nil {
 		return 0, false, fmt.Errorf("read the slot's backlog: %w", err)
 	}
 	r.backlogThrough.Store(backlogThrough)
-	r.backlogDone.Store(doneAt.Valid)
-	return backlogThrough, doneAt.Valid, nil
+	r.backlogDone.Store(backlogDone)
+	return backlogThrough, backlogDone, nil
 }
 
 // recoverLostSlot drops a slot the server invalidated (it removed WAL the
@@ -228,11 +213,7 @@ RETURNING backlog_through, backlog_done_at`, r.cfg.Slot).Scan(&backlogThrough, &
 // rest. Events whose rows retention already deleted cannot be recovered;
 // the log names the range that is.
 func (r *Relay) recoverLostSlot(ctx context.Context) error {
-	var lo, hi int64
-	var oldest pgtype.Timestamptz
-	err := r.pool.QueryRow(ctx, `
-SELECT coalesce(min(id), 0), coalesce(max(id), 0), min(created_at)
-FROM outbox WHERE published_at IS NULL AND status = 'pending'`).Scan(&lo, &hi, &oldest)
+	lo, hi, oldest, err := r.store.PendingSpan(ctx)
 	if err != nil {
 		return fmt.Errorf("read the outbox to recover invalidated slot %s: %w", r.cfg.Slot, err)
 	}
@@ -241,6 +222,6 @@ FROM outbox WHERE published_at IS NULL AND status = 'pending'`).Scan(&lo, &hi, &
 	}
 	r.logger.Error("the server invalidated the replication slot (max_slot_wal_keep_size): it is dropped and created again, "+
 		"and every pending row the outbox still holds is published again; events whose rows retention deleted before they were published are lost",
-		"slot", r.cfg.Slot, "republish_from_id", lo, "republish_to_id", hi, "oldest_row_created_at", oldest.Time)
+		"slot", r.cfg.Slot, "republish_from_id", lo, "republish_to_id", hi, "oldest_row_created_at", oldest)
 	return nil
 }
