@@ -1,12 +1,14 @@
 package relay
 
 import (
+	"cmp"
 	"context"
+	"crypto/rand"
 	"math"
+	"slices"
 	"sync/atomic"
 	"time"
 
-	"github.com/cenkalti/backoff/v5"
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5/pgtype"
 )
@@ -17,6 +19,85 @@ import (
 // an operator's retry, a writer whose transaction committed long after it
 // took its id) waits for the next sweep, at most this long.
 const fullClaimEvery = time.Second
+
+// eagerPollMin is the first wait after a claim that found nothing; it
+// doubles up to the poll interval.
+const eagerPollMin = time.Millisecond
+
+// claimLoop is the poll relay's: it claims a batch (claim) as soon as
+// one fits in flight (relay.max_in_flight) and hands it to a delivery of
+// its own (deliverAsync), backing off while claims find nothing or fail.
+func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
+	// After wal capture, rows its relays published are still pending:
+	// they must be told apart before the first claim (handover.go).
+	if !r.waitHandover(softCtx, hardCtx) {
+		return
+	}
+	r.loops.Add(1)
+	go func() {
+		defer r.loops.Done()
+		r.sweepLoop(softCtx, hardCtx)
+	}()
+	idle := eagerPollMin
+	errWait := eagerPollMin
+	batch := int64(r.cfg.BatchSize)
+	for {
+		select {
+		case <-r.stopping:
+			return
+		default:
+		}
+		if !r.nc.IsConnected() {
+			// Claiming now would only burn attempts; rows wait as pending.
+			if !r.sleep(softCtx, r.cfg.PollInterval) {
+				return
+			}
+			continue
+		}
+		if err := r.slots.Acquire(softCtx, batch); err != nil {
+			return
+		}
+		// The claim runs on hardCtx: cancelling it after the server committed
+		// would strand the claimed rows until their lease expires.
+		start := time.Now()
+		rows, token, backlog, err := r.claim(hardCtx)
+		if err != nil {
+			msg := err.Error()
+			r.lastClaimErr.Store(&msg)
+			r.slots.Release(batch)
+			r.logger.Error("claim outbox batch", "error", err, "retry_in", errWait)
+			if !r.sleep(softCtx, errWait) {
+				return
+			}
+			errWait = min(errWait*2, max(r.cfg.PollInterval, time.Second))
+			continue
+		}
+		errWait = eagerPollMin
+		r.lastClaimed.Store(time.Now().UnixNano())
+		r.slots.Release(batch - int64(len(rows)))
+		if len(rows) == 0 {
+			if !r.sleep(softCtx, idle) {
+				return
+			}
+			idle = min(idle*2, r.cfg.PollInterval)
+			continue
+		}
+		r.obs.Claimed(len(rows), time.Since(start))
+		idle = eagerPollMin
+		r.deliverAsync(hardCtx, rows, token, backlog)
+	}
+}
+
+// row is one claimed outbox row.
+type row = outbox.Claimed
+
+// newLeaseToken returns the random token that fences a claim's writes.
+func newLeaseToken() pgtype.UUID {
+	var u pgtype.UUID
+	_, _ = rand.Read(u.Bytes[:]) // crypto/rand.Read never fails
+	u.Valid = true
+	return u
+}
 
 // claimFloor splits the claims: the claim loop takes rows above the floor,
 // the sweeper those at or below it.
@@ -266,106 +347,7 @@ func (r *Relay) sweepHeads(softCtx, hardCtx context.Context) bool {
 	return true
 }
 
-// deliverAsync publishes and records a claimed batch in the background;
-// the batch holds its slots in flight until it is done. With claimNext, it
-// goes on with the next events of the aggregates it publishes (deliver).
-func (r *Relay) deliverAsync(hardCtx context.Context, rows []row, token pgtype.UUID, claimNext bool) {
-	r.batches.Add(1)
-	go func() {
-		defer r.batches.Done()
-		held := int64(len(rows))
-		defer func() { r.slots.Release(held) }()
-		r.deliver(hardCtx, rows, token, claimNext, &held)
-	}()
-}
-
-// record writes the batch's outcomes in one transaction, retrying while
-// Postgres is unreachable (a restart, a failover) for up to half the lease.
-// If it still cannot, the rows stay `sending` and the reaper returns them;
-// their second publish is dropped by JetStream as a duplicate. It returns
-// whether it recorded them, and the rows next claimed with them (see
-// outbox.Outcomes.Next).
-func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, results []outcome, next *outbox.NextClaim) ([]row, bool) {
-	var sentIDs, retryIDs, failedIDs, returnedIDs []int64
-	var retryReasons, failedReasons []string
-	var published []Published
-	for i, res := range results {
-		id := rows[i].ID
-		switch {
-		case res.acked:
-			sentIDs = append(sentIDs, id)
-			published = append(published, Published{ID: id, CreatedAt: rows[i].CreatedAt.Time, AckedAt: res.ackedAt, Duplicate: res.duplicate})
-		case res.permanent:
-			failedIDs = append(failedIDs, id)
-			failedReasons = append(failedReasons, res.err)
-		case res.returned:
-			returnedIDs = append(returnedIDs, id)
-		default:
-			retryIDs = append(retryIDs, id)
-			retryReasons = append(retryReasons, res.err)
-		}
-	}
-
-	var sent int64
-	var claimed []row
-	op := func() (struct{}, error) {
-		var err error
-		sent, claimed, err = r.store.Record(ctx, token, outbox.Outcomes{
-			Sent:  sentIDs,
-			Retry: retryIDs, RetryReasons: retryReasons, RetryMin: r.cfg.RetryMin, RetryMax: r.cfg.RetryMax,
-			Failed: failedIDs, FailedReasons: failedReasons,
-			Returned: returnedIDs,
-			Next:     next,
-		})
-		if err != nil && ctx.Err() != nil {
-			return struct{}{}, backoff.Permanent(err)
-		}
-		return struct{}{}, err
-	}
-	_, err := backoff.Retry(ctx, op,
-		backoff.WithBackOff(&backoff.ExponentialBackOff{
-			InitialInterval: 50 * time.Millisecond, RandomizationFactor: 0.3, Multiplier: 2, MaxInterval: 2 * time.Second,
-		}),
-		backoff.WithMaxElapsedTime(r.cfg.Lease/2),
-		backoff.WithNotify(func(err error, next time.Duration) {
-			r.logger.Warn("record published batch, will retry", "error", err, "retry_in", next, "rows", len(rows))
-		}))
-	if err != nil {
-		r.logger.Error("record published batch: giving up; the reaper will return the rows after their lease",
-			"error", err, "rows", len(rows), "first_id", rows[0].ID)
-		return nil, false
-	}
-	if int(sent) < len(sentIDs) {
-		// Another relay holds these rows now (our lease expired); it will
-		// publish them again and JetStream will drop the duplicate.
-		r.logger.Warn("lease lost before marking sent", "rows", len(sentIDs)-int(sent))
-	}
-	r.reportPublished(published, len(retryIDs), len(failedIDs))
-	if len(retryIDs) > 0 {
-		r.obs.Retried(len(retryIDs))
-		r.logger.Warn("publish failed, rows will be retried", "rows", len(retryIDs), "first_id", retryIDs[0], "error", retryReasons[0])
-	}
-	if len(failedIDs) > 0 {
-		r.obs.Failed(len(failedIDs))
-		for i, id := range failedIDs {
-			r.logger.Error("outbox row can never be published: marked failed", "event_id", id, "reason", failedReasons[i])
-		}
-	}
-	return claimed, true
-}
-
-// reportPublished tells the observer about rows stored in the stream, and
-// logs the batch; the fault run's report sums the line's duplicates.
-func (r *Relay) reportPublished(published []Published, retried, failed int) {
-	if len(published) == 0 {
-		return
-	}
-	r.obs.Published(published)
-	dups := 0
-	for _, p := range published {
-		if p.Duplicate {
-			dups++
-		}
-	}
-	r.logger.Debug("batch recorded", "sent", len(published), "duplicates", dups, "retried", retried, "failed", failed)
+// sortRows orders a claimed batch by id, so one relay publishes in id order.
+func sortRows(rows []row) {
+	slices.SortFunc(rows, func(a, b row) int { return cmp.Compare(a.ID, b.ID) })
 }

@@ -206,4 +206,27 @@
 // write an event with a plain INSERT, there would be no row to mark failed
 // or to publish again after a broker lost data or a slot was invalidated,
 // and the poll relay could not read them.
+//
+// # Where things are
+//
+// relay.go is the relay's lifecycle (New, Start, Stop, Ready); claim.go
+// the poll relay's claim loop, its floor and the sweeper; deliver.go a
+// claimed batch's delivery (publish, record, claim the next events);
+// publish.go the messages and their PubAcks, in both capture modes;
+// headers.go the headers column; order.go per-aggregate order; maintain.go
+// the reaper, retention and the wake-up listener; config.go and metrics.go
+// the settings and the metrics. Capture from the write-ahead log:
+// walstream.go the replication stream (standing by, streaming,
+// confirming), waldecode.go pgoutput messages into rows, walpublish.go
+// publishing what was decoded, walslot.go creating, recovering and
+// watching the slot, visibility.go the visibility gate, and handover.go
+// both switches between capture modes (the backlog drain, the handover).
+//
+// Every query on the outbox's tables is an outbox.Store method, beside its
+// reasoning. What the relay asks Postgres itself is about the server and
+// the replication slot: the replication protocol (create the slot, stream,
+// confirm), pg_replication_slots, dropping a slot the server invalidated,
+// pg_current_snapshot and pg_current_wal_lsn, the handover's advisory
+// lock, LISTEN for the writers' wake-ups, and whether the server is
+// stopping while a stream is stuck.
 package relay

@@ -292,3 +292,19 @@ func TestMaxInFlightBelowBatchSizeIsRefused(t *testing.T) {
 		t.Fatalf("New with max_in_flight 600 and batch_size 1000: %v", err)
 	}
 }
+
+// New checks the settings by relay.Config.Validate, as loading the
+// configuration does: a relay embedded in another program, or given a
+// Config not made from DefaultConfig, gets the same errors, each naming
+// its key, before anything connects.
+func TestNewRefusesInvalidSettings(t *testing.T) {
+	t.Parallel()
+	rc := DefaultConfig()
+	rc.Capture, rc.PartitionSize = "", 10
+	_, err := New(Options{Relay: rc})
+	for _, key := range []string{"relay.capture", "relay.partition_size"} {
+		if err == nil || !strings.Contains(err.Error(), key+" ") {
+			t.Errorf("New with an empty capture and ranges of 10 ids: %v, want %s named", err, key)
+		}
+	}
+}

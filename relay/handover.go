@@ -5,10 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"math"
 	"time"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pglogrepl"
-	"github.com/jackc/pgx/v5"
 )
 
 // Switching from wal capture back to poll.
@@ -72,14 +73,11 @@ func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
 	case st.WALStatus == "lost":
 		return fmt.Errorf("%w: slot %s has wal_status lost: it cannot be read to finish the switch to poll capture", errSlotLost, r.cfg.Slot)
 	}
-	var through int64
-	var backlogDone bool
-	if err := conn.QueryRow(softCtx, `
-SELECT coalesce(max(backlog_through), -1), coalesce(bool_or(backlog_done_at IS NOT NULL), false)
-FROM relay_capture WHERE slot_name = $1`, r.cfg.Slot).Scan(&through, &backlogDone); err != nil {
+	through, backlogDone, recorded, err := r.store.ReadCapture(softCtx, r.cfg.Slot)
+	if err != nil {
 		return err
 	}
-	if through < 0 {
+	if !recorded {
 		// No record of what was before the slot: nothing can be marked.
 		return fmt.Errorf("replication slot %s has no relay_capture row: it is not a fanout relay's, or its relay died before recording its backlog; drop it by hand to switch to poll capture", r.cfg.Slot)
 	}
@@ -102,57 +100,23 @@ FROM relay_capture WHERE slot_name = $1`, r.cfg.Slot).Scan(&through, &backlogDon
 		return fmt.Errorf("stream the slot to %s: %w", end, err)
 	}
 
-	// Mark in id ranges, so no transaction holds many rows for long.
-	var minID, maxID int64
-	if err := conn.QueryRow(softCtx, `SELECT coalesce(min(id), 0), coalesce(max(id), 0) FROM outbox`).Scan(&minID, &maxID); err != nil {
-		return err
-	}
-	from := through
+	after := through
 	if backlogDone {
 		// Every row up to the bound was claimed and marked; one pending
 		// now was returned to the relays since (outbox retry-failed,
 		// republish), and the slot decoded that update.
-		from = min(through, minID-1)
+		after = math.MinInt64
 	}
-	var marked int64
-	for lo := from; lo < maxID; lo += 50_000 {
-		ct, err := conn.Exec(softCtx, markCapturedSQL, snap, lo, lo+50_000)
-		if err != nil {
-			return fmt.Errorf("mark the rows the slot published: %w", err)
-		}
-		marked += ct.RowsAffected()
-	}
-	err = pgx.BeginFunc(softCtx, conn, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(softCtx, `DELETE FROM relay_capture WHERE slot_name = $1`, r.cfg.Slot); err != nil {
-			return err
-		}
-		_, err := tx.Exec(softCtx, `SELECT pg_drop_replication_slot($1)`, r.cfg.Slot)
-		return err
-	})
+	marked, err := r.store.MarkCapturedSent(softCtx, snap, after)
 	if err != nil {
+		return fmt.Errorf("mark the rows the slot published: %w", err)
+	}
+	if err := r.store.EndCapture(softCtx, r.cfg.Slot); err != nil {
 		return fmt.Errorf("drop replication slot %s: %w", r.cfg.Slot, err)
 	}
 	r.logger.Info("switched from wal to poll capture: the slot is dropped", "slot", r.cfg.Slot, "rows_marked_sent", marked)
 	return nil
 }
-
-// markCapturedSQL marks sent the pending rows with ids in ($2, $3] that
-// snapshot $1 shows. A row's xmin is 32 bits: its full id is the one below
-// the snapshot's xmax with those low bits. The wal relay updates no row it
-// publishes, so a pending row's xmin is the transaction the slot decoded
-// it from: its writer's, or the operator's that returned it to pending.
-const markCapturedSQL = `
-WITH s AS (
-    SELECT $1::pg_snapshot AS snap, pg_snapshot_xmax($1::pg_snapshot)::text::bigint AS xmax
-)
-UPDATE outbox o
-SET status = 'sent', published_at = now(), last_error = NULL
-FROM s
-WHERE o.id > $2 AND o.id <= $3 AND o.published_at IS NULL AND o.status = 'pending'
-  AND pg_visible_in_snapshot((
-        ((s.xmax >> 32) << 32 | o.xmin::text::bigint)
-        - CASE WHEN ((s.xmax >> 32) << 32 | o.xmin::text::bigint) >= s.xmax THEN 4294967296 ELSE 0 END
-      )::text::xid8, s.snap)`
 
 var (
 	errHandoverBusy     = errors.New("another poll relay is switching from wal capture")
@@ -184,4 +148,64 @@ func (r *Relay) waitHandover(softCtx, hardCtx context.Context) bool {
 		wait = min(wait*2, 2*time.Second)
 	}
 	return false
+}
+
+// Switching from poll to wal capture.
+//
+// Rows committed before the slot existed (a poll relay's backlog) are not
+// in its stream. The relay that creates the slot records the highest id
+// then visible (ensureSlot), and a wal relay publishes the rows up to it
+// by claiming them, as a poll relay would, before it starts the stream
+// (streamSlot, drainBacklog).
+
+// drainBacklog claims and publishes the rows committed before the slot
+// existed (ids up to through), then records that they are done. A relay
+// that stops first leaves the record open; the next one drains again.
+func (r *Relay) drainBacklog(ctx, hardCtx context.Context, through int64) {
+	batch := int64(r.cfg.BatchSize)
+	wait := r.cfg.PollInterval
+	for ctx.Err() == nil {
+		left, err := r.store.UnsentThrough(ctx, through)
+		if err == nil && left == 0 && r.store.OnFailed != outbox.SkipFailed {
+			_, err = r.store.MarkHeldThrough(ctx, through)
+		}
+		if err == nil && left == 0 {
+			err = r.store.CaptureBacklogDone(ctx, r.cfg.Slot, through)
+			if err == nil {
+				r.backlogDone.Store(true)
+				r.logger.Info("published the rows committed before the slot existed", "through_id", through)
+				return
+			}
+		}
+		if err != nil {
+			r.logger.Warn("drain the rows committed before the slot", "error", err)
+		}
+		if err := r.slots.Acquire(ctx, batch); err != nil {
+			return
+		}
+		token := newLeaseToken()
+		rows, err := r.store.ClaimThrough(hardCtx, r.cfg.BatchSize, token, through)
+		r.slots.Release(batch - int64(len(rows)))
+		if err != nil || len(rows) == 0 {
+			if err != nil {
+				r.logger.Warn("claim rows committed before the slot", "error", err)
+			}
+			// Rows backing off, or `sending` under a dead poll relay's
+			// lease (the reaper returns them).
+			if !r.sleep(ctx, wait) {
+				return
+			}
+			continue
+		}
+		sortRows(rows)
+		r.batches.Add(1)
+		func() {
+			defer r.batches.Done()
+			defer r.slots.Release(int64(len(rows)))
+			// The rows after the bound are the slot's to publish: no
+			// next event of an aggregate is claimed here.
+			held := int64(len(rows))
+			r.deliver(hardCtx, rows, token, false, &held)
+		}()
+	}
 }

@@ -158,25 +158,13 @@ func (o *aggregateOrder) heldBehind(rw row) (int64, bool) {
 // loadHolds reads the failed events that hold their aggregates, as the
 // table has them when a stream starts.
 func (o *aggregateOrder) loadHolds(ctx context.Context, r *Relay) error {
-	rows, err := r.pool.Query(ctx, `
-SELECT DISTINCT ON (aggregate_type, aggregate_id) id, aggregate_type, aggregate_id, aggregate_seq
-FROM outbox
-WHERE published_at IS NULL AND status = 'failed' AND aggregate_seq IS NOT NULL
-ORDER BY aggregate_type, aggregate_id, aggregate_seq`)
+	holding, err := r.store.HoldingEvents(ctx)
 	if err != nil {
 		return err
 	}
-	defer rows.Close()
-	held := map[aggregateKey]heldBy{}
-	for rows.Next() {
-		var rw row
-		if err := rows.Scan(&rw.ID, &rw.AggregateType, &rw.AggregateID, &rw.AggregateSeq); err != nil {
-			return err
-		}
-		held[keyOf(rw)] = heldBy{id: rw.ID, seq: rw.AggregateSeq.Int64}
-	}
-	if err := rows.Err(); err != nil {
-		return err
+	held := make(map[aggregateKey]heldBy, len(holding))
+	for _, h := range holding {
+		held[aggregateKey{typ: h.Aggregate.Type, id: h.Aggregate.ID}] = heldBy{id: h.ID, seq: h.Seq}
 	}
 	o.mu.Lock()
 	o.held = held

@@ -20,11 +20,12 @@ func TestOutboxRangesDroppedAfterRetention(t *testing.T) {
 	forEachCapture(t, func(t *testing.T, h *harness) {
 		ctx := context.Background()
 		r := h.newRelay(func(c *Config) {
-			c.PartitionSize = 10
 			c.SentRetention = 0
 			c.CleanupInterval = 100 * time.Millisecond
 		}, nil)
-		r.partitionsAhead, r.partitionMargin = 30, 10
+		// Ranges of 10 ids, below relay.partition_size's range (New
+		// refuses them), so that a few hundred rows fill many.
+		r.cfg.PartitionSize, r.partitionsAhead, r.partitionMargin = 10, 30, 10
 		h.start(r)
 		if h.wal() {
 			h.waitStreaming(r)

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // SlotState is what the server says of a wal relay's replication slot.
@@ -128,5 +130,98 @@ func (r *Relay) walReady() error {
 		return fmt.Errorf("relay stalled: replication slot %s is %d bytes behind and has not moved for %s (relay.stall_after is %s)",
 			r.cfg.Slot, st.LagBytes, st.Stuck.Round(time.Second), r.cfg.StallAfter)
 	}
+	return nil
+}
+
+// errSlotLost: the server invalidated the slot (max_slot_wal_keep_size);
+// the WAL it needed is gone.
+var errSlotLost = errors.New("replication slot invalidated")
+
+// ensureSlot creates the slot if it does not exist and returns the bound of
+// the rows it does not capture (those committed before it), and whether
+// they have all been published.
+func (r *Relay) ensureSlot(ctx context.Context, conn *pgconn.PgConn, create bool) (backlogThrough int64, backlogDone bool, err error) {
+	var (
+		plugin, walStatus string
+		database          string
+		found             bool
+	)
+	err = r.pool.QueryRow(ctx, `
+SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1`, r.cfg.Slot).
+		Scan(&plugin, &database, &walStatus)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+	case err != nil:
+		return 0, false, fmt.Errorf("look up replication slot %s: %w", r.cfg.Slot, err)
+	default:
+		found = true
+	}
+	if found {
+		var current string
+		if err := r.pool.QueryRow(ctx, `SELECT current_database()`).Scan(&current); err != nil {
+			return 0, false, err
+		}
+		if plugin != "pgoutput" || database != current {
+			return 0, false, fmt.Errorf("replication slot %s exists but is not fanout's (plugin %q, database %q; want pgoutput on %q): set relay.slot to another name", r.cfg.Slot, plugin, database, current)
+		}
+		if walStatus == "lost" {
+			if !create {
+				return 0, false, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, r.cfg.Slot)
+			}
+			if err := r.recoverLostSlot(ctx); err != nil {
+				return 0, false, err
+			}
+			found = false
+		}
+	}
+	if !found && !create {
+		return 0, false, fmt.Errorf("replication slot %s is gone", r.cfg.Slot)
+	}
+	if !found {
+		createCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		res, err := pglogrepl.CreateReplicationSlot(createCtx, conn, r.cfg.Slot, "pgoutput",
+			pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "NOEXPORT_SNAPSHOT", Mode: pglogrepl.LogicalReplication})
+		cancel()
+		if err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "42710" { // another relay created it a moment ago
+				return 0, false, fmt.Errorf("%w: %s", errSlotInUse, pgErr.Message)
+			}
+			return 0, false, fmt.Errorf("create replication slot %s: %w", r.cfg.Slot, err)
+		}
+		r.logger.Info("created the replication slot", "slot", res.SlotName, "consistent_point", res.ConsistentPoint)
+		if err := r.store.StartCapture(ctx, r.cfg.Slot); err != nil {
+			return 0, false, fmt.Errorf("record the slot's backlog: %w", err)
+		}
+	}
+	// Recorded now if the relay that created the slot died first.
+	backlogThrough, backlogDone, err = r.store.CaptureBacklog(ctx, r.cfg.Slot)
+	if err != nil {
+		return 0, false, fmt.Errorf("read the slot's backlog: %w", err)
+	}
+	r.backlogThrough.Store(backlogThrough)
+	r.backlogDone.Store(backlogDone)
+	return backlogThrough, backlogDone, nil
+}
+
+// recoverLostSlot drops a slot the server invalidated (it removed WAL the
+// slot still needed, past max_slot_wal_keep_size), so that ensureSlot
+// creates it again. The new slot's backlog bound then covers every row the
+// outbox still holds, and the drain claims and publishes them all again:
+// the events the old slot never delivered among them. JetStream drops
+// those inside its duplicates window, the subscribers' checkpoints the
+// rest. Events whose rows retention already deleted cannot be recovered;
+// the log names the range that is.
+func (r *Relay) recoverLostSlot(ctx context.Context) error {
+	lo, hi, oldest, err := r.store.PendingSpan(ctx)
+	if err != nil {
+		return fmt.Errorf("read the outbox to recover invalidated slot %s: %w", r.cfg.Slot, err)
+	}
+	if _, err := r.pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, r.cfg.Slot); err != nil {
+		return fmt.Errorf("drop invalidated replication slot %s: %w", r.cfg.Slot, err)
+	}
+	r.logger.Error("the server invalidated the replication slot (max_slot_wal_keep_size): it is dropped and created again, "+
+		"and every pending row the outbox still holds is published again; events whose rows retention deleted before they were published are lost",
+		"slot", r.cfg.Slot, "republish_from_id", lo, "republish_to_id", hi, "oldest_row_created_at", oldest)
 	return nil
 }

@@ -1,0 +1,227 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/cenkalti/backoff/v5"
+)
+
+// errNotVisibleYet: a decoded row is not visible to other sessions yet.
+var errNotVisibleYet = errors.New("decoded row not visible yet")
+
+// visibleWithin bounds the wait for a decoded row to become visible.
+const visibleWithin = 5 * time.Second
+
+// dispatch publishes the current transaction's rows collected so far as
+// one chunk, waiting for room in flight (relay.max_in_flight) first.
+func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
+	if len(s.rows) == 0 {
+		return nil
+	}
+	rows, refetch := s.rows, s.refetch
+	s.rows, s.refetch = nil, nil
+	clear(s.rowAt)
+	n := int64(len(rows))
+	for {
+		ctx, cancel := context.WithTimeout(softCtx, walStatusInterval)
+		err := s.r.slots.Acquire(ctx, n)
+		cancel()
+		if err == nil {
+			break
+		}
+		if softCtx.Err() != nil {
+			return softCtx.Err()
+		}
+		// Stay in touch with the server while the publishes catch up.
+		if err := s.sendStatus(softCtx); err != nil {
+			return err
+		}
+	}
+	txn := s.cur
+	txn.chunks.Add(1)
+	s.r.batches.Add(1)
+	// Each row takes its place in its aggregate's order here, in the
+	// order decoded, and is published once the one before it is done.
+	c := s.r.order.enter(rows)
+	go func() {
+		defer s.r.batches.Done()
+		defer s.r.slots.Release(n)
+		defer txn.chunks.Done()
+		defer s.r.order.abandon(c) // a no-op for the rows done
+		// Every row of a transaction is dispatched at its commit or after
+		// it (a chunk that filled up earlier waits here the same way).
+		if err := s.r.visibility.wait(softCtx, txn.xid); err != nil {
+			txn.abandoned.Store(true)
+			return
+		}
+		if len(refetch) > 0 {
+			kept, ok := s.r.refetchCaptured(softCtx, rows, refetch)
+			if !ok {
+				txn.abandoned.Store(true)
+				return
+			}
+			c = s.r.order.keep(c, kept)
+		}
+		if !s.r.publishOrdered(softCtx, hardCtx, c) {
+			txn.abandoned.Store(true)
+		}
+	}()
+	return nil
+}
+
+// publishCaptured publishes rows decoded from the slot until every one has
+// a PubAck or is marked failed: the slot is not confirmed past them before,
+// so a publish that fails for a reason outside the row (NATS down, the
+// stream unavailable) is retried with backoff, for as long as it takes. It
+// returns the ids it marked failed, and false if the relay stopped first.
+func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) (failed map[int64]bool, ok bool) {
+	wait := r.cfg.RetryMin
+	for {
+		if len(rows) == 0 {
+			return failed, true
+		}
+		results, ok := r.publishAll(hardCtx, rows)
+		if !ok {
+			return nil, false
+		}
+		var (
+			retry            []row
+			failedIDs        []int64
+			failedReasons    []string
+			published        []Published
+			firstRetryReason string
+		)
+		for i, res := range results {
+			switch {
+			case res.acked:
+				published = append(published, Published{ID: rows[i].ID, CreatedAt: rows[i].CreatedAt.Time, AckedAt: res.ackedAt, Duplicate: res.duplicate})
+			case res.permanent:
+				failedIDs = append(failedIDs, rows[i].ID)
+				failedReasons = append(failedReasons, res.err)
+			default:
+				if retry == nil {
+					firstRetryReason = res.err
+				}
+				retry = append(retry, rows[i])
+			}
+		}
+		r.reportPublished(published, len(retry), len(failedIDs))
+		if len(failedIDs) > 0 {
+			if !r.failCaptured(softCtx, failedIDs, failedReasons) {
+				return nil, false
+			}
+			if failed == nil {
+				failed = map[int64]bool{}
+			}
+			for _, id := range failedIDs {
+				failed[id] = true
+			}
+		}
+		if len(retry) == 0 {
+			return failed, true
+		}
+		r.obs.Retried(len(retry))
+		r.logger.Warn("publish failed; retrying, the slot waits for these rows", "rows", len(retry), "first_id", retry[0].ID, "error", firstRetryReason, "retry_in", wait)
+		if !r.sleep(softCtx, wait) {
+			return nil, false
+		}
+		wait = min(wait*2, r.cfg.RetryMax)
+		rows = retry
+	}
+}
+
+// failCaptured marks rows failed, retrying while Postgres is unreachable.
+//
+// The walsender may decode a commit a moment before the transaction is
+// visible to other sessions, so a row the update did not find is looked
+// for again, for a while, before it is taken as deleted since.
+func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string) bool {
+	missing := map[int64]string{}
+	for i, id := range ids {
+		missing[id] = reasons[i]
+	}
+	invisibleSince := time.Now()
+	_, err := backoff.Retry(ctx, func() (struct{}, error) {
+		var ids []int64
+		var reasons []string
+		for id, reason := range missing {
+			ids, reasons = append(ids, id), append(reasons, reason)
+		}
+		marked, err := r.store.FailUnclaimed(ctx, ids, reasons)
+		if err != nil {
+			return struct{}{}, err
+		}
+		for _, id := range marked {
+			delete(missing, id)
+		}
+		if len(missing) > 0 && time.Since(invisibleSince) < visibleWithin {
+			return struct{}{}, errNotVisibleYet
+		}
+		return struct{}{}, nil
+	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
+		if !errors.Is(err, errNotVisibleYet) {
+			r.logger.Warn("mark unpublishable rows failed, will retry", "error", err, "retry_in", next, "rows", len(ids))
+		}
+	}))
+	if err != nil {
+		return false
+	}
+	for id := range missing {
+		r.logger.Warn("an unpublishable row decoded from the slot is no longer in the outbox (deleted since?): not marked failed", "event_id", id, "reason", missing[id])
+	}
+	r.obs.Failed(len(ids) - len(missing))
+	for i, id := range ids {
+		if _, gone := missing[id]; !gone {
+			r.logger.Error("outbox row can never be published: marked failed", "event_id", id, "reason", reasons[i])
+		}
+	}
+	return true
+}
+
+// refetchCaptured reads again, from the table, the rows at indexes refetch:
+// an update that did not touch a value stored out of line (TOAST) decodes
+// without it. A row no longer pending and unpublished (claimed by a poll
+// relay, marked, deleted since) is left out: whoever changed it owns it.
+func (r *Relay) refetchCaptured(ctx context.Context, rows []row, refetch []int) ([]row, bool) {
+	ids := make([]int64, len(refetch))
+	for i, at := range refetch {
+		ids[i] = rows[at].ID
+	}
+	fresh, err := backoff.Retry(ctx, func() ([]row, error) {
+		return r.store.Unpublished(ctx, ids)
+	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
+		r.logger.Warn("read updated outbox rows again, will retry", "error", err, "retry_in", next, "rows", len(ids))
+	}))
+	if err != nil {
+		return nil, false
+	}
+	byID := make(map[int64]row, len(fresh))
+	for _, f := range fresh {
+		byID[f.ID] = f
+	}
+	kept := make([]row, 0, len(rows))
+	next := 0
+	for i, rw := range rows {
+		if next < len(refetch) && refetch[next] == i {
+			next++
+			f, ok := byID[rw.ID]
+			if !ok {
+				r.logger.Warn("an updated outbox row decoded without its payload is no longer pending when read again (claimed, marked or deleted since): not published by the slot", "event_id", rw.ID)
+				continue
+			}
+			rw = f
+		}
+		kept = append(kept, rw)
+	}
+	return kept, true
+}
+
+// postgresRetry is the backoff of a wal relay's calls to Postgres that
+// must succeed before the slot moves on.
+func postgresRetry() *backoff.ExponentialBackOff {
+	return &backoff.ExponentialBackOff{
+		InitialInterval: 10 * time.Millisecond, RandomizationFactor: 0.3, Multiplier: 2, MaxInterval: 2 * time.Second,
+	}
+}
