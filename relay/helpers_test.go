@@ -13,6 +13,7 @@ import (
 
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
@@ -110,7 +111,7 @@ func (h *harness) start(r *Relay) {
 	h.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := r.Start(ctx); err != nil {
+	if err := r.Start(testhooks.WithRelay(ctx, r.hooks)); err != nil {
 		h.t.Fatal(err)
 	}
 	h.t.Cleanup(func() {
