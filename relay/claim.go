@@ -254,7 +254,7 @@ func (r *Relay) sweepLoop(softCtx, hardCtx context.Context) {
 // window to the next one. Its first claim finds the window's end in the
 // same statement (ClaimWindow). That is still two walks over the rows
 // below the floor, and under a held snapshot each steps over every row
-// published since it was taken (README, the held horizon).
+// published since it was taken (docs/design.md, "Under a held snapshot").
 func (r *Relay) sweep(softCtx, hardCtx context.Context, from int64) (int64, bool) {
 	floor := r.floor.after.Load()
 	if from >= floor {
