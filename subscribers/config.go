@@ -1,6 +1,7 @@
 package subscribers
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/fanout/fanout/internal/validate"
@@ -114,8 +115,9 @@ func DefaultConfig() Config {
 	}
 }
 
-// Validate checks each subscribers.* key alone; the rules that tie keys
-// together are internal/config's.
+// Validate checks the subscribers.* keys, alone and together, naming
+// every key that is wrong. The rules that tie them to the stream.* keys
+// are checked where the sections are put together.
 func (c Config) Validate() error {
 	var v validate.Errors
 	v.Between("subscribers.concurrency", int64(c.Concurrency), 1, 256)
@@ -157,6 +159,29 @@ func (c Config) Validate() error {
 	}
 	if c.PinnedTTL < 3*time.Second {
 		v.Bad("subscribers.pinned_ttl", "must be at least 3s (got %s)", c.PinnedTTL)
+	}
+
+	// A handler cut off by its timeout has stopped before JetStream would
+	// redeliver its event, even if the in-progress signals that extend the
+	// ack wait were lost (a reconnect): otherwise another instance could
+	// handle the event while the first still runs.
+	if c.HandlerTimeout >= c.AckWait {
+		v.Add(fmt.Errorf("subscribers.handler_timeout (%s) must be shorter than subscribers.ack_wait (%s): a handler must be cut off before JetStream may redeliver its event to another instance", c.HandlerTimeout, c.AckWait))
+	}
+	// A batch may run for the handler timeout, and a failing event waits up
+	// to retry_max for its next attempt: neither settles an event for that
+	// long, and neither is a stall.
+	if c.StallAfter != 0 && c.StallAfter <= max(c.HandlerTimeout, c.RetryMax) {
+		v.Add(fmt.Errorf("subscribers.stall_after (%s) must be 0 (off) or longer than subscribers.handler_timeout (%s) and subscribers.retry_max (%s), or a slow batch or a retrying event would look stalled",
+			c.StallAfter, c.HandlerTimeout, c.RetryMax))
+	}
+	// A subscriber that dies between storing a dead letter and terminating
+	// its event publishes the dead letter again on the redelivery; the
+	// dead-letter stream must still remember its id then, and JetStream
+	// refuses a duplicates window longer than the max age.
+	if c.DeadLetterMaxAge < DeadLetterDuplicateWindow || c.DeadLetterMaxAge <= 2*c.AckWait {
+		v.Add(fmt.Errorf("subscribers.dead_letter_max_age (%s) must be at least %s, the dead letters' duplicates window, and more than twice subscribers.ack_wait (%s): a dead letter published again after a crash must still be recognized",
+			c.DeadLetterMaxAge, DeadLetterDuplicateWindow, c.AckWait))
 	}
 	return v.Err()
 }

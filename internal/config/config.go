@@ -599,17 +599,6 @@ func CrossKeyRules() []CrossKeyRule { return crossKeyRules }
 
 var crossKeyRules = []CrossKeyRule{
 	{
-		// The relay claims a whole batch only when that many rows fit in
-		// flight: below it, it waits forever and publishes nothing.
-		Keys: []string{"relay.max_in_flight", "relay.batch_size"},
-		check: func(c *Config) string {
-			if c.Relay.MaxInFlight < c.Relay.BatchSize {
-				return fmt.Sprintf("relay.max_in_flight (%d) must be at least relay.batch_size (%d): the relay claims a batch only when all of it fits in flight, so it would never publish", c.Relay.MaxInFlight, c.Relay.BatchSize)
-			}
-			return ""
-		},
-	},
-	{
 		// A row whose publish JetStream stored but whose PubAck or mark was
 		// lost is published again: after its lease expires and the reaper
 		// returns it, or after its retry backoff. The second publish must
@@ -620,67 +609,6 @@ var crossKeyRules = []CrossKeyRule{
 			if need := RepublishDelay(c.Relay); c.Stream.DuplicateWindow <= need {
 				return fmt.Sprintf("stream.duplicate_window (%s) must be longer than relay.lease (%s) + relay.publish_timeout (%s) + relay.reap_interval (%s) + relay.retry_max (%s) = %s, the longest a row's second publish can follow its first; a shorter window lets the stream store an event twice",
 					c.Stream.DuplicateWindow, c.Relay.Lease, c.Relay.PublishTimeout, c.Relay.ReapInterval, c.Relay.RetryMax, need)
-			}
-			return ""
-		},
-	},
-	{
-		// JetStream refuses a duplicates window longer than the max age.
-		Keys: []string{"stream.duplicate_window", "stream.max_age"},
-		check: func(c *Config) string {
-			if c.Stream.MaxAge > 0 && c.Stream.DuplicateWindow > c.Stream.MaxAge {
-				return fmt.Sprintf("stream.duplicate_window (%s) must not be longer than stream.max_age (%s): JetStream refuses such a stream", c.Stream.DuplicateWindow, c.Stream.MaxAge)
-			}
-			return ""
-		},
-	},
-	{
-		// A claim's lease must outlast the wait for its PubAcks, or every
-		// slow publish is reaped and published again.
-		Keys: []string{"relay.lease", "relay.publish_timeout"},
-		check: func(c *Config) string {
-			if c.Relay.Lease >= time.Second && c.Relay.Lease <= c.Relay.PublishTimeout {
-				return fmt.Sprintf("relay.lease (%s) must be longer than relay.publish_timeout (%s), or every slow publish would be reaped and published again", c.Relay.Lease, c.Relay.PublishTimeout)
-			}
-			return ""
-		},
-	},
-	{
-		// With every slot in flight, the next claim waits for PubAcks (up
-		// to the publish timeout), and an idle relay claims once per poll
-		// interval: neither is a stall.
-		Keys: []string{"relay.stall_after", "relay.publish_timeout", "relay.poll_interval"},
-		check: func(c *Config) string {
-			if c.Relay.StallAfter <= c.Relay.PublishTimeout+c.Relay.PollInterval {
-				return fmt.Sprintf("relay.stall_after (%s) must be longer than relay.publish_timeout (%s) + relay.poll_interval (%s), or a busy or idle relay would look stalled",
-					c.Relay.StallAfter, c.Relay.PublishTimeout, c.Relay.PollInterval)
-			}
-			return ""
-		},
-	},
-	{
-		// A handler cut off by its timeout has stopped before JetStream
-		// would redeliver its event, even if the in-progress signals that
-		// extend the ack wait were lost (a reconnect): otherwise another
-		// instance could handle the event while the first still runs.
-		Keys: []string{"subscribers.ack_wait", "subscribers.handler_timeout"},
-		check: func(c *Config) string {
-			if c.Subscribers.HandlerTimeout >= c.Subscribers.AckWait {
-				return fmt.Sprintf("subscribers.handler_timeout (%s) must be shorter than subscribers.ack_wait (%s): a handler must be cut off before JetStream may redeliver its event to another instance", c.Subscribers.HandlerTimeout, c.Subscribers.AckWait)
-			}
-			return ""
-		},
-	},
-	{
-		// A batch may run for the handler timeout, and a failing event waits
-		// up to retry_max for its next attempt: neither settles an event
-		// for that long, and neither is a stall.
-		Keys: []string{"subscribers.stall_after", "subscribers.handler_timeout", "subscribers.retry_max"},
-		check: func(c *Config) string {
-			s := c.Subscribers
-			if s.StallAfter != 0 && s.StallAfter <= max(s.HandlerTimeout, s.RetryMax) {
-				return fmt.Sprintf("subscribers.stall_after (%s) must be 0 (off) or longer than subscribers.handler_timeout (%s) and subscribers.retry_max (%s), or a slow batch or a retrying event would look stalled",
-					s.StallAfter, s.HandlerTimeout, s.RetryMax)
 			}
 			return ""
 		},
@@ -704,17 +632,6 @@ var crossKeyRules = []CrossKeyRule{
 		check: func(c *Config) string {
 			if c.Subscribers.DeadLetterSubjectPrefix == c.Stream.SubjectPrefix {
 				return fmt.Sprintf("subscribers.dead_letter_subject_prefix (%q) must differ from stream.subject_prefix (%q): dead letters would be published as events", c.Subscribers.DeadLetterSubjectPrefix, c.Stream.SubjectPrefix)
-			}
-			return ""
-		},
-	},
-	{
-		// JetStream refuses a duplicates window longer than the max age.
-		Keys: []string{"subscribers.dead_letter_max_age", "subscribers.ack_wait"},
-		check: func(c *Config) string {
-			if c.Subscribers.DeadLetterMaxAge < DeadLetterDuplicateWindow || c.Subscribers.DeadLetterMaxAge <= 2*c.Subscribers.AckWait {
-				return fmt.Sprintf("subscribers.dead_letter_max_age (%s) must be at least %s, the dead letters' duplicates window, and more than twice subscribers.ack_wait (%s): a dead letter published again after a crash must still be recognized",
-					c.Subscribers.DeadLetterMaxAge, DeadLetterDuplicateWindow, c.Subscribers.AckWait)
 			}
 			return ""
 		},

@@ -152,17 +152,10 @@ func TestRedactedHidesSecrets(t *testing.T) {
 // involved; and that every rule has a case here.
 func TestCrossKeyRules(t *testing.T) {
 	cases := map[string][]string{ // the rule's first two keys -> variables that break it alone
-		"relay.max_in_flight relay.batch_size":                         {"FANOUT_RELAY_MAX_IN_FLIGHT=600", "FANOUT_RELAY_BATCH_SIZE=1000"},
 		"stream.duplicate_window relay.lease":                          {"FANOUT_STREAM_DUPLICATE_WINDOW=7m"}, // 2m + 10s + 10s + 5m = 7m20s
-		"stream.duplicate_window stream.max_age":                       {"FANOUT_STREAM_MAX_AGE=5m", "FANOUT_STREAM_DUPLICATE_WINDOW=8m", "FANOUT_RELAY_RETRY_MAX=10s"},
-		"relay.lease relay.publish_timeout":                            {"FANOUT_RELAY_LEASE=5s", "FANOUT_RELAY_PUBLISH_TIMEOUT=10s"},
-		"subscribers.ack_wait subscribers.handler_timeout":             {"FANOUT_SUBSCRIBERS_ACK_WAIT=30s", "FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=1m"},
 		"redis.tombstone_ttl redis.timeout":                            {"FANOUT_REDIS_TOMBSTONE_TTL=3s", "FANOUT_REDIS_TIMEOUT=2s"},
 		"subscribers.dead_letter_subject_prefix stream.subject_prefix": {"FANOUT_SUBSCRIBERS_DEAD_LETTER_SUBJECT_PREFIX=events"},
 		"subscribers.dead_letter_stream stream.name":                   {"FANOUT_SUBSCRIBERS_DEAD_LETTER_STREAM=EVENTS"},
-		"subscribers.dead_letter_max_age subscribers.ack_wait":         {"FANOUT_SUBSCRIBERS_DEAD_LETTER_MAX_AGE=5m"},
-		"relay.stall_after relay.publish_timeout":                      {"FANOUT_RELAY_STALL_AFTER=10s"},
-		"subscribers.stall_after subscribers.handler_timeout":          {"FANOUT_SUBSCRIBERS_STALL_AFTER=30s"}, // retry_max is 1m
 	}
 	for _, rule := range CrossKeyRules() {
 		id := rule.Keys[0] + " " + rule.Keys[1]
@@ -189,6 +182,37 @@ func TestCrossKeyRules(t *testing.T) {
 	}
 	for id := range cases {
 		t.Errorf("case %q matches no rule", id)
+	}
+}
+
+// The rules that tie keys of one section together are that section's
+// Validate's: each, broken alone, is refused naming every key involved.
+func TestSectionRules(t *testing.T) {
+	for _, c := range []struct {
+		env  []string
+		keys []string
+	}{
+		{[]string{"FANOUT_RELAY_MAX_IN_FLIGHT=600", "FANOUT_RELAY_BATCH_SIZE=1000"}, []string{"relay.max_in_flight", "relay.batch_size"}},
+		{[]string{"FANOUT_RELAY_LEASE=5s", "FANOUT_RELAY_PUBLISH_TIMEOUT=10s"}, []string{"relay.lease", "relay.publish_timeout"}},
+		{[]string{"FANOUT_RELAY_STALL_AFTER=10s"}, []string{"relay.stall_after", "relay.publish_timeout", "relay.poll_interval"}},
+		{[]string{"FANOUT_STREAM_MAX_AGE=5m", "FANOUT_STREAM_DUPLICATE_WINDOW=8m", "FANOUT_RELAY_RETRY_MAX=10s"}, []string{"stream.duplicate_window", "stream.max_age"}},
+		{[]string{"FANOUT_SUBSCRIBERS_ACK_WAIT=30s", "FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=1m"}, []string{"subscribers.ack_wait", "subscribers.handler_timeout"}},
+		{[]string{"FANOUT_SUBSCRIBERS_STALL_AFTER=30s"}, []string{"subscribers.stall_after", "subscribers.handler_timeout", "subscribers.retry_max"}}, // retry_max is 1m
+		{[]string{"FANOUT_SUBSCRIBERS_DEAD_LETTER_MAX_AGE=5m"}, []string{"subscribers.dead_letter_max_age", "subscribers.ack_wait"}},
+	} {
+		_, err := Load("", c.env)
+		if err == nil {
+			t.Errorf("%v: accepted, want the rule over %v to refuse it", c.env, c.keys)
+			continue
+		}
+		for _, key := range c.keys {
+			if !strings.Contains(err.Error(), key) {
+				t.Errorf("%v: error %q does not name %s", c.env, err, key)
+			}
+		}
+		if n := strings.Count(err.Error(), "\n") + 1; n != 1 {
+			t.Errorf("%v: %d errors, want only the rule's own: %v", c.env, n, err)
+		}
 	}
 }
 
