@@ -46,7 +46,7 @@ func main() {
 }
 
 type bench struct {
-	cfg  *config.Config
+	cfg  *benchkit.Config
 	nc   *nats.Conn
 	js   jetstream.JetStream
 	pool *pgxpool.Pool
@@ -56,10 +56,8 @@ func run(ctx context.Context) error {
 	if err := benchkit.CheckRuns(); err != nil {
 		return err
 	}
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return err
-	}
+	cfg := benchkit.DefaultConfig()
+	var err error
 	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
 	cfg.Stream.Name = "BENCHORD_" + suffix
 	cfg.Stream.SubjectPrefix = "benchord" + suffix

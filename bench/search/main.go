@@ -53,7 +53,7 @@ var (
 	loaders   = flag.Int("loaders", 3, "bulk requests in flight in the loader")
 	refresh   = flag.Duration("refresh-after", -1, "override search.refresh_after (0: leave visibility to the index's refresh_interval, as before it existed)")
 	natsURL   = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
-	searchURL = flag.String("search", config.DefaultSearchURL, "search engine URL")
+	searchURL = flag.String("search", searchindex.DefaultURL, "search engine URL")
 	engine    = flag.String("engine", search.OpenSearch, "search engine implementation")
 	adminURL  = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
@@ -69,7 +69,7 @@ func main() {
 }
 
 type bench struct {
-	cfg    *config.Config
+	cfg    *benchkit.Config
 	db     *pgtest.DB
 	pool   *pgxpool.Pool
 	nc     *nats.Conn
@@ -82,15 +82,12 @@ func run(ctx context.Context) error {
 	if err := benchkit.CheckRuns(); err != nil {
 		return err
 	}
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return err
-	}
+	cfg := benchkit.DefaultConfig()
+	var err error
 	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
 	cfg.Stream.Name, cfg.Stream.SubjectPrefix = "BENCHSEARCH_"+suffix, "benchsearch"+suffix
 	cfg.Subscribers.DeadLetterStream, cfg.Subscribers.DeadLetterSubjectPrefix = "BENCHSEARCH_DLQ_"+suffix, "benchsearchdlq"+suffix
 	cfg.Search.Engine, cfg.Search.URL, cfg.Search.Alias = *engine, *searchURL, "bench"+suffix+"-products"
-	cfg.NATS.URL = *natsURL
 	if *refresh >= 0 {
 		cfg.Search.RefreshAfter = *refresh
 	}

@@ -50,7 +50,7 @@ func main() {
 }
 
 type bench struct {
-	cfg  *config.Config
+	cfg  *benchkit.Config
 	db   *pgtest.DB
 	nc   *nats.Conn
 	js   jetstream.JetStream
@@ -61,10 +61,8 @@ func run(ctx context.Context) error {
 	if err := benchkit.CheckRuns(); err != nil {
 		return err
 	}
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return err
-	}
+	cfg := benchkit.DefaultConfig()
+	var err error
 	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
 	cfg.Stream.Name = "BENCHSUB_" + suffix
 	cfg.Stream.SubjectPrefix = "benchsub" + suffix

@@ -195,7 +195,7 @@ const (
 	DefaultMaxInFlight = relay.DefaultMaxInFlight
 	DefaultLease       = relay.DefaultLease
 	DefaultRedisURL    = "redis://127.0.0.1:56379/0"
-	DefaultSearchURL   = "http://127.0.0.1:9200"
+	DefaultSearchURL   = searchindex.DefaultURL
 )
 
 // defaults lists every key and its default value. A key not listed here is

@@ -11,6 +11,7 @@ import (
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/searchindex"
 )
 
 func TestDefaultsAreValid(t *testing.T) {
@@ -291,6 +292,9 @@ func TestPackageDefaultsAreTheDefaults(t *testing.T) {
 	}
 	if cfg.Subscribers != subscribers.DefaultConfig() {
 		t.Errorf("subscribers: loaded %+v, subscribers.DefaultConfig %+v", cfg.Subscribers, subscribers.DefaultConfig())
+	}
+	if cfg.Search != searchindex.DefaultConfig() {
+		t.Errorf("search: loaded %+v, searchindex.DefaultConfig %+v", cfg.Search, searchindex.DefaultConfig())
 	}
 	// Each package's Validate names its keys.
 	for _, c := range []struct {

@@ -1,13 +1,18 @@
 package searchindex
 
-import "time"
+import (
+	"time"
+
+	"github.com/fanout/fanout/search"
+)
 
 // Config is the search engine and the product index the indexer and the
 // reindex work with (the search.* keys; internal/config checks them).
+// DefaultConfig holds the defaults.
 type Config struct {
 	// Engine is elasticsearch or opensearch. Default elasticsearch.
 	Engine string `koanf:"engine"`
-	// URL is one or more comma-separated node URLs. Default DefaultSearchURL.
+	// URL is one or more comma-separated node URLs. Default DefaultURL.
 	URL string `koanf:"url"`
 	// Username and Password authenticate with HTTP basic auth. Secret.
 	Username     string `koanf:"username"`
@@ -37,4 +42,13 @@ type Config struct {
 	// ReindexMaxFailures is how many documents may fail in a reindex before
 	// it aborts without swapping the alias. Default 0, >= 0.
 	ReindexMaxFailures int `koanf:"reindex_max_failures"`
+}
+
+// DefaultURL is the search engine of a development machine.
+const DefaultURL = "http://127.0.0.1:9200"
+
+// DefaultConfig returns the search settings' defaults.
+func DefaultConfig() Config {
+	return Config{Engine: search.Elasticsearch, URL: DefaultURL, Timeout: 10 * time.Second, Alias: "products",
+		Provision: "auto", BulkSize: 1000, RefreshAfter: 200 * time.Millisecond}
 }
