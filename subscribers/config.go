@@ -9,9 +9,8 @@ import (
 )
 
 // Config is the subscriber runtime's configuration (the subscribers.*
-// keys; a subscriber may override the runtime keys for itself, see
-// internal/config). DefaultConfig holds the defaults; Validate names every
-// key that is wrong.
+// keys; a subscriber may set OwnKeys for itself). DefaultConfig holds the
+// defaults; Validate names every key that is wrong.
 type Config struct {
 	// Concurrency is how many batches one instance handles at once.
 	// Default 4, 1..256.
@@ -60,7 +59,8 @@ type Config struct {
 	// dead-letter stream at start), verify (it must exist: `fanout
 	// provision` made it) or off. Default auto.
 	DeadLetterProvision string `koanf:"dead_letter_provision"`
-	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30 days).
+	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30
+	// days), at least DeadLetterDuplicateWindow and more than twice AckWait.
 	DeadLetterMaxAge time.Duration `koanf:"dead_letter_max_age"`
 	// ShutdownTimeout bounds the drain at SIGTERM. Default 30s, > 0.
 	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
@@ -88,6 +88,16 @@ type Config struct {
 	// successor takes over after it). Default 15s, >= 3s.
 	PinnedTTL time.Duration `koanf:"pinned_ttl"`
 }
+
+// OwnKeys are the subscribers.* keys each subscriber may set for itself,
+// as subscribers.<name>.<key> (FANOUT_SUBSCRIBERS_<NAME>_<KEY>): how it
+// takes and handles its events. A subscriber without its own value takes
+// the shared one, and its settings are checked as a whole, as the shared
+// ones are. The other subscribers.* keys (the dead-letter stream, the
+// shutdown timeout) are one setting for all.
+var OwnKeys = []string{"concurrency", "batch_size", "ack_wait", "handler_timeout", "max_failures", "max_crashes",
+	"max_ack_pending", "retry_min", "retry_max", "start", "start_time", "stall_after",
+	"on_dead_letter", "gap_wait", "pinned_ttl"}
 
 // DeadLetterDuplicateWindow is how long the dead-letter stream remembers a
 // dead letter's id (subscriber and event sequence): a subscriber that dies

@@ -21,7 +21,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
@@ -33,7 +33,7 @@ import (
 
 var (
 	orders   = flag.Int("orders", 10_000, "orders (aggregates), 4 events each")
-	natsURL  = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
+	natsURL  = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
 

@@ -38,7 +38,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
@@ -60,7 +59,7 @@ var (
 	latencyRate = flag.Int("rate", 1000, "writes/s of the latency and held-horizon runs")
 	horizonFor  = flag.Duration("horizon", 2*time.Minute, "how long the held-horizon run holds its snapshot")
 	captureOnly = flag.String("capture", "", "run the held-horizon part in this capture mode only: poll or wal")
-	natsURL     = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
+	natsURL     = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
 	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, retention")
@@ -611,12 +610,9 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 // configuration: postgres.max_conns connections, synchronous_commit off
 // (connect.AsyncCommit).
 func relayPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return nil, err
-	}
-	cfg.Postgres.URL = url
-	return connect.Postgres(ctx, cfg.Postgres, "relay", connect.AsyncCommit())
+	cfg := connect.DefaultPostgres()
+	cfg.URL = url
+	return connect.Postgres(ctx, cfg, "relay", connect.AsyncCommit())
 }
 
 func poolWithConns(ctx context.Context, url string, n int32) (*pgxpool.Pool, error) {
