@@ -21,7 +21,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
@@ -177,7 +176,7 @@ type natsClient struct {
 func (s *natsServer) connect(t *testing.T, user string) *natsClient {
 	t.Helper()
 	c := &natsClient{user: user, errs: make(chan error, 1000)}
-	cfg := config.NATS{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 5 * time.Second}
+	cfg := connect.NATSConfig{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 5 * time.Second}
 	nc, err := connect.NATS(cfg, "leastprivilege-"+user, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if err != nil {
 		t.Fatalf("connect as %s: %v", user, err)

@@ -18,7 +18,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testenv/repo"
@@ -118,7 +117,7 @@ func roleURL(t *testing.T, dbURL, role string) string {
 }
 
 // rolePool connects to dbURL as role through the production code path.
-func rolePool(t *testing.T, cfg *config.Config, dbURL, role string, opts ...connect.PostgresOption) *pgxpool.Pool {
+func rolePool(t *testing.T, cfg *settings, dbURL, role string, opts ...connect.PostgresOption) *pgxpool.Pool {
 	t.Helper()
 	pc := cfg.Postgres
 	pc.URL = roleURL(t, dbURL, role)

@@ -20,9 +20,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
@@ -63,7 +63,7 @@ func TestNATSPermissions(t *testing.T) {
 
 	// The provisioner creates EVENTS and DEADLETTER and every subscriber's
 	// consumer, and runs again (update) without harm.
-	minDup := config.RepublishDelay(cfg.Relay)
+	minDup := relay.RepublishDelay(cfg.Relay)
 	for range 2 {
 		if err := stream.Ensure(ctx, prov.js, cfg.Stream, minDup, discard); err != nil {
 			t.Fatalf("provisioner provisions the stream: %v", err)

@@ -15,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
@@ -96,7 +95,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := stream.Ensure(ctx, provJS, cfg.Stream, config.RepublishDelay(cfg.Relay), logger); err != nil {
+	if err := stream.Ensure(ctx, provJS, cfg.Stream, relay.RepublishDelay(cfg.Relay), logger); err != nil {
 		t.Fatalf("provision the stream as provisioner: %v", err)
 	}
 	if _, err := subscribers.ProvisionDeadLetterStream(ctx, provJS, cfg.Subscribers, cfg.Stream.Replicas); err != nil {
@@ -274,7 +273,7 @@ func orderEvent(orderID int64) outbox.Event {
 
 // natsConn connects as user through the production code path (config
 // nats.user / nats.password).
-func natsConn(t *testing.T, cfg *config.Config, ns *natsServer, user string, logger *slog.Logger) *nats.Conn {
+func natsConn(t *testing.T, cfg *settings, ns *natsServer, user string, logger *slog.Logger) *nats.Conn {
 	t.Helper()
 	nc := cfg.NATS
 	nc.URL, nc.User, nc.Password = ns.url, user, ns.passwords[user]

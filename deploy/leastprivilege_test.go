@@ -15,7 +15,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
+	"github.com/fanout/fanout/subscribers"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
 )
@@ -27,12 +30,21 @@ func TestMain(m *testing.M) {
 // ---------------------------------------------------------------------------
 // helpers
 
-func loadConfig(t *testing.T) *config.Config {
+// settings are the sections these tests run the roles with.
+type settings struct {
+	Postgres    connect.PostgresConfig
+	NATS        connect.NATSConfig
+	Stream      stream.Config
+	Relay       relay.Config
+	Subscribers subscribers.Config
+}
+
+// loadConfig is each package's defaults, as `fanout` runs without a file
+// or a variable, with a quick relay.
+func loadConfig(t *testing.T) *settings {
 	t.Helper()
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := &settings{Postgres: connect.DefaultPostgres(), NATS: connect.DefaultNATS(), Stream: stream.DefaultConfig(),
+		Relay: relay.DefaultConfig(), Subscribers: subscribers.DefaultConfig()}
 	cfg.Relay.PollInterval = 50 * time.Millisecond
 	return cfg
 }

@@ -9,10 +9,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -65,11 +65,7 @@ func run(m *testing.M) (int, error) {
 	}
 	defer nc.Close()
 
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return 0, err
-	}
-	r, err := relay.New(relay.Options{Relay: cfg.Relay, Stream: cfg.Stream, Pool: db.Pool, Conn: nc,
+	r, err := relay.New(relay.Options{Relay: relay.DefaultConfig(), Stream: stream.DefaultConfig(), Pool: db.Pool, Conn: nc,
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if err != nil {
 		return 0, err

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/fanout/fanout/internal/validate"
@@ -103,9 +104,9 @@ func DefaultConfig() Config {
 	}
 }
 
-// Validate checks each relay.* key alone; the rules that tie keys together
-// (here and across packages) are internal/config's, and New refuses the
-// ones it cannot run with.
+// Validate checks the relay.* keys, alone and together, naming every key
+// that is wrong. The rule that ties them to stream.duplicate_window (see
+// RepublishDelay) is checked where the sections are put together.
 func (c Config) Validate() error {
 	var v validate.Errors
 	v.Between("relay.batch_size", int64(c.BatchSize), 1, 10000)
@@ -134,6 +135,25 @@ func (c Config) Validate() error {
 	v.OneOf("relay.on_failed", c.OnFailed, string(outbox.HoldFailed), string(outbox.SkipFailed))
 	if !validSlotName(c.Slot) {
 		v.Bad("relay.slot", "must be 1 to 63 lower-case letters, digits or underscores, as PostgreSQL requires of a replication slot's name (got %q)", c.Slot)
+	}
+
+	// The relay claims a whole batch only when that many rows fit in
+	// flight: below it, it waits forever and publishes nothing.
+	if c.MaxInFlight < c.BatchSize {
+		v.Add(fmt.Errorf("relay.max_in_flight (%d) must be at least relay.batch_size (%d): the relay claims a batch only when all of it fits in flight, so it would never publish", c.MaxInFlight, c.BatchSize))
+	}
+	// A claim's lease must outlast the wait for its PubAcks, or every slow
+	// publish is reaped and published again. (A lease under 1s is refused
+	// above.)
+	if c.Lease >= time.Second && c.Lease <= c.PublishTimeout {
+		v.Add(fmt.Errorf("relay.lease (%s) must be longer than relay.publish_timeout (%s), or every slow publish would be reaped and published again", c.Lease, c.PublishTimeout))
+	}
+	// With every slot in flight, the next claim waits for PubAcks (up to
+	// the publish timeout), and an idle relay claims once per poll
+	// interval: neither is a stall.
+	if c.StallAfter <= c.PublishTimeout+c.PollInterval {
+		v.Add(fmt.Errorf("relay.stall_after (%s) must be longer than relay.publish_timeout (%s) + relay.poll_interval (%s), or a busy or idle relay would look stalled",
+			c.StallAfter, c.PublishTimeout, c.PollInterval))
 	}
 	return v.Err()
 }

@@ -46,7 +46,9 @@ func DefaultConfig() Config {
 		MaxBytes: -1, DuplicateWindow: 10 * time.Minute, Provision: "auto"}
 }
 
-// Validate checks each stream.* key alone.
+// Validate checks the stream.* keys, alone and together, naming each key
+// that is wrong. The rule that ties stream.duplicate_window to the
+// relay's settings is checked where the sections are put together.
 func (s Config) Validate() error {
 	var v validate.Errors
 	if !ValidName(s.Name) {
@@ -61,6 +63,10 @@ func (s Config) Validate() error {
 		v.Bad("stream.max_bytes", "must be -1 (unlimited) or a positive byte count (got %d)", s.MaxBytes)
 	}
 	v.Positive("stream.duplicate_window", s.DuplicateWindow)
+	if s.MaxAge > 0 && s.DuplicateWindow > s.MaxAge {
+		// JetStream refuses a duplicates window longer than the max age.
+		v.Bad("stream.duplicate_window", "(%s) must not be longer than stream.max_age (%s): JetStream refuses such a stream", s.DuplicateWindow, s.MaxAge)
+	}
 	v.OneOf("stream.provision", s.Provision, "auto", "verify", "off")
 	return v.Err()
 }

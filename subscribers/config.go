@@ -1,6 +1,7 @@
 package subscribers
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/fanout/fanout/internal/validate"
@@ -8,9 +9,8 @@ import (
 )
 
 // Config is the subscriber runtime's configuration (the subscribers.*
-// keys; a subscriber may override the runtime keys for itself, see
-// internal/config). DefaultConfig holds the defaults; Validate names every
-// key that is wrong.
+// keys; a subscriber may set OwnKeys for itself). DefaultConfig holds the
+// defaults; Validate names every key that is wrong.
 type Config struct {
 	// Concurrency is how many batches one instance handles at once.
 	// Default 4, 1..256.
@@ -59,7 +59,8 @@ type Config struct {
 	// dead-letter stream at start), verify (it must exist: `fanout
 	// provision` made it) or off. Default auto.
 	DeadLetterProvision string `koanf:"dead_letter_provision"`
-	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30 days).
+	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30
+	// days), at least DeadLetterDuplicateWindow and more than twice AckWait.
 	DeadLetterMaxAge time.Duration `koanf:"dead_letter_max_age"`
 	// ShutdownTimeout bounds the drain at SIGTERM. Default 30s, > 0.
 	ShutdownTimeout time.Duration `koanf:"shutdown_timeout"`
@@ -88,6 +89,16 @@ type Config struct {
 	PinnedTTL time.Duration `koanf:"pinned_ttl"`
 }
 
+// OwnKeys are the subscribers.* keys each subscriber may set for itself,
+// as subscribers.<name>.<key> (FANOUT_SUBSCRIBERS_<NAME>_<KEY>): how it
+// takes and handles its events. A subscriber without its own value takes
+// the shared one, and its settings are checked as a whole, as the shared
+// ones are. The other subscribers.* keys (the dead-letter stream, the
+// shutdown timeout) are one setting for all.
+var OwnKeys = []string{"concurrency", "batch_size", "ack_wait", "handler_timeout", "max_failures", "max_crashes",
+	"max_ack_pending", "retry_min", "retry_max", "start", "start_time", "stall_after",
+	"on_dead_letter", "gap_wait", "pinned_ttl"}
+
 // DeadLetterDuplicateWindow is how long the dead-letter stream remembers a
 // dead letter's id (subscriber and event sequence): a subscriber that dies
 // between storing a dead letter and terminating its event publishes it again
@@ -114,8 +125,9 @@ func DefaultConfig() Config {
 	}
 }
 
-// Validate checks each subscribers.* key alone; the rules that tie keys
-// together are internal/config's.
+// Validate checks the subscribers.* keys, alone and together, naming
+// every key that is wrong. The rules that tie them to the stream.* keys
+// are checked where the sections are put together.
 func (c Config) Validate() error {
 	var v validate.Errors
 	v.Between("subscribers.concurrency", int64(c.Concurrency), 1, 256)
@@ -157,6 +169,29 @@ func (c Config) Validate() error {
 	}
 	if c.PinnedTTL < 3*time.Second {
 		v.Bad("subscribers.pinned_ttl", "must be at least 3s (got %s)", c.PinnedTTL)
+	}
+
+	// A handler cut off by its timeout has stopped before JetStream would
+	// redeliver its event, even if the in-progress signals that extend the
+	// ack wait were lost (a reconnect): otherwise another instance could
+	// handle the event while the first still runs.
+	if c.HandlerTimeout >= c.AckWait {
+		v.Add(fmt.Errorf("subscribers.handler_timeout (%s) must be shorter than subscribers.ack_wait (%s): a handler must be cut off before JetStream may redeliver its event to another instance", c.HandlerTimeout, c.AckWait))
+	}
+	// A batch may run for the handler timeout, and a failing event waits up
+	// to retry_max for its next attempt: neither settles an event for that
+	// long, and neither is a stall.
+	if c.StallAfter != 0 && c.StallAfter <= max(c.HandlerTimeout, c.RetryMax) {
+		v.Add(fmt.Errorf("subscribers.stall_after (%s) must be 0 (off) or longer than subscribers.handler_timeout (%s) and subscribers.retry_max (%s), or a slow batch or a retrying event would look stalled",
+			c.StallAfter, c.HandlerTimeout, c.RetryMax))
+	}
+	// A subscriber that dies between storing a dead letter and terminating
+	// its event publishes the dead letter again on the redelivery; the
+	// dead-letter stream must still remember its id then, and JetStream
+	// refuses a duplicates window longer than the max age.
+	if c.DeadLetterMaxAge < DeadLetterDuplicateWindow || c.DeadLetterMaxAge <= 2*c.AckWait {
+		v.Add(fmt.Errorf("subscribers.dead_letter_max_age (%s) must be at least %s, the dead letters' duplicates window, and more than twice subscribers.ack_wait (%s): a dead letter published again after a crash must still be recognized",
+			c.DeadLetterMaxAge, DeadLetterDuplicateWindow, c.AckWait))
 	}
 	return v.Err()
 }

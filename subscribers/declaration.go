@@ -86,8 +86,8 @@ type Deps struct {
 
 // Settings reads one section of the configuration: key is its first key
 // ("redis", "search"), v a pointer to a struct whose fields carry koanf
-// tags (`koanf:"timeout"`) for the settings wanted. internal/config
-// implements it; a program embedding the runtime can too.
+// tags (`koanf:"timeout"`) for the settings wanted. The fanout binary's
+// configuration implements it; a program embedding the runtime can too.
 type Settings interface {
 	Section(key string, v any) error
 }

@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
@@ -16,6 +15,7 @@ import (
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -54,7 +54,7 @@ func (c *counting) handled() int {
 // registry's stage recorder.
 type pipeline struct {
 	t      *testing.T
-	cfg    *config.Config
+	cfg    *subscribertest.Config
 	db     *pgtest.DB
 	url    string
 	stages *metrics.StageRecorder
@@ -149,10 +149,7 @@ func (p *pipeline) quantiles(subscriber string) map[string][2]float64 {
 }
 
 func newPipeline(t *testing.T) *pipeline {
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := subscribertest.DefaultConfig()
 	cfg.Relay.PollInterval = 20 * time.Millisecond
 	reg := prometheus.NewRegistry()
 	return &pipeline{t: t, cfg: cfg, db: pgtest.NewDB(t), url: natstest.Start(t).URL, reg: reg, stages: metrics.StagesOf(reg)}

@@ -14,18 +14,36 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
+// Config is the settings a benchmark runs the pipeline with: each
+// package's defaults, as `fanout` runs without a file or a variable,
+// unless the benchmark changes them.
+type Config struct {
+	Stream      stream.Config
+	Relay       relay.Config
+	Subscribers subscribers.Config
+	Search      searchindex.Config
+}
+
+// DefaultConfig is each package's defaults.
+func DefaultConfig() *Config {
+	return &Config{Stream: stream.DefaultConfig(), Relay: relay.DefaultConfig(), Subscribers: subscribers.DefaultConfig(),
+		Search: searchindex.DefaultConfig()}
+}
+
 // Quiet is a logger that drops everything.
 var Quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
 // Publish runs a relay until every outbox row is sent.
-func Publish(ctx context.Context, pool *pgxpool.Pool, nc *nats.Conn, rc config.Relay, sc config.Stream) error {
+func Publish(ctx context.Context, pool *pgxpool.Pool, nc *nats.Conn, rc relay.Config, sc stream.Config) error {
 	r, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: pool, Conn: nc, Logger: Quiet})
 	if err != nil {
 		return err

@@ -21,7 +21,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
@@ -33,7 +33,7 @@ import (
 
 var (
 	orders   = flag.Int("orders", 10_000, "orders (aggregates), 4 events each")
-	natsURL  = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
+	natsURL  = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
 
@@ -46,7 +46,7 @@ func main() {
 }
 
 type bench struct {
-	cfg  *config.Config
+	cfg  *benchkit.Config
 	nc   *nats.Conn
 	js   jetstream.JetStream
 	pool *pgxpool.Pool
@@ -56,10 +56,8 @@ func run(ctx context.Context) error {
 	if err := benchkit.CheckRuns(); err != nil {
 		return err
 	}
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return err
-	}
+	cfg := benchkit.DefaultConfig()
+	var err error
 	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
 	cfg.Stream.Name = "BENCHORD_" + suffix
 	cfg.Stream.SubjectPrefix = "benchord" + suffix

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/relay"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
@@ -160,7 +159,7 @@ func benchHorizon(ctx context.Context, nc *nats.Conn) error {
 func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle time.Duration) (horizonRun, error) {
 	var hr horizonRun
 	obs := &horizonObserver{acked: map[int64]time.Time{}}
-	env, err := startSteadyEnv(ctx, nc, func(c *config.Relay) { c.Capture = capture }, obs)
+	env, err := startSteadyEnv(ctx, nc, func(c *relay.Config) { c.Capture = capture }, obs)
 	if err != nil {
 		return hr, err
 	}

@@ -38,7 +38,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
@@ -60,7 +59,7 @@ var (
 	latencyRate = flag.Int("rate", 1000, "writes/s of the latency and held-horizon runs")
 	horizonFor  = flag.Duration("horizon", 2*time.Minute, "how long the held-horizon run holds its snapshot")
 	captureOnly = flag.String("capture", "", "run the held-horizon part in this capture mode only: poll or wal")
-	natsURL     = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
+	natsURL     = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
 	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, retention")
@@ -186,12 +185,8 @@ var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
 
 // freshStream returns a stream config with a name and subject prefix of its
 // own, and deletes the stream when done is called.
-func freshStream(nc *nats.Conn) (config.Stream, func(), error) {
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return config.Stream{}, nil, err
-	}
-	s := cfg.Stream
+func freshStream(nc *nats.Conn) (stream.Config, func(), error) {
+	s := stream.DefaultConfig()
 	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
 	s.Name = "BENCH_" + suffix
 	s.SubjectPrefix = "bench" + suffix
@@ -206,15 +201,15 @@ func freshStream(nc *nats.Conn) (config.Stream, func(), error) {
 	return s, done, nil
 }
 
-func relayConfig() config.Relay {
-	cfg, _ := config.Load("", nil)
+func relayConfig() relay.Config {
+	cfg := relay.DefaultConfig()
 	if *batchSize > 0 {
-		cfg.Relay.BatchSize = *batchSize
+		cfg.BatchSize = *batchSize
 	}
 	if *maxInFlight > 0 {
-		cfg.Relay.MaxInFlight = *maxInFlight
+		cfg.MaxInFlight = *maxInFlight
 	}
-	return cfg.Relay
+	return cfg
 }
 
 // fillOutbox inserts n pending product.updated rows with payloads like the
@@ -615,12 +610,9 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 // configuration: postgres.max_conns connections, synchronous_commit off
 // (connect.AsyncCommit).
 func relayPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return nil, err
-	}
-	cfg.Postgres.URL = url
-	return connect.Postgres(ctx, cfg.Postgres, "relay", connect.AsyncCommit())
+	cfg := connect.DefaultPostgres()
+	cfg.URL = url
+	return connect.Postgres(ctx, cfg, "relay", connect.AsyncCommit())
 }
 
 func poolWithConns(ctx context.Context, url string, n int32) (*pgxpool.Pool, error) {
@@ -681,11 +673,11 @@ func benchLatency(ctx context.Context, nc *nats.Conn) error {
 	fmt.Printf("latency: commit → PubAck at a steady %d writes/s for %s (price updates, 8 connections), %d runs of each\n", *latencyRate, *latencyFor, *benchkit.Runs)
 	variants := []struct {
 		name string
-		mut  func(*config.Relay)
+		mut  func(*relay.Config)
 	}{
-		{"fanout default (wake-up + eager polling, poll_interval 500ms)", func(*config.Relay) {}},
-		{"relay.listen=false (eager polling alone, no wake-up)", func(c *config.Relay) { c.Listen = false }},
-		{"relay.capture=wal (decoded from the replication slot)", func(c *config.Relay) { c.Capture = relay.CaptureWAL }},
+		{"fanout default (wake-up + eager polling, poll_interval 500ms)", func(*relay.Config) {}},
+		{"relay.listen=false (eager polling alone, no wake-up)", func(c *relay.Config) { c.Listen = false }},
+		{"relay.capture=wal (decoded from the replication slot)", func(c *relay.Config) { c.Capture = relay.CaptureWAL }},
 	}
 	p50s := make([]benchkit.Figure, len(variants))
 	p99s := make([]benchkit.Figure, len(variants))
@@ -711,7 +703,7 @@ func benchLatency(ctx context.Context, nc *nats.Conn) error {
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
-func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*config.Relay)) (p50, p99, max time.Duration, n int, err error) {
+func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (p50, p99, max time.Duration, n int, err error) {
 	obs := &latencyObserver{acked: map[int64]time.Time{}}
 	env, err := startSteadyEnv(ctx, nc, mutate, obs)
 	if err != nil {
@@ -762,7 +754,7 @@ func dropSlot(ctx context.Context, pool *pgxpool.Pool, slot string) error {
 // of its own, and the relay's pool on the database.
 type relayEnv struct {
 	db        *pgtest.DB
-	stream    config.Stream
+	stream    stream.Config
 	relayPool *pgxpool.Pool
 	cleanup   []func() // in the order to undo
 }
@@ -811,7 +803,7 @@ type steadyEnv struct {
 	maxID int64         // of products
 }
 
-func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*config.Relay), obs relay.Observer) (_ *steadyEnv, err error) {
+func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config), obs relay.Observer) (_ *steadyEnv, err error) {
 	env, err := newRelayEnv(ctx, nc)
 	if err != nil {
 		return nil, err

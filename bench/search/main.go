@@ -27,7 +27,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
@@ -52,8 +51,8 @@ var (
 	pollEvery = flag.Duration("poll", 50*time.Millisecond, "how often the freshness searcher polls")
 	loaders   = flag.Int("loaders", 3, "bulk requests in flight in the loader")
 	refresh   = flag.Duration("refresh-after", -1, "override search.refresh_after (0: leave visibility to the index's refresh_interval, as before it existed)")
-	natsURL   = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
-	searchURL = flag.String("search", config.DefaultSearchURL, "search engine URL")
+	natsURL   = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
+	searchURL = flag.String("search", searchindex.DefaultURL, "search engine URL")
 	engine    = flag.String("engine", search.OpenSearch, "search engine implementation")
 	adminURL  = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
@@ -69,7 +68,7 @@ func main() {
 }
 
 type bench struct {
-	cfg    *config.Config
+	cfg    *benchkit.Config
 	db     *pgtest.DB
 	pool   *pgxpool.Pool
 	nc     *nats.Conn
@@ -82,15 +81,12 @@ func run(ctx context.Context) error {
 	if err := benchkit.CheckRuns(); err != nil {
 		return err
 	}
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return err
-	}
+	cfg := benchkit.DefaultConfig()
+	var err error
 	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
 	cfg.Stream.Name, cfg.Stream.SubjectPrefix = "BENCHSEARCH_"+suffix, "benchsearch"+suffix
 	cfg.Subscribers.DeadLetterStream, cfg.Subscribers.DeadLetterSubjectPrefix = "BENCHSEARCH_DLQ_"+suffix, "benchsearchdlq"+suffix
 	cfg.Search.Engine, cfg.Search.URL, cfg.Search.Alias = *engine, *searchURL, "bench"+suffix+"-products"
-	cfg.NATS.URL = *natsURL
 	if *refresh >= 0 {
 		cfg.Search.RefreshAfter = *refresh
 	}
@@ -102,7 +98,7 @@ func run(ctx context.Context) error {
 	if b.js, err = jetstream.New(b.nc); err != nil {
 		return err
 	}
-	if b.client, err = connect.Search(ctx, cfg.Search); err != nil {
+	if b.client, err = connect.Search(ctx, cfg.Search.Client()); err != nil {
 		return err
 	}
 	defer b.client.Close()

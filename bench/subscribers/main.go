@@ -20,7 +20,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
@@ -34,7 +34,7 @@ import (
 
 var (
 	events   = flag.Int("events", 100_000, "events in the stream")
-	natsURL  = flag.String("nats", config.DefaultNATSURL, "nats-server URL")
+	natsURL  = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	redisURL = flag.String("redis", "redis://127.0.0.1:56379/15", "Redis URL (a database of its own: it is flushed)")
 	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
@@ -50,7 +50,7 @@ func main() {
 }
 
 type bench struct {
-	cfg  *config.Config
+	cfg  *benchkit.Config
 	db   *pgtest.DB
 	nc   *nats.Conn
 	js   jetstream.JetStream
@@ -61,10 +61,8 @@ func run(ctx context.Context) error {
 	if err := benchkit.CheckRuns(); err != nil {
 		return err
 	}
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		return err
-	}
+	cfg := benchkit.DefaultConfig()
+	var err error
 	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
 	cfg.Stream.Name = "BENCHSUB_" + suffix
 	cfg.Stream.SubjectPrefix = "benchsub" + suffix

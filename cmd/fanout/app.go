@@ -7,7 +7,6 @@ import (
 	"os"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/tracing"
@@ -19,7 +18,7 @@ import (
 // app holds what every subcommand loads: the configuration and the logger.
 type app struct {
 	configPath *string
-	cfg        *config.Config
+	cfg        *Config
 	logger     *slog.Logger
 
 	shutdownTracing func()
@@ -29,7 +28,7 @@ func (a *app) load() error {
 	if a.cfg != nil {
 		return nil
 	}
-	cfg, err := config.Load(*a.configPath, os.Environ(), config.WithSubscribers(subscriberNames()...))
+	cfg, err := loadConfig(*a.configPath, os.Environ(), subscriberNames()...)
 	if err != nil {
 		return fmt.Errorf("configuration: %w", err)
 	}

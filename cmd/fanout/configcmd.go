@@ -18,11 +18,9 @@ func configCommand(a *app) *cobra.Command {
 		Short: "List every configuration key with its environment variable",
 		Args:  cobra.NoArgs,
 		Run: func(cmd *cobra.Command, _ []string) {
-			for _, k := range config.Keys() {
-				fmt.Fprintf(cmd.OutOrStdout(), "%-40s %s\n", k, config.EnvName(k))
-			}
-			// Each subscriber's own settings, over the shared ones.
-			for _, k := range config.SubscriberOverrideKeys(subscriberNames()...) {
+			// Every key, then each subscriber's own settings, over the
+			// shared ones.
+			for _, k := range configKeys(subscriberNames()...) {
 				fmt.Fprintf(cmd.OutOrStdout(), "%-40s %s\n", k, config.EnvName(k))
 			}
 		},

@@ -4,9 +4,9 @@ import (
 	"fmt"
 	"strings"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/internal/logging"
+	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/nats-io/nats.go/jetstream"
@@ -53,7 +53,7 @@ messages. A consumer that exists keeps its position.`,
 			events := a.cfg.Stream
 			events.Provision = "auto"
 			if err := jsretry.Do(ctx, logger, "provision the events stream", func() error {
-				return stream.Ensure(ctx, js, events, config.RepublishDelay(a.cfg.Relay), logger)
+				return stream.Ensure(ctx, js, events, relay.RepublishDelay(a.cfg.Relay), logger)
 			}); err != nil {
 				return err
 			}

@@ -34,7 +34,7 @@ func openSQLAndSearch(ctx context.Context, a *app, exclusive bool) (*pgxpool.Poo
 			return nil, nil, nil, err
 		}
 	}
-	client, err := connect.Search(ctx, a.cfg.Search)
+	client, err := connect.Search(ctx, a.cfg.Search.Client())
 	if err != nil {
 		unlock()
 		pool.Close()

@@ -45,7 +45,7 @@ func (d *deps) build(decl subscribers.Declaration) (subscribers.Handler, error) 
 		d.rdb = rdb
 	}
 	if decl.UsesService(subscribers.Search) && d.search == nil {
-		c, err := connect.Search(d.ctx, d.a.cfg.Search)
+		c, err := connect.Search(d.ctx, d.a.cfg.Search.Client())
 		if err != nil {
 			return subscribers.Handler{}, fmt.Errorf("subscriber %s: %w", decl.Name, err)
 		}

@@ -1,314 +1,258 @@
-package config
+package config_test
 
 import (
+	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/relay"
-	"github.com/fanout/fanout/stream"
-	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/internal/config"
+	"github.com/fanout/fanout/internal/validate"
 )
 
-func TestDefaultsAreValid(t *testing.T) {
-	cfg, err := Load("", nil)
-	if err != nil {
-		t.Fatalf("defaults: %v", err)
-	}
-	if cfg.Relay.BatchSize != DefaultBatchSize || cfg.Relay.Lease != DefaultLease || cfg.Stream.Name != "EVENTS" || cfg.Stream.Provision != "auto" {
-		t.Errorf("defaults: %+v", cfg.Relay)
+// server and worker are two sections of a configuration of this test's
+// own: package config knows no setting.
+type server struct {
+	// Addr is host:port. Default "127.0.0.1:80".
+	Addr string `koanf:"addr"`
+	// Password authenticates; PasswordFile holds it. Secret.
+	Password     string        `koanf:"password"`
+	PasswordFile string        `koanf:"password_file"`
+	Timeout      time.Duration `koanf:"timeout"`
+	MaxConns     int32         `koanf:"max_conns"`
+	Verify       bool          `koanf:"verify"`
+}
+
+func (s server) Validate() error {
+	var v validate.Errors
+	v.Positive("server.timeout", s.Timeout)
+	return v.Err()
+}
+
+type worker struct {
+	BatchSize int           `koanf:"batch_size"`
+	AckWait   time.Duration `koanf:"ack_wait"`
+	Queue     string        `koanf:"queue"`
+}
+
+func (w worker) Validate() error {
+	var v validate.Errors
+	v.Between("worker.batch_size", int64(w.BatchSize), 1, 100)
+	return v.Err()
+}
+
+type testConfig struct {
+	Server server `koanf:"server"`
+	Worker worker `koanf:"worker"`
+
+	each map[string]worker
+}
+
+func defaults() *testConfig {
+	return &testConfig{
+		Server: server{Addr: "127.0.0.1:80", Timeout: 5 * time.Second, MaxConns: 10, Verify: true},
+		Worker: worker{BatchSize: 10, AckWait: 30 * time.Second, Queue: "jobs"},
 	}
 }
 
+// Validate: the sections, then a rule across them, then each worker's own.
+func (c *testConfig) Validate() error {
+	if err := config.ValidateSections(c); err != nil {
+		return err
+	}
+	if c.Worker.AckWait <= c.Server.Timeout {
+		return fmt.Errorf("worker.ack_wait (%s) must be longer than server.timeout (%s)", c.Worker.AckWait, c.Server.Timeout)
+	}
+	var errs []error
+	for _, name := range slices.Sorted(maps.Keys(c.each)) {
+		one := *c
+		one.Worker, one.each = c.each[name], nil
+		if err := one.Validate(); err != nil {
+			errs = append(errs, fmt.Errorf("with the worker.%s.* settings: %w", name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+var replaced = map[string]string{"worker.max_retries": "replaced by worker.ack_wait"}
+
+func perWorker(c *testConfig, names ...string) config.PerName[worker] {
+	return config.PerName[worker]{Section: "worker", Noun: "worker", Keys: []string{"batch_size", "ack_wait"}, Names: names, Into: &c.each}
+}
+
+func load(t *testing.T, yaml string, env []string, names ...string) (*testConfig, error) {
+	t.Helper()
+	path := ""
+	if yaml != "" {
+		path = filepath.Join(t.TempDir(), "c.yaml")
+		if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := defaults()
+	err := config.Load(c, path, env, config.Replaced(replaced), perWorker(c, names...))
+	return c, err
+}
+
+// The keys are the fields: their koanf tags, under their section's.
+func TestKeysAreTheFields(t *testing.T) {
+	want := []string{"server.addr", "server.max_conns", "server.password", "server.password_file", "server.timeout", "server.verify",
+		"worker.ack_wait", "worker.batch_size", "worker.queue"}
+	if got := config.Keys(defaults()); !slices.Equal(got, want) {
+		t.Errorf("Keys = %v, want %v", got, want)
+	}
+	if got, want := perWorker(defaults(), "a", "b").AllKeys(), []string{"worker.a.ack_wait", "worker.a.batch_size", "worker.b.ack_wait", "worker.b.batch_size"}; !slices.Equal(got, want) {
+		t.Errorf("AllKeys = %v, want %v", got, want)
+	}
+}
+
+// The values the configuration holds are the defaults; the file overrides
+// them, and the environment the file.
 func TestPrecedenceDefaultsThenFileThenEnv(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "fanout.yaml")
-	yaml := "relay:\n  batch_size: 200\n  lease: 3m\n  poll_interval: 250ms\nstream:\n  replicas: 3\n"
-	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := Load(path, []string{"FANOUT_RELAY_BATCH_SIZE=300", "FANOUT_RELAY_MAX_IN_FLIGHT=600", "HOME=/root"})
+	c, err := load(t, "server:\n  timeout: 3s\n  max_conns: 20\nworker:\n  batch_size: 50\n  queue: file\n",
+		[]string{"FANOUT_WORKER_BATCH_SIZE=60", "FANOUT_SERVER_VERIFY=false", "HOME=/root", "FANOUT_CONFIG=x.yaml", "FANOUT_TEST_X=1"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.Relay.BatchSize != 300 {
-		t.Errorf("batch_size = %d, want the environment's 300 over the file's 200", cfg.Relay.BatchSize)
+	want := testConfig{
+		Server: server{Addr: "127.0.0.1:80", Timeout: 3 * time.Second, MaxConns: 20, Verify: false},
+		Worker: worker{BatchSize: 60, AckWait: 30 * time.Second, Queue: "file"},
 	}
-	if cfg.Relay.MaxInFlight != 600 {
-		t.Errorf("max_in_flight = %d, want 600 from FANOUT_RELAY_MAX_IN_FLIGHT (a key with underscores)", cfg.Relay.MaxInFlight)
-	}
-	if cfg.Relay.Lease != 3*time.Minute || cfg.Relay.PollInterval != 250*time.Millisecond || cfg.Stream.Replicas != 3 {
-		t.Errorf("file values: lease %s poll %s replicas %d", cfg.Relay.Lease, cfg.Relay.PollInterval, cfg.Stream.Replicas)
-	}
-	if cfg.Relay.PublishTimeout != 10*time.Second {
-		t.Errorf("publish_timeout = %s, want the default 10s", cfg.Relay.PublishTimeout)
+	if fmt.Sprintf("%+v", *c) != fmt.Sprintf("%+v", want) {
+		t.Errorf("loaded %+v, want %+v", *c, want)
 	}
 }
 
-func TestErrorsNameTheKey(t *testing.T) {
+func TestRefusals(t *testing.T) {
 	for _, tc := range []struct {
-		env  []string
 		yaml string
-		want string
-	}{
-		{env: []string{"FANOUT_RELAY_BATCH_SIZE=0"}, want: "relay.batch_size must be between 1 and 10000 (got 0)"},
-		{env: []string{"FANOUT_STREAM_PROVISION=sometimes"}, want: `stream.provision must be one of auto, verify, off (got "sometimes")`},
-		{env: []string{"FANOUT_RELAY_LEASE=500ms"}, want: "relay.lease must be at least 1s"},
-		{env: []string{"FANOUT_SUBSCRIBERS_MAX_DELIVER=5"}, want: `FANOUT_SUBSCRIBERS_MAX_DELIVER: config key "subscribers.max_deliver" is gone: replaced by subscribers.max_failures`},
-		{yaml: "subscribers:\n  max_deliver: 5\n", want: `config key "subscribers.max_deliver" is gone: replaced by subscribers.max_failures`},
-		{env: []string{"FANOUT_RELAY_BATCHSIZE=5"}, want: "FANOUT_RELAY_BATCHSIZE names no config key"},
-		{env: []string{"FANOUT_POSTGRES_URL=mysql://x"}, want: "postgres.url must be a postgres:// URL"},
-		{env: []string{"FANOUT_LOG_LEVEL=loud"}, want: "log.level must be one of debug, info, warn, error"},
-		{env: []string{"FANOUT_RELAY_LEASE=soon"}, want: "relay.lease"},
-		{yaml: "relay:\n  batchsize: 5\n", want: `unknown config key "relay.batchsize"`},
-		{yaml: "stream:\n  name: my.events\n", want: "stream.name must be"},
-		{env: []string{"FANOUT_TRACING_EXPORTER=jaeger"}, want: `tracing.exporter must be one of none, stdout, otlp (got "jaeger")`},
-		{env: []string{"FANOUT_TRACING_EXPORTER=otlp", "FANOUT_TRACING_OTLP_ENDPOINT=otel-collector:4318"}, want: "tracing.otlp_endpoint must be an http:// or https:// URL"},
-	} {
-		path := ""
-		if tc.yaml != "" {
-			path = filepath.Join(t.TempDir(), "c.yaml")
-			if err := os.WriteFile(path, []byte(tc.yaml), 0o600); err != nil {
-				t.Fatal(err)
-			}
-		}
-		_, err := Load(path, tc.env)
-		if err == nil || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("Load(%v %q) error = %v, want it to contain %q", tc.env, tc.yaml, err, tc.want)
-		}
-	}
-}
-
-func TestSecretFromFile(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "pw")
-	if err := os.WriteFile(path, []byte("s3cret\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := Load("", []string{"FANOUT_POSTGRES_PASSWORD_FILE=" + path})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cfg.Postgres.Password != "s3cret" {
-		t.Errorf("password from file = %q", cfg.Postgres.Password)
-	}
-	_, err = Load("", []string{"FANOUT_NATS_TOKEN_FILE=/nonexistent/token"})
-	if err == nil || !strings.Contains(err.Error(), "nats.token_file") {
-		t.Errorf("missing secret file: %v, want an error naming nats.token_file", err)
-	}
-}
-
-func TestEnvNamesAreUnambiguous(t *testing.T) {
-	seen := map[string]string{}
-	for _, k := range Keys() {
-		if other, ok := seen[EnvName(k)]; ok {
-			t.Errorf("%s and %s share the environment variable %s", k, other, EnvName(k))
-		}
-		seen[EnvName(k)] = k
-	}
-}
-
-// fanout.example.yaml lists every key with its default: loading it changes
-// nothing, and no key is missing from it.
-func TestExampleFileHasEveryKeyAndItsDefault(t *testing.T) {
-	path := filepath.Join("..", "..", "fanout.example.yaml")
-	fromFile, err := Load(path, nil)
-	if err != nil {
-		t.Fatalf("load %s: %v", path, err)
-	}
-	defaults, _ := Load("", nil)
-	if fmt.Sprint(fromFile.Redacted()) != fmt.Sprint(defaults.Redacted()) {
-		t.Errorf("the example file's values differ from the defaults:\nfile:     %v\ndefaults: %v", fromFile.Redacted(), defaults.Redacted())
-	}
-	raw, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, k := range Keys() {
-		section, key, _ := strings.Cut(k, ".")
-		if !strings.Contains(string(raw), "\n"+section+":\n") || !strings.Contains(string(raw), "\n  "+key+":") {
-			t.Errorf("key %s is missing from fanout.example.yaml", k)
-		}
-	}
-}
-
-func TestRedactedHidesSecrets(t *testing.T) {
-	cfg, err := Load("", []string{
-		"FANOUT_POSTGRES_PASSWORD=pg-s3cret", "FANOUT_NATS_URL=nats://relay:nats-s3cret@127.0.0.1:4222",
-		"FANOUT_NATS_TOKEN=tok-s3cret", "FANOUT_SEARCH_PASSWORD=es-s3cret", "FANOUT_REDIS_URL=redis://:redis-s3cret@127.0.0.1:6379/0",
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	printed := fmt.Sprint(cfg.Redacted())
-	if strings.Contains(printed, "s3cret") || !strings.Contains(printed, "<redacted>") {
-		t.Errorf("redacted config shows a secret: %s", printed)
-	}
-}
-
-// TestCrossKeyRules breaks each rule that ties keys together, alone, and
-// checks that the configuration is refused with an error naming every key
-// involved; and that every rule has a case here.
-func TestCrossKeyRules(t *testing.T) {
-	cases := map[string][]string{ // the rule's first two keys -> variables that break it alone
-		"relay.max_in_flight relay.batch_size":                         {"FANOUT_RELAY_MAX_IN_FLIGHT=600", "FANOUT_RELAY_BATCH_SIZE=1000"},
-		"stream.duplicate_window relay.lease":                          {"FANOUT_STREAM_DUPLICATE_WINDOW=7m"}, // 2m + 10s + 10s + 5m = 7m20s
-		"stream.duplicate_window stream.max_age":                       {"FANOUT_STREAM_MAX_AGE=5m", "FANOUT_STREAM_DUPLICATE_WINDOW=8m", "FANOUT_RELAY_RETRY_MAX=10s"},
-		"relay.lease relay.publish_timeout":                            {"FANOUT_RELAY_LEASE=5s", "FANOUT_RELAY_PUBLISH_TIMEOUT=10s"},
-		"subscribers.ack_wait subscribers.handler_timeout":             {"FANOUT_SUBSCRIBERS_ACK_WAIT=30s", "FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=1m"},
-		"redis.tombstone_ttl redis.timeout":                            {"FANOUT_REDIS_TOMBSTONE_TTL=3s", "FANOUT_REDIS_TIMEOUT=2s"},
-		"subscribers.dead_letter_subject_prefix stream.subject_prefix": {"FANOUT_SUBSCRIBERS_DEAD_LETTER_SUBJECT_PREFIX=events"},
-		"subscribers.dead_letter_stream stream.name":                   {"FANOUT_SUBSCRIBERS_DEAD_LETTER_STREAM=EVENTS"},
-		"subscribers.dead_letter_max_age subscribers.ack_wait":         {"FANOUT_SUBSCRIBERS_DEAD_LETTER_MAX_AGE=5m"},
-		"relay.stall_after relay.publish_timeout":                      {"FANOUT_RELAY_STALL_AFTER=10s"},
-		"subscribers.stall_after subscribers.handler_timeout":          {"FANOUT_SUBSCRIBERS_STALL_AFTER=30s"}, // retry_max is 1m
-	}
-	for _, rule := range CrossKeyRules() {
-		id := rule.Keys[0] + " " + rule.Keys[1]
-		env, ok := cases[id]
-		if !ok {
-			t.Errorf("rule over %v has no case in this test", rule.Keys)
-			continue
-		}
-		delete(cases, id)
-		_, err := Load("", env)
-		if err == nil {
-			t.Errorf("%v: accepted, want the rule over %v to refuse it", env, rule.Keys)
-			continue
-		}
-		for _, key := range rule.Keys {
-			if !strings.Contains(err.Error(), key) {
-				t.Errorf("%v: error %q does not name %s", env, err, key)
-			}
-		}
-		// Only this rule: every other rule holds for these settings.
-		if n := strings.Count(err.Error(), "\n") + 1; n != 1 {
-			t.Errorf("%v: %d errors, want only the rule's own: %v", env, n, err)
-		}
-	}
-	for id := range cases {
-		t.Errorf("case %q matches no rule", id)
-	}
-}
-
-// A subscriber's own settings (subscribers.<name>.<key>, from the file or
-// FANOUT_SUBSCRIBERS_<NAME>_<KEY>) override the shared ones for it alone.
-func TestSubscriberOverrides(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "fanout.yaml")
-	yaml := "subscribers:\n  batch_size: 50\n  searchindex:\n    batch_size: 500\n    concurrency: 8\n"
-	if err := os.WriteFile(path, []byte(yaml), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	names := WithSubscribers("invoicing", "searchindex", "cache_inval")
-	cfg, err := Load(path, []string{"FANOUT_SUBSCRIBERS_INVOICING_ACK_WAIT=2m", "FANOUT_SUBSCRIBERS_INVOICING_HANDLER_TIMEOUT=90s",
-		"FANOUT_SUBSCRIBERS_CACHE_INVAL_MAX_FAILURES=3"}, names)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inv, six, cin, other := cfg.Subscriber("invoicing"), cfg.Subscriber("searchindex"), cfg.Subscriber("cache_inval"), cfg.Subscriber("nobody")
-	if inv.AckWait != 2*time.Minute || inv.HandlerTimeout != 90*time.Second || inv.BatchSize != 50 {
-		t.Errorf("invoicing: ack wait %s, handler timeout %s, batch %d; want 2m, 90s and the shared 50", inv.AckWait, inv.HandlerTimeout, inv.BatchSize)
-	}
-	if six.BatchSize != 500 || six.Concurrency != 8 || six.AckWait != 30*time.Second {
-		t.Errorf("searchindex: batch %d, concurrency %d, ack wait %s; want 500, 8 and the shared 30s", six.BatchSize, six.Concurrency, six.AckWait)
-	}
-	if cin.MaxFailures != 3 {
-		t.Errorf("cache_inval (a name with an underscore): max failures %d, want 3", cin.MaxFailures)
-	}
-	if other != cfg.Subscribers || cfg.Subscribers.BatchSize != 50 || cfg.Subscribers.AckWait != 30*time.Second {
-		t.Errorf("the shared settings changed: %+v", cfg.Subscribers)
-	}
-	printed := fmt.Sprint(cfg.Redacted()["subscribers"])
-	if !strings.Contains(printed, "invoicing:map[ack_wait:2m0s") {
-		t.Errorf("config print does not show invoicing's own settings: %s", printed)
-	}
-	cfg.SetSubscriberStart("new")
-	if cfg.Subscriber("invoicing").Start != "new" || cfg.Subscriber("nobody").Start != "new" {
-		t.Errorf("--start reaches every subscriber")
-	}
-
-	for _, c := range []struct {
 		env  []string
-		opts []LoadOption
 		want string
 	}{
-		// Each subscriber's settings are checked as a whole, naming it.
-		{[]string{"FANOUT_SUBSCRIBERS_INVOICING_HANDLER_TIMEOUT=40s"}, []LoadOption{names},
-			"with the subscribers.invoicing.* settings: subscribers.handler_timeout (40s) must be shorter than subscribers.ack_wait (30s)"},
-		{[]string{"FANOUT_SUBSCRIBERS_SEARCHINDEX_BATCH_SIZE=0"}, []LoadOption{names},
-			"with the subscribers.searchindex.* settings: subscribers.batch_size must be between 1 and 1000 (got 0)"},
-		// Only the runtime's keys, and only for subscribers fanout knows.
-		{[]string{"FANOUT_SUBSCRIBERS_NOBODY_ACK_WAIT=1m"}, []LoadOption{names}, "FANOUT_SUBSCRIBERS_NOBODY_ACK_WAIT names no config key"},
-		{[]string{"FANOUT_SUBSCRIBERS_INVOICING_DEAD_LETTER_STREAM=X"}, []LoadOption{names}, "names no config key"},
-		{[]string{"FANOUT_SUBSCRIBERS_INVOICING_ACK_WAIT=1m"}, nil, "names no config key"},
-		// A name that would collide with a shared key.
-		{nil, []LoadOption{WithSubscribers("start")}, `subscriber name "start" is a subscribers.* key`},
+		{env: []string{"FANOUT_WORKER_BATCHSIZE=5"}, want: "environment variable FANOUT_WORKER_BATCHSIZE names no config key (see `fanout config keys`)"},
+		{yaml: "worker:\n  batchsize: 5\n", want: `unknown config key "worker.batchsize"`},
+		{yaml: "worker: 5\n", want: `unknown config key "worker"`},
+		{env: []string{"FANOUT_WORKER_MAX_RETRIES=5"}, want: `environment variable FANOUT_WORKER_MAX_RETRIES: config key "worker.max_retries" is gone: replaced by worker.ack_wait`},
+		{yaml: "worker:\n  max_retries: 5\n", want: `config key "worker.max_retries" is gone: replaced by worker.ack_wait`},
+		{env: []string{"FANOUT_SERVER_TIMEOUT=soon"}, want: "decode config"},
+		{env: []string{"FANOUT_SERVER_TIMEOUT=0s", "FANOUT_WORKER_BATCH_SIZE=0"}, want: "server.timeout must be a positive duration such as 5s (got 0s)\nworker.batch_size must be between 1 and 100 (got 0)"},
+		{env: []string{"FANOUT_WORKER_ACK_WAIT=1s"}, want: "worker.ack_wait (1s) must be longer than server.timeout (5s)"},
+		{yaml: "server: [", want: "read config file"},
 	} {
-		_, err := Load("", c.env, c.opts...)
-		if err == nil || !strings.Contains(err.Error(), c.want) {
-			t.Errorf("%v: %v, want an error containing %q", c.env, err, c.want)
+		_, err := load(t, tc.yaml, tc.env)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%q %v: %v, want an error containing %q", tc.yaml, tc.env, err, tc.want)
 		}
 	}
 }
 
-// The packages own their settings' defaults: what Load gives without a file
-// or a variable is what they say, so an embedding program gets the same.
-func TestPackageDefaultsAreTheDefaults(t *testing.T) {
-	cfg, err := Load("", nil)
+// A string key X_file beside a key X is read into X, unless X is set.
+func TestSecretFiles(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pw")
+	if err := os.WriteFile(path, []byte("s3cret\r\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c, err := load(t, "", []string{"FANOUT_SERVER_PASSWORD_FILE=" + path})
+	if err != nil || c.Server.Password != "s3cret" {
+		t.Errorf("password from its file: %q (%v)", c.Server.Password, err)
+	}
+	c, err = load(t, "", []string{"FANOUT_SERVER_PASSWORD_FILE=" + path, "FANOUT_SERVER_PASSWORD=given"})
+	if err != nil || c.Server.Password != "given" {
+		t.Errorf("password given and a file: %q (%v), want the one given", c.Server.Password, err)
+	}
+	_, err = load(t, "", []string{"FANOUT_SERVER_PASSWORD_FILE=/nonexistent/pw"})
+	if err == nil || !strings.HasPrefix(err.Error(), "server.password_file: ") {
+		t.Errorf("a missing file: %v, want an error naming server.password_file", err)
+	}
+}
+
+// Each name sets its own keys over the shared ones; its settings are
+// checked as a whole.
+func TestPerName(t *testing.T) {
+	c, err := load(t, "worker:\n  batch_size: 20\n  fast:\n    batch_size: 90\n", []string{"FANOUT_WORKER_SLOW_POKE_ACK_WAIT=1m"}, "fast", "slow_poke", "idle")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cfg.Relay != relay.DefaultConfig() {
-		t.Errorf("relay: loaded %+v, relay.DefaultConfig %+v", cfg.Relay, relay.DefaultConfig())
+	if got := c.each["fast"]; got.BatchSize != 90 || got.AckWait != 30*time.Second || got.Queue != "jobs" {
+		t.Errorf("fast: %+v, want its batch size over the shared settings", got)
 	}
-	if cfg.Stream != stream.DefaultConfig() {
-		t.Errorf("stream: loaded %+v, relay.DefaultStreamConfig %+v", cfg.Stream, stream.DefaultConfig())
+	if got := c.each["slow_poke"]; got.BatchSize != 20 || got.AckWait != time.Minute {
+		t.Errorf("slow_poke: %+v, want its ack wait over the shared settings", got)
 	}
-	if cfg.Subscribers != subscribers.DefaultConfig() {
-		t.Errorf("subscribers: loaded %+v, subscribers.DefaultConfig %+v", cfg.Subscribers, subscribers.DefaultConfig())
+	if _, ok := c.each["idle"]; ok || len(c.each) != 2 {
+		t.Errorf("settings for a name that sets none: %v", c.each)
 	}
-	// Each package's Validate names its keys.
-	for _, c := range []struct {
-		err  error
-		want []string
+	for _, tc := range []struct {
+		env   []string
+		names []string
+		want  string
 	}{
-		{relay.Config{}.Validate(), []string{"relay.batch_size", "relay.lease", "relay.poll_interval", "relay.stall_after"}},
-		{stream.Config{}.Validate(), []string{"stream.name", "stream.subject_prefix", "stream.replicas", "stream.provision"}},
-		{subscribers.Config{}.Validate(), []string{"subscribers.concurrency", "subscribers.ack_wait", "subscribers.max_crashes", "subscribers.dead_letter_stream"}},
+		{[]string{"FANOUT_WORKER_FAST_BATCH_SIZE=0"}, []string{"fast"}, "with the worker.fast.* settings: worker.batch_size must be between 1 and 100 (got 0)"},
+		{[]string{"FANOUT_WORKER_FAST_QUEUE=x"}, []string{"fast"}, "FANOUT_WORKER_FAST_QUEUE names no config key"},
+		{[]string{"FANOUT_WORKER_FAST_BATCH_SIZE=5"}, nil, "FANOUT_WORKER_FAST_BATCH_SIZE names no config key"},
+		{nil, []string{"queue"}, `worker name "queue" is a worker.* key: its settings would collide with it`},
+		{nil, []string{"a.b"}, `worker name "a.b" cannot carry settings (worker.<name>.<key>)`},
 	} {
-		for _, key := range c.want {
-			if c.err == nil || !strings.Contains(c.err.Error(), key+" ") {
-				t.Errorf("zero settings: %v, want %s named", c.err, key)
-			}
+		_, err := load(t, "", tc.env, tc.names...)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v %v: %v, want an error containing %q", tc.env, tc.names, err, tc.want)
 		}
 	}
-	for _, err := range []error{relay.DefaultConfig().Validate(), stream.DefaultConfig().Validate(), subscribers.DefaultConfig().Validate()} {
-		if err != nil {
-			t.Errorf("defaults refused: %v", err)
-		}
+	c = defaults()
+	bad := config.PerName[worker]{Section: "worker", Noun: "worker", Keys: []string{"speed"}, Into: &c.each}
+	if err := config.Load(c, "", nil, bad); err == nil || !strings.Contains(err.Error(), "worker.speed is no key") {
+		t.Errorf("a key the section lacks: %v", err)
 	}
 }
 
-// Section hands a subscriber the settings of a service it uses, into its
-// own view of them or the section's own type.
+// Section reads a section into its own type or a view of some keys.
 func TestSection(t *testing.T) {
-	cfg, err := Load("", []string{"FANOUT_REDIS_TIMEOUT=3s", "FANOUT_SEARCH_ALIAS=items"})
-	if err != nil {
-		t.Fatal(err)
+	c := defaults()
+	var view struct {
+		Timeout time.Duration `koanf:"timeout"`
 	}
-	var redis struct {
-		Timeout      time.Duration `koanf:"timeout"`
-		TombstoneTTL time.Duration `koanf:"tombstone_ttl"`
+	if err := config.Section(c, "server", &view); err != nil || view.Timeout != 5*time.Second {
+		t.Errorf("a view: %+v (%v)", view, err)
 	}
-	if err := cfg.Section("redis", &redis); err != nil || redis.Timeout != 3*time.Second || redis.TombstoneTTL != 10*time.Second {
-		t.Errorf("redis section: %+v (%v)", redis, err)
+	var w worker
+	if err := config.Section(*c, "worker", &w); err != nil || w != c.Worker {
+		t.Errorf("the section's type: %+v (%v)", w, err)
 	}
-	var search Search
-	if err := cfg.Section("search", &search); err != nil || search.Alias != "items" || search.BulkSize != 1000 {
-		t.Errorf("search section: %+v (%v)", search, err)
-	}
-	if err := cfg.Section("nosuch", &redis); err == nil {
+	if err := config.Section(c, "nosuch", &w); err == nil {
 		t.Error("an unknown section was read")
+	}
+	if err := config.Section(c, "worker", w); err == nil {
+		t.Error("read into a value, not a pointer")
+	}
+}
+
+func TestRedacted(t *testing.T) {
+	c := defaults()
+	c.Server.Password, c.Server.PasswordFile = "s3cret", "/run/secrets/pw"
+	got := fmt.Sprint(config.Redacted(c))
+	want := "map[server:map[addr:127.0.0.1:80 max_conns:10 password:<redacted> password_file:/run/secrets/pw timeout:5s verify:true] " +
+		"worker:map[ack_wait:30s batch_size:10 queue:jobs]]"
+	if got != want {
+		t.Errorf("Redacted = %s, want %s", got, want)
+	}
+}
+
+// A section without a Validate method is a mistake ValidateSections
+// reports rather than skips.
+func TestSectionWithoutValidate(t *testing.T) {
+	var c struct {
+		Server server `koanf:"server"`
+		Other  struct {
+			X int `koanf:"x"`
+		} `koanf:"other"`
+	}
+	c.Server = defaults().Server
+	if err := config.ValidateSections(c); err == nil || !strings.Contains(err.Error(), "config section other") {
+		t.Errorf("ValidateSections = %v, want section other named", err)
 	}
 }

@@ -6,33 +6,17 @@ import (
 	"time"
 )
 
-// Redacted is the configuration as a nested map, ready to print: secrets
-// (passwords, tokens) replaced by "<redacted>" when set, and the
-// credentials inside URLs masked (see RedactURL).
-func (c *Config) Redacted() map[string]any {
-	out := redactStruct(reflect.ValueOf(*c))
-	subs := out["subscribers"].(map[string]any)
-	for name, o := range c.overrides {
-		all := redactStruct(reflect.ValueOf(o))
-		own := map[string]any{}
-		for _, k := range SubscriberKeys {
-			own[k] = all[k]
-		}
-		subs[name] = own
-	}
-	return out
+// Redacted is cfg (a configuration, a section, or a pointer to either) as
+// a nested map, ready to print: secrets (passwords, tokens) replaced by
+// "<redacted>" when set, and the credentials inside URLs masked (see
+// RedactURL).
+func Redacted(cfg any) map[string]any {
+	return redactStruct(reflect.ValueOf(cfg))
 }
 
 func redactStruct(v reflect.Value) map[string]any {
 	out := map[string]any{}
-	t := v.Type()
-	for i := range t.NumField() {
-		f := t.Field(i)
-		key := f.Tag.Get("koanf")
-		if key == "" {
-			continue
-		}
-		fv := v.Field(i)
+	fields(v, func(key string, fv reflect.Value) {
 		switch {
 		case fv.Kind() == reflect.Struct:
 			out[key] = redactStruct(fv)
@@ -51,7 +35,7 @@ func redactStruct(v reflect.Value) map[string]any {
 		default:
 			out[key] = fv.Interface()
 		}
-	}
+	})
 	return out
 }
 

@@ -1,5 +1,7 @@
-// Package connect opens fanout's connections to Postgres and NATS from the
-// configuration, with the timeouts, names and credentials every role shares.
+// Package connect opens fanout's connections to Postgres, NATS, Redis and
+// the search engine, with the timeouts, names and credentials every role
+// shares. It owns the settings it dials with: the postgres.*, nats.* and
+// redis.* keys (the search.* keys are package searchindex's).
 package connect
 
 import (
@@ -17,9 +19,9 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// PostgresConfig builds a pool configuration; role names the connections in
+// PoolConfig builds a pool configuration; role names the connections in
 // pg_stat_activity (application_name).
-func PostgresConfig(cfg config.Postgres, role string) (*pgxpool.Config, error) {
+func PoolConfig(cfg PostgresConfig, role string) (*pgxpool.Config, error) {
 	pc, err := pgxpool.ParseConfig(cfg.URL)
 	if err != nil {
 		// pgx's message quotes the URL, its passwords masked by pgx's own
@@ -52,8 +54,8 @@ func AsyncCommit() PostgresOption {
 }
 
 // Postgres opens a pool and checks that the server answers.
-func Postgres(ctx context.Context, cfg config.Postgres, role string, opts ...PostgresOption) (*pgxpool.Pool, error) {
-	pc, err := PostgresConfig(cfg, role)
+func Postgres(ctx context.Context, cfg PostgresConfig, role string, opts ...PostgresOption) (*pgxpool.Pool, error) {
+	pc, err := PoolConfig(cfg, role)
 	if err != nil {
 		return nil, err
 	}
@@ -77,26 +79,28 @@ func Postgres(ctx context.Context, cfg config.Postgres, role string, opts ...Pos
 // client libraries: pgx masks what it quotes, net/url's errors (go-redis's
 // ParseURL) quote a URL whole, and the others' messages are not ours to
 // vouch for.
-func postgresSecrets(cfg config.Postgres) []string {
+func postgresSecrets(cfg PostgresConfig) []string {
 	return append(config.URLSecrets(cfg.URL), cfg.Password)
 }
 
-func natsSecrets(cfg config.NATS) []string {
+func natsSecrets(cfg NATSConfig) []string {
 	return append(config.URLSecrets(cfg.URL), cfg.Password, cfg.Token)
 }
 
-func redisSecrets(cfg config.Redis) []string {
+func redisSecrets(cfg RedisConfig) []string {
 	return append(config.URLSecrets(cfg.URL), cfg.Password)
 }
 
-func searchSecrets(cfg config.Search) []string {
-	return append(config.URLSecrets(cfg.URL), cfg.Password)
+// searchSecrets reads the addresses as the one search.url they came from,
+// so that a password with a ',' (which split it) is still found whole.
+func searchSecrets(cfg search.Config) []string {
+	return append(config.URLSecrets(strings.Join(cfg.Addresses, ",")), cfg.Password)
 }
 
 // NATS connects to the servers in cfg. The connection reconnects forever
 // (a broker restart must not end a role) and never buffers publishes while
 // disconnected: the relay wants an immediate error, not a late surprise.
-func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error) {
+func NATS(cfg NATSConfig, role string, logger *slog.Logger) (*nats.Conn, error) {
 	secrets := natsSecrets(cfg)
 	opts := []nats.Option{
 		nats.Name("fanout-" + role),
@@ -148,7 +152,7 @@ func NATS(cfg config.NATS, role string, logger *slog.Logger) (*nats.Conn, error)
 }
 
 // Redis opens a client and checks that the server answers.
-func Redis(ctx context.Context, cfg config.Redis) (*redis.Client, error) {
+func Redis(ctx context.Context, cfg RedisConfig) (*redis.Client, error) {
 	opts, err := redis.ParseURL(cfg.URL)
 	if err != nil {
 		// A net/url error quotes the URL, password and all.
@@ -168,26 +172,14 @@ func Redis(ctx context.Context, cfg config.Redis) (*redis.Client, error) {
 	return rdb, nil
 }
 
-// SearchConfig turns the search settings into a client configuration.
-func SearchConfig(cfg config.Search) search.Config {
-	var addrs []string
-	for _, a := range strings.Split(cfg.URL, ",") {
-		addrs = append(addrs, strings.TrimSpace(a))
-	}
-	return search.Config{
-		Engine: cfg.Engine, Addresses: addrs, Username: cfg.Username, Password: cfg.Password,
-		CAFile: cfg.CAFile, InsecureSkipVerify: cfg.InsecureSkipVerify, Timeout: cfg.Timeout,
-	}
-}
-
 // Search opens a search client and checks that the engine answers.
-func Search(ctx context.Context, cfg config.Search) (*search.Client, error) {
-	c, err := search.New(SearchConfig(cfg))
+func Search(ctx context.Context, cfg search.Config) (*search.Client, error) {
+	c, err := search.New(cfg)
 	if err != nil {
 		return nil, config.RedactError(err, searchSecrets(cfg)...)
 	}
 	if _, err := c.Info(ctx); err != nil {
-		return nil, fmt.Errorf("connect to %s at %s: %w", cfg.Engine, config.RedactURL(cfg.URL), config.RedactError(err, searchSecrets(cfg)...))
+		return nil, fmt.Errorf("connect to %s at %s: %w", cfg.Engine, config.RedactURL(strings.Join(cfg.Addresses, ",")), config.RedactError(err, searchSecrets(cfg)...))
 	}
 	return c, nil
 }

@@ -17,11 +17,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
-	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"
 )
@@ -66,17 +64,15 @@ func TestNATSWithTLS(t *testing.T) {
 	caFile, certFile, keyFile := writeCA(t, dir)
 	server := natstest.Start(t, natstest.WithArgs("--tls", "--tlscert", certFile, "--tlskey", keyFile),
 		natstest.WithClientOptions(nats.RootCAs(caFile)))
-	cfg, err := config.Load("", []string{"FANOUT_NATS_URL=tls://" + server.URL[len("nats://"):]})
-	if err != nil {
-		t.Fatal(err)
-	}
-	logger := subscribertest.Logger(t)
-	if nc, err := connect.NATS(cfg.NATS, "test", logger); err == nil {
+	cfg := connect.DefaultNATS()
+	cfg.URL = "tls://" + server.URL[len("nats://"):]
+	logger := slog.New(slog.DiscardHandler)
+	if nc, err := connect.NATS(cfg, "test", logger); err == nil {
 		nc.Close()
 		t.Fatal("connected to a server with an unknown CA without nats.ca_file")
 	}
-	cfg.NATS.CAFile = caFile
-	nc, err := connect.NATS(cfg.NATS, "test", logger)
+	cfg.CAFile = caFile
+	nc, err := connect.NATS(cfg, "test", logger)
 	if err != nil {
 		t.Fatalf("with nats.ca_file: %v", err)
 	}
@@ -93,13 +89,11 @@ func TestNATSTokenStaysOutOfLogsAndErrors(t *testing.T) {
 	const token = "NatsTokenS3cret"
 	server := natstest.Start(t, natstest.WithArgs("--auth", token), natstest.WithClientOptions(nats.Token(token)))
 	withToken := strings.Replace(server.URL, "nats://", "nats://"+token+"@", 1)
-	cfg, err := config.Load("", []string{"FANOUT_NATS_URL=" + withToken})
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := connect.DefaultNATS()
+	cfg.URL = withToken
 	var logs syncbuf.Buffer
 	logger := slog.New(slog.NewJSONHandler(&logs, nil))
-	nc, err := connect.NATS(cfg.NATS, "test", logger)
+	nc, err := connect.NATS(cfg, "test", logger)
 	if err != nil {
 		t.Fatalf("with the token in the URL: %v", err)
 	}
@@ -108,15 +102,17 @@ func TestNATSTokenStaysOutOfLogsAndErrors(t *testing.T) {
 	if err := server.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	subscribertest.WaitFor(t, 20*time.Second, "the reconnect to be logged", func() (bool, string) {
-		return strings.Contains(logs.String(), "nats reconnected"), logs.String()
-	})
+	for deadline := time.Now().Add(20 * time.Second); !strings.Contains(logs.String(), "nats reconnected"); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for the reconnect to be logged:\n%s", logs.String())
+		}
+	}
 	if strings.Contains(logs.String(), token) || !strings.Contains(logs.String(), `"server":"nats://xxxxx@127.0.0.1:`) {
 		t.Errorf("the reconnect log shows the token, or no server:\n%s", logs.String())
 	}
 
-	cfg.NATS.URL, cfg.NATS.Token = server.URL, "Wrong"+token
-	if nc, err := connect.NATS(cfg.NATS, "test", logger); err == nil {
+	cfg.URL, cfg.Token = server.URL, "Wrong"+token
+	if nc, err := connect.NATS(cfg, "test", logger); err == nil {
 		nc.Close()
 		t.Error("connected with a wrong token")
 	} else if strings.Contains(err.Error(), token) || !strings.Contains(strings.ToLower(err.Error()), "authorization") {
@@ -127,15 +123,15 @@ func TestNATSTokenStaysOutOfLogsAndErrors(t *testing.T) {
 // A URL pgx or go-redis refuses is quoted in their errors: the password is
 // not, and the reason is.
 func TestURLParseErrorsHidePasswords(t *testing.T) {
-	_, err := connect.PostgresConfig(config.Postgres{URL: "postgres://fanout:ParseS3cret@db/fanout?sslmode=bogus&sslpassword=ParseS3cret2"}, "test")
+	_, err := connect.PoolConfig(connect.PostgresConfig{URL: "postgres://fanout:ParseS3cret@db/fanout?sslmode=bogus&sslpassword=ParseS3cret2"}, "test")
 	if err == nil || strings.Contains(err.Error(), "S3cret") || !strings.Contains(err.Error(), "sslmode") {
 		t.Errorf("postgres: %v; want the bad sslmode named and no password", err)
 	}
-	_, err = connect.Postgres(context.Background(), config.Postgres{URL: "host=db user=fanout password=ParseS3cret sslmode=bogus"}, "test")
+	_, err = connect.Postgres(context.Background(), connect.PostgresConfig{URL: "host=db user=fanout password=ParseS3cret sslmode=bogus"}, "test")
 	if err == nil || strings.Contains(err.Error(), "S3cret") || !strings.Contains(err.Error(), "sslmode") {
 		t.Errorf("postgres keyword/value: %v; want the bad sslmode named and no password", err)
 	}
-	_, err = connect.Redis(context.Background(), config.Redis{URL: "redis://cache:ParseS3cret@127.0.0.1:1/%zz", Timeout: time.Second})
+	_, err = connect.Redis(context.Background(), connect.RedisConfig{URL: "redis://cache:ParseS3cret@127.0.0.1:1/%zz", Timeout: time.Second})
 	if err == nil || strings.Contains(err.Error(), "S3cret") || !strings.Contains(err.Error(), "redis.url") {
 		t.Errorf("redis: %v; want redis.url named and no password", err)
 	}

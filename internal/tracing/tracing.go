@@ -33,7 +33,7 @@ const exportTimeout = 10 * time.Second
 // Export failures (a collector down) go to logger as warnings. Neither
 // they nor shutdown's error show the credentials of the OTLP endpoint and
 // headers.
-func Setup(ctx context.Context, cfg config.Tracing, stderr io.Writer, logger *slog.Logger) (shutdown func(context.Context) error, err error) {
+func Setup(ctx context.Context, cfg Config, stderr io.Writer, logger *slog.Logger) (shutdown func(context.Context) error, err error) {
 	// OpenTelemetry reports what it cannot read in its OTEL_ variables
 	// through its own logger, on stderr unless told otherwise, quoting
 	// the raw value: a malformed OTEL_EXPORTER_OTLP_HEADERS, API key and
@@ -96,7 +96,7 @@ const (
 // in its user info or query: the OTLP exporter sends only the scheme,
 // host and path of the URL, so they never reach the collector, whose
 // refusals would otherwise be a mystery. Credentials belong in headers.
-func warnUnsentCredentials(cfg config.Tracing, logger *slog.Logger) {
+func warnUnsentCredentials(cfg Config, logger *slog.Logger) {
 	source, endpoint := "tracing.otlp_endpoint", cfg.OTLPEndpoint
 	for _, env := range []string{envTracesEndpoint, envEndpoint} {
 		if endpoint == "" {
@@ -114,7 +114,7 @@ func warnUnsentCredentials(cfg config.Tracing, logger *slog.Logger) {
 // otlpSecrets are the credentials the OTLP exporter may be given: every
 // header value (headers exist for credentials: authorization, API keys),
 // and those in the endpoints' URLs.
-func otlpSecrets(cfg config.Tracing) []string {
+func otlpSecrets(cfg Config) []string {
 	secrets := config.URLSecrets(cfg.OTLPEndpoint)
 	for _, env := range []string{envTracesEndpoint, envEndpoint} {
 		secrets = append(secrets, config.URLSecrets(os.Getenv(env))...)

@@ -9,7 +9,6 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/internal/tracing"
@@ -39,7 +38,7 @@ func TestOTLPCredentialsStayOutOfLogs(t *testing.T) {
 	logger := logging.New(&logs, "json", "info")
 	endpoint := strings.Replace(collector.URL, "http://", "http://otel:UserinfoS3cret@", 1) + "/v1/traces?api_key=QueryS3cret"
 	ctx := context.Background()
-	shutdown, err := tracing.Setup(ctx, config.Tracing{Exporter: "otlp", OTLPEndpoint: endpoint}, io.Discard, logger)
+	shutdown, err := tracing.Setup(ctx, tracing.Config{Exporter: "otlp", OTLPEndpoint: endpoint}, io.Discard, logger)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,6 +1,7 @@
 // Package validate collects configuration problems, each naming its key
-// and what is allowed, for the packages that own configuration (relay,
-// subscribers) and for internal/config, which composes them.
+// and what is allowed, for the packages that own a section of the
+// configuration (relay, subscribers, connect, ...) and for the rules that
+// tie sections together.
 package validate
 
 import (

@@ -30,7 +30,7 @@ func TestIndexerRefreshMakesWritesSearchable(t *testing.T) {
 	first := firstProduct(t, f)
 	for i, after := range []time.Duration{100 * time.Millisecond, 800 * time.Millisecond} {
 		t.Run(after.String(), func(t *testing.T) {
-			cfg := f.env.Config.Search
+			cfg := f.search
 			cfg.RefreshAfter = after
 			h := searchindex.New(f.client, f.env.DB.Pool, cfg, f.env.Logger)
 			t.Cleanup(func() { _ = h.Close() })

@@ -26,7 +26,7 @@ import (
 
 func (f *fixture) reindexer() *searchindex.Reindexer {
 	return &searchindex.Reindexer{Client: f.client, Pool: f.env.DB.Pool, JS: f.env.JS, Stream: f.env.Config.Stream,
-		Search: f.env.Config.Search, Logger: f.env.Logger, Loaders: 2}
+		Search: f.search, Logger: f.env.Logger, Loaders: 2}
 }
 
 // reindexUnderLoad reindexes while the demo writer changes products at
@@ -296,7 +296,7 @@ func TestRollback(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.corruptAtSameVersion(t, v1, corrupted)
-	from, to, rep, err := searchindex.Rollback(ctx, f.client, f.env.DB.Pool, f.env.Config.Search)
+	from, to, rep, err := searchindex.Rollback(ctx, f.client, f.env.DB.Pool, f.search)
 	if err != nil {
 		t.Fatal(err)
 	}

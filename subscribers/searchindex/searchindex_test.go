@@ -36,13 +36,14 @@ type fixture struct {
 	env    *subscribertest.Env
 	client *search.Client
 	alias  string
+	search searchindex.Config // the indexer's settings, its alias f.alias
 }
 
 func newFixture(t *testing.T, engine string, products int) *fixture {
 	env := subscribertest.NewEnv(t)
-	f := &fixture{env: env, client: searchtest.Client(t, engine)}
+	f := &fixture{env: env, client: searchtest.Client(t, engine), search: searchindex.DefaultConfig()}
 	f.alias = searchtest.Alias(t, f.client)
-	env.Config.Search.Alias = f.alias
+	f.search.Alias = f.alias
 	if err := searchindex.EnsureIndex(context.Background(), f.client, f.alias, "auto"); err != nil {
 		t.Fatal(err)
 	}
@@ -60,7 +61,7 @@ func (f *fixture) handler() subscribers.Handler {
 
 // indexer is the search indexer itself, for what the tests call directly.
 func (f *fixture) indexer() *searchindex.Handler {
-	h := searchindex.New(f.client, f.env.DB.Pool, f.env.Config.Search, f.env.Logger)
+	h := searchindex.New(f.client, f.env.DB.Pool, f.search, f.env.Logger)
 	f.env.T.Cleanup(func() { _ = h.Close() }) // its refresher, before the client closes
 	return h
 }
@@ -137,9 +138,9 @@ func TestConformance(t *testing.T) {
 				defer mu.Unlock()
 				f, ok := fixtures[env]
 				if !ok {
-					f = &fixture{env: env, client: searchtest.Client(env.T, engine)}
+					f = &fixture{env: env, client: searchtest.Client(env.T, engine), search: searchindex.DefaultConfig()}
 					f.alias = searchtest.Alias(env.T, f.client)
-					env.Config.Search.Alias = f.alias
+					f.search.Alias = f.alias
 					if err := searchindex.EnsureIndex(context.Background(), f.client, f.alias, "auto"); err != nil {
 						env.T.Fatal(err)
 					}

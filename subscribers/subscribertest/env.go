@@ -15,13 +15,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/config"
 	"github.com/fanout/fanout/internal/testenv/faultproxy"
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -37,18 +37,28 @@ type Env struct {
 	NATS   *natstest.Server
 	Conn   *nats.Conn
 	JS     jetstream.JetStream
-	Config *config.Config
+	Config *Config
 	Logger *slog.Logger
+}
+
+// Config is the settings a test's pipeline runs with: the sections of the
+// relay, the stream and the subscriber runtime.
+type Config struct {
+	Stream      stream.Config
+	Relay       relay.Config
+	Subscribers subscribers.Config
+}
+
+// DefaultConfig is each package's defaults.
+func DefaultConfig() *Config {
+	return &Config{Stream: stream.DefaultConfig(), Relay: relay.DefaultConfig(), Subscribers: subscribers.DefaultConfig()}
 }
 
 // NewEnv starts the test's services and a relay. Its subscriber settings
 // are quick: a 1 s ack wait, retries from 100 ms, 5 deliveries.
 func NewEnv(t *testing.T) *Env {
 	t.Helper()
-	cfg, err := config.Load("", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := DefaultConfig()
 	cfg.Relay.PollInterval = 50 * time.Millisecond
 	cfg.Subscribers.AckWait = time.Second
 	cfg.Subscribers.RetryMin = 100 * time.Millisecond
@@ -61,6 +71,7 @@ func NewEnv(t *testing.T) *Env {
 	cfg.Subscribers.PinnedTTL = 3 * time.Second
 	e := &Env{T: t, DB: pgtest.NewDB(t), NATS: natstest.Start(t), Config: cfg, Logger: Logger(t)}
 	e.Conn = e.Connect()
+	var err error
 	if e.JS, err = jetstream.New(e.Conn); err != nil {
 		t.Fatal(err)
 	}
