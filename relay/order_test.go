@@ -262,7 +262,11 @@ func TestAggregateOrderWhenARelayStallsMidBatch(t *testing.T) {
 			t.Parallel()
 			h := newHarness(t)
 			n := orderWriters(t, h, 4, 10)
-			stalled := h.newRelay(func(c *Config) { c.BatchSize = 4; c.Lease = time.Second; c.ReapInterval = 100 * time.Millisecond }, nil)
+			stalled := h.newRelay(func(c *Config) {
+				c.BatchSize = 4
+				c.Lease, c.PublishTimeout = time.Second, 500*time.Millisecond
+				c.ReapInterval = 100 * time.Millisecond
+			}, nil)
 			stall := make(chan struct{})
 			claimed := make(chan struct{}, 1)
 			stalled.hooks.FailPublish = func(int64) bool {
@@ -276,7 +280,10 @@ func TestAggregateOrderWhenARelayStallsMidBatch(t *testing.T) {
 			h.start(stalled)
 			<-claimed
 			defer close(stall) // lets the stalled relay stop at the end
-			other := h.newRelay(func(c *Config) { c.Lease = time.Second; c.ReapInterval = 100 * time.Millisecond }, nil)
+			other := h.newRelay(func(c *Config) {
+				c.Lease, c.PublishTimeout = time.Second, 500*time.Millisecond
+				c.ReapInterval = 100 * time.Millisecond
+			}, nil)
 			other.hooks.Unordered, other.store.Unordered = broken, broken
 			h.start(other)
 			waitFor(t, 30*time.Second, "every event in the stream", func() (bool, string) {

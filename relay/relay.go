@@ -141,18 +141,11 @@ type Relay struct {
 
 // New returns a relay; nothing runs until Start.
 func New(opts Options) (*Relay, error) {
-	// A relay embedded in another program may not have gone through
-	// internal/config: the settings are checked here, by the rules of
-	// their own package (the defaults are DefaultConfig's).
+	// A relay embedded in another program may not have gone through the
+	// binary's configuration: the settings are checked here, by the rules
+	// of their own package (the defaults are DefaultConfig's).
 	if err := opts.Relay.Validate(); err != nil {
 		return nil, err
-	}
-	// Below a batch, the claimer waits for room that never comes and the
-	// relay publishes nothing. Config.Validate does not hold this rule yet
-	// (issue 30 moves it there, with this message).
-	if opts.Relay.MaxInFlight < opts.Relay.BatchSize {
-		return nil, fmt.Errorf("relay.max_in_flight (%d) must be at least relay.batch_size (%d): the relay claims a batch only when all of it fits in flight, so it would never publish",
-			opts.Relay.MaxInFlight, opts.Relay.BatchSize)
 	}
 	js, err := jetstream.New(opts.Conn,
 		jetstream.WithPublishAsyncMaxPending(opts.Relay.MaxInFlight),
