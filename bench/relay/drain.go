@@ -1,0 +1,239 @@
+package main
+
+// The drain: how fast the relay empties an outbox that filled while it was
+// stopped, in poll and in wal capture, against a naive publisher and raw
+// JetStream publishing (parts a, w, b and c).
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/fanout/fanout/bench/benchkit"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// counter counts published rows and can wait for a total.
+type counter struct {
+	relay.NopObserver
+	n          atomic.Int64
+	claims     atomic.Int64
+	claimNanos atomic.Int64
+}
+
+func (c *counter) Claimed(n int, took time.Duration) { c.claims.Add(1); c.claimNanos.Add(int64(took)) }
+
+func (c *counter) Published(ev []relay.Published) { c.n.Add(int64(len(ev))) }
+
+func benchDrain(ctx context.Context, nc *nats.Conn) (result, error) {
+	env, err := newRelayEnv(ctx, nc)
+	if err != nil {
+		return result{}, err
+	}
+	defer env.close()
+	if err := fillOutbox(ctx, env.db.Pool, *rows); err != nil {
+		return result{}, err
+	}
+	if err := benchkit.Settle(ctx, env.db.Pool); err != nil {
+		return result{}, err
+	}
+	res, obs, err := timeDrain(ctx, relay.Options{Relay: relayConfig(), Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet})
+	if err != nil {
+		return result{}, err
+	}
+	res.claimMs = float64(obs.claimNanos.Load()) / float64(obs.claims.Load()) / 1e6
+	return res, nil
+}
+
+// timeDrain starts a relay with opts and times it until it published
+// -rows rows.
+func timeDrain(ctx context.Context, opts relay.Options) (result, *counter, error) {
+	obs := &counter{}
+	opts.Observer = obs
+	r, err := relay.New(opts)
+	if err != nil {
+		return result{}, nil, err
+	}
+	start := time.Now()
+	if err := r.Start(ctx); err != nil {
+		return result{}, nil, err
+	}
+	for obs.n.Load() < int64(*rows) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	secs := time.Since(start).Seconds()
+	_ = r.Stop(ctx)
+	return result{n: *rows, secs: secs, rate: float64(*rows) / secs}, obs, nil
+}
+
+// benchDrainWAL measures a wal relay draining its slot: a relay creates
+// the slot and stops, rows are committed in transactions of 1000, and a new
+// relay publishes them from the slot.
+func benchDrainWAL(ctx context.Context, nc *nats.Conn) (result, error) {
+	env, err := newRelayEnv(ctx, nc)
+	if err != nil {
+		return result{}, err
+	}
+	defer env.close()
+	db, sc, rp := env.db, env.stream, env.relayPool
+	rc := relayConfig()
+	rc.Capture, rc.Slot = relay.CaptureWAL, db.Name
+	first, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
+	if err != nil {
+		return result{}, err
+	}
+	if err := first.Start(ctx); err != nil {
+		return result{}, err
+	}
+	if err := waitFor(ctx, 30*time.Second, func() (bool, error) {
+		var done bool
+		err := db.Pool.QueryRow(ctx, `SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, rc.Slot).Scan(&done)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return false, nil
+		}
+		return done, err
+	}); err != nil {
+		return result{}, fmt.Errorf("the slot: %w", err)
+	}
+	if err := first.Stop(ctx); err != nil {
+		return result{}, err
+	}
+	for filled := 0; filled < *rows; filled += 1000 {
+		if err := fillOutbox(ctx, db.Pool, min(1000, *rows-filled)); err != nil {
+			return result{}, err
+		}
+	}
+	if err := benchkit.Settle(ctx, db.Pool); err != nil {
+		return result{}, err
+	}
+	res, _, err := timeDrain(ctx, relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
+	return res, err
+}
+
+// benchNaive runs the seeds' publisher: every 2 s it reads up to 50 pending
+// rows, publishes them one after another waiting for each PubAck, then marks
+// them sent.
+func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
+	db, err := pgtest.Create(ctx, *adminURL)
+	if err != nil {
+		return result{}, err
+	}
+	defer db.Close()
+	sc, done, err := freshStream(nc)
+	if err != nil {
+		return result{}, err
+	}
+	defer done()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return result{}, err
+	}
+	if err := stream.Ensure(ctx, js, sc, 0, quiet); err != nil {
+		return result{}, err
+	}
+	if err := fillOutbox(ctx, db.Pool, 10_000); err != nil {
+		return result{}, err
+	}
+	if err := benchkit.Settle(ctx, db.Pool); err != nil {
+		return result{}, err
+	}
+	runCtx, cancel := context.WithTimeout(ctx, *naiveFor)
+	defer cancel()
+	published := 0
+	tick := time.NewTicker(2 * time.Second)
+	defer tick.Stop()
+	for runCtx.Err() == nil {
+		rs, err := db.Pool.Query(runCtx, `SELECT id, event_type, payload FROM outbox WHERE status = 'pending' ORDER BY id LIMIT 50`)
+		if err != nil {
+			break
+		}
+		type naiveRow struct {
+			id      int64
+			typ     string
+			payload []byte
+		}
+		batch, err := pgx.CollectRows(rs, func(r pgx.CollectableRow) (naiveRow, error) {
+			var n naiveRow
+			return n, r.Scan(&n.id, &n.typ, &n.payload)
+		})
+		if err != nil {
+			break
+		}
+		var ids []int64
+		for _, r := range batch {
+			if _, err := js.Publish(runCtx, sc.SubjectPrefix+"."+r.typ, r.payload, jetstream.WithMsgID(strconv.FormatInt(r.id, 10))); err != nil {
+				break
+			}
+			ids = append(ids, r.id)
+		}
+		if _, err := db.Pool.Exec(runCtx, `UPDATE outbox SET status = 'sent', published_at = now() WHERE id = ANY($1)`, ids); err != nil {
+			break
+		}
+		published += len(ids)
+		select {
+		case <-runCtx.Done():
+		case <-tick.C:
+		}
+	}
+	return result{n: published, secs: naiveFor.Seconds(), rate: float64(published) / naiveFor.Seconds()}, nil
+}
+
+func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
+	sc, done, err := freshStream(nc)
+	if err != nil {
+		return result{}, err
+	}
+	defer done()
+	rc := relayConfig()
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(rc.MaxInFlight))
+	if err != nil {
+		return result{}, err
+	}
+	if err := stream.Ensure(ctx, js, sc, 0, quiet); err != nil {
+		return result{}, err
+	}
+	payloads := make([][]byte, 1000)
+	for i := range payloads {
+		payloads[i] = fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, i, i+1, 1000+i)
+	}
+	subject := sc.SubjectPrefix + ".product.updated"
+	var failed atomic.Int64
+	start := time.Now()
+	futures := make([]jetstream.PubAckFuture, 0, *rows)
+	for i := range *rows {
+		msg := nats.NewMsg(subject)
+		msg.Data = payloads[i%len(payloads)]
+		msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(i+1))
+		f, err := js.PublishMsgAsync(msg, jetstream.WithMsgID(strconv.Itoa(i+1)))
+		if err != nil {
+			return result{}, err
+		}
+		futures = append(futures, f)
+	}
+	select {
+	case <-js.PublishAsyncComplete():
+	case <-time.After(2 * time.Minute):
+		return result{}, fmt.Errorf("raw publish did not complete")
+	}
+	secs := time.Since(start).Seconds()
+	for _, f := range futures {
+		select {
+		case <-f.Err():
+			failed.Add(1)
+		default:
+		}
+	}
+	if failed.Load() > 0 {
+		return result{}, fmt.Errorf("%d raw publishes failed", failed.Load())
+	}
+	return result{n: *rows, secs: secs, rate: float64(*rows) / secs}, nil
+}

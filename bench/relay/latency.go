@@ -1,0 +1,256 @@
+package main
+
+// Latency: commit → PubAck at a steady write rate, and the environments
+// the steady parts (latency, held horizon) run in.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/fanout/fanout/bench/benchkit"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/stream"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+)
+
+// latencyObserver records each event's PubAck time.
+type latencyObserver struct {
+	relay.NopObserver
+	mu    sync.Mutex
+	acked map[int64]time.Time
+}
+
+func (o *latencyObserver) Published(ev []relay.Published) {
+	o.mu.Lock()
+	for _, p := range ev {
+		o.acked[p.ID] = p.AckedAt
+	}
+	o.mu.Unlock()
+}
+
+func benchLatency(ctx context.Context, nc *nats.Conn) error {
+	fmt.Printf("latency: commit → PubAck at a steady %d writes/s for %s (price updates, 8 connections), %d runs of each\n", *latencyRate, *latencyFor, *benchkit.Runs)
+	variants := []struct {
+		name string
+		mut  func(*relay.Config)
+	}{
+		{"fanout default (wake-up + eager polling, poll_interval 500ms)", func(*relay.Config) {}},
+		{"relay.listen=false (eager polling alone, no wake-up)", func(c *relay.Config) { c.Listen = false }},
+		{"relay.capture=wal (decoded from the replication slot)", func(c *relay.Config) { c.Capture = relay.CaptureWAL }},
+	}
+	p50s := make([]benchkit.Figure, len(variants))
+	p99s := make([]benchkit.Figure, len(variants))
+	maxs := make([]benchkit.Figure, len(variants))
+	for run := range *benchkit.Runs {
+		for k := range variants {
+			i := (k + run) % len(variants)
+			p50, p99, max, _, err := measureLatency(ctx, nc, variants[i].mut)
+			if err != nil {
+				return fmt.Errorf("%s: %w", variants[i].name, err)
+			}
+			p50s[i].Add(ms(p50))
+			p99s[i].Add(ms(p99))
+			maxs[i].Add(ms(max))
+		}
+	}
+	for i, v := range variants {
+		fmt.Printf("    %s\n        p50 %s  p99 %s  max %s\n", v.name, p50s[i].Format("%.2fms"), p99s[i].Format("%.2fms"), maxs[i].Format("%.2fms"))
+	}
+	fmt.Println("    target: p99 <= 10ms in every run, and the default no worse than polling alone (medians)")
+	return nil
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (p50, p99, max time.Duration, n int, err error) {
+	obs := &latencyObserver{acked: map[int64]time.Time{}}
+	env, err := startSteadyEnv(ctx, nc, mutate, obs)
+	if err != nil {
+		return
+	}
+	defer env.close()
+
+	var mu sync.Mutex
+	committed := map[int64]time.Time{}
+	runCtx, cancel := context.WithTimeout(ctx, *latencyFor)
+	defer cancel()
+	env.writeSteadily(runCtx, func(eventID int64, at time.Time) {
+		mu.Lock()
+		committed[eventID] = at
+		mu.Unlock()
+	})
+	time.Sleep(time.Second) // the last PubAcks
+	var lat []time.Duration
+	obs.mu.Lock()
+	for id, c := range committed {
+		if a, ok := obs.acked[id]; ok {
+			lat = append(lat, max0(a.Sub(c)))
+		}
+	}
+	obs.mu.Unlock()
+	if len(lat) < len(committed) {
+		return 0, 0, 0, 0, fmt.Errorf("%d of %d committed events not published within a second of the end", len(committed)-len(lat), len(committed))
+	}
+	slices.Sort(lat)
+	return lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1], len(lat), nil
+}
+
+// dropSlot drops a replication slot, waiting up to 10 s for the walsender
+// of a stream that just closed to let go of it.
+func dropSlot(ctx context.Context, pool *pgxpool.Pool, slot string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		_, err := pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, slot)
+		var pgErr *pgconn.PgError
+		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55006" || time.Now().After(deadline) { // object_in_use
+			return err
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// relayEnv is what a relay's run starts from: a fresh database, a stream
+// of its own, and the relay's pool on the database.
+type relayEnv struct {
+	db        *pgtest.DB
+	stream    stream.Config
+	relayPool *pgxpool.Pool
+	cleanup   []func() // in the order to undo
+}
+
+func newRelayEnv(ctx context.Context, nc *nats.Conn) (_ *relayEnv, err error) {
+	e := &relayEnv{}
+	defer func() {
+		if err != nil {
+			e.close()
+		}
+	}()
+	if e.db, err = pgtest.Create(ctx, *adminURL); err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, e.db.Close)
+	// The outbox's ranges as a running installation has them, ahead of
+	// the ids: without them, a fresh database's first rows go to
+	// outbox_default (the margin), and the run would measure that.
+	if _, err = outbox.NewStore(e.db.Pool).ExtendPartitions(ctx, relay.DefaultPartitionSize, 2, 1); err != nil {
+		return nil, fmt.Errorf("add the outbox's first ranges: %w", err)
+	}
+	stream, done, err := freshStream(nc)
+	if err != nil {
+		return nil, err
+	}
+	e.stream = stream
+	e.cleanup = append(e.cleanup, done)
+	if e.relayPool, err = relayPool(ctx, e.db.URL); err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, e.relayPool.Close)
+	return e, nil
+}
+
+func (e *relayEnv) close() {
+	for _, f := range slices.Backward(e.cleanup) {
+		f()
+	}
+}
+
+// steadyEnv is a relayEnv with the shop seeded and settled and a relay
+// running, for runs under a steady write rate.
+type steadyEnv struct {
+	*relayEnv
+	pool  *pgxpool.Pool // the writers' 8 connections
+	maxID int64         // of products
+}
+
+func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config), obs relay.Observer) (_ *steadyEnv, err error) {
+	env, err := newRelayEnv(ctx, nc)
+	if err != nil {
+		return nil, err
+	}
+	e := &steadyEnv{relayEnv: env}
+	defer func() {
+		if err != nil {
+			e.close()
+		}
+	}()
+	if e.pool, err = poolWithConns(ctx, e.db.URL, 8); err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, e.pool.Close)
+	if _, err = shop.Seed(ctx, e.pool, 1000, rand.New(rand.NewPCG(3, 4))); err != nil {
+		return nil, err
+	}
+	if err = benchkit.Settle(ctx, e.pool); err != nil {
+		return nil, err
+	}
+	rc := relayConfig()
+	mutate(&rc)
+	rc.Slot = e.db.Name // slot names are cluster-wide
+	r, err := relay.New(relay.Options{Relay: rc, Stream: e.stream, Pool: e.relayPool, Conn: nc, Logger: quiet, Observer: obs})
+	if err != nil {
+		return nil, err
+	}
+	if err = r.Start(ctx); err != nil {
+		return nil, err
+	}
+	e.cleanup = append(e.cleanup, func() { _ = r.Stop(context.Background()) })
+	// Let the seed's product.created events drain first.
+	time.Sleep(2 * time.Second)
+	if err = e.pool.QueryRow(ctx, `SELECT max(id) FROM products`).Scan(&e.maxID); err != nil {
+		return nil, err
+	}
+	return e, nil
+}
+
+// writeSteadily commits price updates (each with its outbox event) at
+// -rate writes/s over 8 connections until ctx ends, and reports each
+// event's id and the moment its commit returned.
+func (e *steadyEnv) writeSteadily(ctx context.Context, committed func(eventID int64, at time.Time)) {
+	var wg sync.WaitGroup
+	const workers = 8
+	interval := time.Second * workers / time.Duration(*latencyRate)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 9))
+			next := time.Now().Add(time.Duration(w) * interval / workers)
+			for ctx.Err() == nil {
+				time.Sleep(time.Until(next))
+				next = next.Add(interval)
+				id := 1 + rng.Int64N(e.maxID)
+				price := 1000 + rng.Int64N(90000)
+				var eventID int64
+				err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+					var err error
+					eventID, err = shop.UpdatePrice(ctx, tx, id, price)
+					return err
+				})
+				if err == nil {
+					committed(eventID, time.Now())
+				}
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// max0 clamps a negative latency (the PubAck raced ahead of the writer's
+// clock read after Commit returned) to zero.
+func max0(d time.Duration) time.Duration {
+	if d < 0 {
+		return 0
+	}
+	return d
+}

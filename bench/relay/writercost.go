@@ -1,0 +1,193 @@
+package main
+
+// Writer cost: what the outbox insert, its wake-up and a running relay
+// take from a writer's transactions per second.
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/fanout/fanout/bench/benchkit"
+	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/shop"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+)
+
+// benchWriterCost measures price-update transactions per second at 8
+// connections, with and without the outbox.
+func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
+	db, err := pgtest.Create(ctx, *adminURL)
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	pool, err := poolWithConns(ctx, db.URL, 8)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if _, err := shop.Seed(ctx, pool, 1000, rand.New(rand.NewPCG(1, 2))); err != nil {
+		return err
+	}
+	var maxID int64
+	if err := pool.QueryRow(ctx, `SELECT max(id) FROM products`).Scan(&maxID); err != nil {
+		return err
+	}
+	const update = `UPDATE products SET price = $2::numeric / 100, version = version + 1, updated_at = now() WHERE id = $1`
+	plain := func(ctx context.Context, tx pgx.Tx, id, price int64) error {
+		_, err := tx.Exec(ctx, update, id, price)
+		return err
+	}
+	event := func(id, price int64) outbox.Event {
+		return outbox.Event{AggregateType: "product", AggregateID: strconv.FormatInt(id, 10), Type: shop.ProductUpdated,
+			Payload: shop.ProductEvent{ProductID: id, PriceCents: &price}}
+	}
+	ownRoundTrip := func(w *outbox.Writer) func(context.Context, pgx.Tx, int64, int64) error {
+		return func(ctx context.Context, tx pgx.Tx, id, price int64) error {
+			if _, err := tx.Exec(ctx, update, id, price); err != nil {
+				return err
+			}
+			_, err := w.Write(ctx, tx, event(id, price))
+			return err
+		}
+	}
+	pipelined := func(w *outbox.Writer) func(context.Context, pgx.Tx, int64, int64) error {
+		return func(ctx context.Context, tx pgx.Tx, id, price int64) error {
+			b := &pgx.Batch{}
+			b.Queue(update, id, price)
+			if err := w.Queue(b, event(id, price), nil); err != nil {
+				return err
+			}
+			return tx.SendBatch(ctx, b).Close()
+		}
+	}
+	demo := func(ctx context.Context, tx pgx.Tx, id, price int64) error {
+		_, err := shop.UpdatePrice(ctx, tx, id, price)
+		return err
+	}
+	runs := []struct {
+		name    string
+		fn      func(context.Context, pgx.Tx, int64, int64) error
+		capture string // a relay of this capture runs during the measurement
+	}{
+		{"price update alone", plain, ""},
+		{"+ outbox.Write in its own round trip, no wake-up", ownRoundTrip(outbox.NewWriter(-1)), ""},
+		{"+ outbox.Queue pipelined with the update, NOTIFY in every tx", pipelined(outbox.NewWriter(0)), ""},
+		{"+ outbox.Queue pipelined, no wake-up", pipelined(outbox.NewWriter(-1)), ""},
+		{"shop.UpdatePrice: outbox.Queue + fanout wake-up (NOTIFY at most every " + outbox.DefaultWakeInterval.String() + ")", demo, ""},
+		{"shop.UpdatePrice, with a relay (capture poll) publishing", demo, relay.CapturePoll},
+		{"outbox.Queue pipelined, no wake-up, with a relay (capture wal) publishing", pipelined(outbox.NewWriter(-1)), relay.CaptureWAL},
+	}
+	// withRelay runs fn while a relay of the capture publishes what the
+	// writers commit, to a stream of its own.
+	withRelay := func(capture string, fn func() error) error {
+		if capture == "" {
+			return fn()
+		}
+		sc, done, err := freshStream(nc)
+		if err != nil {
+			return err
+		}
+		defer done()
+		rp, err := relayPool(ctx, db.URL)
+		if err != nil {
+			return err
+		}
+		defer rp.Close()
+		rc := relayConfig()
+		rc.Capture, rc.Slot = capture, db.Name
+		r, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
+		if err != nil {
+			return err
+		}
+		if err := r.Start(ctx); err != nil {
+			return err
+		}
+		time.Sleep(2 * time.Second) // the backlog of earlier variants, and the slot
+		ferr := fn()
+		if err := r.Stop(ctx); err != nil && ferr == nil {
+			ferr = err
+		}
+		if capture == relay.CaptureWAL {
+			// Drop the slot, or it keeps WAL for the variants after it.
+			// The walsender may outlive the relay's stream by a moment.
+			if err := dropSlot(ctx, db.Pool, db.Name); err != nil && ferr == nil {
+				ferr = err
+			}
+		}
+		return ferr
+	}
+	fmt.Printf("writer cost: price-update transactions/s at 8 connections, %s each, %d rounds (the variants in a new order each round)\n", *writerFor, *benchkit.Runs)
+	tps := make([]benchkit.Figure, len(runs))
+	ratio := make([]benchkit.Figure, len(runs)) // of alone, within the round
+	for round := range *benchkit.Runs {
+		if err := benchkit.Settle(ctx, pool); err != nil {
+			return err
+		}
+		got := make([]float64, len(runs))
+		for k := range runs {
+			i := (k + round) % len(runs) // no variant always runs first, or last
+			err := withRelay(runs[i].capture, func() error {
+				var err error
+				got[i], err = measureTPS(ctx, pool, maxID, runs[i].fn)
+				return err
+			})
+			if err != nil {
+				return fmt.Errorf("%s: %w", runs[i].name, err)
+			}
+		}
+		for i := range runs {
+			tps[i].Add(got[i])
+			ratio[i].Add(100 * got[i] / got[0])
+		}
+	}
+	for i, r := range runs {
+		if i == 0 {
+			fmt.Printf("    %-80s %s\n", r.name, tps[i].Format("%.0f tx/s"))
+			continue
+		}
+		fmt.Printf("    %-80s %s, %s of alone\n", r.name, tps[i].Format("%.0f tx/s"), ratio[i].Format("%.0f%%"))
+	}
+	fmt.Println("    target: the outbox and its wake-up cost writers <= 25% of their tx/s; with a wal relay publishing, <= 10%")
+	fmt.Println()
+	return nil
+}
+
+func measureTPS(ctx context.Context, pool *pgxpool.Pool, maxID int64, fn func(context.Context, pgx.Tx, int64, int64) error) (float64, error) {
+	runCtx, cancel := context.WithTimeout(ctx, *writerFor)
+	defer cancel()
+	var n atomic.Int64
+	var firstErr error
+	var once sync.Once
+	var wg sync.WaitGroup
+	start := time.Now()
+	for w := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 7))
+			for runCtx.Err() == nil {
+				id := 1 + rng.Int64N(maxID)
+				err := pgx.BeginFunc(runCtx, pool, func(tx pgx.Tx) error { return fn(runCtx, tx, id, 1000+rng.Int64N(90000)) })
+				if err != nil {
+					if runCtx.Err() == nil {
+						once.Do(func() { firstErr = err })
+					}
+					continue
+				}
+				n.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	return float64(n.Load()) / time.Since(start).Seconds(), firstErr
+}

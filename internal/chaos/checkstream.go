@@ -1,0 +1,262 @@
+package chaos
+
+// The stream against the outbox: every committed row sent or failed,
+// every sent row in the stream once, each aggregate's events in order.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// event is one stream message.
+type event struct {
+	id   int64
+	seq  uint64
+	subj string
+	typ  string
+	body []byte
+}
+
+// streamContents is the whole events stream, read to its last sequence.
+type streamContents struct {
+	bySeq []event
+	byID  map[int64][]uint64 // event id -> the sequences holding it
+}
+
+// readPatience is how long reading a stream rides out a cluster that is
+// not answering yet.
+const readPatience = 2 * time.Minute
+
+// readStream reads every message of EVENTS up to the last sequence the
+// stream reports, and fails unless it got all of them.
+func (r *run) readStream(ctx context.Context) (*streamContents, error) {
+	start := time.Now()
+	var s jetstream.Stream
+	var info *jetstream.StreamInfo
+	err := tryEverySecond(func() bool { return time.Since(start) > readPatience }, func(ictx context.Context) error {
+		var err error
+		if s, err = r.js.Stream(ictx, "EVENTS"); err == nil {
+			info, err = s.Info(ictx)
+		}
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := &streamContents{byID: map[int64][]uint64{}}
+	if info.State.Msgs == 0 {
+		return out, nil
+	}
+	// A cluster may still be electing leaders after the heal: a request
+	// that finds no responder, or times out, is tried again (for up to
+	// readPatience) from the sequence after the last one read, so nothing
+	// is read twice or skipped.
+	deadline := time.Now().Add(readPatience)
+	var oc jetstream.Consumer
+	last := uint64(0)
+	retry := func(err error) error {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("fetch after sequence %d: %w", last, err)
+		}
+		r.o.Logf("chaos: reading the stream after sequence %d: %v (tried again)", last, err)
+		oc = nil
+		time.Sleep(time.Second)
+		return nil
+	}
+	for last < info.State.LastSeq {
+		if oc == nil {
+			cfg := jetstream.OrderedConsumerConfig{}
+			if last > 0 {
+				cfg.DeliverPolicy, cfg.OptStartSeq = jetstream.DeliverByStartSequencePolicy, last+1
+			}
+			if oc, err = s.OrderedConsumer(ctx, cfg); err != nil {
+				if err := retry(err); err != nil {
+					return nil, err
+				}
+				continue
+			}
+		}
+		batch, err := oc.Fetch(1000, jetstream.FetchMaxWait(5*time.Second))
+		if err != nil {
+			if err := retry(err); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		n := 0
+		for m := range batch.Messages() {
+			n++
+			md, err := m.Metadata()
+			if err != nil {
+				return nil, err
+			}
+			last = md.Sequence.Stream
+			id, err := strconv.ParseInt(m.Headers().Get(outbox.EventIDHeader), 10, 64)
+			if err != nil {
+				return nil, fmt.Errorf("message %d carries no event id: %w", last, err)
+			}
+			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(outbox.EventTypeHeader), body: m.Data()})
+			out.byID[id] = append(out.byID[id], last)
+		}
+		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
+			if err := retry(err); err != nil {
+				return nil, err
+			}
+			continue
+		}
+		if n == 0 {
+			if err := retry(fmt.Errorf("the stream reports messages up to sequence %d, but nothing came", info.State.LastSeq)); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if uint64(len(out.bySeq)) != info.State.Msgs {
+		return nil, fmt.Errorf("read %d messages, the stream reports %d", len(out.bySeq), info.State.Msgs)
+	}
+	return out, nil
+}
+
+// checkOutbox: every committed outbox row is sent (and then in the stream
+// exactly once) or failed with a reason, and only the planted rows failed;
+// the stream holds nothing that is not a sent row.
+func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
+	rep, p := r.report, r.planted
+	var err error
+	if rep.Ranges, rep.SealedRanges, rep.DefaultRows, err = outbox.NewStore(r.pool()).RangeCounts(ctx); err != nil {
+		rep.violate("1 (read the outbox's ranges)", err.Error())
+		return
+	}
+	rows, err := r.pool().Query(ctx, `SELECT id, status, coalesce(last_error, ''), aggregate_type || '/' || aggregate_id, aggregate_seq FROM outbox ORDER BY id`)
+	if err != nil {
+		rep.violate("1 (read the outbox)", err.Error())
+		return
+	}
+	var notSent, unexpectedFailed, missing, twice, failedPublished []string
+	sent := map[int64]bool{}
+	numbered := map[int64]aggregateEvent{}
+	var id int64
+	var status, reason, aggregate string
+	var number *int64
+	_, err = pgx.ForEachRow(rows, []any{&id, &status, &reason, &aggregate, &number}, func() error {
+		rep.OutboxRows++
+		if number != nil {
+			numbered[id] = aggregateEvent{aggregate, *number}
+		}
+		want, isPlanted := p.failedRows[id]
+		switch {
+		case status == "sent" || (r.wal() && status == "pending"):
+			// In wal capture the relay publishes rows it decodes and
+			// leaves them pending: each must be in the stream all the
+			// same.
+			sent[id] = true
+			switch n := len(stream.byID[id]); {
+			case n == 0:
+				missing = append(missing, strconv.FormatInt(id, 10))
+			case n > 1:
+				twice = append(twice, fmt.Sprintf("%d (sequences %v)", id, stream.byID[id]))
+			}
+		case status != "failed":
+			notSent = append(notSent, fmt.Sprintf("%d (%s)", id, status))
+		case reason == "":
+			notSent = append(notSent, fmt.Sprintf("%d (failed without a reason)", id))
+		case !isPlanted || !strings.Contains(reason, want):
+			rep.FailedRows++
+			unexpectedFailed = append(unexpectedFailed, fmt.Sprintf("%d (%s)", id, reason))
+		default:
+			rep.FailedRows++
+			if len(stream.byID[id]) > 0 {
+				failedPublished = append(failedPublished, strconv.FormatInt(id, 10))
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		rep.violate("1 (read the outbox)", err.Error())
+		return
+	}
+	if len(notSent) > 0 {
+		rep.violate("1 (every committed row sent or failed with a reason)", "rows "+head(notSent))
+	}
+	if len(missing) > 0 {
+		rep.violate("1 (every sent row is in the stream)", fmt.Sprintf("%d sent rows missing from the stream: %s", len(missing), head(missing)))
+	}
+	if len(twice) > 0 {
+		rep.violate("2 (every sent row is in the stream once)", fmt.Sprintf("%d events stored more than once: %s", len(twice), head(twice)))
+	}
+	if len(unexpectedFailed) > 0 {
+		rep.violate("5 (only planted rows failed)", "rows "+head(unexpectedFailed))
+	}
+	if len(failedPublished) > 0 {
+		rep.violate("5 (a failed row is never published)", "rows "+head(failedPublished))
+	}
+	var plantedNotFailed []string
+	for id := range p.failedRows {
+		if sent[id] {
+			plantedNotFailed = append(plantedNotFailed, strconv.FormatInt(id, 10))
+		}
+	}
+	if len(plantedNotFailed) > 0 || rep.FailedRows < int64(len(p.failedRows)) {
+		rep.violate("5 (planted rows failed)", fmt.Sprintf("%d rows failed, %d were planted to; planted but sent: %s",
+			rep.FailedRows, len(p.failedRows), head(plantedNotFailed)))
+	}
+	r.checkAggregateOrder(stream, sent, numbered)
+	var phantoms []string
+	for id, seqs := range stream.byID {
+		if !sent[id] {
+			phantoms = append(phantoms, fmt.Sprintf("event %d at %v", id, seqs))
+		}
+	}
+	if len(phantoms) > 0 {
+		slices.Sort(phantoms)
+		rep.violate("1 (the stream holds only sent rows)", head(phantoms))
+	}
+}
+
+// aggregateEvent is an event's place in its aggregate.
+type aggregateEvent struct {
+	aggregate string
+	number    int64
+}
+
+// checkAggregateOrder: invariant 8 at the stream, where the relays must
+// keep it. Every aggregate's published events are in the stream as 1, 2,
+// 3, ... (the first copy of each; a second is invariant 2's). No poison
+// row shares an aggregate with another event (plant.go), so no number is
+// missing.
+func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, numbered map[int64]aggregateEvent) {
+	last := map[string]int64{}
+	seen := map[int64]bool{}
+	var disorder []string
+	unnumbered := 0
+	for _, ev := range stream.bySeq {
+		if seen[ev.id] || !sent[ev.id] {
+			continue
+		}
+		seen[ev.id] = true
+		a, ok := numbered[ev.id]
+		if !ok {
+			unnumbered++
+			continue
+		}
+		if a.number != last[a.aggregate]+1 {
+			disorder = append(disorder, fmt.Sprintf("%s: event %d (number %d) at sequence %d after number %d", a.aggregate, ev.id, a.number, ev.seq, last[a.aggregate]))
+		}
+		last[a.aggregate] = max(last[a.aggregate], a.number)
+	}
+	r.report.Aggregates = len(last)
+	if unnumbered > 0 {
+		r.report.violate("8 (every event numbered in its aggregate)", fmt.Sprintf("%d events in the stream have no aggregate_seq", unnumbered))
+	}
+	if len(disorder) > 0 {
+		r.report.violate("8 (each aggregate's events enter the stream in commit order)", fmt.Sprintf("%d events out of order: %s", len(disorder), head(disorder)))
+	}
+}
