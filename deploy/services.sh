@@ -9,6 +9,8 @@
 #
 # Idempotent: a service that already answers is left alone. Data lives under
 # .data/ in the repository (override with FANOUT_DEV_DATA_DIR).
+# FANOUT_DEV_SKIP_SEARCH=1 skips OpenSearch; FANOUT_DEV_SKIP_NATS_CLI=1 skips
+# building the nats CLI.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -154,7 +156,9 @@ nats_up() {
       -l "$dir/nats-server.log" >/dev/null 2>&1 &
     wait_for nats-server 30 nats_healthy
   fi
-  log "nats-server $("$bin/nats-server" --version | awk '{print $2}') with JetStream on nats://127.0.0.1:$NATS_PORT (monitor :$NATS_MONITOR_PORT, data $dir; CLI: $bin/nats)"
+  local cli="CLI: $bin/nats"
+  [[ -x $bin/nats ]] || cli="no CLI: go tool task services builds it"
+  log "nats-server $("$bin/nats-server" --version | awk '{print $2}') with JetStream on nats://127.0.0.1:$NATS_PORT (monitor :$NATS_MONITOR_PORT, data $dir; $cli)"
 }
 
 nats_down() {
@@ -197,7 +201,10 @@ install_all() {
     "postgresql-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" "postgresql-client-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" \
     "redis-server=$REDIS_DEB_VERSION" "redis-tools=$REDIS_DEB_VERSION"
   spawn nats-server go_install nats-server "github.com/nats-io/nats-server/v2@$NATS_SERVER_VERSION"
-  spawn nats go_install nats "github.com/nats-io/natscli/nats@$NATSCLI_VERSION"
+  # The nats CLI is for people (`go tool task test` skips it: no test needs it).
+  if [[ ${FANOUT_DEV_SKIP_NATS_CLI:-} != 1 ]]; then
+    spawn nats go_install nats "github.com/nats-io/natscli/nats@$NATSCLI_VERSION"
+  fi
   if [[ ${FANOUT_DEV_SKIP_SEARCH:-} != 1 ]]; then
     spawn opensearch "$repo/deploy/opensearch/start.sh" --build-only
   fi
