@@ -155,13 +155,16 @@ func newPipeline(t *testing.T) *pipeline {
 	return &pipeline{t: t, cfg: cfg, db: pgtest.NewDB(t), url: natstest.Start(t).URL, reg: reg, stages: metrics.StagesOf(reg)}
 }
 
-// undelayed checks that each of stages was recorded, with a p99 under
-// 0.5 s: the stages the test did not delay.
-func undelayed(t *testing.T, q map[string][2]float64, stages ...string) {
+// undelayed checks that each of stages was recorded, and that its median
+// is under half the delayed stage's: the time went to the stage the test
+// delayed, not to these. (Relative, not a fixed bound: on a busy host
+// every stage is slower, but the delay still shows where it was put.)
+func undelayed(t *testing.T, q map[string][2]float64, delayed string, stages ...string) {
 	t.Helper()
 	for _, stage := range stages {
-		if got, ok := q[stage]; !ok || got[1] > 0.5 {
-			t.Errorf("%s: recorded %v, p99 %.3fs; want it recorded and under 0.5s (that stage was not delayed)", stage, ok, got[1])
+		if got, ok := q[stage]; !ok || got[0] >= q[delayed][0]/2 {
+			t.Errorf("%s: recorded %v, p50 %.3fs; want it recorded and under half of %s's p50 %.3fs (that stage was not delayed)",
+				stage, ok, got[0], delayed, q[delayed][0])
 		}
 	}
 }
@@ -194,7 +197,7 @@ func TestStageLatencyFollowsTheDelayedStage(t *testing.T) {
 		if got := q[metrics.StagePublished][0]; got < 1.2 {
 			t.Errorf("commit → PubAck p50 %.3fs with the relay 1.5 s late, want >= 1.2s", got)
 		}
-		undelayed(t, q, metrics.StageDelivered, metrics.StageHandled)
+		undelayed(t, q, metrics.StagePublished, metrics.StageDelivered, metrics.StageHandled)
 	})
 	t.Run("handler slow", func(t *testing.T) {
 		p := newPipeline(t)
@@ -210,6 +213,6 @@ func TestStageLatencyFollowsTheDelayedStage(t *testing.T) {
 		if got := q[metrics.StageHandled][0]; got < 0.3 {
 			t.Errorf("delivered → handled p50 %.3fs with a 300 ms handler, want >= 0.3s", got)
 		}
-		undelayed(t, q, metrics.StagePublished, metrics.StageDelivered)
+		undelayed(t, q, metrics.StageHandled, metrics.StagePublished, metrics.StageDelivered)
 	})
 }
