@@ -6,11 +6,13 @@
 #   deploy/services.sh up      install what is missing, start what is down, wait
 #   deploy/services.sh down    stop everything this script started
 #   deploy/services.sh status  say what answers where
+#   deploy/services.sh nats-cli build the nats CLI into .bin/ (for people)
 #
 # Idempotent: a service that already answers is left alone. Data lives under
 # .data/ in the repository (override with FANOUT_DEV_DATA_DIR).
 # FANOUT_DEV_SKIP_SEARCH=1 skips OpenSearch; FANOUT_DEV_SKIP_NATS_CLI=1 skips
-# building the nats CLI.
+# building the nats CLI; FANOUT_DEV_NATS_CLI=background builds it without
+# waiting for it (what `go tool task up` does: no service needs it).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -157,7 +159,13 @@ nats_up() {
     wait_for nats-server 30 nats_healthy
   fi
   local cli="CLI: $bin/nats"
-  [[ -x $bin/nats ]] || cli="no CLI: go tool task services builds it"
+  if [[ ! -x $bin/nats ]]; then
+    if [[ ${FANOUT_DEV_NATS_CLI:-} == background ]]; then
+      cli="CLI: $bin/nats, building in the background, log $data/install-nats.log"
+    else
+      cli="no CLI: go tool task services builds it"
+    fi
+  fi
   log "nats-server $("$bin/nats-server" --version | awk '{print $2}') with JetStream on nats://127.0.0.1:$NATS_PORT (monitor :$NATS_MONITOR_PORT, data $dir; $cli)"
 }
 
@@ -201,9 +209,16 @@ install_all() {
     "postgresql-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" "postgresql-client-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" \
     "redis-server=$REDIS_DEB_VERSION" "redis-tools=$REDIS_DEB_VERSION"
   spawn nats-server go_install nats-server "github.com/nats-io/nats-server/v2@$NATS_SERVER_VERSION"
-  # The nats CLI is for people (`go tool task test` skips it: no test needs it).
-  if [[ ${FANOUT_DEV_SKIP_NATS_CLI:-} != 1 ]]; then
-    spawn nats go_install nats "github.com/nats-io/natscli/nats@$NATSCLI_VERSION"
+  # The nats CLI is for people: no service or test needs it. It builds at
+  # the lowest CPU priority, so on a fresh machine it takes only the CPU the
+  # builds that are needed leave idle, and `task up` does not wait for it.
+  local cli=(nice -n 19 bash "$repo/deploy/services.sh" nats-cli)
+  if [[ ${FANOUT_DEV_SKIP_NATS_CLI:-} == 1 ]]; then
+    :
+  elif [[ ${FANOUT_DEV_NATS_CLI:-} == background ]]; then
+    setsid nohup "${cli[@]}" >"$data/install-nats.log" 2>&1 </dev/null &
+  else
+    spawn nats "${cli[@]}"
   fi
   if [[ ${FANOUT_DEV_SKIP_SEARCH:-} != 1 ]]; then
     spawn opensearch "$repo/deploy/opensearch/start.sh" --build-only
@@ -239,6 +254,10 @@ case $cmd in
     fi
     log "all services up"
     ;;
+  nats-cli)
+    go_install nats "github.com/nats-io/natscli/nats@$NATSCLI_VERSION"
+    log "nats CLI ready: $bin/nats"
+    ;;
   down)
     search_down
     nats_down
@@ -251,5 +270,5 @@ case $cmd in
     nats_healthy && echo "nats-server: healthy on 127.0.0.1:$NATS_PORT" || echo "nats-server: down"
     curl -fsS "http://127.0.0.1:$OPENSEARCH_PORT/_cluster/health" 2>&1 || echo "opensearch: down"
     ;;
-  *) die "usage: $0 up|down|status" ;;
+  *) die "usage: $0 up|down|status|nats-cli" ;;
 esac
