@@ -15,7 +15,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/elastic/go-elasticsearch/v8"
 	"github.com/opensearch-project/opensearch-go/v4"
 )
 
@@ -51,7 +50,7 @@ func (c *Client) Close() error {
 	switch v := c.p.(type) {
 	case *opensearch.Client:
 		err = v.Close()
-	case *elasticsearch.Client:
+	case *elasticsearchClient:
 		err = v.Close(ctx)
 	}
 	if t, ok := c.transport.(interface{ CloseIdleConnections() }); ok {
@@ -96,10 +95,7 @@ func New(cfg Config) (*Client, error) {
 	c := &Client{engine: cfg.Engine, timeout: cfg.Timeout, transport: transport}
 	switch cfg.Engine {
 	case Elasticsearch:
-		es, err := elasticsearch.NewClient(elasticsearch.Config{
-			Addresses: cfg.Addresses, Username: cfg.Username, Password: cfg.Password,
-			Transport: transport, MaxRetries: 2, RetryOnStatus: []int{502, 503, 504},
-		})
+		es, err := newElasticsearchClient(cfg, transport)
 		if err != nil {
 			return nil, fmt.Errorf("elasticsearch client: %w", err)
 		}

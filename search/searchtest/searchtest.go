@@ -29,8 +29,8 @@ func URL() string {
 	return "http://127.0.0.1:9200"
 }
 
-// elasticProduct makes an OpenSearch answer pass the go-elasticsearch
-// client's product check, which insists on this header. Tests only: in
+// elasticProduct makes an OpenSearch answer pass the Elasticsearch
+// implementation's product check, which insists on this header. Tests only: in
 // production the Elasticsearch implementation talks to Elasticsearch.
 type elasticProduct struct{ next http.RoundTripper }
 
