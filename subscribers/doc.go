@@ -82,9 +82,11 @@
 //     guarantee is in Postgres: subscriber_aggregates
 //     (orderedcheckpoint.go) holds, per aggregate, the number of the last
 //     event applied, and the handler's transaction moves it from n-1 to n
-//     under its row lock, before the handler runs. Two instances never
-//     apply one aggregate's events at once, and never out of order; an
-//     event that is not its aggregate's next is sent back and tried again.
+//     under its row lock, before the handler runs. Its first row is made
+//     only by the aggregate's first event, or by an event applied after a
+//     gap. Two instances never apply one aggregate's events at once, and
+//     never out of order; an event that is not its aggregate's next is
+//     sent back and tried again.
 //   - A duplicate (already in processed_events) is acked and skipped, as
 //     everywhere. A gap (an earlier event has not arrived: in flight, or
 //     redelivered after a crash) is waited for, for subscribers.gap_wait

@@ -22,7 +22,10 @@ type Event struct {
 	AggregateSeq int64
 	// AfterGap is set, for an ordered subscriber, on an event applied
 	// although earlier events of its aggregate never arrived within
-	// subscribers.gap_wait: the handler decides what that means to it.
+	// subscribers.gap_wait, and on the first event seen of an aggregate
+	// whose earlier events came before the consumer began
+	// (subscribers.start new or time): the handler decides what that
+	// means to it.
 	AfterGap  bool
 	CreatedAt time.Time // the outbox row's created_at: its writer's transaction
 	Payload   []byte

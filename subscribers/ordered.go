@@ -176,8 +176,12 @@ func (od *orderedDispatch) formBatch() bool {
 		n++
 		head := l.waiting[0]
 		info := orderInfo{prev: head.seq - 1}
-		if head.seq > l.lastSeq+1 && !l.held {
+		switch {
+		case l.held:
+		case head.seq > l.lastSeq+1:
 			info = orderInfo{prev: l.lastSeq, afterGap: true}
+		case l.firstSeen:
+			info = orderInfo{prev: head.seq - 1, afterGap: true}
 		}
 		l.sent = head.msg
 		b.msgs = append(b.msgs, head.msg)
@@ -216,7 +220,7 @@ func (od *orderedDispatch) finish(ds []*delivery) {
 		l.sent, l.taken, l.queued = nil, false, false
 		switch d.fate.Load() {
 		case fateAcked:
-			l.lastSeq = max(l.lastSeq, d.ev.AggregateSeq)
+			l.lastSeq, l.firstSeen = max(l.lastSeq, d.ev.AggregateSeq), false
 		case fateNaked:
 			// Sent back to be tried again: its aggregate waits for its
 			// redelivery, and counts no gap before it is due.

@@ -25,9 +25,15 @@ const (
 	// advanceSQL moves each aggregate's checkpoint to its event's number,
 	// where it is at the number expected (prev) and not held behind
 	// another event. The event holding an aggregate releases it (a redrive).
+	// An aggregate's first checkpoint row is made only by its first event
+	// (prev 0) or by an event applied after a gap ($7): an instance whose
+	// view of the aggregate is stale (the pin moved while its first event
+	// was with another instance) cannot start it at its second.
 	advanceSQL = `
 INSERT INTO subscriber_aggregates AS a (subscriber, aggregate_type, aggregate_id, last_seq, prev_seq, last_event_id)
-SELECT $1, t, i, s, p, e FROM unnest($2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[]) AS w(t, i, s, p, e)
+SELECT $1, t, i, s, p, e FROM unnest($2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bool[]) AS w(t, i, s, p, e, g)
+WHERE w.p = 0 OR w.g OR EXISTS (
+    SELECT FROM subscriber_aggregates x WHERE x.subscriber = $1 AND x.aggregate_type = w.t AND x.aggregate_id = w.i)
 ON CONFLICT (subscriber, aggregate_type, aggregate_id) DO UPDATE
 SET last_seq = excluded.last_seq, prev_seq = excluded.prev_seq, last_event_id = excluded.last_event_id,
     held_by_event = NULL, held_seq = NULL, updated_at = now()
@@ -113,6 +119,7 @@ func (e *heldError) Error() string {
 func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh map[int64]bool) error {
 	var types, ids []string
 	var seqs, prevs, events []int64
+	var afterGap []bool
 	late := map[int64]bool{}
 	for _, d := range ds {
 		if !fresh[d.ev.ID] || d.ev.AggregateSeq == 0 {
@@ -124,12 +131,13 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 			prev = d.ev.AggregateSeq - 1
 		}
 		seqs, prevs, events = append(seqs, d.ev.AggregateSeq), append(prevs, prev), append(events, d.ev.ID)
+		afterGap = append(afterGap, d.order.afterGap)
 		late[d.ev.ID] = d.order.lateOK
 	}
 	if len(events) == 0 {
 		return nil
 	}
-	rows, err := tx.Query(ctx, advanceSQL, r.name, types, ids, seqs, prevs, events)
+	rows, err := tx.Query(ctx, advanceSQL, r.name, types, ids, seqs, prevs, events, afterGap)
 	if err != nil {
 		return fmt.Errorf("advance the aggregates' checkpoints: %w", err)
 	}

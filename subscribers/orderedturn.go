@@ -33,6 +33,11 @@ type aggregateLine struct {
 	loading bool
 	lastSeq int64
 	held    bool
+	// firstSeen: the aggregate has no checkpoint row and the consumer
+	// began after the stream's start (subscribers.start new or time), so
+	// its earlier events may never come: the first one seen is applied
+	// marked AfterGap, at once.
+	firstSeen bool
 	// gapSince: the first waiting event has been waiting since then for an
 	// earlier one (in the future while an event sent back waits for its
 	// redelivery). The checkpoint is read again when the gap is seen
@@ -154,11 +159,12 @@ func (od *orderedDispatch) load(ctx context.Context) {
 	for _, l := range lines {
 		st := states[l.key]
 		l.loading, l.loaded = false, true
-		l.lastSeq, l.held = st.last, st.heldBy != 0
-		if !st.exists && od.r.cfg.Start != "all" && len(l.waiting) > 0 && l.waiting[0].seq > 0 {
+		l.lastSeq, l.held, l.firstSeen = st.last, st.heldBy != 0, false
+		if !st.exists && od.r.cfg.Start != "all" && len(l.waiting) > 0 && l.waiting[0].seq > 1 {
 			// The consumer began after the stream's start: the aggregate's
-			// history begins, for this subscriber, with its first event.
-			l.lastSeq = l.waiting[0].seq - 1
+			// history begins, for this subscriber, with the first event
+			// seen, which its handler learns is not the aggregate's first.
+			l.lastSeq, l.firstSeen = l.waiting[0].seq-1, true
 		}
 		od.evaluate(l)
 	}

@@ -552,3 +552,62 @@ func TestGapIsWaitedForThenMarked(t *testing.T) {
 		t.Errorf("%d transitions applied (%v), want 1 (the creation)", applied, err)
 	}
 }
+
+// A consumer that began after the stream's start (subscribers.start new)
+// sees an order's later events without its earlier ones: the first one
+// seen is applied at once, marked AfterGap (fulfilment records it), not
+// taken for the order's first event, and not held for gap_wait either
+// (the wait for all three is shorter than gap_wait); the next one follows,
+// unmarked. An order created since starts at its first event, unmarked.
+func TestFirstEventSeenAfterAStartNewIsMarked(t *testing.T) {
+	t.Parallel()
+	env, _ := newEnv(t)
+	env.Config.Subscribers.GapWait = 10 * time.Minute
+	env.StartRunner(subscribers.OrderedTx(fulfilment.New()), func(o *subscribers.Options) { o.Config.Start = "new" })
+	ctx := context.Background()
+	publish := func(order, id, seq int64, eventType string, payload string) {
+		m := nats.NewMsg(env.Config.Stream.SubjectPrefix + "." + eventType)
+		m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
+		m.Header.Set(outbox.EventTypeHeader, eventType)
+		m.Header.Set(outbox.AggregateTypeHeader, shop.AggregateOrder)
+		m.Header.Set(outbox.AggregateIDHeader, strconv.FormatInt(order, 10))
+		m.Header.Set(outbox.AggregateSeqHeader, strconv.FormatInt(seq, 10))
+		m.Data = []byte(payload)
+		if _, err := env.JS.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	publish(515151, 8000003, 3, shop.OrderShipped, `{"order_id": 515151, "from": "paid", "to": "shipped", "n": 3}`)
+	publish(515151, 8000004, 4, shop.OrderDelivered, `{"order_id": 515151, "from": "shipped", "to": "delivered", "n": 4}`)
+	publish(616161, 8000011, 1, shop.OrderCreated, `{"order_id": 616161, "customer": "new", "lines": 1}`)
+	subscribertest.WaitFor(t, time.Minute, "all three events checkpointed", func() (bool, string) {
+		var n int
+		err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE subscriber = $1 AND event_id IN (8000003, 8000004, 8000011)`,
+			fulfilment.Name).Scan(&n)
+		return err == nil && n == 3, fmt.Sprintf("%d (%v)", n, err)
+	})
+	rows, err := env.DB.Pool.Query(ctx, `SELECT event_id, reason FROM fulfilment_violations WHERE order_id IN (515151, 616161) ORDER BY event_id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	violations := map[int64]string{}
+	for rows.Next() {
+		var id int64
+		var reason string
+		if err := rows.Scan(&id, &reason); err != nil {
+			t.Fatal(err)
+		}
+		violations[id] = reason
+	}
+	if rows.Err() != nil {
+		t.Fatal(rows.Err())
+	}
+	// Fulfilment applies no transition after a gap, so the next one is out
+	// of order to it: recorded, but not marked AfterGap.
+	if !strings.Contains(violations[8000003], "after a gap") || strings.Contains(violations[8000004], "after a gap") {
+		t.Errorf("violations %v; want the first event seen of order 515151 marked after a gap, and only it", violations)
+	}
+	if r, ok := violations[8000011]; ok {
+		t.Errorf("the first event of an order created since the start: %s", r)
+	}
+}

@@ -1,0 +1,68 @@
+package subscribers_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/fulfilment"
+	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/jackc/pgx/v5"
+)
+
+// An aggregate's first checkpoint row is made only by its first event, or
+// by an event applied after a gap. An instance whose view of an aggregate
+// is stale (the pin moved while the aggregate's first event was with
+// another instance) and takes number 2 for the next is refused, out of
+// turn, and the event is tried again: number 2 is never applied before
+// number 1 as if in order.
+func TestFirstCheckpointOnlyFromTheFirstEvent(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	r := env.NewRunner(subscribers.OrderedTx(fulfilment.New()), nil)
+	ctx := context.Background()
+	advance := func(id int64, aggregate string, seq, prev int64, afterGap bool) error {
+		return pgx.BeginFunc(ctx, env.DB.Pool, func(tx pgx.Tx) error {
+			ev := subscribers.Event{ID: id, Type: "order.paid", AggregateType: "order", AggregateID: aggregate, AggregateSeq: seq}
+			return subscribers.Advance(ctx, r, tx, ev, prev, afterGap)
+		})
+	}
+	applied := func(aggregate string) int64 {
+		var last int64
+		err := env.DB.Pool.QueryRow(ctx, `SELECT last_seq FROM subscriber_aggregates WHERE subscriber = $1 AND aggregate_type = 'order' AND aggregate_id = $2`,
+			fulfilment.Name, aggregate).Scan(&last)
+		if err == pgx.ErrNoRows {
+			return 0
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return last
+	}
+
+	// Order 1: number 2 arrives first, taken for the next.
+	if err := advance(102, "1", 2, 1, false); err == nil || !strings.Contains(err.Error(), "the checkpoint is at number 0") {
+		t.Fatalf("number 2 without number 1: want refused as out of turn, got %v", err)
+	}
+	if got := applied("1"); got != 0 {
+		t.Fatalf("number 2 made the aggregate's first checkpoint row (at %d)", got)
+	}
+	for _, seq := range []int64{1, 2} {
+		if err := advance(100+seq, "1", seq, seq-1, false); err != nil {
+			t.Fatalf("number %d in turn: %v", seq, err)
+		}
+	}
+	if got := applied("1"); got != 2 {
+		t.Fatalf("checkpoint at %d after numbers 1 and 2, want 2", got)
+	}
+
+	// Order 2: number 3 after a gap given up on (or the first seen by a
+	// consumer that began after the stream's start) starts the aggregate.
+	if err := advance(203, "2", 3, 0, true); err != nil {
+		t.Fatalf("number 3 after a gap: %v", err)
+	}
+	if got := applied("2"); got != 3 {
+		t.Fatalf("checkpoint at %d after number 3 applied after a gap, want 3", got)
+	}
+}
