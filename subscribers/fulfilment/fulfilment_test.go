@@ -504,6 +504,22 @@ func TestConformance(t *testing.T) {
 	})
 }
 
+// publishOrderEvent puts an order's event straight into the stream, as
+// the relay would have, with the headers the runtime reads.
+func publishOrderEvent(t *testing.T, env *subscribertest.Env, order, id, seq int64, eventType, payload string) {
+	t.Helper()
+	m := nats.NewMsg(env.Config.Stream.SubjectPrefix + "." + eventType)
+	m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
+	m.Header.Set(outbox.EventTypeHeader, eventType)
+	m.Header.Set(outbox.AggregateTypeHeader, shop.AggregateOrder)
+	m.Header.Set(outbox.AggregateIDHeader, strconv.FormatInt(order, 10))
+	m.Header.Set(outbox.AggregateSeqHeader, strconv.FormatInt(seq, 10))
+	m.Data = []byte(payload)
+	if _, err := env.JS.PublishMsg(context.Background(), m); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // A gap: an order's second event never reaches the stream (a relay that
 // skipped it). The third waits subscribers.gap_wait for it, then is
 // applied marked AfterGap, which fulfilment records as a violation; the
@@ -516,16 +532,7 @@ func TestGapIsWaitedForThenMarked(t *testing.T) {
 	ctx := context.Background()
 	const order = 424242
 	publish := func(id, seq int64, eventType string, payload string) {
-		m := nats.NewMsg(env.Config.Stream.SubjectPrefix + "." + eventType)
-		m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
-		m.Header.Set(outbox.EventTypeHeader, eventType)
-		m.Header.Set(outbox.AggregateTypeHeader, shop.AggregateOrder)
-		m.Header.Set(outbox.AggregateIDHeader, strconv.Itoa(order))
-		m.Header.Set(outbox.AggregateSeqHeader, strconv.FormatInt(seq, 10))
-		m.Data = []byte(payload)
-		if _, err := env.JS.PublishMsg(ctx, m); err != nil {
-			t.Fatal(err)
-		}
+		publishOrderEvent(t, env, order, id, seq, eventType, payload)
 	}
 	publish(9000001, 1, shop.OrderCreated, `{"order_id": 424242, "customer": "gap", "lines": 1}`)
 	start := time.Now()
@@ -566,16 +573,7 @@ func TestFirstEventSeenAfterAStartNewIsMarked(t *testing.T) {
 	env.StartRunner(subscribers.OrderedTx(fulfilment.New()), func(o *subscribers.Options) { o.Config.Start = "new" })
 	ctx := context.Background()
 	publish := func(order, id, seq int64, eventType string, payload string) {
-		m := nats.NewMsg(env.Config.Stream.SubjectPrefix + "." + eventType)
-		m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
-		m.Header.Set(outbox.EventTypeHeader, eventType)
-		m.Header.Set(outbox.AggregateTypeHeader, shop.AggregateOrder)
-		m.Header.Set(outbox.AggregateIDHeader, strconv.FormatInt(order, 10))
-		m.Header.Set(outbox.AggregateSeqHeader, strconv.FormatInt(seq, 10))
-		m.Data = []byte(payload)
-		if _, err := env.JS.PublishMsg(ctx, m); err != nil {
-			t.Fatal(err)
-		}
+		publishOrderEvent(t, env, order, id, seq, eventType, payload)
 	}
 	publish(515151, 8000003, 3, shop.OrderShipped, `{"order_id": 515151, "from": "paid", "to": "shipped", "n": 3}`)
 	publish(515151, 8000004, 4, shop.OrderDelivered, `{"order_id": 515151, "from": "shipped", "to": "delivered", "n": 4}`)
