@@ -10,9 +10,10 @@
 #
 # Idempotent: a service that already answers is left alone. Data lives under
 # .data/ in the repository (override with FANOUT_DEV_DATA_DIR).
-# FANOUT_DEV_SKIP_SEARCH=1 skips OpenSearch; FANOUT_DEV_SKIP_NATS_CLI=1 skips
-# building the nats CLI; FANOUT_DEV_NATS_CLI=background builds it without
-# waiting for it (what `go tool task up` does: no service needs it).
+# FANOUT_DEV_SKIP_SEARCH=1 skips OpenSearch. FANOUT_DEV_NATS_CLI says what
+# becomes of the nats CLI: wait (the default: built before `up` returns),
+# background (built without waiting, what `go tool task up` does: no
+# service needs it) or skip (what `go tool task test` does: no test needs it).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -213,13 +214,12 @@ install_all() {
   # the lowest CPU priority, so on a fresh machine it takes only the CPU the
   # builds that are needed leave idle, and `task up` does not wait for it.
   local cli=(nice -n 19 bash "$repo/deploy/services.sh" nats-cli)
-  if [[ ${FANOUT_DEV_SKIP_NATS_CLI:-} == 1 ]]; then
-    :
-  elif [[ ${FANOUT_DEV_NATS_CLI:-} == background ]]; then
-    setsid nohup "${cli[@]}" >"$data/install-nats.log" 2>&1 </dev/null &
-  else
-    spawn nats "${cli[@]}"
-  fi
+  case ${FANOUT_DEV_NATS_CLI:-wait} in
+    wait) spawn nats "${cli[@]}" ;;
+    background) setsid nohup "${cli[@]}" >"$data/install-nats.log" 2>&1 </dev/null & ;;
+    skip) ;;
+    *) die "FANOUT_DEV_NATS_CLI must be wait, background or skip (got ${FANOUT_DEV_NATS_CLI})" ;;
+  esac
   if [[ ${FANOUT_DEV_SKIP_SEARCH:-} != 1 ]]; then
     spawn opensearch "$repo/deploy/opensearch/start.sh" --build-only
   fi

@@ -572,33 +572,27 @@ func TestFirstEventSeenAfterAStartNewIsMarked(t *testing.T) {
 	env.Config.Subscribers.GapWait = 10 * time.Minute
 	env.StartRunner(subscribers.OrderedTx(fulfilment.New()), func(o *subscribers.Options) { o.Config.Start = "new" })
 	ctx := context.Background()
-	publish := func(order, id, seq int64, eventType string, payload string) {
-		publishOrderEvent(t, env, order, id, seq, eventType, payload)
-	}
-	publish(515151, 8000003, 3, shop.OrderShipped, `{"order_id": 515151, "from": "paid", "to": "shipped", "n": 3}`)
-	publish(515151, 8000004, 4, shop.OrderDelivered, `{"order_id": 515151, "from": "shipped", "to": "delivered", "n": 4}`)
-	publish(616161, 8000011, 1, shop.OrderCreated, `{"order_id": 616161, "customer": "new", "lines": 1}`)
+	publishOrderEvent(t, env, 515151, 8000003, 3, shop.OrderShipped, `{"order_id": 515151, "from": "paid", "to": "shipped", "n": 3}`)
+	publishOrderEvent(t, env, 515151, 8000004, 4, shop.OrderDelivered, `{"order_id": 515151, "from": "shipped", "to": "delivered", "n": 4}`)
+	publishOrderEvent(t, env, 616161, 8000011, 1, shop.OrderCreated, `{"order_id": 616161, "customer": "new", "lines": 1}`)
 	subscribertest.WaitFor(t, time.Minute, "all three events checkpointed", func() (bool, string) {
 		var n int
 		err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE subscriber = $1 AND event_id IN (8000003, 8000004, 8000011)`,
 			fulfilment.Name).Scan(&n)
 		return err == nil && n == 3, fmt.Sprintf("%d (%v)", n, err)
 	})
-	rows, err := env.DB.Pool.Query(ctx, `SELECT event_id, reason FROM fulfilment_violations WHERE order_id IN (515151, 616161) ORDER BY event_id`)
+	type violation struct {
+		EventID int64
+		Reason  string
+	}
+	rows, _ := env.DB.Pool.Query(ctx, `SELECT event_id, reason FROM fulfilment_violations WHERE order_id IN (515151, 616161)`)
+	found, err := pgx.CollectRows(rows, pgx.RowToStructByPos[violation])
 	if err != nil {
 		t.Fatal(err)
 	}
 	violations := map[int64]string{}
-	for rows.Next() {
-		var id int64
-		var reason string
-		if err := rows.Scan(&id, &reason); err != nil {
-			t.Fatal(err)
-		}
-		violations[id] = reason
-	}
-	if rows.Err() != nil {
-		t.Fatal(rows.Err())
+	for _, v := range found {
+		violations[v.EventID] = v.Reason
 	}
 	// Fulfilment applies no transition after a gap, so the next one is out
 	// of order to it: recorded, but not marked AfterGap.
