@@ -33,9 +33,10 @@ import (
 // ---------------------------------------------------------------------------
 // nats-server under deploy/nats/nats-server.conf
 
-// natsUsers are the users of the configuration file: fanout's own roles
-// and a user per subscriber in the registry.
-var natsUsers = append([]string{"relay", "provisioner", "operator", "admin"}, registry.Default.Names()...)
+// natsUsers are the users of the configuration file: fanout's own roles,
+// the administrators of the two streams' accounts, and a user per
+// subscriber in the registry.
+var natsUsers = append([]string{"relay", "provisioner", "operator", "admin", "admin_deadletter"}, registry.Default.Names()...)
 
 type natsServer struct {
 	url       string
@@ -46,8 +47,8 @@ type natsServer struct {
 }
 
 // startNATS runs the pinned nats-server with the production configuration
-// file on a free port, the passwords (bcrypt hashes, except admin's plain
-// one) and the store directory in its environment, and stops it when t ends.
+// file on a free port, the passwords (bcrypt hashes, except the admins'
+// plain ones) and the store directory in its environment, and stops it when t ends.
 func startNATS(t *testing.T) *natsServer {
 	t.Helper()
 	return startNATSWith(t, natsConfPath(t), natsUsers)
@@ -73,7 +74,7 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 		pw := "pw" + randomHex(t, 16)
 		s.passwords[u] = pw
 		secret := pw
-		if u != "admin" {
+		if !strings.HasPrefix(u, "admin") {
 			secret = bcryptHash(t, pw)
 		}
 		env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+secret)

@@ -98,7 +98,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	if err := stream.Ensure(ctx, provJS, cfg.Stream, relay.RepublishDelay(cfg.Relay), logger); err != nil {
 		t.Fatalf("provision the stream as provisioner: %v", err)
 	}
-	if _, err := subscribers.ProvisionDeadLetterStream(ctx, provJS, cfg.Subscribers, cfg.Stream.Replicas); err != nil {
+	if _, err := subscribers.ProvisionDeadLetterStream(ctx, provJS, cfg.Subscribers, cfg.Stream.Replicas, stream.Changes{}, logger); err != nil {
 		t.Fatalf("provision the dead-letter stream as provisioner: %v", err)
 	}
 	provEvents, err := provJS.Stream(ctx, cfg.Stream.Name)
@@ -180,7 +180,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 		err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices i JOIN invoice_lines l ON l.invoice_id = i.id WHERE i.order_id = $1 AND i.total = 398.00`, orderID).Scan(&n)
 		return err == nil && n == 1
 	})
-	dl, err := admin.js.Stream(ctx, cfg.Subscribers.DeadLetterStream)
+	dl, err := ns.connect(t, "admin_deadletter").js.Stream(ctx, cfg.Subscribers.DeadLetterStream)
 	if err != nil {
 		t.Fatalf("dead-letter stream: %v", err)
 	}

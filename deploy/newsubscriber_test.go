@@ -21,7 +21,6 @@ import (
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/example"
-	"github.com/fanout/fanout/subscribers/registry"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -90,8 +89,7 @@ func TestANewSubscriber(t *testing.T) {
 	}
 
 	// Its NATS user, from the rendered configuration.
-	users := append([]string{"relay", "provisioner", "operator", "admin"}, registry.Default.Names()...)
-	users = append(users, example.Name)
+	users := append(slices.Clone(natsUsers), example.Name)
 	ns := startNATSWith(t, filepath.Join(dir, "nats", "nats-server.conf"), users)
 	natsEnv := func(user string) []string {
 		return []string{"FANOUT_NATS_URL=" + ns.url, "FANOUT_NATS_USER=" + user, "FANOUT_NATS_PASSWORD=" + ns.passwords[user],
@@ -168,8 +166,9 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 		t.Errorf("the example subscriber did not log the order %d:\n%s", orderID, logs.String())
 	}
 	admin := ns.connect(t, "admin")
+	adminDL := ns.connect(t, "admin_deadletter")
 	waitFor(t, "the malformed event's dead letter from the example subscriber", func() bool {
-		dls, err := admin.js.Stream(ctx, "DEADLETTER")
+		dls, err := adminDL.js.Stream(ctx, "DEADLETTER")
 		if err != nil {
 			return false
 		}

@@ -18,6 +18,7 @@ import (
 	"text/template"
 
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/searchindex"
 )
 
 //go:embed templates/*.tmpl
@@ -69,10 +70,13 @@ type data struct {
 	SearchSubscribers []subscriber
 	// Tables are the subscribers' own tables (Declaration.Tables), sorted.
 	Tables []string
+	// OperatorReindexConsumer is the consumer `fanout reindex` reads the
+	// events stream through, as the operator.
+	OperatorReindexConsumer string
 }
 
 func newData(decls []subscribers.Declaration) data {
-	var d data
+	d := data{OperatorReindexConsumer: searchindex.ReplayConsumer}
 	for _, decl := range decls {
 		s := subscriber{
 			Name:       decl.Name,

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -45,24 +46,24 @@ func JetStreamConfig(cfg Config) jetstream.StreamConfig {
 // that exists but cannot carry fanout's events safely.
 var ErrUnfit = errors.New("stream unfit for fanout")
 
-// Ensure creates or updates the stream (provision auto), checks it
-// (verify), or does nothing (off). In auto and verify it refuses a stream
-// whose duplicates window is not longer than minDuplicates (the longest a
-// row's second publish can follow its first, relay.RepublishDelay): the
-// stream would then store that row twice.
+// Ensure creates the stream or brings it to its configuration, never
+// lowering a limit (provision auto), checks it (verify), or does nothing
+// (off). In auto and verify it refuses a stream whose duplicates window is
+// not longer than minDuplicates (the longest a row's second publish can
+// follow its first, relay.RepublishDelay): the stream would then store that
+// row twice.
 func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config, minDuplicates time.Duration, logger *slog.Logger) error {
-	want := JetStreamConfig(cfg)
 	var info *jetstream.StreamInfo
 	switch cfg.Provision {
 	case "off":
 		logger.Info("stream provisioning off: not checking the stream", "stream", cfg.Name)
 		return nil
 	case "auto":
-		s, err := js.CreateOrUpdateStream(ctx, want)
+		var err error
+		info, err = Provision(ctx, js, JetStreamConfig(cfg), Changes{Update: true}, logger)
 		if err != nil {
 			return fmt.Errorf("provision stream %s (stream.provision=auto): %w", cfg.Name, err)
 		}
-		info = s.CachedInfo()
 		logger.Info("stream provisioned", "stream", cfg.Name, "messages", info.State.Msgs, "replicas", info.Config.Replicas)
 	case "verify":
 		s, err := js.Stream(ctx, cfg.Name)
@@ -73,10 +74,75 @@ func Ensure(ctx context.Context, js jetstream.JetStream, cfg Config, minDuplicat
 	default:
 		return fmt.Errorf("stream.provision must be auto, verify or off (got %q)", cfg.Provision)
 	}
-	return check(info, cfg, minDuplicates, logger)
+	return Check(info, cfg, minDuplicates, logger)
 }
 
-func check(info *jetstream.StreamInfo, cfg Config, minDuplicates time.Duration, logger *slog.Logger) error {
+// Changes says what Provision may do to a stream that exists.
+type Changes struct {
+	// Update lets it bring the stream to its configuration.
+	Update bool
+	// AllowLower lets that update lower a limit, which drops the stored
+	// messages beyond the new one.
+	AllowLower bool
+}
+
+// ErrDiffers is wrapped by Provision's error for an existing stream it was
+// not allowed to change.
+var ErrDiffers = errors.New("stream differs from fanout's configuration")
+
+// Provision creates the stream want if it does not exist. An existing one
+// whose settings differ is updated only as changes allows: the identity
+// `fanout provision` runs as may create streams but not change them (an
+// update can lower a limit, which drops events as a purge would).
+func Provision(ctx context.Context, js jetstream.JetStream, want jetstream.StreamConfig, changes Changes, logger *slog.Logger) (*jetstream.StreamInfo, error) {
+	s, err := js.Stream(ctx, want.Name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		s, err = js.CreateStream(ctx, want)
+		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
+			// Created a moment ago by another role starting.
+			s, err = js.Stream(ctx, want.Name)
+		}
+	}
+	if err != nil {
+		return nil, err
+	}
+	info := s.CachedInfo()
+	diffs := StreamDifferences(info.Config, want)
+	if len(diffs) == 0 {
+		return info, nil
+	}
+	if !changes.Update {
+		return info, fmt.Errorf("%w: stream %s: %s. `fanout provision` creates streams but does not change one that exists: an administrator does (`nats stream edit %s`), or `fanout provision --update-streams` as an identity allowed to update streams",
+			ErrDiffers, want.Name, Join(diffs), want.Name)
+	}
+	var lower []Difference
+	for _, d := range diffs {
+		if d.Lowers {
+			lower = append(lower, d)
+		}
+	}
+	if len(lower) > 0 && !changes.AllowLower {
+		return info, fmt.Errorf("%w: stream %s: %s. A lower limit drops the events beyond it at once: `fanout provision --update-streams --allow-lower` applies it",
+			ErrDiffers, want.Name, Join(lower))
+	}
+	for _, d := range diffs {
+		logger.Warn("changing a setting of a live stream", "stream", want.Name, "field", d.Field, "from", d.Have, "to", d.Want, "lowers_a_limit", d.Lowers)
+	}
+	s, err = js.UpdateStream(ctx, want)
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) {
+		// Not %w: a caller retrying timeouts would wait for an answer that
+		// the server never sends to an identity it refuses.
+		return nil, fmt.Errorf("update stream %s: no answer (%v): an identity that may not update streams gets none (the server logs a permissions violation)", want.Name, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("update stream %s (%s): %w", want.Name, Join(diffs), err)
+	}
+	return s.CachedInfo(), nil
+}
+
+// Check refuses a stream that cannot carry fanout's events safely (see
+// Ensure), and warns of one that can but loses them more easily.
+func Check(info *jetstream.StreamInfo, cfg Config, minDuplicates time.Duration, logger *slog.Logger) error {
 	c := info.Config
 	var errs []error
 	if need := minDuplicates; c.Duplicates <= need {

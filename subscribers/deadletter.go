@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strconv"
 	"strings"
@@ -46,24 +47,24 @@ func DeadLetterStreamConfig(cfg Config, replicas int) jetstream.StreamConfig {
 	}
 }
 
-// ProvisionDeadLetterStream creates the dead-letter stream or brings it to
-// its configuration: `fanout provision` runs it with the provisioning
-// identity.
-func ProvisionDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg Config, replicas int) (*jetstream.StreamInfo, error) {
-	s, err := js.CreateOrUpdateStream(ctx, DeadLetterStreamConfig(cfg, replicas))
+// ProvisionDeadLetterStream creates the dead-letter stream, or changes an
+// existing one as changes allows (stream.Provision): `fanout provision`
+// runs it with the provisioning identity.
+func ProvisionDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg Config, replicas int, changes stream.Changes, logger *slog.Logger) (*jetstream.StreamInfo, error) {
+	info, err := stream.Provision(ctx, js, DeadLetterStreamConfig(cfg, replicas), changes, logger)
 	if err != nil {
 		return nil, fmt.Errorf("provision dead-letter stream %s: %w", cfg.DeadLetterStream, err)
 	}
-	return s.CachedInfo(), nil
+	return info, nil
 }
 
 // ensureDeadLetterStream provisions the dead-letter stream (auto), checks
 // that it exists (verify), or trusts it (off), per
 // subscribers.dead_letter_provision.
-func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg Config, replicas int) error {
+func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg Config, replicas int, logger *slog.Logger) error {
 	switch cfg.DeadLetterProvision {
 	case "auto":
-		_, err := ProvisionDeadLetterStream(ctx, js, cfg, replicas)
+		_, err := ProvisionDeadLetterStream(ctx, js, cfg, replicas, stream.Changes{Update: true}, logger)
 		return err
 	case "verify":
 		if _, err := js.Stream(ctx, cfg.DeadLetterStream); err != nil {

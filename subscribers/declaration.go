@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"regexp"
 	"slices"
+	"strings"
 
 	"github.com/fanout/fanout/search"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -100,6 +101,16 @@ func (d Declaration) UsesService(s Service) bool { return slices.Contains(d.Uses
 // subject token and part of a Postgres role name.
 var nameRE = regexp.MustCompile(`^[a-z][a-z0-9_]{0,40}$`)
 
+// OperatorConsumerPrefix starts the name of every consumer the operator
+// commands create on the events stream (a reindex's), so that the NATS
+// permissions can give them their own consumers without a subscriber's.
+const OperatorConsumerPrefix = "operator_"
+
+// reservedNames are the deployment's other NATS users and accounts
+// (deploy/nats/nats-server.conf names an account after each user, in upper
+// case, and after each stream): a subscriber called so would share them.
+var reservedNames = []string{"relay", "provisioner", "operator", "admin", "admin_deadletter", "events", "deadletter"}
+
 // tableRE is a table name roles.sql can quote without escaping.
 var tableRE = regexp.MustCompile(`^[a-z][a-z0-9_]{0,62}$`)
 
@@ -108,6 +119,10 @@ func (d Declaration) Validate() error {
 	var errs []error
 	if !nameRE.MatchString(d.Name) {
 		errs = append(errs, fmt.Errorf("name %q: want lower-case letters, digits and _, starting with a letter, at most 41 characters", d.Name))
+	}
+	if slices.Contains(reservedNames, d.Name) || strings.HasPrefix(d.Name, OperatorConsumerPrefix) {
+		errs = append(errs, fmt.Errorf("name %q is reserved: the deployment has users and accounts called %s, and consumers starting with %q are the operator's",
+			d.Name, strings.Join(reservedNames, ", "), OperatorConsumerPrefix))
 	}
 	if len(d.EventTypes) == 0 {
 		errs = append(errs, errors.New("no event types"))

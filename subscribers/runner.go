@@ -112,7 +112,7 @@ func (r *Runner) start(ctx context.Context) error {
 		return err
 	}
 	if err := jsretry.Do(ctx, r.logger, "provision the dead-letter stream", func() error {
-		return ensureDeadLetterStream(ctx, r.js, r.cfg, r.opts.Stream.Replicas)
+		return ensureDeadLetterStream(ctx, r.js, r.cfg, r.opts.Stream.Replicas, r.logger)
 	}); err != nil {
 		return err
 	}

@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 chmod 0700 .
-for name in pg_superuser pg_migrate pg_relay pg_operator nats_relay nats_provisioner nats_operator nats_admin redis es \
+for name in pg_superuser pg_migrate pg_relay pg_operator nats_relay nats_provisioner nats_operator nats_admin nats_admin_deadletter redis es \
             pg_cacheinval nats_cacheinval \
             pg_fulfilment nats_fulfilment \
             pg_invoicing nats_invoicing \

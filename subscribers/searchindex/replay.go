@@ -17,9 +17,11 @@ import (
 // operator can tell it apart (and a leftover one is replaced). A reindex
 // runs as the operator identity: a consumer whose filter its creator picks
 // is no right to give a subscriber's user, which could then read events
-// that are not its own (deploy/nats/nats-server.conf). Reindexes are
+// that are not its own (deploy/nats/nats-server.conf). Its name starts with
+// subscribers.OperatorConsumerPrefix, which no subscriber's name may, so a
+// permission on it can never reach a subscriber's consumer. Reindexes are
 // serialized (Lock), so one name is enough.
-const ReplayConsumer = "searchindex_reindex"
+const ReplayConsumer = subscribers.OperatorConsumerPrefix + "reindex_searchindex"
 
 const (
 	replayFetch = 500
