@@ -40,6 +40,7 @@ var natsUsers = append([]string{"relay", "provisioner", "operator", "admin", "ad
 
 type natsServer struct {
 	url       string
+	monitor   string // the monitoring endpoint, http://127.0.0.1:<port>
 	passwords map[string]string // plain passwords, as the clients send them
 	cmd       *exec.Cmd
 	exited    chan struct{}
@@ -62,9 +63,10 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 	if err != nil {
 		t.Fatal(err)
 	}
-	port := freePort(t)
+	port, mport := freePort(t), freePort(t)
 	s := &natsServer{
 		url:       fmt.Sprintf("nats://127.0.0.1:%d", port),
+		monitor:   fmt.Sprintf("http://127.0.0.1:%d", mport),
 		passwords: make(map[string]string),
 		exited:    make(chan struct{}),
 		log:       &syncbuf.Buffer{},
@@ -80,7 +82,7 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 		env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+secret)
 	}
 	env = append(env, "FANOUT_NATS_STORE_DIR="+filepath.Join(t.TempDir(), "jetstream"))
-	s.cmd = exec.Command(bin, "-c", conf, "-p", strconv.Itoa(port))
+	s.cmd = exec.Command(bin, "-c", conf, "-p", strconv.Itoa(port), "-m", strconv.Itoa(mport))
 	s.cmd.Env = env // the last of duplicate keys wins
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	if err := s.cmd.Start(); err != nil {

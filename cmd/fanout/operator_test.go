@@ -245,6 +245,14 @@ func TestOperatorCommands(t *testing.T) {
 	if out, err := run(t, env, "replay", "invoicing"); err == nil {
 		t.Errorf("replay without a position succeeded: %s", out)
 	}
+	// By time: the stream tells the first sequence stored at or after it.
+	if out, err := run(t, env, "replay", "invoicing", "--from-time", "24h"); err != nil || !strings.Contains(out, "again from sequence 1;") {
+		t.Errorf("replay from a day ago: %v\n%s; want it from sequence 1", err, out)
+	}
+	future := time.Now().Add(time.Hour).UTC().Format(time.RFC3339)
+	if out, err := run(t, env, "replay", "invoicing", "--from-time", future); err == nil || !strings.Contains(out, "no event in stream EVENTS at or after") {
+		t.Errorf("replay from an hour ahead: %v\n%s; want no event found", err, out)
+	}
 }
 
 // Before the relay ever ran there is no stream: status says so and still

@@ -162,7 +162,9 @@ func provisionCheck(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []
 				return nil, err
 			}
 			return c.CachedInfo().Config, nil
-		}, func(v any) []stream.Difference { return subscribers.ConsumerDifferences(v.(jetstream.ConsumerConfig), want) })
+		}, func(v any) []stream.Difference {
+			return subscribers.ConsumerDifferences(v.(jetstream.ConsumerConfig), want)
+		})
 	}
 	if found > 0 {
 		return fmt.Errorf("%d differences from the configuration", found)

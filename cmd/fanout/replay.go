@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -45,22 +47,10 @@ subscribers.start = all or time (the default is all).`,
 				if err != nil {
 					return err
 				}
-				// The first message at or after t: an ordered consumer
-				// starting by time tells its stream sequence.
-				oc, err := js.OrderedConsumer(ctx, a.cfg.Stream.Name, jetstream.OrderedConsumerConfig{
-					DeliverPolicy: jetstream.DeliverByStartTimePolicy, OptStartTime: &t})
+				seq, err = firstSeqAtOrAfter(ctx, js, a.cfg.Stream.Name, t)
 				if err != nil {
 					return err
 				}
-				m, err := oc.Next(jetstream.FetchMaxWait(2 * time.Second))
-				if err != nil {
-					return fmt.Errorf("no event in stream %s at or after %s: %w", a.cfg.Stream.Name, t.UTC().Format(time.RFC3339), err)
-				}
-				md, err := m.Metadata()
-				if err != nil {
-					return err
-				}
-				seq = md.Sequence.Stream
 			}
 			_, err = js.ResetConsumerToSequence(ctx, a.cfg.Stream.Name, name, seq)
 			if errors.Is(err, jetstream.ErrConsumerInvalidReset) {
@@ -76,4 +66,42 @@ subscribers.start = all or time (the default is all).`,
 	cmd.Flags().StringVar(&fromTime, "from-time", "", "RFC 3339 time, or a duration ago (e.g. 2h)")
 	cmd.Flags().Uint64Var(&fromSeq, "from-seq", 0, "stream sequence number")
 	return cmd
+}
+
+// firstSeqAtOrAfter is the stream sequence of the first message stored at or
+// after t. It asks the stream by time (a message get with start_time), so
+// the operator needs no consumer of its own to find a position.
+func firstSeqAtOrAfter(ctx context.Context, js jetstream.JetStream, streamName string, t time.Time) (uint64, error) {
+	req, err := json.Marshal(struct {
+		StartTime time.Time `json:"start_time"`
+	}{t.UTC()})
+	if err != nil {
+		return 0, err
+	}
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	m, err := js.Conn().RequestWithContext(rctx, "$JS.API.STREAM.MSG.GET."+streamName, req)
+	if err != nil {
+		return 0, fmt.Errorf("stream %s: message at %s: %w", streamName, t.UTC().Format(time.RFC3339), err)
+	}
+	var resp struct {
+		Error *struct {
+			Code        int    `json:"code"`
+			Description string `json:"description"`
+		} `json:"error"`
+		Message *struct {
+			Seq uint64 `json:"seq"`
+		} `json:"message"`
+	}
+	if err := json.Unmarshal(m.Data, &resp); err != nil {
+		return 0, fmt.Errorf("stream %s: message at %s: %w", streamName, t.UTC().Format(time.RFC3339), err)
+	}
+	if resp.Error != nil || resp.Message == nil {
+		why := "no answer"
+		if resp.Error != nil {
+			why = resp.Error.Description
+		}
+		return 0, fmt.Errorf("no event in stream %s at or after %s: %s", streamName, t.UTC().Format(time.RFC3339), why)
+	}
+	return resp.Message.Seq, nil
 }
