@@ -40,7 +40,7 @@ var natsUsers = append([]string{"relay", "provisioner", "operator", "admin", "ad
 
 type natsServer struct {
 	url       string
-	monitor   string // the monitoring endpoint, http://127.0.0.1:<port>
+	monitor   string            // the monitoring endpoint, http://127.0.0.1:<port>
 	passwords map[string]string // plain passwords, as the clients send them
 	cmd       *exec.Cmd
 	exited    chan struct{}
