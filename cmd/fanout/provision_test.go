@@ -71,3 +71,85 @@ func TestProvisionThenVerify(t *testing.T) {
 		}
 	}
 }
+
+// A stream that exists is changed only when asked, a lower limit only when
+// asked twice; --check lists every difference of streams and consumers,
+// field by field, and changes nothing.
+func TestProvisionChangesAStreamOnlyWhenTold(t *testing.T) {
+	t.Parallel()
+	ns := natstest.Start(t)
+	db := pgtest.NewDB(t)
+	env := []string{"FANOUT_POSTGRES_URL=" + db.URL, "FANOUT_NATS_URL=" + ns.URL, "FANOUT_LOG_FORMAT=json"}
+	if out, err := run(t, env, "provision"); err != nil {
+		t.Fatalf("fanout provision: %v\n%s", err, out)
+	}
+	if out, err := run(t, env, "provision", "--check"); err != nil || !strings.Contains(out, "stream EVENTS: as configured") || !strings.Contains(out, "consumer invoicing: as configured") {
+		t.Fatalf("provision --check right after provision: %v\n%s", err, out)
+	}
+	js, err := jetstream.New(ns.Connect(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	maxAge := func() time.Duration {
+		t.Helper()
+		s, err := js.Stream(ctx, "EVENTS")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.CachedInfo().Config.MaxAge
+	}
+
+	// Someone lowered invoicing's max_deliver: --check names the field and
+	// both values, and fails.
+	c, err := js.Consumer(ctx, "EVENTS", "invoicing")
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc := c.CachedInfo().Config
+	cc.MaxDeliver = 1
+	if _, err := js.UpdateConsumer(ctx, "EVENTS", cc); err != nil {
+		t.Fatal(err)
+	}
+	out, err := run(t, env, "provision", "--check")
+	if err == nil || !strings.Contains(out, "consumer invoicing: max_deliver is 1, fanout's configuration says unlimited") {
+		t.Errorf("provision --check after a consumer change: %v\n%s", err, out)
+	}
+
+	longer := append(env, "FANOUT_STREAM_MAX_AGE=336h")
+	out, err = run(t, longer, "provision")
+	if err == nil || !strings.Contains(out, "max_age is 168h0m0s, fanout's configuration says 336h0m0s") || !strings.Contains(out, "--update-streams") {
+		t.Errorf("provision of a longer max age without --update-streams: %v\n%s; want refused, naming the field", err, out)
+	}
+	if got := maxAge(); got != 168*time.Hour {
+		t.Errorf("max age %s after a refused provision", got)
+	}
+	if out, err := run(t, longer, "provision", "--update-streams"); err != nil {
+		t.Errorf("provision --update-streams of a longer max age: %v\n%s", err, out)
+	}
+	if got := maxAge(); got != 336*time.Hour {
+		t.Errorf("max age %s after provision --update-streams, want 336h", got)
+	}
+	// The consumer is provisioned again on the way: max_deliver is back.
+	if c, err = js.Consumer(ctx, "EVENTS", "invoicing"); err != nil || c.CachedInfo().Config.MaxDeliver != -1 {
+		t.Errorf("invoicing's consumer after provision: %v, max_deliver %d", err, c.CachedInfo().Config.MaxDeliver)
+	}
+
+	out, err = run(t, env, "provision", "--update-streams")
+	if err == nil || !strings.Contains(out, "max_age is 336h0m0s, fanout's configuration says 168h0m0s (a lower limit)") || !strings.Contains(out, "--allow-lower") {
+		t.Errorf("provision --update-streams of a shorter max age: %v\n%s; want refused as a lower limit", err, out)
+	}
+	if got := maxAge(); got != 336*time.Hour {
+		t.Errorf("max age %s after a refused lowering", got)
+	}
+	if out, err := run(t, env, "provision", "--update-streams", "--allow-lower"); err != nil {
+		t.Errorf("provision --update-streams --allow-lower: %v\n%s", err, out)
+	}
+	if got := maxAge(); got != 168*time.Hour {
+		t.Errorf("max age %s after an allowed lowering, want 168h", got)
+	}
+	if out, err := run(t, env, "provision", "--allow-lower"); err == nil || !strings.Contains(out, "--allow-lower goes with --update-streams") {
+		t.Errorf("--allow-lower alone: %v\n%s", err, out)
+	}
+}
