@@ -23,6 +23,7 @@ type Metrics struct {
 	slotLagBytes, slotStuckSeconds                                   prometheus.Gauge
 	outboxRanges                                                     prometheus.Gauge
 	outboxRangesDropped                                              prometheus.Counter
+	configDifferences                                                *prometheus.GaugeVec
 }
 
 var _ Observer = (*Metrics)(nil)
@@ -53,8 +54,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		slotStuckSeconds: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "relay", Name: "slot_lag_seconds",
 			Help: "relay.capture wal: how long the replication slot has been behind without its confirmed position moving (0 when it is not behind)."}),
 	}
-	reg.MustRegister(m.claimSeconds, m.slotLagBytes, m.slotStuckSeconds, m.outboxRanges)
+	m.configDifferences = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "relay", Name: "config_differences",
+		Help: "Settings of the live stream (object \"stream <name>\") that differ from fanout's configuration, as of the last check (stream.check_interval): anything above 0 makes the relay not ready."}, []string{"object"})
+	reg.MustRegister(m.claimSeconds, m.slotLagBytes, m.slotStuckSeconds, m.outboxRanges, m.configDifferences)
 	return m
+}
+
+func (m *Metrics) ConfigDifferences(object string, n int) {
+	m.configDifferences.WithLabelValues(object).Set(float64(n))
 }
 
 func (m *Metrics) Claimed(n int, took time.Duration) {

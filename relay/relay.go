@@ -43,6 +43,9 @@ type Observer interface {
 	// confirmed position is behind the server's WAL, and for how long it
 	// has been behind without moving (0 when it is not behind).
 	SlotLag(bytes int64, stuck time.Duration)
+	// ConfigDifferences reports, after each check of the stream, how many
+	// of object's settings differ from fanout's configuration.
+	ConfigDifferences(object string, n int)
 }
 
 // Published describes one row stored in the stream.
@@ -56,14 +59,15 @@ type Published struct {
 // NopObserver ignores everything.
 type NopObserver struct{}
 
-func (NopObserver) Claimed(int, time.Duration)   {}
-func (NopObserver) Published([]Published)        {}
-func (NopObserver) Retried(int)                  {}
-func (NopObserver) Failed(int)                   {}
-func (NopObserver) Reaped(int)                   {}
-func (NopObserver) Deleted(int)                  {}
-func (NopObserver) OutboxRanges(int, int)        {}
-func (NopObserver) SlotLag(int64, time.Duration) {}
+func (NopObserver) Claimed(int, time.Duration)    {}
+func (NopObserver) Published([]Published)         {}
+func (NopObserver) Retried(int)                   {}
+func (NopObserver) Failed(int)                    {}
+func (NopObserver) Reaped(int)                    {}
+func (NopObserver) Deleted(int)                   {}
+func (NopObserver) OutboxRanges(int, int)         {}
+func (NopObserver) SlotLag(int64, time.Duration)  {}
+func (NopObserver) ConfigDifferences(string, int) {}
 
 // Options are the relay's collaborators.
 type Options struct {
@@ -119,6 +123,9 @@ type Relay struct {
 	partitionsAhead int
 	partitionMargin int64 // see maxPartitionMargin; tests lower it
 	visibility      *visibilityGate
+	// drift is what the live stream's settings differ in from the
+	// configuration, as of the last check (readiness reads it).
+	drift *stream.Drift
 
 	startOnce  sync.Once
 	stopOnce   sync.Once
@@ -178,6 +185,7 @@ func New(opts Options) (*Relay, error) {
 	r.backlogThrough.Store(-1)
 	r.slotCheckEvery = slotCheckInterval
 	r.visibility = &visibilityGate{pool: opts.Pool}
+	r.drift = stream.NewDrift(opts.Logger, obs.ConfigDifferences)
 	return r, nil
 }
 
@@ -203,6 +211,14 @@ func (r *Relay) start(ctx context.Context) error {
 	softCtx, cancelSoft := context.WithCancel(hardCtx)
 	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
 	r.lastClaimed.Store(time.Now().UnixNano())
+	if r.stream.Provision != "off" {
+		r.checkStream(ctx)
+		r.loops.Add(1)
+		go func() {
+			defer r.loops.Done()
+			stream.Watch(softCtx, r.stream.CheckInterval, r.checkStream)
+		}()
+	}
 
 	wal := r.cfg.Capture == CaptureWAL
 	if wal {
@@ -254,6 +270,16 @@ func (r *Relay) start(ctx context.Context) error {
 	return nil
 }
 
+// checkStream compares the live stream with the configuration.
+func (r *Relay) checkStream(ctx context.Context) {
+	s, err := r.js.Stream(ctx, r.stream.Name)
+	if err != nil {
+		r.logger.Debug("stream check: no answer", "stream", r.stream.Name, "error", err)
+		return
+	}
+	r.drift.Set("stream "+r.stream.Name, stream.StreamDifferences(s.CachedInfo().Config, stream.JetStreamConfig(r.stream)))
+}
+
 // Stop claims no more rows, lets the batches in flight finish (their PubAcks
 // arrive and they are marked), and returns. If ctx ends first, the batches
 // are abandoned: their rows stay `sending` until the reaper returns them, and
@@ -298,6 +324,9 @@ func (r *Relay) Ready() error {
 	}
 	if r.cancelSoft == nil {
 		return errors.New("relay not started")
+	}
+	if err := r.drift.Err(); err != nil {
+		return err
 	}
 	if r.cfg.Capture == CaptureWAL {
 		return r.walReady()

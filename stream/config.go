@@ -27,11 +27,19 @@ type Config struct {
 	// second publish can follow its first), and not exceed MaxAge.
 	// Default 10m.
 	DuplicateWindow time.Duration `koanf:"duplicate_window"`
-	// Provision is auto (the relay creates or updates the stream, and each
-	// subscriber its consumer), verify (they refuse to start unless the
-	// stream, or the consumer, exists and fits: `fanout provision` made
-	// them), or off (trust other tooling). Default auto.
+	// Provision is auto (the relay creates the stream or brings it to this
+	// configuration, never lowering a limit, and each subscriber its
+	// consumer), verify (they refuse to start unless the stream, or the
+	// consumer, exists and fits: `fanout provision` made them), or off
+	// (trust other tooling). Default auto.
 	Provision string `koanf:"provision"`
+	// CheckInterval is how often the relay and each subscriber compare the
+	// live streams and consumers they depend on with this configuration
+	// (unless Provision is off): a difference in any setting that changes
+	// delivery makes the role not ready, is logged with both values and
+	// counted in fanout_relay_config_differences or
+	// fanout_subscriber_config_differences. Default 1m, > 0.
+	CheckInterval time.Duration `koanf:"check_interval"`
 }
 
 // Defaults.
@@ -43,7 +51,7 @@ const (
 // DefaultConfig returns the stream's defaults.
 func DefaultConfig() Config {
 	return Config{Name: DefaultName, SubjectPrefix: DefaultSubjectPrefix, Replicas: 1, MaxAge: 168 * time.Hour,
-		MaxBytes: -1, DuplicateWindow: 10 * time.Minute, Provision: "auto"}
+		MaxBytes: -1, DuplicateWindow: 10 * time.Minute, Provision: "auto", CheckInterval: time.Minute}
 }
 
 // Validate checks the stream.* keys, alone and together, naming each key
@@ -68,6 +76,7 @@ func (s Config) Validate() error {
 		v.Bad("stream.duplicate_window", "(%s) must not be longer than stream.max_age (%s): JetStream refuses such a stream", s.DuplicateWindow, s.MaxAge)
 	}
 	v.OneOf("stream.provision", s.Provision, "auto", "verify", "off")
+	v.Positive("stream.check_interval", s.CheckInterval)
 	return v.Err()
 }
 

@@ -21,6 +21,7 @@ type Metrics struct {
 	dependencyUp                    *prometheus.GaugeVec
 	outages, outageSeconds          *prometheus.CounterVec
 	stalled                         *prometheus.GaugeVec
+	configDifferences               *prometheus.GaugeVec
 	stages                          *metrics.StageRecorder
 }
 
@@ -52,7 +53,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m.stalled = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "stalled",
 		Help: "1 while the subscriber is stalled: events wait and it settled none for subscribers.stall_after (it is not ready, and logs why)."},
 		[]string{"subscriber"})
-	reg.MustRegister(m.seconds, m.dependencyUp, m.outages, m.outageSeconds, m.stalled)
+	m.configDifferences = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "config_differences",
+		Help: "Settings of a live stream or of the subscriber's consumer (object) that differ from fanout's configuration, as of the last check (stream.check_interval): anything above 0 makes the subscriber not ready."},
+		[]string{"subscriber", "object"})
+	reg.MustRegister(m.seconds, m.dependencyUp, m.outages, m.outageSeconds, m.stalled, m.configDifferences)
 	return m
 }
 
@@ -72,6 +76,10 @@ func (m *Metrics) DependencyDown(s, dep string) {
 func (m *Metrics) DependencyUp(s, dep string, down time.Duration) {
 	m.dependencyUp.WithLabelValues(s, dep).Set(1)
 	m.outageSeconds.WithLabelValues(s, dep).Add(down.Seconds())
+}
+
+func (m *Metrics) ConfigDifferences(s, object string, n int) {
+	m.configDifferences.WithLabelValues(s, object).Set(float64(n))
 }
 
 func (m *Metrics) Stalled(s string, stalled bool) {

@@ -29,6 +29,10 @@ type Observer interface {
 	// Timed reports, for events just handled, when each passed each stage
 	// of its way.
 	Timed(subscriber string, events []EventTimes)
+	// ConfigDifferences reports, after each check, how many of object's
+	// settings (a stream or the subscriber's consumer) differ from
+	// fanout's configuration.
+	ConfigDifferences(subscriber, object string, n int)
 }
 
 // EventTimes are when one event passed each stage of its way to a
@@ -54,3 +58,4 @@ func (NopObserver) DependencyDown(string, string)              {}
 func (NopObserver) DependencyUp(string, string, time.Duration) {}
 func (NopObserver) Timed(string, []EventTimes)                 {}
 func (NopObserver) Stalled(string, bool)                       {}
+func (NopObserver) ConfigDifferences(string, string, int)      {}

@@ -51,6 +51,9 @@ type Runner struct {
 	iter    jetstream.MessagesContext
 	health  *health
 	stall   stallWatch
+	// drift is what the live streams and the consumer differ in from the
+	// configuration, as of the last check (readiness reads it).
+	drift   *stream.Drift
 	workers sync.WaitGroup
 	loops   sync.WaitGroup
 	// exclusive: a suspect (an event whose earlier attempt died with its
@@ -83,6 +86,7 @@ func New(opts Options) (*Runner, error) {
 	if r.obs == nil {
 		r.obs = NopObserver{}
 	}
+	r.drift = stream.NewDrift(r.logger, func(object string, n int) { r.obs.ConfigDifferences(r.name, object, n) })
 	// The handler's kind was chosen where it was made (Tx or Each).
 	r.txH, r.eventH = h.tx, h.each
 	r.ordered = h.Ordered()
@@ -116,15 +120,15 @@ func (r *Runner) start(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
-	stream, err := r.waitForStream(ctx)
+	events, err := r.waitForStream(ctx)
 	if err != nil {
 		return fmt.Errorf("subscriber %s: stream %s: %w", r.name, r.opts.Stream.Name, err)
 	}
-	r.stream = stream
+	r.stream = events
 	var cons jetstream.Consumer
 	err = jsretry.Do(ctx, r.logger, "provision the consumer", func() error {
 		var err error
-		cons, err = ensureConsumer(ctx, stream, ConsumerConfig(r.opts.Handler.Name(), r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream), r.opts.Stream.Provision)
+		cons, err = ensureConsumer(ctx, events, ConsumerConfig(r.opts.Handler.Name(), r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream), r.opts.Stream.Provision)
 		return err
 	})
 	if err != nil {
@@ -156,6 +160,14 @@ func (r *Runner) start(ctx context.Context) error {
 	var finished chan []*delivery
 	if inOrder {
 		finished = make(chan []*delivery, r.cfg.Concurrency)
+	}
+	if r.opts.Stream.Provision != "off" {
+		r.checkConfig(ctx)
+		r.loops.Add(1)
+		go func() {
+			defer r.loops.Done()
+			stream.Watch(softCtx, r.opts.Stream.CheckInterval, r.checkConfig)
+		}()
 	}
 	r.stall.finished() // the clock starts now
 	if r.cfg.StallAfter > 0 {
@@ -230,7 +242,34 @@ func (r *Runner) Ready() error {
 	if err := r.health.ready(); err != nil {
 		return err
 	}
+	if err := r.drift.Err(); err != nil {
+		return fmt.Errorf("subscriber %s: %w", r.name, err)
+	}
 	return r.stall.err()
+}
+
+// checkConfig compares the live streams and the subscriber's consumer with
+// the configuration. A check that gets no answer changes nothing.
+func (r *Runner) checkConfig(ctx context.Context) {
+	want := map[string]jetstream.StreamConfig{r.opts.Stream.Name: stream.JetStreamConfig(r.opts.Stream)}
+	if r.cfg.DeadLetterProvision != "off" {
+		want[r.cfg.DeadLetterStream] = DeadLetterStreamConfig(r.cfg, r.opts.Stream.Replicas)
+	}
+	for name, sc := range want {
+		s, err := r.js.Stream(ctx, name)
+		if err != nil {
+			r.logger.Debug("stream check: no answer", "stream", name, "error", err)
+			continue
+		}
+		r.drift.Set("stream "+name, stream.StreamDifferences(s.CachedInfo().Config, sc))
+	}
+	c, err := r.stream.Consumer(ctx, r.name)
+	if err != nil {
+		r.logger.Debug("consumer check: no answer", "consumer", r.name, "error", err)
+		return
+	}
+	cc := ConsumerConfig(r.name, r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream)
+	r.drift.Set("consumer "+r.name, ConsumerDifferences(c.CachedInfo().Config, cc))
 }
 
 // checkStore makes sure, at start, that the subscriber may write its own

@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +13,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // Readiness says whether this relay can do its work, from its own state:
@@ -73,4 +76,90 @@ VALUES ('product', '1', 'product.updated', '{}', 12, 'no PubAck within relay.pub
 	if out, err := hc.CombinedOutput(); err != nil || !strings.Contains(string(out), "ready") {
 		t.Errorf("fanout healthcheck on a ready relay: %v %s", err, out)
 	}
+}
+
+// The relay and a subscriber check the live stream and consumer against
+// the configuration (stream.check_interval): a setting changed behind
+// their back (invoicing's consumer delivering each event once, the stream
+// keeping fewer messages) makes them not ready, names the field and both
+// values in the log and in /readyz, and counts in a metric; restored, they
+// are ready again.
+func TestRolesReportASettingChangedBehindTheirBack(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	ns := natstest.Start(t)
+	env := []string{"FANOUT_POSTGRES_URL=" + db.URL, "FANOUT_NATS_URL=" + ns.URL, "FANOUT_LOG_FORMAT=json", "FANOUT_HTTP_ADDR=127.0.0.1:0",
+		"FANOUT_STREAM_CHECK_INTERVAL=200ms"}
+	relayProc := start(t, env, "relay")
+	subs := start(t, env, "subscribe", "invoicing")
+	subs.waitStarted(t, "invoicing")
+	ready := func(p *process, want int, contains string) {
+		t.Helper()
+		subscribertest.WaitFor(t, 15*time.Second, "readiness "+strconv.Itoa(want), func() (bool, string) {
+			code, body := get(t, p.opsAddr(t), "/readyz")
+			return code == want && strings.Contains(body, contains), body
+		})
+	}
+	ready(relayProc, 200, "")
+	ready(subs, 200, "")
+
+	js, err := jetstream.New(ns.Connect(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	s, err := js.Stream(ctx, "EVENTS")
+	if err != nil {
+		t.Fatal(err)
+	}
+	orig := s.CachedInfo().Config
+	changed := orig
+	changed.MaxMsgs = 1_000_000
+	if _, err := js.UpdateStream(ctx, changed); err != nil {
+		t.Fatal(err)
+	}
+	c, err := js.Consumer(ctx, "EVENTS", "invoicing")
+	if err != nil {
+		t.Fatal(err)
+	}
+	origCons := c.CachedInfo().Config
+	changedCons := origCons
+	changedCons.MaxDeliver = 1
+	if _, err := js.UpdateConsumer(ctx, "EVENTS", changedCons); err != nil {
+		t.Fatal(err)
+	}
+	ready(relayProc, 503, "stream EVENTS: max_msgs is 1000000, fanout's configuration says unlimited")
+	ready(subs, 503, "consumer invoicing: max_deliver is 1, fanout's configuration says unlimited")
+	ready(subs, 503, "stream EVENTS: max_msgs is 1000000")
+	for _, c := range []struct {
+		p             *process
+		metric, field string
+	}{
+		{relayProc, `fanout_relay_config_differences{object="stream EVENTS"} 1`, "max_msgs"},
+		{subs, `fanout_subscriber_config_differences{object="consumer invoicing",subscriber="invoicing"} 1`, "max_deliver"},
+	} {
+		if _, body := get(t, c.p.opsAddr(t), "/metrics"); !strings.Contains(body, c.metric) {
+			t.Errorf("metrics lack %s", c.metric)
+		}
+		logged := false
+		for _, line := range strings.Split(c.p.output(), "\n") {
+			var l map[string]any
+			if json.Unmarshal([]byte(line), &l) == nil && l["field"] == c.field && l["level"] == "ERROR" && l["have"] != nil && l["want"] != nil {
+				logged = true
+			}
+		}
+		if !logged {
+			t.Errorf("no log line names %s with both values:\n%s", c.field, c.p.output())
+		}
+	}
+
+	if _, err := js.UpdateStream(ctx, orig); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.UpdateConsumer(ctx, "EVENTS", origCons); err != nil {
+		t.Fatal(err)
+	}
+	ready(relayProc, 200, "")
+	ready(subs, 200, "")
 }
