@@ -37,10 +37,15 @@ type File struct {
 // Files are the files fanout derives, in the order they are written.
 var Files = []File{
 	{Name: "nats-config", Path: "nats/nats-server.conf", Mode: 0o644, tmpl: "nats-server.conf.tmpl"},
+	{Name: "nats-cluster-config", Path: "nats/cluster.conf", Mode: 0o644, tmpl: "cluster.conf.tmpl"},
 	{Name: "postgres-roles", Path: "postgres/roles.sql", Mode: 0o644, tmpl: "roles.sql.tmpl"},
 	{Name: "compose", Path: "compose.yaml", Mode: 0o644, tmpl: "compose.yaml.tmpl"},
 	{Name: "secrets-script", Path: "secrets/generate.sh", Mode: 0o755, tmpl: "generate.sh.tmpl"},
 }
+
+// sharedTemplates holds the parts several files share (both NATS
+// configurations' accounts and users).
+const sharedTemplates = "nats-accounts.conf.tmpl"
 
 // Lookup returns the file called name.
 func Lookup(name string) (File, error) {
@@ -101,7 +106,7 @@ func newData(decls []subscribers.Declaration) data {
 // Render returns f's content for the subscribers decls.
 func (f File) Render(decls []subscribers.Declaration) ([]byte, error) {
 	t, err := template.New(f.tmpl).Funcs(template.FuncMap{"join": strings.Join}).
-		Option("missingkey=error").ParseFS(templates, "templates/"+f.tmpl)
+		Option("missingkey=error").ParseFS(templates, "templates/"+f.tmpl, "templates/"+sharedTemplates)
 	if err != nil {
 		return nil, err
 	}

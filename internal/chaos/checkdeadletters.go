@@ -33,7 +33,7 @@ type deadLetter struct {
 
 // deadLetters reads the whole DEADLETTER stream.
 func (r *run) deadLetters(ctx context.Context) ([]deadLetter, error) {
-	s, err := r.js.Stream(ctx, "DEADLETTER")
+	s, err := r.jsDL.Stream(ctx, "DEADLETTER")
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil, nil
 	}

@@ -267,13 +267,14 @@ func (r *run) searchDown(ctx context.Context, d time.Duration) {
 // every dead-letter publish finds no stream (and its messages stay), and
 // plants a poison order right then: it must wait, unacked, and arrive once
 // the stream is back. A subscriber that restarts meanwhile re-applies the
-// stream's configuration, so the fault re-applies its own every second.
+// stream's configuration (with subscribers.dead_letter_provision auto, on
+// the single server), so the fault re-applies its own every second.
 func (r *run) deadLettersDown(ctx context.Context, d time.Duration) {
 	r.locks.deadLetters.Lock()
 	defer r.locks.deadLetters.Unlock()
 	var orig jetstream.StreamConfig
 	err := tryEverySecond(func() bool { return ctx.Err() != nil }, func(ictx context.Context) error {
-		s, err := r.js.Stream(ictx, "DEADLETTER")
+		s, err := r.jsDL.Stream(ictx, "DEADLETTER")
 		if err == nil {
 			orig = s.CachedInfo().Config
 		}
@@ -287,7 +288,7 @@ func (r *run) deadLettersDown(ctx context.Context, d time.Duration) {
 	park := func() {
 		uctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		if _, err := r.js.UpdateStream(uctx, parked); err != nil {
+		if _, err := r.jsDL.UpdateStream(uctx, parked); err != nil {
 			r.o.Logf("chaos: park the dead-letter stream: %v", err)
 		}
 	}
@@ -302,7 +303,7 @@ func (r *run) deadLettersDown(ctx context.Context, d time.Duration) {
 	}
 	deadline := time.Now().Add(time.Minute)
 	if err := tryEverySecond(func() bool { return time.Now().After(deadline) }, func(uctx context.Context) error {
-		_, err := r.js.UpdateStream(uctx, orig)
+		_, err := r.jsDL.UpdateStream(uctx, orig)
 		return err
 	}); err != nil {
 		r.report.violate("setup", "the dead-letter stream could not be restored: "+err.Error())

@@ -2,12 +2,16 @@ package chaos
 
 import (
 	"context"
+	crand "crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -107,7 +111,13 @@ type run struct {
 	alias     string
 	roles     []*Role
 	admin     *nats.Conn
-	js        jetstream.JetStream
+	js        jetstream.JetStream // stream EVENTS, as its administrator
+	adminDL   *nats.Conn
+	jsDL      jetstream.JetStream // stream DEADLETTER, as its administrator
+	// passwords of the cluster's users (the rendered cluster.conf
+	// authenticates every client and route); nil on the single server,
+	// which has no authentication.
+	passwords map[string]string
 	logDir    string
 	report    *Report
 	planted   *planted
@@ -181,7 +191,8 @@ func (r *run) setup() {
 	r.pg = pgtest.StartServer(t)
 	r.db = r.pg.NewDB(t)
 	if r.o.Cluster {
-		r.nats = startCluster(t)
+		r.passwords = clusterPasswords(t)
+		r.nats = startCluster(t, r.passwords)
 	} else {
 		r.nats = []*natstest.Server{natstest.Start(t)}
 	}
@@ -215,11 +226,10 @@ func (r *run) setup() {
 	for _, s := range r.nats {
 		directURLs = append(directURLs, s.URL)
 	}
-	if r.admin, err = nats.Connect(strings.Join(directURLs, ","), nats.MaxReconnects(-1), nats.ReconnectWait(200*time.Millisecond)); err != nil {
-		t.Fatal(err)
-	}
-	if r.js, err = jetstream.New(r.admin); err != nil {
-		t.Fatal(err)
+	r.admin, r.js = r.adminConn(directURLs, "admin")
+	r.adminDL, r.jsDL = r.admin, r.js
+	if r.passwords != nil {
+		r.adminDL, r.jsDL = r.adminConn(directURLs, "admin_deadletter")
 	}
 
 	replicas := "1"
@@ -253,6 +263,13 @@ func (r *run) setup() {
 		// Slot names are cluster-wide; the run's database is its own.
 		env = append(env, "FANOUT_RELAY_CAPTURE=wal", "FANOUT_RELAY_SLOT="+r.db.Name)
 	}
+	if r.passwords != nil {
+		// As in production: `fanout provision` as the provisioner makes
+		// the streams and consumers, and every role only checks them, each
+		// as its own user.
+		env = append(env, "FANOUT_STREAM_PROVISION=verify", "FANOUT_SUBSCRIBERS_DEAD_LETTER_PROVISION=verify")
+		r.provision(env)
+	}
 	// The relay first (it creates the stream), then the subscribers.
 	specs := [][]string{{"relay-1", "relay"}, {"relay-2", "relay"}}
 	for _, name := range r.subscriberNames() {
@@ -265,7 +282,7 @@ func (r *run) setup() {
 		}
 	}
 	for _, spec := range specs {
-		role, err := newRole(spec[0], r.o.Binary, r.logDir, env, spec[1:]...)
+		role, err := newRole(spec[0], r.o.Binary, r.logDir, r.asUser(env, spec), spec[1:]...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -282,7 +299,7 @@ func (r *run) setup() {
 	}
 }
 
-func startCluster(t *testing.T) []*natstest.Server {
+func startCluster(t *testing.T, passwords map[string]string) []*natstest.Server {
 	root, err := repo.Root()
 	if err != nil {
 		t.Fatal(err)
@@ -290,7 +307,7 @@ func startCluster(t *testing.T) []*natstest.Server {
 	// Ports found free may be taken before the nodes bind them (tests in
 	// other packages start servers at the same time): try other ports.
 	for range 3 {
-		servers, err := tryCluster(t, root)
+		servers, err := tryCluster(t, root, passwords)
 		if err == nil {
 			for _, s := range servers {
 				t.Cleanup(s.Kill)
@@ -311,8 +328,10 @@ func startCluster(t *testing.T) []*natstest.Server {
 	return nil
 }
 
-// tryCluster starts three nodes on ports found free.
-func tryCluster(t *testing.T, root string) ([]*natstest.Server, error) {
+// tryCluster starts three nodes on ports found free, with the rendered
+// cluster.conf: its users and their passwords, and routes that present the
+// route password.
+func tryCluster(t *testing.T, root string, passwords map[string]string) ([]*natstest.Server, error) {
 	ports := make([]int, 6)
 	for i := range ports {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -330,16 +349,24 @@ func tryCluster(t *testing.T, root string) ([]*natstest.Server, error) {
 		go func() {
 			defer wg.Done()
 			dir := t.TempDir()
+			route := func(port int) string {
+				return "nats://" + routeUser + ":" + passwords[routeUser] + "@127.0.0.1:" + strconv.Itoa(port)
+			}
+			env := []string{
+				"FANOUT_NATS_NODE=n" + strconv.Itoa(i+1),
+				"FANOUT_NATS_CLUSTER_PORT=" + strconv.Itoa(ports[3+i]),
+				"FANOUT_NATS_ROUTE_1=" + route(ports[3]),
+				"FANOUT_NATS_ROUTE_2=" + route(ports[4]),
+				"FANOUT_NATS_ROUTE_3=" + route(ports[5]),
+			}
+			for user, pw := range passwords {
+				env = append(env, "FANOUT_NATS_"+strings.ToUpper(user)+"_PASSWORD="+pw)
+			}
 			servers[i], errs[i] = natstest.StartServer(dir,
 				natstest.WithPort(ports[i]),
 				natstest.WithArgs("-c", filepath.Join(root, "deploy/nats/cluster.conf")),
-				natstest.WithEnv(
-					"FANOUT_NATS_NODE=n"+strconv.Itoa(i+1),
-					"FANOUT_NATS_CLUSTER_PORT="+strconv.Itoa(ports[3+i]),
-					"FANOUT_NATS_ROUTE_1=nats://127.0.0.1:"+strconv.Itoa(ports[3]),
-					"FANOUT_NATS_ROUTE_2=nats://127.0.0.1:"+strconv.Itoa(ports[4]),
-					"FANOUT_NATS_ROUTE_3=nats://127.0.0.1:"+strconv.Itoa(ports[5]),
-				))
+				natstest.WithEnv(env...),
+				natstest.WithClientOptions(nats.UserInfo("admin", passwords["admin"])))
 		}()
 	}
 	wg.Wait()
@@ -525,6 +552,9 @@ func (r *run) teardown() {
 	if r.admin != nil {
 		r.admin.Close()
 	}
+	if r.adminDL != nil && r.adminDL != r.admin {
+		r.adminDL.Close()
+	}
 }
 
 // pool is the chaos driver's Postgres.
@@ -542,4 +572,75 @@ func tailFile(path string, n int) string {
 	}
 	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// routeUser is the user every route of the cluster presents.
+const routeUser = "route"
+
+// clusterPasswords makes a password for each user of cluster.conf: fanout's
+// roles, a user per subscriber, the streams' administrators, and the
+// routes.
+func clusterPasswords(t *testing.T) map[string]string {
+	users := append([]string{"relay", "provisioner", "operator", "admin", "admin_deadletter", routeUser}, registry.Default.Names()...)
+	pw := map[string]string{}
+	for _, u := range users {
+		b := make([]byte, 16)
+		if _, err := crand.Read(b); err != nil {
+			t.Fatal(err)
+		}
+		pw[u] = "p" + hex.EncodeToString(b) // a letter first: the server parses it as a string
+	}
+	return pw
+}
+
+// adminConn connects as user (a stream's administrator) to the nodes
+// directly, with the user's password when the cluster authenticates.
+func (r *run) adminConn(urls []string, user string) (*nats.Conn, jetstream.JetStream) {
+	opts := []nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(200 * time.Millisecond)}
+	if r.passwords != nil {
+		opts = append(opts, nats.UserInfo(user, r.passwords[user]))
+	}
+	nc, err := nats.Connect(strings.Join(urls, ","), opts...)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return nc, js
+}
+
+// asUser returns env for the role spec ({name, command, args...}) with the
+// NATS user its command runs as, when the cluster authenticates.
+func (r *run) asUser(env []string, spec []string) []string {
+	if r.passwords == nil {
+		return env
+	}
+	user := spec[1] // relay
+	if spec[1] == "subscribe" {
+		user = spec[2]
+	}
+	return append(slices.Clone(env), "FANOUT_NATS_USER="+user, "FANOUT_NATS_PASSWORD="+r.passwords[user])
+}
+
+// provision runs `fanout provision` as the provisioner until it succeeds
+// (the cluster may still be electing its leader).
+func (r *run) provision(env []string) {
+	env = append(slices.Clone(env), "FANOUT_NATS_USER=provisioner", "FANOUT_NATS_PASSWORD="+r.passwords["provisioner"])
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		cmd := exec.CommandContext(ctx, r.o.Binary, "provision")
+		cmd.Env = env
+		out, err := cmd.CombinedOutput()
+		cancel()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("fanout provision as provisioner: %v\n%s", err, out)
+		}
+		time.Sleep(time.Second)
+	}
 }
