@@ -99,8 +99,7 @@ func TestChaosSelfTest(t *testing.T) {
 		// ones, some of which fail and are retried: out of order.
 		{"relay-unordered", relay.CapturePoll, []string{"relay"}, "each aggregate's events enter the stream in commit order"},
 		// An ordered subscriber run unordered, with events failing for a
-		// few seconds:
-		// an order's transitions applied out of order.
+		// few seconds: an order's transitions applied out of order.
 		{"subscriber-unordered", relay.CapturePoll, []string{"relay"}, "every order's applied history equals its committed history"},
 		// Acked before the commit, then killed: events neither handled
 		// nor dead-lettered.
