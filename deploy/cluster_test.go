@@ -1,9 +1,7 @@
 package deploy_test
 
 import (
-	"encoding/json"
 	"fmt"
-	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,9 +9,11 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
+	"github.com/nats-io/nats.go"
 )
 
 // The cluster configuration's routes authenticate: nodes whose routes
@@ -32,9 +32,9 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 	}
 	routePorts := []int{freePort(t), freePort(t), freePort(t)}
 	type node struct {
-		cmd     *exec.Cmd
-		log     *syncbuf.Buffer
-		monitor int
+		cmd  *exec.Cmd
+		log  *syncbuf.Buffer
+		port int
 	}
 	// cluster starts the three nodes, each soliciting routes to all with
 	// the credentials creds ("user:password@" or "").
@@ -50,8 +50,8 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 			for u, pw := range passwords {
 				env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+pw)
 			}
-			n := &node{log: &syncbuf.Buffer{}, monitor: freePort(t)}
-			n.cmd = exec.Command(bin, "-c", conf, "-a", "127.0.0.1", "-p", strconv.Itoa(freePort(t)), "-m", strconv.Itoa(n.monitor),
+			n := &node{log: &syncbuf.Buffer{}, port: freePort(t)}
+			n.cmd = exec.Command(bin, "-c", conf, "-a", "127.0.0.1", "-p", strconv.Itoa(n.port),
 				"-js", "-sd", filepath.Join(t.TempDir(), "jetstream"))
 			n.cmd.Env = env
 			n.cmd.Stdout, n.cmd.Stderr = n.log, n.log
@@ -63,19 +63,40 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 		}
 		return nodes
 	}
-	routes := func(n *node) int {
-		resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/routez", n.monitor))
+	// crosses reports whether a message published on node from reaches a
+	// subscriber on node to (the same account, EVENTS, as admin): only a
+	// route carries it.
+	crosses := func(from, to *node, within time.Duration) bool {
+		t.Helper()
+		conn := func(n *node) *nats.Conn {
+			var nc *nats.Conn
+			waitFor(t, "a client connection to a node", func() bool {
+				var err error
+				nc, err = nats.Connect("nats://127.0.0.1:"+strconv.Itoa(n.port), nats.UserInfo("admin", passwords["admin"]))
+				return err == nil
+			})
+			return nc
+		}
+		pub, sub := conn(from), conn(to)
+		defer pub.Close()
+		defer sub.Close()
+		got, err := sub.SubscribeSync("cluster.probe")
 		if err != nil {
-			return -1 // not up yet
+			t.Fatal(err)
 		}
-		defer resp.Body.Close()
-		var rz struct {
-			NumRoutes int `json:"num_routes"`
+		if err := sub.Flush(); err != nil {
+			t.Fatal(err)
 		}
-		if json.NewDecoder(resp.Body).Decode(&rz) != nil {
-			return -1
+		deadline := time.Now().Add(within)
+		for time.Now().Before(deadline) {
+			if err := pub.Publish("cluster.probe", nil); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := got.NextMsg(100 * time.Millisecond); err == nil {
+				return true
+			}
 		}
-		return rz.NumRoutes
+		return false
 	}
 	stop := func(nodes []*node) {
 		for _, n := range nodes {
@@ -95,23 +116,16 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 			}
 			return true
 		})
-		for i, n := range nodes {
-			if r := routes(n); r != 0 {
-				t.Errorf("routes presenting %q: node %d has %d routes", creds, i+1, r)
-			}
+		if crosses(nodes[0], nodes[1], 2*time.Second) {
+			t.Errorf("routes presenting %q: a message crossed from node 1 to node 2", creds)
 		}
 		stop(nodes)
 	}
 
 	nodes := cluster("route:" + passwords["route"] + "@")
-	waitFor(t, "the three nodes to route to each other", func() bool {
-		for _, n := range nodes {
-			if routes(n) < 2 {
-				return false
-			}
-		}
-		return true
-	})
+	if !crosses(nodes[0], nodes[1], 20*time.Second) || !crosses(nodes[2], nodes[0], 20*time.Second) {
+		t.Error("with the route password, messages do not cross between the nodes")
+	}
 	for i, n := range nodes {
 		if strings.Contains(n.log.String(), "Authorization Violation") {
 			t.Errorf("node %d refused a route with the route password:\n%s", i+1, n.log.String())

@@ -176,6 +176,13 @@ SELECT id FROM p`).Scan(&productID)
 			t.Errorf("fanout_invoicing deleted %d of cacheinval's checkpoints (%v)", ct.RowsAffected(), err)
 		}
 		denied(t, pool, "fanout_invoicing", `INSERT INTO processed_events (subscriber, event_id) VALUES ('cacheinval', 9)`)
+		// It vouches for its own dead letters only.
+		if _, err := pool.Exec(ctx, `INSERT INTO dead_letters (subscriber, stream_seq, event_id) VALUES ('invoicing', 7, 100)`); err != nil {
+			t.Errorf("fanout_invoicing vouches for its dead letter: %v", err)
+		}
+		denied(t, pool, "fanout_invoicing", `INSERT INTO dead_letters (subscriber, stream_seq, event_id) VALUES ('salesledger', 7, 100)`)
+		denied(t, pool, "fanout_invoicing", `INSERT INTO dead_letter_actions (action, subscriber, stream_seq, outcome, actor) VALUES ('discard', 'invoicing', 7, 'discarded', 'x')`)
+		denied(t, pool, "fanout_invoicing", `SELECT fanout_dead_letter_action('discard', 'invoicing', 100, 7, 'discarded', 'x')`)
 		denied(t, pool, "fanout_invoicing", `UPDATE outbox SET status = 'pending'`)
 		denied(t, pool, "fanout_invoicing", `SELECT * FROM outbox`)
 		denied(t, pool, "fanout_invoicing", `SELECT * FROM brands`)
@@ -234,8 +241,17 @@ SELECT id FROM p`).Scan(&productID)
 		if _, err := store.RetryFailed(ctx); err != nil {
 			t.Errorf("fanout_operator returns failed rows to pending: %v", err)
 		}
-		if _, err := pool.Exec(ctx, `INSERT INTO dead_letter_actions (action, subscriber, stream_seq, outcome, actor) VALUES ('discard', 'invoicing', 1, 'discarded', 'test')`); err != nil {
+		// The audit trail: through the function only, which records who.
+		if _, err := pool.Exec(ctx, `SELECT fanout_dead_letter_action('discard', 'invoicing', 0, 1, 'discarded', 'an injected letter')`); err != nil {
 			t.Errorf("fanout_operator records an action: %v", err)
+		}
+		var actor string
+		if err := pool.QueryRow(ctx, `SELECT actor FROM dead_letter_actions WHERE stream_seq = 1 AND comment = 'an injected letter'`).Scan(&actor); err != nil || actor != "fanout_operator" {
+			t.Errorf("the action's actor: %q (%v), want the session's role fanout_operator", actor, err)
+		}
+		denied(t, pool, "fanout_operator", `INSERT INTO dead_letter_actions (action, subscriber, stream_seq, outcome, actor) VALUES ('discard', 'invoicing', 2, 'discarded', 'someone else')`)
+		if _, err := pool.Exec(ctx, `SELECT fanout_dead_letter_action('discard', 'invoicing', 0, 3, 'discarded', '')`); err == nil || !strings.Contains(err.Error(), "needs a reason") {
+			t.Errorf("fanout_operator discards a letter no subscriber vouches for, without a reason: %v; want refused", err)
 		}
 		if _, err := shop.LoadProducts(ctx, pool, []int64{productID}); err != nil {
 			t.Errorf("fanout_operator reads the catalog: %v", err)

@@ -11,6 +11,7 @@ import (
 	"strconv"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"
@@ -23,6 +24,7 @@ import (
 // that table is what tells a resolved letter from one to resolve).
 type DeadLetters struct {
 	pool   *pgxpool.Pool
+	store  *outbox.Store
 	js     jetstream.JetStream
 	stream jetstream.Stream
 	events stream.Config
@@ -35,7 +37,7 @@ func OpenDeadLetters(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetSt
 	if err != nil {
 		return nil, fmt.Errorf("dead-letter stream %s: %w", subs.DeadLetterStream, err)
 	}
-	return &DeadLetters{pool: pool, js: js, stream: s, events: events, subs: subs}, nil
+	return &DeadLetters{pool: pool, store: outbox.NewStore(pool), js: js, stream: s, events: events, subs: subs}, nil
 }
 
 // Letter is one message of the dead-letter stream.
@@ -56,6 +58,12 @@ type Letter struct {
 	// HeldBy is, for an ordered subscriber's event held behind an earlier
 	// dead-lettered event of its aggregate, that event's id.
 	HeldBy string
+	// Vouched: the subscriber recorded this dead letter in dead_letters,
+	// as its own Postgres role, before publishing it. A letter no
+	// subscriber vouches for was written by someone else (or before
+	// dead_letters existed): its copy of an event is never trusted, and
+	// discarding it takes a reason.
+	Vouched bool
 	// Raw is the stored message.
 	Raw    *jetstream.RawStreamMsg
 	parsed subscribers.DeadLetter
@@ -64,7 +72,8 @@ type Letter struct {
 // resolvedSQL finds the letters an operator resolved: discarded, or
 // redriven with the event handled (or found already handled).
 const resolvedSQL = `
-SELECT DISTINCT ON (stream_seq, subscriber) stream_seq, subscriber, action || ' by ' || actor || ' at ' || to_char(at, 'YYYY-MM-DD"T"HH24:MI:SSOF')
+SELECT DISTINCT ON (stream_seq, subscriber) stream_seq, subscriber,
+       action || ' by ' || actor || coalesce(' (' || nullif(comment, '') || ')', '') || ' at ' || to_char(at, 'YYYY-MM-DD"T"HH24:MI:SSOF')
 FROM dead_letter_actions
 WHERE action = 'discard' OR (action = 'redrive' AND outcome IN ('handled', 'already in the checkpoint'))
 ORDER BY stream_seq, subscriber, at DESC`
@@ -106,6 +115,10 @@ func (d *DeadLetters) List(ctx context.Context, subscriber string) ([]Letter, er
 	if err != nil {
 		return nil, err
 	}
+	vouched, err := vouchedFor(ctx, d.pool)
+	if err != nil {
+		return nil, err
+	}
 	filter := d.subs.DeadLetterSubjectPrefix + ".>"
 	if subscriber != "" {
 		filter = d.subs.DeadLetterSubjectPrefix + "." + subscriber + ".>"
@@ -123,7 +136,7 @@ func (d *DeadLetters) List(ctx context.Context, subscriber string) ([]Letter, er
 		if err != nil {
 			return nil, err
 		}
-		l := d.describe(m)
+		l := d.describe(m, vouched)
 		l.Resolved = resolved[resolvedKey{l.Seq, l.Subscriber}]
 		out = append(out, l)
 		seq = m.Sequence + 1
@@ -141,7 +154,11 @@ func (d *DeadLetters) Get(ctx context.Context, seq uint64) (Letter, error) {
 	if err != nil {
 		return Letter{}, err
 	}
-	l := d.describe(m)
+	vouched, err := vouchedFor(ctx, d.pool)
+	if err != nil {
+		return Letter{}, err
+	}
+	l := d.describe(m, vouched)
 	l.Resolved = resolved[resolvedKey{l.Seq, l.Subscriber}]
 	return l, nil
 }
@@ -157,7 +174,7 @@ func Unresolved(ls []Letter) []Letter {
 	return out
 }
 
-func (d *DeadLetters) describe(m *jetstream.RawStreamMsg) Letter {
+func (d *DeadLetters) describe(m *jetstream.RawStreamMsg, vouched map[vouchKey]bool) Letter {
 	p, err := subscribers.ParseDeadLetter(m, d.subs, d.events)
 	l := Letter{Seq: m.Sequence, Subscriber: p.Subscriber, EventID: m.Header.Get(outbox.EventIDHeader),
 		EventType: m.Header.Get(outbox.EventTypeHeader), Reason: p.Reason, Deliveries: p.Deliveries, At: p.At, parsed: p, Raw: m,
@@ -165,71 +182,165 @@ func (d *DeadLetters) describe(m *jetstream.RawStreamMsg) Letter {
 	if err != nil {
 		l.Refused = err.Error()
 	}
+	eventSeq, _ := strconv.ParseUint(m.Header.Get(subscribers.DeadStreamSeqHeader), 10, 64)
+	l.Vouched = err == nil && vouched[vouchKey{l.Subscriber, eventSeq, p.Event.ID}]
 	return l
 }
 
-// EventOf returns the event a redrive hands to the letter's subscriber: the
-// copy in the events stream, after checking that the letter agrees with it
-// and with itself (a letter is written by its subscriber's own process, and
-// a redrive writes that subscriber's checkpoint: a forged letter must not
-// make it skip a real event). fromLetter trusts the letter's own copy of an
-// event the stream no longer holds.
-func (d *DeadLetters) EventOf(ctx context.Context, l Letter, fromLetter bool) (subscribers.Event, error) {
-	if l.Refused != "" {
-		return subscribers.Event{}, errors.New(l.Refused)
-	}
-	p := l.parsed
-	err := p.Verify(ctx, d.js, d.events)
-	switch {
-	case err == nil:
-		return p.Event, nil
-	case errors.Is(err, jetstream.ErrMsgNotFound) && fromLetter:
-		if omitted := l.Raw.Header.Get(subscribers.DeadBodyOmittedHeader); omitted != "" {
-			return subscribers.Event{}, fmt.Errorf("the dead letter was stored without the event's body (%s bytes) and the stream no longer holds the event", omitted)
-		}
-		return p.Event, nil
-	case errors.Is(err, jetstream.ErrMsgNotFound):
-		return subscribers.Event{}, fmt.Errorf("%w; the events stream no longer holds the event: redrive with --from-letter to trust the dead letter's own copy", err)
-	}
-	return subscribers.Event{}, err
+// vouchKey is one row of dead_letters: a subscriber, the events stream
+// sequence it dead-lettered, and the event id the message carried.
+type vouchKey struct {
+	subscriber string
+	seq        uint64
+	event      int64
 }
 
-// Record notes an operator's action on a letter in dead_letter_actions
-// (append-only: the operator role may not change or delete its rows).
-func (d *DeadLetters) Record(ctx context.Context, action string, l Letter, outcome, actor string) error {
+// vouchedFor reads the dead letters the subscribers vouch for.
+func vouchedFor(ctx context.Context, pool *pgxpool.Pool) (map[vouchKey]bool, error) {
+	rows, err := pool.Query(ctx, `SELECT subscriber, stream_seq, event_id FROM dead_letters`)
+	if err != nil {
+		return nil, fmt.Errorf("read dead_letters: %w", err)
+	}
+	out := map[vouchKey]bool{}
+	var k vouchKey
+	var seq int64
+	_, err = pgx.ForEachRow(rows, []any{&k.subscriber, &seq, &k.event}, func() error {
+		k.seq = uint64(seq)
+		out[k] = true
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read dead_letters: %w", err)
+	}
+	return out, nil
+}
+
+// EventOf returns the event a redrive hands to the letter's subscriber, and
+// where it was read. Postgres is the truth: while the outbox holds the
+// event's row, the event is read from it (as the relay published it), and
+// the letter must agree with it and with the events stream's copy at the
+// sequence it names, if the stream still holds it; then the stream's copy;
+// and the letter's own copy only with fromLetter, when the event is gone
+// from both (its sequence below the stream's first) and its subscriber
+// vouches for the letter. A redrive writes the subscriber's checkpoint: a
+// forged letter must not make it handle an event nobody wrote, nor skip a
+// real one.
+func (d *DeadLetters) EventOf(ctx context.Context, l Letter, fromLetter bool) (subscribers.Event, string, error) {
+	if l.Refused != "" {
+		return subscribers.Event{}, "", errors.New(l.Refused)
+	}
+	p := l.parsed
+	if p.Event.ID > 0 {
+		row, found, err := d.store.Event(ctx, p.Event.ID)
+		if err != nil {
+			return subscribers.Event{}, "", err
+		}
+		if found {
+			ev, err := d.fromRow(ctx, l, row)
+			return ev, SourceOutbox, err
+		}
+	}
+	err := p.Verify(ctx, d.js, d.events)
+	if err == nil {
+		return p.Event, SourceStream, nil
+	}
+	if !errors.Is(err, jetstream.ErrMsgNotFound) {
+		return subscribers.Event{}, "", err
+	}
+	if !fromLetter {
+		return subscribers.Event{}, "", fmt.Errorf("%w; neither the outbox nor the events stream holds the event any more: redrive with --from-letter to trust the dead letter's own copy", err)
+	}
+	seq, _ := strconv.ParseUint(l.Raw.Header.Get(subscribers.DeadStreamSeqHeader), 10, 64)
+	info, ierr := d.js.Stream(ctx, d.events.Name)
+	if ierr != nil {
+		return subscribers.Event{}, "", ierr
+	}
+	if first := info.CachedInfo().State.FirstSeq; seq >= first {
+		return subscribers.Event{}, "", fmt.Errorf("%w: letter %d names %s sequence %d, which the stream (first sequence %d) should hold but does not: no event ever was there, and the letter's copy is not trusted",
+			subscribers.ErrDeadLetterRefused, l.Seq, d.events.Name, seq, first)
+	}
+	if !l.Vouched {
+		return subscribers.Event{}, "", fmt.Errorf("%w: letter %d: subscriber %s never recorded it in dead_letters, so its copy of the event is not trusted (discard it with a reason)",
+			subscribers.ErrDeadLetterRefused, l.Seq, l.Subscriber)
+	}
+	if omitted := l.Raw.Header.Get(subscribers.DeadBodyOmittedHeader); omitted != "" {
+		return subscribers.Event{}, "", fmt.Errorf("the dead letter was stored without the event's body (%s bytes) and neither the outbox nor the stream holds the event", omitted)
+	}
+	return p.Event, SourceLetter, nil
+}
+
+// Where a redriven event was read from.
+const (
+	SourceOutbox = "the outbox row"
+	SourceStream = "the events stream"
+	SourceLetter = "the dead letter's own copy"
+)
+
+// fromRow reads the letter's event from its outbox row, checking that the
+// letter names it rightly: the subject it was published on, and the
+// stream's copy at the letter's sequence if the stream still holds it.
+func (d *DeadLetters) fromRow(ctx context.Context, l Letter, row outbox.Claimed) (subscribers.Event, error) {
+	msg, err := relay.Message(d.events, row, 0)
+	if err != nil {
+		return subscribers.Event{}, fmt.Errorf("%w: letter %d names event %d, whose outbox row was never publishable (%v)", subscribers.ErrDeadLetterRefused, l.Seq, row.ID, err)
+	}
+	if claimed := l.Raw.Header.Get(subscribers.DeadSubjectHeader); claimed != msg.Subject {
+		return subscribers.Event{}, fmt.Errorf("%w: letter %d names event %d on %s, but its outbox row is %s",
+			subscribers.ErrDeadLetterRefused, l.Seq, row.ID, claimed, msg.Subject)
+	}
+	p := l.parsed
+	if err := p.Verify(ctx, d.js, d.events); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+		return subscribers.Event{}, err
+	}
+	if err := subscribers.Receives(ctx, d.js, d.events, l.Subscriber, msg.Subject); err != nil {
+		return subscribers.Event{}, fmt.Errorf("%w: letter %d: %v", subscribers.ErrDeadLetterRefused, l.Seq, err)
+	}
+	ev, err := subscribers.EventFromParts(msg.Data, msg.Header, msg.Subject, d.events.SubjectPrefix)
+	if err != nil {
+		return subscribers.Event{}, err
+	}
+	ev.StreamSeq, _ = strconv.ParseUint(l.Raw.Header.Get(subscribers.DeadStreamSeqHeader), 10, 64)
+	return ev, nil
+}
+
+// Record notes an operator's action on a letter in dead_letter_actions,
+// through fanout_dead_letter_action (schema migration 00014): the only way
+// the operator role may add to it. It records the session's database role
+// as the actor and comment beside it; a discard there also releases the
+// aggregate an ordered subscriber holds behind the event.
+func (d *DeadLetters) Record(ctx context.Context, action string, l Letter, outcome, comment string) error {
 	id, _ := strconv.ParseInt(l.EventID, 10, 64)
-	_, err := d.pool.Exec(ctx, `
-INSERT INTO dead_letter_actions (action, subscriber, event_id, stream_seq, outcome, actor)
-VALUES ($1, $2, nullif($3, 0), $4, $5, $6)`, action, l.Subscriber, id, int64(l.Seq), outcome, actor)
+	_, err := d.pool.Exec(ctx, `SELECT fanout_dead_letter_action($1, $2, $3, $4, $5, $6)`,
+		action, l.Subscriber, id, int64(l.Seq), outcome, comment)
 	return err
 }
 
 // Discard resolves the unresolved letters among ls without handling them,
-// and returns how many it resolved. A letter that disagrees with itself is
-// refused. The event of an ordered subscriber (ordered says which are)
-// that holds its aggregate releases it: the aggregate moves past the
-// event, and the letters held behind it can be redriven, in order.
-func (d *DeadLetters) Discard(ctx context.Context, ls []Letter, ordered func(subscriber string) bool, actor string) (int, error) {
-	n := 0
+// and returns how many it resolved and why it left the others. A letter no
+// subscriber vouches for (injected, or disagreeing with itself) is
+// discarded only with a reason. The event of an ordered subscriber that
+// holds its aggregate releases it (in the same transaction as the record):
+// the aggregate moves past the event, and the letters held behind it can
+// be redriven, in order.
+func (d *DeadLetters) Discard(ctx context.Context, ls []Letter, reason string) (n int, left []string, err error) {
 	for _, l := range ls {
-		if l.Refused != "" {
-			return n, fmt.Errorf("discard %d: %s", l.Seq, l.Refused)
-		}
 		if l.Resolved != "" {
 			continue
 		}
-		if ordered != nil && ordered(l.Subscriber) && l.HeldBy == "" {
-			id, _ := strconv.ParseInt(l.EventID, 10, 64)
-			if _, err := subscribers.Release(ctx, d.pool, l.Subscriber, id); err != nil {
-				return n, fmt.Errorf("discard %d: %w", l.Seq, err)
+		if !l.Vouched && reason == "" {
+			why := "no subscriber vouches for it"
+			if l.Refused != "" {
+				why = l.Refused
 			}
+			left = append(left, fmt.Sprintf("%d: %s: discarding it takes --reason", l.Seq, why))
+			continue
 		}
-		if err := d.Record(ctx, "discard", l, "discarded", actor); err != nil {
-			return n, err
+		if err := d.Record(ctx, "discard", l, "discarded", reason); err != nil {
+			return n, left, fmt.Errorf("discard %d: %w", l.Seq, err)
 		}
 		n++
 	}
-	return n, nil
+	return n, left, nil
 }
 
 // Redriven is what became of one letter's redrive.
@@ -238,6 +349,8 @@ type Redriven struct {
 	Outcome string // OutcomeHandled, OutcomeAlreadyHandled, or "failed: ..."
 	// Skipped: the letter was resolved already; nothing was done.
 	Skipped bool
+	// Source is where the event handed to the handler was read from.
+	Source string
 	Err     error
 }
 
@@ -245,7 +358,7 @@ type Redriven struct {
 // runner (runnerOf builds it, once per subscriber) and records each attempt.
 // It stops at an error it cannot record; a handler's failure is recorded
 // and reported in the letter's Redriven.
-func (d *DeadLetters) Redrive(ctx context.Context, ls []Letter, runnerOf func(subscriber string) (*subscribers.Runner, error), fromLetter bool, actor string) ([]Redriven, error) {
+func (d *DeadLetters) Redrive(ctx context.Context, ls []Letter, runnerOf func(subscriber string) (*subscribers.Runner, error), fromLetter bool, comment string) ([]Redriven, error) {
 	var out []Redriven
 	for _, l := range ls {
 		if l.Resolved != "" {
@@ -253,7 +366,7 @@ func (d *DeadLetters) Redrive(ctx context.Context, ls []Letter, runnerOf func(su
 			continue
 		}
 		outcome := OutcomeHandled
-		ev, err := d.EventOf(ctx, l, fromLetter)
+		ev, source, err := d.EventOf(ctx, l, fromLetter)
 		if err == nil {
 			var r *subscribers.Runner
 			if r, err = runnerOf(l.Subscriber); err != nil {
@@ -267,10 +380,10 @@ func (d *DeadLetters) Redrive(ctx context.Context, ls []Letter, runnerOf func(su
 		if err != nil {
 			outcome = "failed: " + err.Error()
 		}
-		if rerr := d.Record(ctx, "redrive", l, outcome, actor); rerr != nil {
+		if rerr := d.Record(ctx, "redrive", l, outcome, comment); rerr != nil {
 			return out, fmt.Errorf("record redrive of %d: %w", l.Seq, rerr)
 		}
-		out = append(out, Redriven{Letter: l, Outcome: outcome, Err: err})
+		out = append(out, Redriven{Letter: l, Outcome: outcome, Source: source, Err: err})
 	}
 	return out, nil
 }

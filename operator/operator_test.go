@@ -78,29 +78,35 @@ func TestDeadLettersAndStatus(t *testing.T) {
 		t.Fatalf("invoicing's letters: %d (%v)", len(letters), err)
 	}
 	for i, l := range letters {
-		if l.Refused != "" || l.Resolved != "" || l.EventID != strconv.FormatInt(ids[i], 10) || !strings.Contains(l.Reason, invoicing.ErrUnknownOrder.Error()) {
+		if l.Refused != "" || l.Resolved != "" || l.EventID != strconv.FormatInt(ids[i], 10) || !strings.Contains(l.Reason, invoicing.ErrUnknownOrder.Error()) || !l.Vouched {
 			t.Errorf("letter %d: %+v", i, l)
 		}
 	}
 	forgedLetter := all[3]
-	if forgedLetter.Subscriber != "salesledger" || !strings.Contains(forgedLetter.Refused, "may not speak for another") {
-		t.Errorf("the forged letter: subscriber %q, refused %q", forgedLetter.Subscriber, forgedLetter.Refused)
+	if forgedLetter.Subscriber != "salesledger" || !strings.Contains(forgedLetter.Refused, "may not speak for another") || forgedLetter.Vouched {
+		t.Errorf("the forged letter: subscriber %q, refused %q, vouched %t", forgedLetter.Subscriber, forgedLetter.Refused, forgedLetter.Vouched)
 	}
-	if _, err := dl.Discard(ctx, []operator.Letter{forgedLetter}, nil, "test"); err == nil {
-		t.Error("a forged letter was discarded")
+	// No subscriber vouches for it: it is left without a reason, and does
+	// not stop the others.
+	if n, left, err := dl.Discard(ctx, []operator.Letter{forgedLetter}, ""); err != nil || n != 0 || len(left) != 1 {
+		t.Errorf("discard of the forged letter without a reason: %d discarded, left %v (%v)", n, left, err)
 	}
 
 	// One discarded: resolved, no longer counted.
-	if n, err := dl.Discard(ctx, letters[:1], nil, "ada"); err != nil || n != 1 {
-		t.Fatalf("discard: %d (%v)", n, err)
+	if n, left, err := dl.Discard(ctx, letters[:1], "ada"); err != nil || n != 1 || len(left) != 0 {
+		t.Fatalf("discard: %d, left %v (%v)", n, left, err)
 	}
 	counts, err := operator.Counts(ctx, env.DB.Pool, env.JS, cfg.Subscribers)
 	if err != nil || counts[invoicing.Name] != 2 || counts["salesledger"] != 1 {
 		t.Errorf("counts after a discard: %v (%v), want invoicing 2 and the forged letter's 1", counts, err)
 	}
+	var role string
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT session_user`).Scan(&role); err != nil {
+		t.Fatal(err)
+	}
 	again, err := dl.Get(ctx, letters[0].Seq)
-	if err != nil || !strings.HasPrefix(again.Resolved, "discard by ada at ") {
-		t.Errorf("the discarded letter: resolved %q (%v)", again.Resolved, err)
+	if err != nil || !strings.HasPrefix(again.Resolved, "discard by "+role+" (ada) at ") {
+		t.Errorf("the discarded letter: resolved %q (%v), want by the session's role %s", again.Resolved, err, role)
 	}
 
 	// The orders appear; the other two are redriven to invoicing alone.
@@ -138,13 +144,17 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	if !done[0].Skipped || done[1].Outcome != operator.OutcomeHandled || done[2].Outcome != operator.OutcomeHandled {
 		t.Errorf("redrive outcomes: %+v", done)
 	}
+	// Postgres is the truth: the outbox still holds the events.
+	if done[1].Source != operator.SourceOutbox || done[2].Source != operator.SourceOutbox {
+		t.Errorf("redriven from %q and %q, want %q", done[1].Source, done[2].Source, operator.SourceOutbox)
+	}
 	var invoices int
 	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices WHERE order_id = ANY($1)`, orderIDs).Scan(&invoices); err != nil || invoices != 2 {
 		t.Errorf("invoices after the redrive: %d (%v)", invoices, err)
 	}
 	var actions int
-	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM dead_letter_actions WHERE actor = 'ada'`).Scan(&actions); err != nil || actions != 3 {
-		t.Errorf("audit trail: %d actions by ada (%v), want a discard and two redrives", actions, err)
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM dead_letter_actions WHERE comment = 'ada' AND actor = session_user`).Scan(&actions); err != nil || actions != 3 {
+		t.Errorf("audit trail: %d actions by %s saying ada (%v), want a discard and two redrives", actions, role, err)
 	}
 
 	st, err = operator.ReadStatus(ctx, operator.Sources{Pool: env.DB.Pool, JS: env.JS, Stream: cfg.Stream, Subscribers: cfg.Subscribers, Known: []string{invoicing.Name}})
@@ -155,6 +165,63 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	if st.Stream.Missing || st.Stream.Messages != 3 || i < 0 || st.Subscribers[i].DeadLetters != 0 || st.Subscribers[i].Checkpoint != 2 ||
 		st.Subscribers[i].ConsumerGone || st.Outbox.Sent != 3 {
 		t.Errorf("status: %+v", st)
+	}
+}
+
+// A letter in a subscriber's own name (any holder of its NATS credential
+// can publish one) naming an event that never was: no outbox row, a stream
+// sequence the stream never held. A redrive refuses it, even told to trust
+// the letter; and the audit trail takes no "handled" for an event the
+// subscriber has no checkpoint of.
+func TestAForgedLetterIsNotRedriven(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := subscribertest.NewEnv(t)
+	cfg := env.Config
+	ids := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) { return []outbox.Event{orderEvent(1 << 41)}, nil })
+	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	subscribertest.WaitFor(t, 30*time.Second, "the real dead letter", func() (bool, string) {
+		return len(env.DeadLetters(invoicing.Name)) == 1, ""
+	})
+	env.WaitIdle(invoicing.Name, 15*time.Second)
+	forged := nats.NewMsg(cfg.Subscribers.DeadLetterSubjectPrefix + "." + invoicing.Name + "." + shop.OrderCreated)
+	forged.Data = []byte(`{"order_id": 1, "customer": "forged", "lines": 1}`)
+	forged.Header.Set(subscribers.DeadSubscriberHeader, invoicing.Name)
+	forged.Header.Set(outbox.EventIDHeader, strconv.FormatInt(ids[0]+1000, 10))
+	forged.Header.Set(subscribers.DeadSubjectHeader, cfg.Stream.SubjectPrefix+"."+shop.OrderCreated)
+	forged.Header.Set(subscribers.DeadStreamSeqHeader, "999999")
+	if _, err := env.JS.PublishMsg(ctx, forged); err != nil {
+		t.Fatal(err)
+	}
+	dl, err := operator.OpenDeadLetters(ctx, env.DB.Pool, env.JS, cfg.Stream, cfg.Subscribers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	letters, err := dl.List(ctx, invoicing.Name)
+	if err != nil || len(letters) != 2 {
+		t.Fatalf("letters: %d (%v)", len(letters), err)
+	}
+	real, fake := letters[0], letters[1]
+	if !real.Vouched || fake.Vouched {
+		t.Errorf("vouched: the real letter %t, the forged one %t", real.Vouched, fake.Vouched)
+	}
+	if _, _, err := dl.EventOf(ctx, fake, true); err == nil || !strings.Contains(err.Error(), "should hold but does not") {
+		t.Errorf("the forged letter's event, trusting letters: %v; want refused", err)
+	}
+	runnerOf := func(string) (*subscribers.Runner, error) { return env.NewRunner(subscribers.Tx(invoicing.New()), nil), nil }
+	done, err := dl.Redrive(ctx, []operator.Letter{fake}, runnerOf, true, "")
+	if err != nil || len(done) != 1 || done[0].Err == nil {
+		t.Errorf("redrive of the forged letter: %+v (%v); want it failed", done, err)
+	}
+	var ledger int
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices WHERE order_id = 1`).Scan(&ledger); err != nil || ledger != 0 {
+		t.Errorf("invoices of the forged event: %d (%v)", ledger, err)
+	}
+	// The real letter's event was never handled: recording it as handled
+	// is refused by the database.
+	_, err = env.DB.Pool.Exec(ctx, `SELECT fanout_dead_letter_action('redrive', $1, $2, $3, 'handled', 'lying')`, invoicing.Name, ids[0], int64(real.Seq))
+	if err == nil || !strings.Contains(err.Error(), "has no checkpoint of it") {
+		t.Errorf("a redrive recorded as handled without a checkpoint: %v; want refused", err)
 	}
 }
 

@@ -2,6 +2,8 @@ package outbox
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"strconv"
 	"time"
 
@@ -121,4 +123,25 @@ SET status = 'pending', published_at = NULL, available_at = now(), claimed_at = 
 WHERE (status = 'sent' AND published_at >= $1)
    OR ($2 AND status = 'pending' AND published_at IS NULL AND created_at >= $1)`, since, captured)
 	return ct.RowsAffected(), oldestRetained, err
+}
+
+// Event reads the row of event id as a claim would return it, whatever its
+// status; found is false when the outbox no longer holds it (retention
+// dropped its range). Postgres is the truth about an event: the operator
+// tools redrive from this row while it exists.
+func (s *Store) Event(ctx context.Context, id int64) (row Claimed, found bool, err error) {
+	rows, err := s.pool.Query(ctx, `
+SELECT id, aggregate_type, aggregate_id, event_type, payload, headers, created_at, aggregate_seq
+FROM outbox WHERE id = $1`, id)
+	if err != nil {
+		return Claimed{}, false, fmt.Errorf("read outbox row %d: %w", id, err)
+	}
+	row, err = pgx.CollectExactlyOneRow(rows, scanClaimed)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Claimed{}, false, nil
+	}
+	if err != nil {
+		return Claimed{}, false, fmt.Errorf("read outbox row %d: %w", id, err)
+	}
+	return row, true, nil
 }

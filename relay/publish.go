@@ -90,6 +90,14 @@ func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
 // nothing the relay sends can make the server drop its connection (which
 // would stall every row, not just this one).
 func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
+	return Message(r.stream, rw, maxPayload)
+}
+
+// Message is the NATS message the relay publishes for the outbox row rw
+// into the stream cfg, or why it never can be (see Relay.message): the
+// operator tools read an event from its row through it, exactly as the
+// relay published it.
+func Message(cfg stream.Config, rw outbox.Claimed, maxPayload int64) (*nats.Msg, error) {
 	if err := outbox.ValidEventType(rw.EventType); err != nil {
 		return nil, err
 	}
@@ -107,7 +115,7 @@ func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
 		return nil, err
 	}
 	msg := &nats.Msg{
-		Subject: stream.Subject(r.stream.SubjectPrefix, rw.EventType),
+		Subject: stream.Subject(cfg.SubjectPrefix, rw.EventType),
 		Data:    rw.Payload,
 		Header:  make(nats.Header, len(headers)+8),
 	}
@@ -136,7 +144,7 @@ func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
 	// JetStream's own: the id it drops duplicates by, and the stream the
 	// event must land in (publishAll passes no publish options).
 	set(jetstream.MsgIDHeader, id)
-	set(jetstream.ExpectedStreamHeader, r.stream.Name)
+	set(jetstream.ExpectedStreamHeader, cfg.Name)
 	hdr := msg.Size() - len(msg.Subject) - len(msg.Data)
 	if hdr > math.MaxUint16 {
 		// JetStream refuses a larger header block (error 10097). The

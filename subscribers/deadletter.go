@@ -80,6 +80,10 @@ func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg Con
 // the event stays in hand, unacked, and is tried again when it answers.
 // Nothing is termed before its dead letter has a PubAck.
 func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
+	if err := r.vouch(ctx, d); err != nil {
+		r.health.markDown(DependencyPostgres, err)
+		return false
+	}
 	if err := r.publishDeadLetter(ctx, d.msg.Data(), d.msg.Headers(), d.msg.Subject(), d.ev.StreamSeq, d.ev.Delivery, d.deadReason, d.heldBy); err != nil {
 		r.health.markDown(DependencyDeadLetters, fmt.Errorf("publish a dead letter to stream %s: %w", r.cfg.DeadLetterStream, err))
 		return false
@@ -112,6 +116,24 @@ func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
 	r.logger.Error("event dead-lettered", "event_id", d.ev.ID, "event_type", d.ev.Type, "delivery", d.ev.Delivery, "reason", d.deadReason)
 	return true
 }
+
+// vouch records, as the subscriber's own Postgres role, that it
+// dead-letters the event at d's stream sequence: before the letter exists,
+// so that every letter this subscriber wrote has its row (row-level
+// security lets a role write rows under its own name only), and a letter
+// without one was written by someone else (operator.DeadLetters trusts
+// only a vouched-for letter's copy of an event).
+func (r *Runner) vouch(ctx context.Context, d *delivery) error {
+	ctx, cancel := r.bookkeeping(ctx)
+	defer cancel()
+	_, err := r.opts.Pool.Exec(ctx, vouchSQL, r.name, int64(d.ev.StreamSeq), d.ev.ID)
+	if err != nil {
+		return fmt.Errorf("record the dead letter in dead_letters: %w", err)
+	}
+	return nil
+}
+
+const vouchSQL = `INSERT INTO dead_letters (subscriber, stream_seq, event_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`
 
 // DeadBodyOmittedHeader marks a dead letter stored without the event's
 // body, which was too large to travel with the dead letter's own headers;
@@ -236,21 +258,29 @@ func (dl *DeadLetter) Verify(ctx context.Context, js jetstream.JetStream, stream
 		return fmt.Errorf("%w: letter %d names event %d on %s at %s sequence %d, which holds event %d on %s",
 			ErrDeadLetterRefused, dl.Seq, dl.Event.ID, dl.Raw.Header.Get(DeadSubjectHeader), stream.Name, seq, orig.ID, m.Subject)
 	}
-	cons, err := events.Consumer(ctx, dl.Subscriber)
+	if err := Receives(ctx, js, stream, dl.Subscriber, m.Subject); err != nil {
+		return fmt.Errorf("%w: letter %d: %v", ErrDeadLetterRefused, dl.Seq, err)
+	}
+	orig.StreamSeq = seq
+	dl.Event, dl.Verified = orig, true
+	return nil
+}
+
+// Receives says, from its consumer's filters, whether subscriber receives
+// events on subject (nil), or why not.
+func Receives(ctx context.Context, js jetstream.JetStream, stream stream.Config, subscriber, subject string) error {
+	cons, err := js.Consumer(ctx, stream.Name, subscriber)
 	if err != nil {
-		return fmt.Errorf("%w: letter %d: subscriber %s has no consumer on %s: %v", ErrDeadLetterRefused, dl.Seq, dl.Subscriber, stream.Name, err)
+		return fmt.Errorf("subscriber %s has no consumer on %s: %v", subscriber, stream.Name, err)
 	}
 	cc := cons.CachedInfo().Config
 	filters := cc.FilterSubjects
 	if cc.FilterSubject != "" {
 		filters = append(filters, cc.FilterSubject)
 	}
-	if len(filters) > 0 && !slices.ContainsFunc(filters, func(f string) bool { return SubjectMatches(f, m.Subject) }) {
-		return fmt.Errorf("%w: letter %d names an event on %s, which subscriber %s does not receive (its filters: %v)",
-			ErrDeadLetterRefused, dl.Seq, m.Subject, dl.Subscriber, filters)
+	if len(filters) > 0 && !slices.ContainsFunc(filters, func(f string) bool { return SubjectMatches(f, subject) }) {
+		return fmt.Errorf("it names an event on %s, which subscriber %s does not receive (its filters: %v)", subject, subscriber, filters)
 	}
-	orig.StreamSeq = seq
-	dl.Event, dl.Verified = orig, true
 	return nil
 }
 

@@ -273,10 +273,10 @@ func (r *Runner) checkConfig(ctx context.Context) {
 }
 
 // checkStore makes sure, at start, that the subscriber may write its own
-// rows of processed_events and subscriber_attempts (in a transaction it
-// rolls back). A missing grant or table is a configuration error to be told
-// now, not an outage to be waited out forever; Postgres being unreachable is
-// waited out (as long as ctx allows).
+// rows of processed_events, subscriber_attempts and dead_letters (in a
+// transaction it rolls back). A missing grant or table is a configuration
+// error to be told now, not an outage to be waited out forever; Postgres
+// being unreachable is waited out (as long as ctx allows).
 func (r *Runner) checkStore(ctx context.Context) error {
 	wait := 100 * time.Millisecond
 	for {
@@ -284,6 +284,7 @@ func (r *Runner) checkStore(ctx context.Context) error {
 			b := &pgx.Batch{}
 			b.Queue(`INSERT INTO processed_events (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
 			b.Queue(`INSERT INTO subscriber_attempts (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
+			b.Queue(vouchSQL, r.name, -1, -1)
 			b.Queue(lookupAttemptsSQL, r.name, []int64{-1})
 			if err := tx.SendBatch(ctx, b).Close(); err != nil {
 				return err
@@ -295,7 +296,7 @@ func (r *Runner) checkStore(ctx context.Context) error {
 		}
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01") {
-			return fmt.Errorf("subscriber %s cannot use its rows of processed_events and subscriber_attempts: %w "+
+			return fmt.Errorf("subscriber %s cannot use its rows of processed_events, subscriber_attempts and dead_letters: %w "+
 				"(run `fanout migrate`, then grant its role what deploy/postgres/roles.sql grants)", r.name, err)
 		}
 		if ctx.Err() != nil {

@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"os/user"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -78,13 +76,14 @@ func (e *dlqEnv) targets(ctx context.Context, args []string, subscriber string) 
 	return []operator.Letter{l}, nil
 }
 
-func defaultActor() string {
-	name := "unknown"
-	if u, err := user.Current(); err == nil {
-		name = u.Username
+// comment is what the audit trail records beside the database role that
+// acted (the actor, which the database records itself): the operator's
+// reason, and the deprecated --actor's words if given.
+func comment(reason, actor string) string {
+	if actor != "" {
+		return strings.TrimSpace(reason + " (--actor " + actor + ")")
 	}
-	host, _ := os.Hostname()
-	return name + "@" + host
+	return reason
 }
 
 func dlqCommand(a *app) *cobra.Command {
@@ -92,7 +91,7 @@ func dlqCommand(a *app) *cobra.Command {
 		Use:   "dlq",
 		Short: "List, show, redrive or discard dead letters",
 	}
-	var subscriber, actor string
+	var subscriber, actor, reason string
 	var fromLetter, all bool
 	list := &cobra.Command{
 		Use:   "list",
@@ -179,16 +178,21 @@ process, with the subscriber's checkpoint (an event it already handled is not
 handled twice). No other subscriber sees the event again. On success the
 letter is resolved (the dead-letter stream denies deletes: it stays, marked
 resolved, until it ages out); on failure it stays to be resolved, and the
-error is printed. Every attempt is recorded in the dead_letter_actions table
-with --actor.
+error is printed. Every attempt is recorded in the dead_letter_actions table,
+with the database role that ran it (give each person a login role that is a
+member of fanout_operator) and --reason.
 
 The subscriber is the one whose name the letter is stored under (a
 subscriber may publish dead letters under its own name only); a letter whose
-headers name another is refused. The event handed to the handler is the one
-in the events stream at the sequence the letter names, checked to be the
-same event and one the subscriber receives: a forged letter cannot make a
-subscriber checkpoint, and so skip, an event it never handled. For an event
-the stream no longer holds, --from-letter trusts the letter's own copy.`,
+headers name another is refused. The event handed to the handler is read
+from the truth: its outbox row while the outbox holds it, else the events
+stream at the sequence the letter names, checked to be the same event and one
+the subscriber receives. For an event both have dropped, --from-letter
+trusts the letter's own copy, if its sequence is one the stream has aged out
+and its subscriber vouched for it (it records every letter it writes in
+dead_letters, as its own database role): a forged letter cannot make a
+subscriber handle an event nobody wrote, nor checkpoint one it never
+handled.`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -226,11 +230,15 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 				runners[name] = r
 				return r, nil
 			}
-			done, err := e.Redrive(ctx, ds, runnerOf, fromLetter, actor)
+			done, err := e.Redrive(ctx, ds, runnerOf, fromLetter, comment(reason, actor))
 			failed := 0
 			for _, r := range done {
 				l := r.Letter
-				fmt.Fprintf(cmd.OutOrStdout(), "%d (%s, event %s): %s\n", l.Seq, l.Subscriber, l.EventID, r.Outcome)
+				from := ""
+				if r.Source != "" {
+					from = ", from " + r.Source
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "%d (%s, event %s%s): %s\n", l.Seq, l.Subscriber, l.EventID, from, r.Outcome)
 				if r.Err != nil {
 					failed++
 				}
@@ -245,8 +253,10 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 		},
 	}
 	redrive.Flags().StringVar(&subscriber, "subscriber", "", "redrive every dead letter of this subscriber")
-	redrive.Flags().BoolVar(&fromLetter, "from-letter", false, "for an event the events stream no longer holds (past stream.max_age): trust the dead letter's own copy")
-	redrive.Flags().StringVar(&actor, "actor", defaultActor(), "who is redriving (recorded)")
+	redrive.Flags().BoolVar(&fromLetter, "from-letter", false, "for an event neither the outbox nor the events stream holds any more: trust the dead letter's own copy, if its subscriber vouched for it")
+	redrive.Flags().StringVar(&reason, "reason", "", "why (recorded in the audit trail beside the database role that acts)")
+	redrive.Flags().StringVar(&actor, "actor", "", "who is redriving (recorded as a comment)")
+	_ = redrive.Flags().MarkDeprecated("actor", "the audit trail records the database role that acts; say more with --reason")
 
 	discard := &cobra.Command{
 		Use:   "discard <seq> | --subscriber S",
@@ -263,20 +273,24 @@ the stream no longer holds, --from-letter trusts the letter's own copy.`,
 			if err != nil {
 				return err
 			}
-			ordered := func(name string) bool {
-				decl, err := subscriberRegistry.Lookup(name)
-				return err == nil && decl.Ordered
+			n, left, err := e.Discard(ctx, ds, comment(reason, actor))
+			fmt.Fprintf(cmd.OutOrStdout(), "discarded %d dead letters\n", n)
+			for _, why := range left {
+				fmt.Fprintf(cmd.OutOrStdout(), "left %s\n", why)
 			}
-			n, err := e.Discard(ctx, ds, ordered, actor)
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "discarded %d dead letters\n", n)
+			if len(left) > 0 {
+				return fmt.Errorf("%d dead letters left: no subscriber vouches for them, and discarding them takes --reason", len(left))
+			}
 			return nil
 		},
 	}
 	discard.Flags().StringVar(&subscriber, "subscriber", "", "discard every dead letter of this subscriber")
-	discard.Flags().StringVar(&actor, "actor", defaultActor(), "who is discarding (recorded)")
+	discard.Flags().StringVar(&reason, "reason", "", "why (recorded in the audit trail beside the database role that acts; needed for a letter no subscriber vouches for)")
+	discard.Flags().StringVar(&actor, "actor", "", "who is discarding (recorded as a comment)")
+	_ = discard.Flags().MarkDeprecated("actor", "the audit trail records the database role that acts; say more with --reason")
 
 	cmd.AddCommand(list, show, redrive, discard)
 	return cmd

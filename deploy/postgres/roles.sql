@@ -53,24 +53,24 @@
 --                       pg_notify needs no privilege. The identity column
 --                       needs no USAGE on outbox_id_seq.
 --   fanout_cacheinval: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts; and
+--       and its own rows in subscriber_attempts, dead_letters; and
 --       SELECT ON products, brands, categories, inventory
 --   fanout_fulfilment: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts and subscriber_aggregates; and
+--       and its own rows in subscriber_attempts, dead_letters and subscriber_aggregates; and
 --       SELECT, INSERT, UPDATE ON fulfilment_orders
 --       SELECT, INSERT ON fulfilment_history, fulfilment_violations
 --   fanout_invoicing: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts; and
+--       and its own rows in subscriber_attempts, dead_letters; and
 --       SELECT ON orders, order_lines, products
 --       INSERT ON invoices, invoice_lines
 --       SELECT (id, order_id) ON invoices
 --       USAGE ON SEQUENCE invoice_number_seq
 --   fanout_salesledger: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts; and
+--       and its own rows in subscriber_attempts, dead_letters; and
 --       SELECT ON orders, order_lines
 --       SELECT, INSERT, UPDATE ON product_sales
 --   fanout_searchindex: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts; and
+--       and its own rows in subscriber_attempts, dead_letters; and
 --       SELECT ON products, brands, categories, inventory
 --   fanout_operator     LOGIN. The operator commands (fanout status, dlq,
 --                       outbox, reindex). A member of each subscriber role:
@@ -79,12 +79,15 @@
 --                       catalog as the search indexer does. outbox: SELECT,
 --                       and UPDATE of the bookkeeping columns (retry-failed,
 --                       republish return rows to pending); it cannot write
---                       or change an event. dead_letter_actions: SELECT and
---                       INSERT only: the audit trail is append-only.
+--                       or change an event. dead_letter_actions: SELECT,
+--                       and EXECUTE on fanout_dead_letter_action, the only
+--                       way to add to it (it records the session's role as
+--                       the actor): the audit trail is append-only and says
+--                       who. dead_letters: SELECT.
 --                       relay_capture, outbox_partitions, outbox_default:
 --                       SELECT (fanout status).
 --
--- processed_events and subscriber_attempts have row-level security: each
+-- processed_events, subscriber_attempts and dead_letters have row-level security: each
 -- subscriber role sees and writes only the rows of its own subscriber name
 -- (cacheinval, fulfilment, invoicing, salesledger, searchindex), so one
 -- subscriber cannot skip, replay or dead-letter another's events. The table
@@ -205,7 +208,7 @@ GRANT USAGE ON SCHEMA public
 SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migrated
 FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands', 'categories',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
-                  'invoice_number_seq', 'dead_letter_actions', 'relay_capture',
+                  'invoice_number_seq', 'dead_letter_actions', 'dead_letters', 'relay_capture',
                   'outbox_partitions', 'outbox_default', 'outbox_aggregates', 'subscriber_aggregates',
                   'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
 
@@ -219,7 +222,7 @@ WHERE c.relnamespace = 'public'::regnamespace
   AND c.relkind IN ('r', 'p')
   AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'subscriber_attempts',
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
-                    'invoices', 'invoice_lines', 'dead_letter_actions', 'relay_capture',
+                    'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
                     'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
@@ -230,7 +233,8 @@ FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
 WHERE i.inhparent = 'public.outbox'::regclass AND c.relowner <> 'fanout_migrate'::regrole \gexec
 SELECT format('ALTER FUNCTION %s OWNER TO fanout_migrate', p.oid::regprocedure)
 FROM pg_proc p
-WHERE p.pronamespace = 'public'::regnamespace AND p.proname LIKE 'fanout\_outbox\_%'
+WHERE p.pronamespace = 'public'::regnamespace
+  AND (p.proname LIKE 'fanout\_outbox\_%' OR p.proname = 'fanout_dead_letter_action')
   AND p.proowner <> 'fanout_migrate'::regrole \gexec
 SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
 WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
@@ -313,6 +317,30 @@ DROP POLICY IF EXISTS fanout_fulfilment_aggregates ON subscriber_aggregates;
 CREATE POLICY fanout_fulfilment_aggregates ON subscriber_aggregates TO fanout_fulfilment
     USING (subscriber = 'fulfilment') WITH CHECK (subscriber = 'fulfilment');
 
+-- Subscribers: the events each dead-lettered, vouching for its letters;
+-- restricted to their rows (kept: no UPDATE or DELETE).
+ALTER TABLE dead_letters ENABLE ROW LEVEL SECURITY;
+GRANT SELECT, INSERT ON dead_letters TO fanout_cacheinval;
+DROP POLICY IF EXISTS fanout_cacheinval_dead_letters ON dead_letters;
+CREATE POLICY fanout_cacheinval_dead_letters ON dead_letters TO fanout_cacheinval
+    USING (subscriber = 'cacheinval') WITH CHECK (subscriber = 'cacheinval');
+GRANT SELECT, INSERT ON dead_letters TO fanout_fulfilment;
+DROP POLICY IF EXISTS fanout_fulfilment_dead_letters ON dead_letters;
+CREATE POLICY fanout_fulfilment_dead_letters ON dead_letters TO fanout_fulfilment
+    USING (subscriber = 'fulfilment') WITH CHECK (subscriber = 'fulfilment');
+GRANT SELECT, INSERT ON dead_letters TO fanout_invoicing;
+DROP POLICY IF EXISTS fanout_invoicing_dead_letters ON dead_letters;
+CREATE POLICY fanout_invoicing_dead_letters ON dead_letters TO fanout_invoicing
+    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+GRANT SELECT, INSERT ON dead_letters TO fanout_salesledger;
+DROP POLICY IF EXISTS fanout_salesledger_dead_letters ON dead_letters;
+CREATE POLICY fanout_salesledger_dead_letters ON dead_letters TO fanout_salesledger
+    USING (subscriber = 'salesledger') WITH CHECK (subscriber = 'salesledger');
+GRANT SELECT, INSERT ON dead_letters TO fanout_searchindex;
+DROP POLICY IF EXISTS fanout_searchindex_dead_letters ON dead_letters;
+CREATE POLICY fanout_searchindex_dead_letters ON dead_letters TO fanout_searchindex
+    USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
+
 -- Each subscriber's own grants (its declaration's Grants).
 GRANT SELECT ON products, brands, categories, inventory TO fanout_cacheinval;
 GRANT SELECT, INSERT, UPDATE ON fulfilment_orders TO fanout_fulfilment;
@@ -329,7 +357,13 @@ GRANT SELECT ON products, brands, categories, inventory TO fanout_searchindex;
 GRANT SELECT ON outbox TO fanout_operator;
 GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_token, published_at)
     ON outbox TO fanout_operator;
-GRANT SELECT, INSERT ON dead_letter_actions TO fanout_operator;
+-- The audit trail: read it, and add to it only through the function that
+-- records the session's role (and checks what it records).
+GRANT SELECT ON dead_letter_actions TO fanout_operator;
+GRANT EXECUTE ON FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, text, text) TO fanout_operator;
+GRANT SELECT ON dead_letters TO fanout_operator;
+DROP POLICY IF EXISTS fanout_operator_dead_letters ON dead_letters;
+CREATE POLICY fanout_operator_dead_letters ON dead_letters FOR SELECT TO fanout_operator USING (true);
 GRANT SELECT ON relay_capture TO fanout_operator;
 GRANT SELECT ON outbox_partitions, outbox_default TO fanout_operator;
 -- fanout status counts the ordered subscribers' held aggregates (releasing

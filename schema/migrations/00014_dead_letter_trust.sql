@@ -1,0 +1,66 @@
+-- Dead letters a subscriber's runtime vouches for, and an audit trail that
+-- says who.
+--
+-- dead_letters: a subscriber's runtime records each event it dead-letters,
+-- as its own Postgres role, before it publishes the letter. Row-level
+-- security (deploy/postgres/roles.sql) lets each subscriber's role write
+-- rows under its own name only, so a letter whose row exists was written
+-- by that subscriber: forging one takes its NATS and its Postgres
+-- credentials. The operator tools trust a letter's own copy of an event
+-- only when its row is here (and the truth, the outbox row and the stream,
+-- no longer holds the event).
+--
+-- fanout_dead_letter_action: the only way to add to dead_letter_actions
+-- (roles.sql grants the operator EXECUTE on it and no INSERT on the
+-- table). It records the session's role as the actor (the caller's own
+-- words go in comment); refuses a redrive recorded as handled when the
+-- subscriber has no checkpoint of the event; makes a discard release the
+-- aggregate an ordered subscriber holds behind the event, in the same
+-- transaction; and refuses to discard a letter no subscriber vouches for
+-- without a reason.
+
+-- +goose Up
+CREATE TABLE dead_letters (
+    subscriber text        NOT NULL,
+    stream_seq bigint      NOT NULL,
+    event_id   bigint      NOT NULL, -- 0: the message carried no event id
+    at         timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (subscriber, stream_seq)
+);
+
+ALTER TABLE dead_letter_actions ADD COLUMN comment text NOT NULL DEFAULT '';
+
+-- +goose StatementBegin
+CREATE FUNCTION fanout_dead_letter_action(p_action text, p_subscriber text, p_event_id bigint, p_stream_seq bigint,
+                                          p_outcome text, p_comment text)
+RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = public, pg_temp
+AS $$
+BEGIN
+    IF p_action = 'redrive' AND p_outcome IN ('handled', 'already in the checkpoint')
+       AND NOT EXISTS (SELECT 1 FROM processed_events WHERE subscriber = p_subscriber AND event_id = p_event_id) THEN
+        RAISE EXCEPTION 'redrive of event % recorded as "%", but subscriber % has no checkpoint of it', p_event_id, p_outcome, p_subscriber
+            USING ERRCODE = 'check_violation';
+    END IF;
+    IF p_action = 'discard' THEN
+        IF coalesce(p_comment, '') = ''
+           AND NOT EXISTS (SELECT 1 FROM dead_letters
+                           WHERE subscriber = p_subscriber AND stream_seq = p_stream_seq AND event_id = coalesce(p_event_id, 0)) THEN
+            RAISE EXCEPTION 'letter at stream sequence % is not vouched for by subscriber % (no dead_letters row): a discard of it needs a reason', p_stream_seq, p_subscriber
+                USING ERRCODE = 'check_violation';
+        END IF;
+        UPDATE subscriber_aggregates
+        SET last_seq = held_seq, prev_seq = last_seq, last_event_id = held_by_event, held_by_event = NULL, held_seq = NULL, updated_at = now()
+        WHERE subscriber = p_subscriber AND held_by_event = p_event_id;
+    END IF;
+    INSERT INTO dead_letter_actions (action, subscriber, event_id, stream_seq, outcome, actor, comment)
+    VALUES (p_action, p_subscriber, nullif(p_event_id, 0), p_stream_seq, p_outcome, session_user, coalesce(p_comment, ''));
+END
+$$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, text, text) FROM PUBLIC;
+
+-- +goose Down
+DROP FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, text, text);
+ALTER TABLE dead_letter_actions DROP COLUMN comment;
+DROP TABLE dead_letters;
