@@ -351,7 +351,7 @@ type Redriven struct {
 	Skipped bool
 	// Source is where the event handed to the handler was read from.
 	Source string
-	Err     error
+	Err    error
 }
 
 // Redrive hands each unresolved letter's event to its own subscriber's

@@ -208,7 +208,9 @@ func TestAForgedLetterIsNotRedriven(t *testing.T) {
 	if _, _, err := dl.EventOf(ctx, fake, true); err == nil || !strings.Contains(err.Error(), "should hold but does not") {
 		t.Errorf("the forged letter's event, trusting letters: %v; want refused", err)
 	}
-	runnerOf := func(string) (*subscribers.Runner, error) { return env.NewRunner(subscribers.Tx(invoicing.New()), nil), nil }
+	runnerOf := func(string) (*subscribers.Runner, error) {
+		return env.NewRunner(subscribers.Tx(invoicing.New()), nil), nil
+	}
 	done, err := dl.Redrive(ctx, []operator.Letter{fake}, runnerOf, true, "")
 	if err != nil || len(done) != 1 || done[0].Err == nil {
 		t.Errorf("redrive of the forged letter: %+v (%v); want it failed", done, err)
