@@ -39,6 +39,7 @@ var Files = []File{
 	{Name: "nats-config", Path: "nats/nats-server.conf", Mode: 0o644, tmpl: "nats-server.conf.tmpl"},
 	{Name: "nats-cluster-config", Path: "nats/cluster.conf", Mode: 0o644, tmpl: "cluster.conf.tmpl"},
 	{Name: "postgres-roles", Path: "postgres/roles.sql", Mode: 0o644, tmpl: "roles.sql.tmpl"},
+	{Name: "postgres-hba", Path: "postgres/pg_hba.conf", Mode: 0o644, tmpl: "pg_hba.conf.tmpl"},
 	{Name: "compose", Path: "compose.yaml", Mode: 0o644, tmpl: "compose.yaml.tmpl"},
 	{Name: "secrets-script", Path: "secrets/generate.sh", Mode: 0o755, tmpl: "generate.sh.tmpl"},
 }

@@ -134,6 +134,16 @@ func (s *Server) RestartImmediate() error {
 	return s.pgctl("restart", "-m", "immediate", "-o", s.options())
 }
 
+// SetHBA replaces the server's pg_hba.conf with lines and reloads it. The
+// superuser keeps its trusted local and loopback access, first.
+func (s *Server) SetHBA(lines string) error {
+	hba := "local all postgres trust\nhost all postgres 127.0.0.1/32 trust\n" + lines
+	if err := os.WriteFile(filepath.Join(s.data(), "pg_hba.conf"), []byte(hba), 0o644); err != nil {
+		return err
+	}
+	return s.pgctl("reload")
+}
+
 // Stop stops the server (fast mode).
 func (s *Server) Stop() error { return s.pgctl("stop", "-m", "fast") }
 
