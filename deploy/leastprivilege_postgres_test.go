@@ -250,6 +250,10 @@ SELECT id FROM p`).Scan(&productID)
 			t.Errorf("the action's actor: %q (%v), want the session's role fanout_operator", actor, err)
 		}
 		denied(t, pool, "fanout_operator", `INSERT INTO dead_letter_actions (action, subscriber, stream_seq, outcome, actor) VALUES ('discard', 'invoicing', 2, 'discarded', 'someone else')`)
+		if _, err := pool.Exec(ctx, `SELECT fanout_record_replay('invoicing', 'EVENTS', 1, 'moved', 'test')`); err != nil {
+			t.Errorf("fanout_operator records a replay: %v", err)
+		}
+		denied(t, pool, "fanout_operator", `INSERT INTO replays (subscriber, stream, from_seq, outcome, actor) VALUES ('invoicing', 'EVENTS', 1, 'moved', 'someone else')`)
 		if _, err := pool.Exec(ctx, `SELECT fanout_dead_letter_action('discard', 'invoicing', 0, 3, 'discarded', '')`); err == nil || !strings.Contains(err.Error(), "needs a reason") {
 			t.Errorf("fanout_operator discards a letter no subscriber vouches for, without a reason: %v; want refused", err)
 		}

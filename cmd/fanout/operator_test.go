@@ -236,8 +236,13 @@ func TestOperatorCommands(t *testing.T) {
 
 	// Replay invoicing from the start: it receives its 3 events again and
 	// skips them; the other subscribers are untouched.
-	if out, err := run(t, env, "replay", "invoicing", "--from-seq", "1"); err != nil {
+	if out, err := run(t, env, "replay", "invoicing", "--from-seq", "1", "--reason", "fill a gap"); err != nil {
 		t.Fatalf("replay: %v\n%s", err, out)
+	}
+	// Recorded, with the database role that ran it.
+	var replays int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM replays WHERE subscriber = 'invoicing' AND from_seq = 1 AND outcome = 'moved' AND actor = session_user AND comment = 'fill a gap'`).Scan(&replays); err != nil || replays != 1 {
+		t.Errorf("replays recorded: %d (%v), want the replay", replays, err)
 	}
 	subscribertest.WaitFor(t, 15*time.Second, "invoicing to skip the replayed events", func() (bool, string) {
 		_, body := get(t, subs.opsAddr(t), "/metrics")

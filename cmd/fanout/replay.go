@@ -12,7 +12,7 @@ import (
 )
 
 func replayCommand(a *app) *cobra.Command {
-	var fromTime string
+	var fromTime, reason string
 	var fromSeq uint64
 	cmd := &cobra.Command{
 		Use:   "replay <subscriber> --from-time T | --from-seq N",
@@ -22,7 +22,11 @@ running instances receive the events from there on again. Other subscribers
 are not touched. The subscriber's checkpoint makes this safe: events it already
 handled are acked and skipped, so a replay fills gaps (events lost or skipped)
 without doing anything twice. The consumer must have been created with
-subscribers.start = all or time (the default is all).`,
+subscribers.start = all or time (the default is all).
+
+Every replay is recorded in the replays table, with the database role that
+ran it and --reason (a reset can also move a consumer forward, past events
+the subscriber then never receives: the record says who did).`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := a.load(); err != nil {
@@ -32,6 +36,11 @@ subscribers.start = all or time (the default is all).`,
 				return errors.New("give exactly one of --from-time and --from-seq")
 			}
 			ctx := cmd.Context()
+			pool, err := a.postgres(ctx, "replay")
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
 			nc, js, err := a.jetStream("replay")
 			if err != nil {
 				return err
@@ -53,6 +62,15 @@ subscribers.start = all or time (the default is all).`,
 				}
 			}
 			_, err = js.ResetConsumerToSequence(ctx, a.cfg.Stream.Name, name, seq)
+			outcome := "moved"
+			if err != nil {
+				outcome = "failed: " + err.Error()
+			}
+			// Recorded whatever came of it; a reset that may have
+			// happened and is not recorded is an error to report.
+			if _, rerr := pool.Exec(ctx, `SELECT fanout_record_replay($1, $2, $3, $4, $5)`, name, a.cfg.Stream.Name, int64(seq), outcome, reason); rerr != nil {
+				return fmt.Errorf("subscriber %s: the replay from sequence %d (%s) could not be recorded in the replays table: %w", name, seq, outcome, rerr)
+			}
 			if errors.Is(err, jetstream.ErrConsumerInvalidReset) {
 				return fmt.Errorf("subscriber %s: its consumer's start position does not allow sequence %d (was it created with subscribers.start=new?): %w", name, seq, err)
 			}
@@ -65,6 +83,7 @@ subscribers.start = all or time (the default is all).`,
 	}
 	cmd.Flags().StringVar(&fromTime, "from-time", "", "RFC 3339 time, or a duration ago (e.g. 2h)")
 	cmd.Flags().Uint64Var(&fromSeq, "from-seq", 0, "stream sequence number")
+	cmd.Flags().StringVar(&reason, "reason", "", "why (recorded in the replays table beside the database role that acts)")
 	return cmd
 }
 

@@ -83,7 +83,8 @@
 --                       and EXECUTE on fanout_dead_letter_action, the only
 --                       way to add to it (it records the session's role as
 --                       the actor): the audit trail is append-only and says
---                       who. dead_letters: SELECT.
+--                       who. dead_letters: SELECT. replays: SELECT, and
+--                       EXECUTE on fanout_record_replay, the same way.
 --                       relay_capture, outbox_partitions, outbox_default:
 --                       SELECT (fanout status).
 --
@@ -208,7 +209,7 @@ GRANT USAGE ON SCHEMA public
 SELECT bool_and(to_regclass(format('public.%I', t)) IS NOT NULL) AS fanout_migrated
 FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands', 'categories',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
-                  'invoice_number_seq', 'dead_letter_actions', 'dead_letters', 'relay_capture',
+                  'invoice_number_seq', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                   'outbox_partitions', 'outbox_default', 'outbox_aggregates', 'subscriber_aggregates',
                   'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
 
@@ -222,7 +223,7 @@ WHERE c.relnamespace = 'public'::regnamespace
   AND c.relkind IN ('r', 'p')
   AND c.relname IN ('fanout_schema_version', 'outbox', 'processed_events', 'subscriber_attempts',
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
-                    'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'relay_capture',
+                    'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
                     'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
@@ -234,7 +235,7 @@ WHERE i.inhparent = 'public.outbox'::regclass AND c.relowner <> 'fanout_migrate'
 SELECT format('ALTER FUNCTION %s OWNER TO fanout_migrate', p.oid::regprocedure)
 FROM pg_proc p
 WHERE p.pronamespace = 'public'::regnamespace
-  AND (p.proname LIKE 'fanout\_outbox\_%' OR p.proname = 'fanout_dead_letter_action')
+  AND (p.proname LIKE 'fanout\_outbox\_%' OR p.proname IN ('fanout_dead_letter_action', 'fanout_record_replay'))
   AND p.proowner <> 'fanout_migrate'::regrole \gexec
 SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
 WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
@@ -362,6 +363,9 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
 GRANT SELECT ON dead_letter_actions TO fanout_operator;
 GRANT EXECUTE ON FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, text, text) TO fanout_operator;
 GRANT SELECT ON dead_letters TO fanout_operator;
+-- Replays: recorded the same way.
+GRANT SELECT ON replays TO fanout_operator;
+GRANT EXECUTE ON FUNCTION fanout_record_replay(text, text, bigint, text, text) TO fanout_operator;
 DROP POLICY IF EXISTS fanout_operator_dead_letters ON dead_letters;
 CREATE POLICY fanout_operator_dead_letters ON dead_letters FOR SELECT TO fanout_operator USING (true);
 GRANT SELECT ON relay_capture TO fanout_operator;

@@ -1,5 +1,5 @@
--- Dead letters a subscriber's runtime vouches for, and an audit trail that
--- says who.
+-- Dead letters a subscriber's runtime vouches for, and audit trails (of
+-- dead letters resolved, of replays) that say who.
 --
 -- dead_letters: a subscriber's runtime records each event it dead-letters,
 -- as its own Postgres role, before it publishes the letter. Row-level
@@ -60,7 +60,35 @@ $$;
 -- +goose StatementEnd
 REVOKE ALL ON FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, text, text) FROM PUBLIC;
 
+-- Replays: `fanout replay` moves a subscriber's consumer back (or, as the
+-- same reset allows, forward: the events between are then never
+-- delivered to it). Each one is recorded, the same way, through a function
+-- that names the session's role.
+CREATE TABLE replays (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    subscriber text        NOT NULL,
+    stream     text        NOT NULL,
+    from_seq   bigint      NOT NULL,
+    outcome    text        NOT NULL,
+    actor      text        NOT NULL,
+    comment    text        NOT NULL DEFAULT '',
+    at         timestamptz NOT NULL DEFAULT now()
+);
+
+-- +goose StatementBegin
+CREATE FUNCTION fanout_record_replay(p_subscriber text, p_stream text, p_from_seq bigint, p_outcome text, p_comment text)
+RETURNS void
+LANGUAGE sql SECURITY DEFINER SET search_path = public, pg_temp
+AS $$
+    INSERT INTO replays (subscriber, stream, from_seq, outcome, actor, comment)
+    VALUES (p_subscriber, p_stream, p_from_seq, p_outcome, session_user, coalesce(p_comment, ''));
+$$;
+-- +goose StatementEnd
+REVOKE ALL ON FUNCTION fanout_record_replay(text, text, bigint, text, text) FROM PUBLIC;
+
 -- +goose Down
+DROP FUNCTION fanout_record_replay(text, text, bigint, text, text);
+DROP TABLE replays;
 DROP FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, text, text);
 ALTER TABLE dead_letter_actions DROP COLUMN comment;
 DROP TABLE dead_letters;
