@@ -5,9 +5,11 @@
 package operator
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 
 	"github.com/fanout/fanout/outbox"
@@ -58,12 +60,16 @@ type Letter struct {
 	// HeldBy is, for an ordered subscriber's event held behind an earlier
 	// dead-lettered event of its aggregate, that event's id.
 	HeldBy string
-	// Vouched: the subscriber recorded this dead letter in dead_letters,
-	// as its own Postgres role, before publishing it. A letter no
-	// subscriber vouches for was written by someone else (or before
-	// dead_letters existed): its copy of an event is never trusted, and
-	// discarding it takes a reason.
+	// Vouched: the subscriber recorded this dead letter in dead_letters
+	// (its events stream sequence and event id), as its own Postgres role,
+	// before publishing it. A letter no subscriber vouches for was written
+	// by someone else (or before dead_letters existed): it is never
+	// redriven, and discarding it takes a reason.
 	Vouched bool
+	// Intact: vouched, and the letter's copy of the event (subject, event
+	// headers, body) is the one the subscriber recorded the digest of.
+	// Only an intact letter's copy is ever handed to a handler.
+	Intact bool
 	// Raw is the stored message.
 	Raw    *jetstream.RawStreamMsg
 	parsed subscribers.DeadLetter
@@ -174,7 +180,7 @@ func Unresolved(ls []Letter) []Letter {
 	return out
 }
 
-func (d *DeadLetters) describe(m *jetstream.RawStreamMsg, vouched map[vouchKey]bool) Letter {
+func (d *DeadLetters) describe(m *jetstream.RawStreamMsg, vouched map[vouchKey][]byte) Letter {
 	p, err := subscribers.ParseDeadLetter(m, d.subs, d.events)
 	l := Letter{Seq: m.Sequence, Subscriber: p.Subscriber, EventID: m.Header.Get(outbox.EventIDHeader),
 		EventType: m.Header.Get(outbox.EventTypeHeader), Reason: p.Reason, Deliveries: p.Deliveries, At: p.At, parsed: p, Raw: m,
@@ -182,9 +188,17 @@ func (d *DeadLetters) describe(m *jetstream.RawStreamMsg, vouched map[vouchKey]b
 	if err != nil {
 		l.Refused = err.Error()
 	}
-	eventSeq, _ := strconv.ParseUint(m.Header.Get(subscribers.DeadStreamSeqHeader), 10, 64)
-	l.Vouched = err == nil && vouched[vouchKey{l.Subscriber, eventSeq, p.Event.ID}]
+	digest, ok := vouched[vouchKey{l.Subscriber, eventSeq(m), p.Event.ID}]
+	l.Vouched = err == nil && ok
+	l.Intact = l.Vouched && m.Header.Get(subscribers.DeadBodyOmittedHeader) == "" &&
+		bytes.Equal(digest, subscribers.LetterDigest(m.Data, m.Header, m.Header.Get(subscribers.DeadSubjectHeader)))
 	return l
+}
+
+// eventSeq is the events stream sequence a letter names.
+func eventSeq(m *jetstream.RawStreamMsg) uint64 {
+	seq, _ := strconv.ParseUint(m.Header.Get(subscribers.DeadStreamSeqHeader), 10, 64)
+	return seq
 }
 
 // vouchKey is one row of dead_letters: a subscriber, the events stream
@@ -195,18 +209,20 @@ type vouchKey struct {
 	event      int64
 }
 
-// vouchedFor reads the dead letters the subscribers vouch for.
-func vouchedFor(ctx context.Context, pool *pgxpool.Pool) (map[vouchKey]bool, error) {
-	rows, err := pool.Query(ctx, `SELECT subscriber, stream_seq, event_id FROM dead_letters`)
+// vouchedFor reads the dead letters the subscribers vouch for, with the
+// digest of each one's event.
+func vouchedFor(ctx context.Context, pool *pgxpool.Pool) (map[vouchKey][]byte, error) {
+	rows, err := pool.Query(ctx, `SELECT subscriber, stream_seq, event_id, digest FROM dead_letters`)
 	if err != nil {
 		return nil, fmt.Errorf("read dead_letters: %w", err)
 	}
-	out := map[vouchKey]bool{}
+	out := map[vouchKey][]byte{}
 	var k vouchKey
 	var seq int64
-	_, err = pgx.ForEachRow(rows, []any{&k.subscriber, &seq, &k.event}, func() error {
+	var digest []byte
+	_, err = pgx.ForEachRow(rows, []any{&k.subscriber, &seq, &k.event, &digest}, func() error {
 		k.seq = uint64(seq)
-		out[k] = true
+		out[k] = slices.Clone(digest)
 		return nil
 	})
 	if err != nil {
@@ -216,18 +232,24 @@ func vouchedFor(ctx context.Context, pool *pgxpool.Pool) (map[vouchKey]bool, err
 }
 
 // EventOf returns the event a redrive hands to the letter's subscriber, and
-// where it was read. Postgres is the truth: while the outbox holds the
-// event's row, the event is read from it (as the relay published it), and
-// the letter must agree with it and with the events stream's copy at the
-// sequence it names, if the stream still holds it; then the stream's copy;
-// and the letter's own copy only with fromLetter, when the event is gone
-// from both (its sequence below the stream's first) and its subscriber
-// vouches for the letter. A redrive writes the subscriber's checkpoint: a
-// forged letter must not make it handle an event nobody wrote, nor skip a
-// real one.
+// where it was read. Only a letter its subscriber vouched for is redriven
+// (the subscriber's runtime saw that event at that sequence, and recorded
+// it as its own database role). Postgres is the truth: while the outbox
+// holds the event's row, the event is read from it (as the relay published
+// it), checked against the letter and against the events stream's copy at
+// the sequence the letter names, if the stream still holds it; then the
+// stream's copy; and the letter's own copy only with fromLetter, when the
+// event is gone from both (its sequence below the stream's first) and the
+// letter is intact (its copy is the one its subscriber recorded the digest
+// of). A redrive writes the subscriber's checkpoint: a forged letter must
+// not make it handle an event nobody wrote, nor skip a real one.
 func (d *DeadLetters) EventOf(ctx context.Context, l Letter, fromLetter bool) (subscribers.Event, string, error) {
 	if l.Refused != "" {
 		return subscribers.Event{}, "", errors.New(l.Refused)
+	}
+	if !l.Vouched {
+		return subscribers.Event{}, "", fmt.Errorf("%w: letter %d: subscriber %s never recorded it in dead_letters (it was written by someone else, or before schema migration 00014): it is not redriven; discard it with a reason, and replay the subscriber if the event is one it missed",
+			subscribers.ErrDeadLetterRefused, l.Seq, l.Subscriber)
 	}
 	p := l.parsed
 	if p.Event.ID > 0 {
@@ -247,26 +269,36 @@ func (d *DeadLetters) EventOf(ctx context.Context, l Letter, fromLetter bool) (s
 	if !errors.Is(err, jetstream.ErrMsgNotFound) {
 		return subscribers.Event{}, "", err
 	}
+	if err := d.agedOut(ctx, l); err != nil {
+		return subscribers.Event{}, "", err
+	}
 	if !fromLetter {
 		return subscribers.Event{}, "", fmt.Errorf("%w; neither the outbox nor the events stream holds the event any more: redrive with --from-letter to trust the dead letter's own copy", err)
-	}
-	seq, _ := strconv.ParseUint(l.Raw.Header.Get(subscribers.DeadStreamSeqHeader), 10, 64)
-	info, ierr := d.js.Stream(ctx, d.events.Name)
-	if ierr != nil {
-		return subscribers.Event{}, "", ierr
-	}
-	if first := info.CachedInfo().State.FirstSeq; seq >= first {
-		return subscribers.Event{}, "", fmt.Errorf("%w: letter %d names %s sequence %d, which the stream (first sequence %d) should hold but does not: no event ever was there, and the letter's copy is not trusted",
-			subscribers.ErrDeadLetterRefused, l.Seq, d.events.Name, seq, first)
-	}
-	if !l.Vouched {
-		return subscribers.Event{}, "", fmt.Errorf("%w: letter %d: subscriber %s never recorded it in dead_letters, so its copy of the event is not trusted (discard it with a reason)",
-			subscribers.ErrDeadLetterRefused, l.Seq, l.Subscriber)
 	}
 	if omitted := l.Raw.Header.Get(subscribers.DeadBodyOmittedHeader); omitted != "" {
 		return subscribers.Event{}, "", fmt.Errorf("the dead letter was stored without the event's body (%s bytes) and neither the outbox nor the stream holds the event", omitted)
 	}
+	if !l.Intact {
+		return subscribers.Event{}, "", fmt.Errorf("%w: letter %d: its copy of event %d is not the one subscriber %s recorded (the digest in dead_letters differs): not trusted",
+			subscribers.ErrDeadLetterRefused, l.Seq, p.Event.ID, l.Subscriber)
+	}
 	return p.Event, SourceLetter, nil
+}
+
+// agedOut checks that the stream no longer holding the letter's event is
+// because of its age: the sequence is below the stream's first. A sequence
+// the stream should hold, and does not, never held that event.
+func (d *DeadLetters) agedOut(ctx context.Context, l Letter) error {
+	seq := eventSeq(l.Raw)
+	s, err := d.js.Stream(ctx, d.events.Name)
+	if err != nil {
+		return err
+	}
+	if first := s.CachedInfo().State.FirstSeq; seq >= first {
+		return fmt.Errorf("%w: letter %d names %s sequence %d, which the stream (first sequence %d) should hold but does not: no such event was ever there",
+			subscribers.ErrDeadLetterRefused, l.Seq, d.events.Name, seq, first)
+	}
+	return nil
 }
 
 // Where a redriven event was read from.
@@ -289,7 +321,11 @@ func (d *DeadLetters) fromRow(ctx context.Context, l Letter, row outbox.Claimed)
 			subscribers.ErrDeadLetterRefused, l.Seq, row.ID, claimed, msg.Subject)
 	}
 	p := l.parsed
-	if err := p.Verify(ctx, d.js, d.events); err != nil && !errors.Is(err, jetstream.ErrMsgNotFound) {
+	if err := p.Verify(ctx, d.js, d.events); errors.Is(err, jetstream.ErrMsgNotFound) {
+		if err := d.agedOut(ctx, l); err != nil {
+			return subscribers.Event{}, err
+		}
+	} else if err != nil {
 		return subscribers.Event{}, err
 	}
 	if err := subscribers.Receives(ctx, d.js, d.events, l.Subscriber, msg.Subject); err != nil {
@@ -299,7 +335,7 @@ func (d *DeadLetters) fromRow(ctx context.Context, l Letter, row outbox.Claimed)
 	if err != nil {
 		return subscribers.Event{}, err
 	}
-	ev.StreamSeq, _ = strconv.ParseUint(l.Raw.Header.Get(subscribers.DeadStreamSeqHeader), 10, 64)
+	ev.StreamSeq = eventSeq(l.Raw)
 	return ev, nil
 }
 
@@ -310,8 +346,8 @@ func (d *DeadLetters) fromRow(ctx context.Context, l Letter, row outbox.Claimed)
 // aggregate an ordered subscriber holds behind the event.
 func (d *DeadLetters) Record(ctx context.Context, action string, l Letter, outcome, comment string) error {
 	id, _ := strconv.ParseInt(l.EventID, 10, 64)
-	_, err := d.pool.Exec(ctx, `SELECT fanout_dead_letter_action($1, $2, $3, $4, $5, $6)`,
-		action, l.Subscriber, id, int64(l.Seq), outcome, comment)
+	_, err := d.pool.Exec(ctx, `SELECT fanout_dead_letter_action($1, $2, $3, $4, $5, $6, $7)`,
+		action, l.Subscriber, id, int64(l.Seq), int64(eventSeq(l.Raw)), outcome, comment)
 	return err
 }
 

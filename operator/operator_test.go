@@ -168,12 +168,16 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	}
 }
 
-// A letter in a subscriber's own name (any holder of its NATS credential
-// can publish one) naming an event that never was: no outbox row, a stream
-// sequence the stream never held. A redrive refuses it, even told to trust
-// the letter; and the audit trail takes no "handled" for an event the
-// subscriber has no checkpoint of.
-func TestAForgedLetterIsNotRedriven(t *testing.T) {
+// Letters in a subscriber's own name, as any holder of its NATS
+// credential can publish them: one naming an event that never was (no
+// outbox row, a stream sequence the stream never held), one naming a real
+// event the subscriber never dead-lettered, one naming the subscriber's
+// real dead letter with a changed body. None is handed to the handler as
+// the letter says: the first two are refused, the third redrives the real
+// event from its outbox row. A real letter is discarded without a reason,
+// a forged one only with one; and the audit trail takes no "handled" for an
+// event the subscriber has no checkpoint of.
+func TestForgedLettersAreNotRedriven(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	env := subscribertest.NewEnv(t)
@@ -184,46 +188,86 @@ func TestAForgedLetterIsNotRedriven(t *testing.T) {
 		return len(env.DeadLetters(invoicing.Name)) == 1, ""
 	})
 	env.WaitIdle(invoicing.Name, 15*time.Second)
-	forged := nats.NewMsg(cfg.Subscribers.DeadLetterSubjectPrefix + "." + invoicing.Name + "." + shop.OrderCreated)
-	forged.Data = []byte(`{"order_id": 1, "customer": "forged", "lines": 1}`)
-	forged.Header.Set(subscribers.DeadSubscriberHeader, invoicing.Name)
-	forged.Header.Set(outbox.EventIDHeader, strconv.FormatInt(ids[0]+1000, 10))
-	forged.Header.Set(subscribers.DeadSubjectHeader, cfg.Stream.SubjectPrefix+"."+shop.OrderCreated)
-	forged.Header.Set(subscribers.DeadStreamSeqHeader, "999999")
-	if _, err := env.JS.PublishMsg(ctx, forged); err != nil {
-		t.Fatal(err)
-	}
 	dl, err := operator.OpenDeadLetters(ctx, env.DB.Pool, env.JS, cfg.Stream, cfg.Subscribers)
 	if err != nil {
 		t.Fatal(err)
 	}
 	letters, err := dl.List(ctx, invoicing.Name)
-	if err != nil || len(letters) != 2 {
+	if err != nil || len(letters) != 1 {
 		t.Fatalf("letters: %d (%v)", len(letters), err)
 	}
-	real, fake := letters[0], letters[1]
-	if !real.Vouched || fake.Vouched {
-		t.Errorf("vouched: the real letter %t, the forged one %t", real.Vouched, fake.Vouched)
+	real := letters[0]
+	if !real.Vouched || !real.Intact {
+		t.Fatalf("the real letter: vouched %t, intact %t", real.Vouched, real.Intact)
 	}
-	if _, _, err := dl.EventOf(ctx, fake, true); err == nil || !strings.Contains(err.Error(), "should hold but does not") {
-		t.Errorf("the forged letter's event, trusting letters: %v; want refused", err)
+	realSeq := real.Raw.Header.Get(subscribers.DeadStreamSeqHeader)
+
+	forge := func(id int64, seq, body string) {
+		t.Helper()
+		m := nats.NewMsg(cfg.Subscribers.DeadLetterSubjectPrefix + "." + invoicing.Name + "." + shop.OrderCreated)
+		m.Data = []byte(body)
+		m.Header.Set(subscribers.DeadSubscriberHeader, invoicing.Name)
+		m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
+		m.Header.Set(outbox.EventTypeHeader, shop.OrderCreated)
+		m.Header.Set(subscribers.DeadSubjectHeader, cfg.Stream.SubjectPrefix+"."+shop.OrderCreated)
+		m.Header.Set(subscribers.DeadStreamSeqHeader, seq)
+		if _, err := env.JS.PublishMsg(ctx, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A real event invoicing handled (or will): the second order.
+	other := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) { return []outbox.Event{orderEvent(1 << 42)}, nil })[0]
+	forge(ids[0]+1000, "999999", `{"order_id": 1, "customer": "forged", "lines": 1}`)
+	forge(other, "2", `{"order_id": 1, "customer": "forged", "lines": 1}`)
+	forge(ids[0], realSeq, `{"order_id": 1, "customer": "forged", "lines": 1}`)
+	letters, err = dl.List(ctx, invoicing.Name)
+	if err != nil || len(letters) != 4 {
+		t.Fatalf("letters: %d (%v)", len(letters), err)
+	}
+	never, notDead, changed := letters[1], letters[2], letters[3]
+	for _, c := range []struct {
+		l                operator.Letter
+		vouched, intact  bool
+		what, refusedFor string
+	}{
+		{never, false, false, "a letter naming an event that never was", "never recorded it"},
+		{notDead, false, false, "a letter naming an event invoicing never dead-lettered", "never recorded it"},
+		{changed, true, false, "the real letter with a changed body", ""},
+	} {
+		if c.l.Vouched != c.vouched || c.l.Intact != c.intact {
+			t.Errorf("%s: vouched %t, intact %t; want %t, %t", c.what, c.l.Vouched, c.l.Intact, c.vouched, c.intact)
+		}
+		ev, source, err := dl.EventOf(ctx, c.l, true)
+		switch {
+		case c.refusedFor != "" && (err == nil || !strings.Contains(err.Error(), c.refusedFor)):
+			t.Errorf("%s, trusting letters: %v; want refused (%s)", c.what, err, c.refusedFor)
+		case c.refusedFor == "" && (err != nil || source != operator.SourceOutbox || strings.Contains(string(ev.Payload), "forged")):
+			t.Errorf("%s: event from %s (%v), payload %s; want the real event from its outbox row", c.what, source, err, ev.Payload)
+		}
 	}
 	runnerOf := func(string) (*subscribers.Runner, error) {
 		return env.NewRunner(subscribers.Tx(invoicing.New()), nil), nil
 	}
-	done, err := dl.Redrive(ctx, []operator.Letter{fake}, runnerOf, true, "")
-	if err != nil || len(done) != 1 || done[0].Err == nil {
-		t.Errorf("redrive of the forged letter: %+v (%v); want it failed", done, err)
+	done, err := dl.Redrive(ctx, []operator.Letter{never, notDead}, runnerOf, true, "")
+	if err != nil || len(done) != 2 || done[0].Err == nil || done[1].Err == nil {
+		t.Errorf("redrive of the forged letters: %+v (%v); want both failed", done, err)
 	}
-	var ledger int
-	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices WHERE order_id = 1`).Scan(&ledger); err != nil || ledger != 0 {
-		t.Errorf("invoices of the forged event: %d (%v)", ledger, err)
+	var invoiced int
+	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices WHERE order_id = 1`).Scan(&invoiced); err != nil || invoiced != 0 {
+		t.Errorf("invoices of the forged events: %d (%v)", invoiced, err)
 	}
-	// The real letter's event was never handled: recording it as handled
-	// is refused by the database.
-	_, err = env.DB.Pool.Exec(ctx, `SELECT fanout_dead_letter_action('redrive', $1, $2, $3, 'handled', 'lying')`, invoicing.Name, ids[0], int64(real.Seq))
+	// The real event was never handled: recording it as handled is
+	// refused by the database.
+	_, err = env.DB.Pool.Exec(ctx, `SELECT fanout_dead_letter_action('redrive', $1, $2, $3, $4, 'handled', 'lying')`, invoicing.Name, ids[0], int64(real.Seq), realSeq)
 	if err == nil || !strings.Contains(err.Error(), "has no checkpoint of it") {
 		t.Errorf("a redrive recorded as handled without a checkpoint: %v; want refused", err)
+	}
+	// Discards: the real letter needs no reason, the forged ones do.
+	if n, left, err := dl.Discard(ctx, []operator.Letter{real, never}, ""); err != nil || n != 1 || len(left) != 1 {
+		t.Errorf("discard without a reason: %d discarded, left %v (%v); want the real one discarded, the forged one left", n, left, err)
+	}
+	if n, left, err := dl.Discard(ctx, []operator.Letter{never}, "injected, see ticket 7"); err != nil || n != 1 || len(left) != 0 {
+		t.Errorf("discard of the forged letter with a reason: %d, left %v (%v)", n, left, err)
 	}
 }
 

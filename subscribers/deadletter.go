@@ -2,6 +2,7 @@ package subscribers
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -126,14 +128,29 @@ func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
 func (r *Runner) vouch(ctx context.Context, d *delivery) error {
 	ctx, cancel := r.bookkeeping(ctx)
 	defer cancel()
-	_, err := r.opts.Pool.Exec(ctx, vouchSQL, r.name, int64(d.ev.StreamSeq), d.ev.ID)
+	digest := LetterDigest(d.msg.Data(), d.msg.Headers(), d.msg.Subject())
+	_, err := r.opts.Pool.Exec(ctx, vouchSQL, r.name, int64(d.ev.StreamSeq), d.ev.ID, digest)
 	if err != nil {
 		return fmt.Errorf("record the dead letter in dead_letters: %w", err)
 	}
 	return nil
 }
 
-const vouchSQL = `INSERT INTO dead_letters (subscriber, stream_seq, event_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING`
+const vouchSQL = `INSERT INTO dead_letters (subscriber, stream_seq, event_id, digest) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING`
+
+// LetterDigest is what a subscriber's runtime records of an event it
+// dead-letters (dead_letters.digest), and what the operator tools compare a
+// letter's copy of the event with: the subject the event was published on,
+// the headers an Event is read from (EventFromParts), and the body.
+func LetterDigest(data []byte, h nats.Header, subject string) []byte {
+	sum := sha256.New()
+	for _, v := range []string{subject, h.Get(outbox.EventIDHeader), h.Get(outbox.EventTypeHeader), h.Get(outbox.AggregateTypeHeader),
+		h.Get(outbox.AggregateIDHeader), h.Get(outbox.AggregateSeqHeader), h.Get(outbox.CreatedAtHeader)} {
+		fmt.Fprintf(sum, "%d:%s\n", len(v), v)
+	}
+	sum.Write(data)
+	return sum.Sum(nil)
+}
 
 // DeadBodyOmittedHeader marks a dead letter stored without the event's
 // body, which was too large to travel with the dead letter's own headers;

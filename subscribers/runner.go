@@ -284,7 +284,7 @@ func (r *Runner) checkStore(ctx context.Context) error {
 			b := &pgx.Batch{}
 			b.Queue(`INSERT INTO processed_events (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
 			b.Queue(`INSERT INTO subscriber_attempts (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
-			b.Queue(vouchSQL, r.name, -1, -1)
+			b.Queue(vouchSQL, r.name, -1, -1, []byte{})
 			b.Queue(lookupAttemptsSQL, r.name, []int64{-1})
 			if err := tx.SendBatch(ctx, b).Close(); err != nil {
 				return err

@@ -361,7 +361,7 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
 -- The audit trail: read it, and add to it only through the function that
 -- records the session's role (and checks what it records).
 GRANT SELECT ON dead_letter_actions TO fanout_operator;
-GRANT EXECUTE ON FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, text, text) TO fanout_operator;
+GRANT EXECUTE ON FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, bigint, text, text) TO fanout_operator;
 GRANT SELECT ON dead_letters TO fanout_operator;
 -- Replays: recorded the same way.
 GRANT SELECT ON replays TO fanout_operator;
