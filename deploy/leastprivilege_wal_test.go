@@ -155,7 +155,7 @@ func TestWALRoleReachesOnlyItsDatabase(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lines := regexp.MustCompile(`(?m)^(host\s+)fanout(\s)`).ReplaceAllString(string(hba), "${1}"+db.Name+"${2}")
+	lines := regexp.MustCompile(`(?m)^((?:host|local)\s+)fanout(\s)`).ReplaceAllString(string(hba), "${1}"+db.Name+"${2}")
 	if err := srv.SetHBA(lines); err != nil {
 		t.Fatal(err)
 	}

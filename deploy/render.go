@@ -79,10 +79,16 @@ type data struct {
 	// OperatorReindexConsumer is the consumer `fanout reindex` reads the
 	// events stream through, as the operator.
 	OperatorReindexConsumer string
+	// HBAConnectionTypes are the kinds of pg_hba.conf line: Unix socket
+	// (no address) and TCP.
+	HBAConnectionTypes []hbaConnectionType
 }
 
+type hbaConnectionType struct{ Type, Address string }
+
 func newData(decls []subscribers.Declaration) data {
-	d := data{OperatorReindexConsumer: searchindex.ReplayConsumer}
+	d := data{OperatorReindexConsumer: searchindex.ReplayConsumer,
+		HBAConnectionTypes: []hbaConnectionType{{"local", "         "}, {"host ", "all      "}}}
 	for _, decl := range decls {
 		s := subscriber{
 			Name:       decl.Name,

@@ -273,6 +273,10 @@ func (r *Relay) start(ctx context.Context) error {
 // checkStream compares the live stream with the configuration.
 func (r *Relay) checkStream(ctx context.Context) {
 	s, err := r.js.Stream(ctx, r.stream.Name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		r.drift.Set("stream "+r.stream.Name, stream.Missing)
+		return
+	}
 	if err != nil {
 		r.logger.Debug("stream check: no answer", "stream", r.stream.Name, "error", err)
 		return

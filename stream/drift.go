@@ -67,6 +67,10 @@ func (d *Drift) Err() error {
 	return fmt.Errorf("differs from fanout's configuration: %s", strings.Join(parts, "; "))
 }
 
+// Missing is the difference of an object that does not exist: a stream or
+// consumer deleted is not an outage to wait out.
+var Missing = []Difference{{Field: "exists", Have: "no", Want: "yes"}}
+
 // Watch runs check every interval until ctx ends. A check that cannot
 // reach the server changes nothing: an outage is not a difference.
 func Watch(ctx context.Context, interval time.Duration, check func(ctx context.Context)) {

@@ -101,6 +101,8 @@ func Provision(ctx context.Context, js jetstream.JetStream, want jetstream.Strea
 		if errors.Is(err, jetstream.ErrStreamNameAlreadyInUse) {
 			// Created a moment ago by another role starting.
 			s, err = js.Stream(ctx, want.Name)
+		} else if errors.Is(err, nats.ErrNoResponders) {
+			return nil, refused("create", want.Name, err)
 		}
 	}
 	if err != nil {
@@ -112,8 +114,8 @@ func Provision(ctx context.Context, js jetstream.JetStream, want jetstream.Strea
 		return info, nil
 	}
 	if !changes.Update {
-		return info, fmt.Errorf("%w: stream %s: %s. `fanout provision` creates streams but does not change one that exists: an administrator does (`nats stream edit %s`), or `fanout provision --update-streams` as an identity allowed to update streams",
-			ErrDiffers, want.Name, Join(diffs), want.Name)
+		return info, fmt.Errorf("%w: stream %s: %s. `fanout provision` creates streams but does not change one that exists: its administrator does, with `fanout provision --update-stream %s` (or `nats stream edit %s`)",
+			ErrDiffers, want.Name, Join(diffs), want.Name, want.Name)
 	}
 	var lower []Difference
 	for _, d := range diffs {
@@ -122,22 +124,29 @@ func Provision(ctx context.Context, js jetstream.JetStream, want jetstream.Strea
 		}
 	}
 	if len(lower) > 0 && !changes.AllowLower {
-		return info, fmt.Errorf("%w: stream %s: %s. A lower limit drops the events beyond it at once: `fanout provision --update-streams --allow-lower` applies it",
-			ErrDiffers, want.Name, Join(lower))
+		return info, fmt.Errorf("%w: stream %s: %s. A lower limit drops the events beyond it at once: `fanout provision --update-stream %s --allow-lower` applies it",
+			ErrDiffers, want.Name, Join(lower), want.Name)
 	}
 	for _, d := range diffs {
 		logger.Warn("changing a setting of a live stream", "stream", want.Name, "field", d.Field, "from", d.Have, "to", d.Want, "lowers_a_limit", d.Lowers)
 	}
 	s, err = js.UpdateStream(ctx, want)
-	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) {
-		// Not %w: a caller retrying timeouts would wait for an answer that
-		// the server never sends to an identity it refuses.
-		return nil, fmt.Errorf("update stream %s: no answer (%v): an identity that may not update streams gets none (the server logs a permissions violation)", want.Name, err)
+	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, nats.ErrTimeout) || errors.Is(err, nats.ErrNoResponders) {
+		return nil, refused("update", want.Name, err)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("update stream %s (%s): %w", want.Name, Join(diffs), err)
 	}
 	return s.CachedInfo(), nil
+}
+
+// refused is the error of a stream call that got no answer after the
+// stream's lookup did: the identity may not make it (a permission refused
+// gets no answer; an API call its account does not import, no responder).
+// Not %w: a caller retrying timeouts and missing responders, as a role
+// starting with its broker does, would wait forever.
+func refused(op, name string, err error) error {
+	return fmt.Errorf("%s stream %s: no answer (%v): this identity may not %s streams (with deploy/nats/nats-server.conf the provisioner creates them and each stream's administrator changes it)", op, name, err, op)
 }
 
 // Check refuses a stream that cannot carry fanout's events safely (see

@@ -257,19 +257,35 @@ func (r *Runner) checkConfig(ctx context.Context) {
 	}
 	for name, sc := range want {
 		s, err := r.js.Stream(ctx, name)
+		if errors.Is(err, jetstream.ErrStreamNotFound) {
+			r.drift.Set("stream "+name, stream.Missing)
+			continue
+		}
 		if err != nil {
 			r.logger.Debug("stream check: no answer", "stream", name, "error", err)
 			continue
 		}
 		r.drift.Set("stream "+name, stream.StreamDifferences(s.CachedInfo().Config, sc))
 	}
+	object := "consumer " + r.name
 	c, err := r.stream.Consumer(ctx, r.name)
+	if errors.Is(err, jetstream.ErrConsumerNotFound) {
+		r.drift.Set(object, stream.Missing)
+		return
+	}
 	if err != nil {
 		r.logger.Debug("consumer check: no answer", "consumer", r.name, "error", err)
 		return
 	}
-	cc := ConsumerConfig(r.name, r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream)
-	r.drift.Set("consumer "+r.name, ConsumerDifferences(c.CachedInfo().Config, cc))
+	info := c.CachedInfo()
+	ds := ConsumerDifferences(info.Config, ConsumerConfig(r.name, r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream))
+	// A consumer made again since this subscriber bound it may start
+	// anywhere (its start position is not compared): say so until a
+	// restart binds the new one.
+	if bound := r.cons.CachedInfo().Created; !info.Created.Equal(bound) {
+		ds = append(ds, stream.Difference{Field: "created", Have: info.Created.UTC().Format(time.RFC3339Nano), Want: bound.UTC().Format(time.RFC3339Nano) + " (the consumer this subscriber bound at start: it was deleted and made again since, and may start elsewhere)"})
+	}
+	r.drift.Set(object, ds)
 }
 
 // checkStore makes sure, at start, that the subscriber may write its own

@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 
 	"github.com/fanout/fanout/internal/jsretry"
@@ -15,8 +16,8 @@ import (
 )
 
 func provisionCommand(a *app) *cobra.Command {
-	var changes stream.Changes
-	var check bool
+	var updates []string
+	var allowLower, check bool
 	cmd := &cobra.Command{
 		Use:   "provision [subscriber]...",
 		Short: "Create the JetStream streams and the subscribers' consumers, as the one identity allowed to (a one-shot job)",
@@ -30,20 +31,22 @@ deploy/nats/nats-server.conf). Both streams deny deleting and purging
 messages. A consumer that exists keeps its position.
 
 A stream that exists is not changed: its differences from the configuration
-are listed and provision fails. --update-streams applies them, as an identity
-allowed to update streams (the shipped provisioner is not: an update that
-lowers a limit drops events as a purge would); a lower limit also needs
---allow-lower. --check changes nothing and lists every difference of the
-streams and consumers from the configuration.`,
+are listed and provision fails. --update-stream NAME applies them to that
+stream and does nothing else, as an identity allowed to update it (the
+shipped provisioner is not: an update that lowers a limit drops events as a
+purge would; in deploy/nats/nats-server.conf each stream's administrator
+is: admin for EVENTS, admin_deadletter for DEADLETTER); a lower limit also
+needs --allow-lower. --check changes nothing and lists every difference of
+the streams and consumers from the configuration.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := a.load(); err != nil {
 				return err
 			}
-			if changes.AllowLower && !changes.Update {
-				return errors.New("--allow-lower goes with --update-streams")
+			if allowLower && len(updates) == 0 {
+				return errors.New("--allow-lower goes with --update-stream")
 			}
-			if check && changes.Update {
-				return errors.New("--check changes nothing: give it without --update-streams")
+			if check && len(updates) > 0 {
+				return errors.New("--check changes nothing: give it without --update-stream")
 			}
 			names := args
 			if len(names) == 0 {
@@ -67,6 +70,10 @@ streams and consumers from the configuration.`,
 			if check {
 				return provisionCheck(cmd, a, js, decls)
 			}
+			if len(updates) > 0 {
+				return provisionUpdate(cmd, a, js, updates, allowLower, logger)
+			}
+			changes := stream.Changes{}
 			out := cmd.OutOrStdout()
 
 			events := a.cfg.Stream
@@ -115,10 +122,39 @@ streams and consumers from the configuration.`,
 			return nil
 		},
 	}
-	cmd.Flags().BoolVar(&changes.Update, "update-streams", false, "bring existing streams to the configuration (needs an identity allowed to update streams)")
-	cmd.Flags().BoolVar(&changes.AllowLower, "allow-lower", false, "with --update-streams, also lower a stream's limits (drops the events beyond the new limit)")
+	cmd.Flags().StringSliceVar(&updates, "update-stream", nil, "bring this existing stream to the configuration, and do nothing else (as an identity allowed to update it; repeatable)")
+	cmd.Flags().BoolVar(&allowLower, "allow-lower", false, "with --update-stream, also lower a stream's limits (drops the events beyond the new limit)")
 	cmd.Flags().BoolVar(&check, "check", false, "change nothing; list every difference of the streams and consumers from the configuration, and fail if there is one")
 	return cmd
+}
+
+// provisionUpdate brings each named stream, which must exist where this
+// identity sees it, to the configuration. It creates nothing: an
+// administrator of one stream's account who ran it for both would create a
+// second dead-letter stream in the events' account.
+func provisionUpdate(cmd *cobra.Command, a *app, js jetstream.JetStream, names []string, allowLower bool, logger *slog.Logger) error {
+	ctx := cmd.Context()
+	wants := map[string]jetstream.StreamConfig{}
+	for _, want := range []jetstream.StreamConfig{stream.JetStreamConfig(a.cfg.Stream), subscribers.DeadLetterStreamConfig(a.cfg.Subscribers, a.cfg.Stream.Replicas)} {
+		wants[want.Name] = want
+	}
+	for _, name := range names {
+		want, ok := wants[name]
+		if !ok {
+			return fmt.Errorf("--update-stream %s: fanout has streams %s and %s only", name, a.cfg.Stream.Name, a.cfg.Subscribers.DeadLetterStream)
+		}
+		if _, err := js.Stream(ctx, name); errors.Is(err, jetstream.ErrStreamNotFound) {
+			return fmt.Errorf("--update-stream %s: this identity sees no stream %s (with deploy/nats/nats-server.conf, run it as the administrator of that stream's account), and --update-stream creates none", name, name)
+		} else if err != nil {
+			return err
+		}
+		info, err := stream.Provision(ctx, js, want, stream.Changes{Update: true, AllowLower: allowLower}, logger)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(cmd.OutOrStdout(), "stream %s: as configured (max age %s, %d replicas)\n", name, info.Config.MaxAge, info.Config.Replicas)
+	}
+	return nil
 }
 
 // provisionCheck lists every setting of the streams and of the consumers of

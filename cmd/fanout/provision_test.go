@@ -119,37 +119,47 @@ func TestProvisionChangesAStreamOnlyWhenTold(t *testing.T) {
 
 	longer := append(env, "FANOUT_STREAM_MAX_AGE=336h")
 	out, err = run(t, longer, "provision")
-	if err == nil || !strings.Contains(out, "max_age is 168h0m0s, fanout's configuration says 336h0m0s") || !strings.Contains(out, "--update-streams") {
-		t.Errorf("provision of a longer max age without --update-streams: %v\n%s; want refused, naming the field", err, out)
+	if err == nil || !strings.Contains(out, "max_age is 168h0m0s, fanout's configuration says 336h0m0s") || !strings.Contains(out, "--update-stream EVENTS") {
+		t.Errorf("provision of a longer max age without --update-stream: %v\n%s; want refused, naming the field", err, out)
 	}
 	if got := maxAge(); got != 168*time.Hour {
 		t.Errorf("max age %s after a refused provision", got)
 	}
-	if out, err := run(t, longer, "provision", "--update-streams"); err != nil {
-		t.Errorf("provision --update-streams of a longer max age: %v\n%s", err, out)
+	if out, err := run(t, longer, "provision", "--update-stream", "EVENTS"); err != nil {
+		t.Errorf("provision --update-stream EVENTS of a longer max age: %v\n%s", err, out)
 	}
 	if got := maxAge(); got != 336*time.Hour {
-		t.Errorf("max age %s after provision --update-streams, want 336h", got)
+		t.Errorf("max age %s after provision --update-stream EVENTS, want 336h", got)
 	}
-	// The consumer is provisioned again on the way: max_deliver is back.
+	// --update-stream does nothing else; provision then brings the
+	// consumer back.
+	if c, err = js.Consumer(ctx, "EVENTS", "invoicing"); err != nil || c.CachedInfo().Config.MaxDeliver != 1 {
+		t.Errorf("invoicing's consumer after --update-stream: %v, max_deliver %d; want it untouched", err, c.CachedInfo().Config.MaxDeliver)
+	}
+	if out, err := run(t, longer, "provision"); err != nil {
+		t.Errorf("provision: %v\n%s", err, out)
+	}
 	if c, err = js.Consumer(ctx, "EVENTS", "invoicing"); err != nil || c.CachedInfo().Config.MaxDeliver != -1 {
 		t.Errorf("invoicing's consumer after provision: %v, max_deliver %d", err, c.CachedInfo().Config.MaxDeliver)
 	}
 
-	out, err = run(t, env, "provision", "--update-streams")
+	out, err = run(t, env, "provision", "--update-stream", "EVENTS")
 	if err == nil || !strings.Contains(out, "max_age is 336h0m0s, fanout's configuration says 168h0m0s (a lower limit)") || !strings.Contains(out, "--allow-lower") {
-		t.Errorf("provision --update-streams of a shorter max age: %v\n%s; want refused as a lower limit", err, out)
+		t.Errorf("provision --update-stream EVENTS of a shorter max age: %v\n%s; want refused as a lower limit", err, out)
 	}
 	if got := maxAge(); got != 336*time.Hour {
 		t.Errorf("max age %s after a refused lowering", got)
 	}
-	if out, err := run(t, env, "provision", "--update-streams", "--allow-lower"); err != nil {
-		t.Errorf("provision --update-streams --allow-lower: %v\n%s", err, out)
+	if out, err := run(t, env, "provision", "--update-stream", "EVENTS", "--allow-lower"); err != nil {
+		t.Errorf("provision --update-stream EVENTS --allow-lower: %v\n%s", err, out)
 	}
 	if got := maxAge(); got != 168*time.Hour {
 		t.Errorf("max age %s after an allowed lowering, want 168h", got)
 	}
-	if out, err := run(t, env, "provision", "--allow-lower"); err == nil || !strings.Contains(out, "--allow-lower goes with --update-streams") {
+	if out, err := run(t, env, "provision", "--allow-lower"); err == nil || !strings.Contains(out, "--allow-lower goes with --update-stream") {
 		t.Errorf("--allow-lower alone: %v\n%s", err, out)
+	}
+	if out, err := run(t, env, "provision", "--update-stream", "ORDERS"); err == nil || !strings.Contains(out, "fanout has streams EVENTS and DEADLETTER only") {
+		t.Errorf("--update-stream of another stream: %v\n%s", err, out)
 	}
 }

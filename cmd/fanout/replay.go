@@ -24,9 +24,12 @@ handled are acked and skipped, so a replay fills gaps (events lost or skipped)
 without doing anything twice. The consumer must have been created with
 subscribers.start = all or time (the default is all).
 
-Every replay is recorded in the replays table, with the database role that
-ran it and --reason (a reset can also move a consumer forward, past events
-the subscriber then never receives: the record says who did).`,
+Every replay is recorded in the replays table, before it is made and with
+its outcome, with the database role that ran it and --reason (a reset can
+also move a consumer forward, past events the subscriber then never
+receives: the record says who did). A reset sent with the operator's NATS
+credential by other means than this command is not recorded: NATS keeps no
+trail of API calls.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := a.load(); err != nil {
@@ -61,15 +64,25 @@ the subscriber then never receives: the record says who did).`,
 					return err
 				}
 			}
+			// Recorded before it is done (no unrecorded move), and again
+			// with what came of it.
+			record := func(outcome string) error {
+				_, err := pool.Exec(ctx, `SELECT fanout_record_replay($1, $2, $3, $4, $5)`, name, a.cfg.Stream.Name, int64(seq), outcome, reason)
+				if err != nil {
+					return fmt.Errorf("subscriber %s: the replay from sequence %d (%s) could not be recorded in the replays table: %w", name, seq, outcome, err)
+				}
+				return nil
+			}
+			if err := record("requested"); err != nil {
+				return err
+			}
 			_, err = js.ResetConsumerToSequence(ctx, a.cfg.Stream.Name, name, seq)
 			outcome := "moved"
 			if err != nil {
 				outcome = "failed: " + err.Error()
 			}
-			// Recorded whatever came of it; a reset that may have
-			// happened and is not recorded is an error to report.
-			if _, rerr := pool.Exec(ctx, `SELECT fanout_record_replay($1, $2, $3, $4, $5)`, name, a.cfg.Stream.Name, int64(seq), outcome, reason); rerr != nil {
-				return fmt.Errorf("subscriber %s: the replay from sequence %d (%s) could not be recorded in the replays table: %w", name, seq, outcome, rerr)
+			if rerr := record(outcome); rerr != nil {
+				return rerr
 			}
 			if errors.Is(err, jetstream.ErrConsumerInvalidReset) {
 				return fmt.Errorf("subscriber %s: its consumer's start position does not allow sequence %d (was it created with subscribers.start=new?): %w", name, seq, err)
