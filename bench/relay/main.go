@@ -13,6 +13,9 @@
 //	    and slot lag (wal) before, during and after, and over time
 //	retention: removing one range of a million captured rows, row by row
 //	    (and the vacuum after) against dropping the range: time and WAL
+//	accounts (-only accounts): the drain and raw publishes as user relay
+//	    through deploy/nats/nats-server.conf's service import, against the
+//	    same inside the stream's account
 //
 // Each part uses a fresh database and a fresh stream; nothing is shared with
 // the demo's data. Each figure is measured -runs times (default 3), each
@@ -54,7 +57,7 @@ var (
 	natsURL     = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
-	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, retention")
+	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, retention, accounts (the production NATS layout's cost; only when asked)")
 	cpuProfile  = flag.String("cpuprofile", "", "write a CPU profile of this process")
 	adminURL    = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
 )
@@ -156,6 +159,11 @@ func run(ctx context.Context) error {
 	if want("horizon") {
 		if err := benchHorizon(ctx, nc); err != nil {
 			return fmt.Errorf("held horizon: %w", err)
+		}
+	}
+	if *only == "accounts" { // opt in: it starts a server of its own
+		if err := benchAccounts(ctx); err != nil {
+			return fmt.Errorf("accounts: %w", err)
 		}
 	}
 	if want("retention") {
