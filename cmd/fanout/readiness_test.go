@@ -162,4 +162,15 @@ func TestRolesReportASettingChangedBehindTheirBack(t *testing.T) {
 	}
 	ready(relayProc, 200, "")
 	ready(subs, 200, "")
+
+	// The consumer deleted, then made again (it could start anywhere): both
+	// are differences, until a restart binds the new one.
+	if err := js.DeleteConsumer(ctx, "EVENTS", "invoicing"); err != nil {
+		t.Fatal(err)
+	}
+	ready(subs, 503, "consumer invoicing: exists is no, fanout's configuration says yes")
+	if out, err := run(t, env, "provision", "invoicing"); err != nil {
+		t.Fatalf("provision: %v\n%s", err, out)
+	}
+	ready(subs, 503, "consumer invoicing: created is")
 }
