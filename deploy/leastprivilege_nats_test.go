@@ -353,7 +353,9 @@ func TestNATSPermissions(t *testing.T) {
 			}
 		}
 		byUser := map[*natsClient][]refusal{}
-		byUser[rel] = append(common(), getMsg(cfg.Stream.Name), consumerCreate("snoop", ""), publishTo("deadletter.invoicing.x"))
+		// The relay reads EVENTS by sequence (the newest event of its
+		// database, after a restore): events it wrote, whose rows it reads.
+		byUser[rel] = append(common(), getMsg(cfg.Subscribers.DeadLetterStream), consumerCreate("snoop", ""), publishTo("deadletter.invoicing.x"))
 		for c, d := range handlers {
 			name := d.Name
 			byUser[c] = append(common(), getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream),
@@ -565,14 +567,6 @@ func TestNATSPermissions(t *testing.T) {
 		}
 		rel.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS.snoop", func(ctx context.Context) error {
 			_, err := rel.js.CreateConsumer(ctx, cfg.Stream.Name, jetstream.ConsumerConfig{Durable: "snoop", AckPolicy: jetstream.AckExplicitPolicy})
-			return err
-		})
-		s, err := rel.js.Stream(ctx, cfg.Stream.Name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		rel.deniedRequest(t, "$JS.API.STREAM.MSG.GET.EVENTS", func(ctx context.Context) error {
-			_, err := s.GetMsg(ctx, orderSeq)
 			return err
 		})
 		rel.deniedRequest(t, "$JS.API.STREAM.DELETE.EVENTS", func(ctx context.Context) error {

@@ -312,7 +312,11 @@ const (
 // letter names it rightly: the subject it was published on, and the
 // stream's copy at the letter's sequence if the stream still holds it.
 func (d *DeadLetters) fromRow(ctx context.Context, l Letter, row outbox.Claimed) (subscribers.Event, error) {
-	msg, err := relay.Message(d.events, row, 0)
+	ident, err := d.store.ReadIdentity(ctx)
+	if err != nil {
+		return subscribers.Event{}, err
+	}
+	msg, err := relay.Message(d.events, ident, row, 0)
 	if err != nil {
 		return subscribers.Event{}, fmt.Errorf("%w: letter %d names event %d, whose outbox row was never publishable (%v)", subscribers.ErrDeadLetterRefused, l.Seq, row.ID, err)
 	}

@@ -57,7 +57,7 @@ func Example() {
 		panic(err)
 	}
 	fmt.Println(msg.Subject(), string(msg.Data()))
-	fmt.Println("Nats-Msg-Id is the event id:", msg.Headers().Get("Nats-Msg-Id") == strconv.FormatInt(id, 10))
+	fmt.Println("Nats-Msg-Id is the event's origin and id:", msg.Headers().Get("Nats-Msg-Id") == msg.Headers().Get(outbox.OriginHeader)+":"+strconv.FormatInt(id, 10))
 
 	stream, err := js.Stream(ctx, "EVENTS")
 	if err != nil {
@@ -70,7 +70,7 @@ func Example() {
 	fmt.Println("events in the stream:", info.State.Msgs)
 	// Output:
 	// events.product.updated {"product_id": 42, "price_cents": 1999}
-	// Nats-Msg-Id is the event id: true
+	// Nats-Msg-Id is the event's origin and id: true
 	// events in the stream: 1
 }
 

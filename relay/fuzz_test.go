@@ -81,6 +81,7 @@ func FuzzPoisonRows(f *testing.F) {
 	}
 	prefix := h.cfg.Stream.SubjectPrefix
 
+	ident := h.identity()
 	f.Fuzz(func(t *testing.T, headers, eventType, payload, aggregateID string) {
 		// Most mutations of a JSON text are not JSON, and Postgres would
 		// refuse them before the relay sees anything. So that the fuzzer's
@@ -152,7 +153,7 @@ func FuzzPoisonRows(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := m.Header.Get(jetstream.MsgIDHeader); got != strconv.FormatInt(id, 10) {
+		if got := m.Header.Get(outbox.EventIDHeader); got != strconv.FormatInt(id, 10) {
 			t.Fatalf("the last message is %s, want row %d", got, id)
 		}
 		var storedPayload, storedHeaders string
@@ -168,7 +169,8 @@ func FuzzPoisonRows(f *testing.F) {
 		want[outbox.AggregateTypeHeader] = aggregateType
 		want[outbox.AggregateSeqHeader] = "1" // the first event of its aggregate
 		want[outbox.AggregateIDHeader] = aggregateID
-		want[jetstream.MsgIDHeader] = strconv.FormatInt(id, 10)
+		want[jetstream.MsgIDHeader] = outbox.MsgID(ident.OriginOf(id), id)
+		want[outbox.OriginHeader] = ident.OriginOf(id)
 		want[jetstream.ExpectedStreamHeader] = h.cfg.Stream.Name
 		want[outbox.CreatedAtHeader] = m.Header.Get(outbox.CreatedAtHeader) // a time; checked by TestRowsBecomeMessages
 		for k, v := range want {

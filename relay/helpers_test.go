@@ -103,7 +103,19 @@ func (h *harness) newRelay(mutate func(*Config), obs Observer) *Relay {
 	if err != nil {
 		h.t.Fatal(err)
 	}
+	// What Start reads, for tests that build messages without starting.
+	r.identity.Store(h.identity())
 	return r
+}
+
+// identity is the test database's identity.
+func (h *harness) identity() *outbox.Identity {
+	h.t.Helper()
+	ident, err := outbox.NewStore(h.db.Pool).ReadIdentity(context.Background())
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return ident
 }
 
 // start starts r and stops it when the test ends.

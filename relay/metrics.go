@@ -24,6 +24,7 @@ type Metrics struct {
 	outboxRanges                                                     prometheus.Gauge
 	outboxRangesDropped                                              prometheus.Counter
 	configDifferences                                                *prometheus.GaugeVec
+	rewinds                                                          prometheus.Counter
 }
 
 var _ Observer = (*Metrics)(nil)
@@ -43,6 +44,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		failed:              c("failed_rows_total", "Rows marked failed: they can never be published."),
 		reaped:              c("reaped_rows_total", "Rows whose lease expired, returned to pending."),
 		deleted:             c("deleted_rows_total", "Rows of outbox_default (no range of the outbox holds them) deleted after their retention."),
+		rewinds:             c("rewinds_total", "Restores found to have rewound the outbox's ids: each began a new outbox epoch (see the relay's ERROR log)."),
 		outboxRangesDropped: c("outbox_ranges_dropped_total", "Ranges (partitions) of the outbox dropped after their retention."),
 		outboxRanges: prometheus.NewGauge(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "relay", Name: "outbox_ranges",
 			Help: "Ranges (partitions) the outbox holds, as of the last retention pass."}),
@@ -80,6 +82,8 @@ func (m *Metrics) Published(evs []Published) {
 	}
 	m.stages.Observe(metrics.StagePublished, "", took...)
 }
+
+func (m *Metrics) Rewound() { m.rewinds.Inc() }
 
 func (m *Metrics) Retried(n int) { m.retried.Add(float64(n)) }
 func (m *Metrics) Failed(n int)  { m.failed.Add(float64(n)) }

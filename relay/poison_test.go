@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"fmt"
+	"github.com/fanout/fanout/outbox"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -257,7 +258,7 @@ func TestPoisonRowsOfEveryKind(t *testing.T) {
 
 		msgs := h.streamMessages()
 		for _, m := range msgs {
-			id, _ := strconv.ParseInt(m.Header.Get("Nats-Msg-Id"), 10, 64)
+			id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
 			if !good[id] {
 				t.Errorf("stream holds message %d (subject %.60q), not a good row", id, m.Subject)
 			}
@@ -324,7 +325,7 @@ func TestEventOfExactlyMaxPayload(t *testing.T) {
 		t.Errorf("the row one byte over max_payload is %s: %q", status, reason)
 	}
 	msgs := h.streamMessages()
-	if len(msgs) != 1 || msgs[0].Header.Get("Nats-Msg-Id") != strconv.FormatInt(fits, 10) {
+	if len(msgs) != 1 || msgs[0].Header.Get(outbox.EventIDHeader) != strconv.FormatInt(fits, 10) {
 		t.Fatalf("stream holds %d messages, want only row %d", len(msgs), fits)
 	}
 	if got := len(msgs[0].Data) + headerBytes; got != maxPayload {

@@ -30,6 +30,14 @@ type outcome struct {
 // if ctx ended first (outcomes unknown).
 func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
 	results := make([]outcome, len(rows))
+	if err := r.guardOrigin(ctx); err != nil {
+		// Not the rows' fault: they back off and come back, uncounted
+		// against them as any outage's are.
+		for i := range results {
+			results[i] = outcome{err: err.Error()}
+		}
+		return results, ctx.Err() == nil
+	}
 	futures := make([]jetstream.PubAckFuture, len(rows))
 	maxPayload := r.nc.MaxPayload()
 	for i, rw := range rows {
@@ -41,6 +49,9 @@ func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
 		if r.hooks.FailPublish != nil && r.hooks.FailPublish(rw.ID) {
 			results[i] = outcome{err: "nats: no responders available for request (injected by a test hook)"}
 			continue
+		}
+		if r.hooks.Anonymous {
+			msg.Header[jetstream.MsgIDHeader] = []string{strconv.FormatInt(rw.ID, 10)}
 		}
 		if r.hooks.SkipPublish != nil && r.hooks.SkipPublish(rw.ID) {
 			results[i] = outcome{acked: true, ackedAt: time.Now()} // a lie
@@ -90,14 +101,14 @@ func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
 // nothing the relay sends can make the server drop its connection (which
 // would stall every row, not just this one).
 func (r *Relay) message(rw row, maxPayload int64) (*nats.Msg, error) {
-	return Message(r.stream, rw, maxPayload)
+	return Message(r.stream, r.identity.Load(), rw, maxPayload)
 }
 
 // Message is the NATS message the relay publishes for the outbox row rw
-// into the stream cfg, or why it never can be (see Relay.message): the
-// operator tools read an event from its row through it, exactly as the
-// relay published it.
-func Message(cfg stream.Config, rw outbox.Claimed, maxPayload int64) (*nats.Msg, error) {
+// of the database ident into the stream cfg, or why it never can be (see
+// Relay.message): the operator tools read an event from its row through
+// it, exactly as the relay published it.
+func Message(cfg stream.Config, ident *outbox.Identity, rw outbox.Claimed, maxPayload int64) (*nats.Msg, error) {
 	if err := outbox.ValidEventType(rw.EventType); err != nil {
 		return nil, err
 	}
@@ -117,11 +128,11 @@ func Message(cfg stream.Config, rw outbox.Claimed, maxPayload int64) (*nats.Msg,
 	msg := &nats.Msg{
 		Subject: stream.Subject(cfg.SubjectPrefix, rw.EventType),
 		Data:    rw.Payload,
-		Header:  make(nats.Header, len(headers)+8),
+		Header:  make(nats.Header, len(headers)+9),
 	}
 	// Every header has one value: one array holds them all, rather than an
 	// allocation per header for every event.
-	values := make([]string, 0, len(headers)+8)
+	values := make([]string, 0, len(headers)+9)
 	set := func(k, v string) {
 		values = append(values, v)
 		msg.Header[k] = values[len(values)-1 : len(values) : len(values)]
@@ -132,8 +143,10 @@ func Message(cfg stream.Config, rw outbox.Claimed, maxPayload int64) (*nats.Msg,
 		set(k, v)
 	}
 	id := strconv.FormatInt(rw.ID, 10)
+	origin := ident.OriginOf(rw.ID)
 	// The keys are constants already in canonical form: no Set needed.
 	set(outbox.EventIDHeader, id)
+	set(outbox.OriginHeader, origin)
 	set(outbox.EventTypeHeader, rw.EventType)
 	set(outbox.AggregateTypeHeader, rw.AggregateType)
 	set(outbox.AggregateIDHeader, rw.AggregateID)
@@ -141,9 +154,11 @@ func Message(cfg stream.Config, rw outbox.Claimed, maxPayload int64) (*nats.Msg,
 	if rw.AggregateSeq.Valid {
 		set(outbox.AggregateSeqHeader, strconv.FormatInt(rw.AggregateSeq.Int64, 10))
 	}
-	// JetStream's own: the id it drops duplicates by, and the stream the
-	// event must land in (publishAll passes no publish options).
-	set(jetstream.MsgIDHeader, id)
+	// JetStream's own: the id it drops duplicates by (the event's whole
+	// identity: another database's event with the same id is another
+	// event), and the stream the event must land in (publishAll passes no
+	// publish options).
+	set(jetstream.MsgIDHeader, origin+":"+id)
 	set(jetstream.ExpectedStreamHeader, cfg.Name)
 	hdr := msg.Size() - len(msg.Subject) - len(msg.Data)
 	if hdr > math.MaxUint16 {

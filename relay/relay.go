@@ -46,6 +46,8 @@ type Observer interface {
 	// ConfigDifferences reports, after each check of the stream, how many
 	// of object's settings differ from fanout's configuration.
 	ConfigDifferences(object string, n int)
+	// Rewound reports a restore that rewound the outbox's ids (origin.go).
+	Rewound()
 }
 
 // Published describes one row stored in the stream.
@@ -68,6 +70,7 @@ func (NopObserver) Deleted(int)                   {}
 func (NopObserver) OutboxRanges(int, int)         {}
 func (NopObserver) SlotLag(int64, time.Duration)  {}
 func (NopObserver) ConfigDifferences(string, int) {}
+func (NopObserver) Rewound()                      {}
 
 // Options are the relay's collaborators.
 type Options struct {
@@ -126,6 +129,14 @@ type Relay struct {
 	// drift is what the live stream's settings differ in from the
 	// configuration, as of the last check (readiness reads it).
 	drift *stream.Drift
+	// identity is the database's identity and its outbox's epochs, which
+	// every message carries (origin.go).
+	identity atomic.Pointer[outbox.Identity]
+	// originStale asks for a rewind check before the next publish;
+	// foreign stops publishing into a stream another database owns.
+	originStale atomic.Bool
+	foreign     atomic.Bool
+	rewindMu    sync.Mutex
 
 	startOnce  sync.Once
 	stopOnce   sync.Once
@@ -202,11 +213,22 @@ func (r *Relay) Start(ctx context.Context) error {
 func (r *Relay) start(ctx context.Context) error {
 	r.hooks = testhooks.RelayFrom(ctx)
 	r.store.Unordered = r.hooks.Unordered
+	if err := r.loadIdentity(ctx); err != nil {
+		return err
+	}
+	if r.stream.Database == "" {
+		// The owner a stream this relay makes records.
+		r.stream.Database = r.identity.Load().Database.String()
+	}
 	if err := jsretry.Do(ctx, r.logger, "provision the stream", func() error {
 		return stream.Ensure(ctx, r.js, r.stream, RepublishDelay(r.cfg), r.logger)
 	}); err != nil {
 		return err
 	}
+	if err := r.checkOwner(ctx); err != nil {
+		return err
+	}
+	r.originStale.Store(true)
 	hardCtx, cancelHard := context.WithCancel(context.WithoutCancel(ctx))
 	softCtx, cancelSoft := context.WithCancel(hardCtx)
 	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
@@ -216,7 +238,10 @@ func (r *Relay) start(ctx context.Context) error {
 		r.loops.Add(1)
 		go func() {
 			defer r.loops.Done()
-			stream.Watch(softCtx, r.stream.CheckInterval, r.checkStream)
+			stream.Watch(softCtx, r.stream.CheckInterval, func(ctx context.Context) {
+				r.checkStream(ctx)
+				r.originCheck(ctx)
+			})
 		}()
 	}
 

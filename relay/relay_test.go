@@ -53,7 +53,7 @@ func TestRowsBecomeMessages(t *testing.T) {
 	}
 	byID := map[string]int{}
 	for i, m := range msgs {
-		byID[m.Header.Get("Nats-Msg-Id")] = i
+		byID[m.Header.Get(outbox.EventIDHeader)] = i
 	}
 	first := msgs[byID[strconv.FormatInt(ids[0], 10)]]
 	if first.Subject != "events.product.updated" {
@@ -64,7 +64,8 @@ func TestRowsBecomeMessages(t *testing.T) {
 		t.Errorf("body = %s, want the payload as stored", first.Data)
 	}
 	for header, want := range map[string]string{
-		"Nats-Msg-Id":              strconv.FormatInt(ids[0], 10),
+		"Nats-Msg-Id":              h.identity().OriginOf(ids[0]) + ":" + strconv.FormatInt(ids[0], 10),
+		outbox.OriginHeader:        h.identity().OriginOf(ids[0]),
 		outbox.EventIDHeader:       strconv.FormatInt(ids[0], 10),
 		outbox.EventTypeHeader:     "product.updated",
 		outbox.AggregateTypeHeader: "product",
@@ -135,7 +136,7 @@ func TestTwoRelaysStoreEveryRowOnce(t *testing.T) {
 		msgs := h.streamMessages()
 		seen := map[string]bool{}
 		for _, m := range msgs {
-			id := m.Header.Get("Nats-Msg-Id")
+			id := m.Header.Get(outbox.EventIDHeader)
 			if seen[id] {
 				t.Fatalf("event %s stored twice", id)
 			}
@@ -278,7 +279,7 @@ RETURNING id`, string(big)).Scan(&bigID); err != nil {
 		})
 		var stored *jetstream.RawStreamMsg
 		for _, m := range h.streamMessages() {
-			if m.Header.Get("Nats-Msg-Id") == strconv.FormatInt(bigID, 10) {
+			if m.Header.Get(outbox.EventIDHeader) == strconv.FormatInt(bigID, 10) {
 				stored = m
 			}
 		}

@@ -81,10 +81,10 @@ SELECT (SELECT count(*) FROM outbox),
 		msgs := h.streamMessages()
 		seen := map[string]int{}
 		for _, m := range msgs {
-			seen[m.Header.Get("Nats-Msg-Id")]++
+			seen[m.Header.Get(outbox.EventIDHeader)]++
 			var p map[string]any
 			if err := json.Unmarshal(m.Data, &p); err != nil {
-				t.Fatalf("message %s: %v", m.Header.Get("Nats-Msg-Id"), err)
+				t.Fatalf("message %s: %v", m.Header.Get(outbox.EventIDHeader), err)
 			}
 		}
 		for id := 1; id <= 200; id++ {

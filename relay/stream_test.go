@@ -38,7 +38,7 @@ func TestStreamProvisioning(t *testing.T) {
 	}
 	c := s.CachedInfo().Config
 	if c.Storage != jetstream.FileStorage || c.Retention != jetstream.LimitsPolicy || c.MaxAge != h.cfg.Stream.MaxAge ||
-		c.Duplicates != h.cfg.Stream.DuplicateWindow || c.Subjects[0] != "events.>" || c.Description == "" || c.Metadata["fanout.msg_id"] != "outbox.id" {
+		c.Duplicates != h.cfg.Stream.DuplicateWindow || c.Subjects[0] != "events.>" || c.Description == "" || c.Metadata["fanout.msg_id"] != "<Fanout-Origin>:<outbox.id>" {
 		t.Errorf("provisioned stream config: %+v", c)
 	}
 	if err := stream.Ensure(ctx, js, verify, minDup, logger); err != nil {

@@ -215,7 +215,7 @@ func assertEachOnce(t *testing.T, h *harness, n int) {
 	msgs := h.streamMessages()
 	seen := map[string]int{}
 	for _, m := range msgs {
-		seen[m.Header.Get("Nats-Msg-Id")]++
+		seen[m.Header.Get(outbox.EventIDHeader)]++
 	}
 	for id, k := range seen {
 		if k > 1 {

@@ -40,6 +40,18 @@ type Config struct {
 	// counted in fanout_relay_config_differences or
 	// fanout_subscriber_config_differences. Default 1m, > 0.
 	CheckInterval time.Duration `koanf:"check_interval"`
+	// Databases is one (the stream carries one database's events: it
+	// records that database as its owner, in metadata OwnerKey, and a
+	// relay of another database refuses to publish into it) or several (a
+	// stream shared on purpose; every event's identity carries its
+	// database either way). Default one.
+	Databases string `koanf:"databases"`
+	// Database is the owner `fanout provision` records, as a relay prints
+	// its database ("<system identifier>/<database>"; fanout status shows
+	// it). Empty: the relay with stream.provision auto records its own, and
+	// provision records none (the relay then takes the stream's newest
+	// event's database for its owner).
+	Database string `koanf:"database"`
 }
 
 // Defaults.
@@ -51,7 +63,7 @@ const (
 // DefaultConfig returns the stream's defaults.
 func DefaultConfig() Config {
 	return Config{Name: DefaultName, SubjectPrefix: DefaultSubjectPrefix, Replicas: 1, MaxAge: 168 * time.Hour,
-		MaxBytes: -1, DuplicateWindow: 10 * time.Minute, Provision: "auto", CheckInterval: time.Minute}
+		MaxBytes: -1, DuplicateWindow: 10 * time.Minute, Provision: "auto", CheckInterval: time.Minute, Databases: "one"}
 }
 
 // Validate checks the stream.* keys, alone and together, naming each key
@@ -77,6 +89,10 @@ func (s Config) Validate() error {
 	}
 	v.OneOf("stream.provision", s.Provision, "auto", "verify", "off")
 	v.Positive("stream.check_interval", s.CheckInterval)
+	v.OneOf("stream.databases", s.Databases, "one", SeveralDatabases)
+	if s.Database != "" && !validDatabase(s.Database) {
+		v.Bad("stream.database", "must be <system identifier>/<database> as fanout status prints it (got %q)", s.Database)
+	}
 	return v.Err()
 }
 

@@ -17,7 +17,7 @@ func JetStreamConfig(cfg Config) jetstream.StreamConfig {
 	return jetstream.StreamConfig{
 		Name: cfg.Name,
 		Description: "fanout: domain events relayed from the Postgres outbox. " +
-			"Nats-Msg-Id is the outbox row id; subjects are " + cfg.SubjectPrefix + ".<event_type>.",
+			"Nats-Msg-Id is <origin>:<outbox row id>; subjects are " + cfg.SubjectPrefix + ".<event_type>.",
 		Subjects:   []string{cfg.SubjectPrefix + ".>"},
 		Retention:  jetstream.LimitsPolicy,
 		Discard:    jetstream.DiscardOld,
@@ -33,13 +33,21 @@ func JetStreamConfig(cfg Config) jetstream.StreamConfig {
 		// no subscriber has handled yet.
 		DenyDelete: true,
 		DenyPurge:  true,
-		Metadata: map[string]string{
-			"fanout.owner":        "fanout provision, or the relay with stream.provision=auto",
-			"fanout.source":       "postgres table outbox",
-			"fanout.msg_id":       "outbox.id",
-			"fanout.subject_form": cfg.SubjectPrefix + ".<event_type>",
-		},
+		Metadata:   metadata(cfg),
 	}
+}
+
+func metadata(cfg Config) map[string]string {
+	md := map[string]string{
+		"fanout.provisioned_by": "fanout provision, or the relay with stream.provision=auto",
+		"fanout.source":         "postgres table outbox",
+		"fanout.msg_id":         "<Fanout-Origin>:<outbox.id>",
+		"fanout.subject_form":   cfg.SubjectPrefix + ".<event_type>",
+	}
+	if owner := cfg.Owner(""); owner != "" {
+		md[OwnerKey] = owner
+	}
+	return md
 }
 
 // ErrUnfit is wrapped by the errors Ensure returns for a stream
@@ -84,6 +92,11 @@ type Changes struct {
 	// AllowLower lets that update lower a limit, which drops the stored
 	// messages beyond the new one.
 	AllowLower bool
+	// ReplaceOwner lets that update record another owning database (see
+	// OwnerKey) than the stream records. Without it, an owner is only
+	// recorded where none is: a relay never takes another database's
+	// stream.
+	ReplaceOwner bool
 }
 
 // ErrDiffers is wrapped by Provision's error for an existing stream it was
@@ -110,6 +123,9 @@ func Provision(ctx context.Context, js jetstream.JetStream, want jetstream.Strea
 	}
 	info := s.CachedInfo()
 	diffs := StreamDifferences(info.Config, want)
+	if d, ok := OwnerDifference(info.Config, want); ok && (d.Have == "" || changes.ReplaceOwner) {
+		diffs = append(diffs, d)
+	}
 	if len(diffs) == 0 {
 		return info, nil
 	}

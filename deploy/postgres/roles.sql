@@ -31,7 +31,10 @@
 --                       last_error, available_at, claimed_at, lease_token,
 --                       published_at): it claims, marks, reaps and deletes
 --                       rows but cannot change an event or write one.
---                       LISTEN needs no privilege. relay_capture: SELECT,
+--                       LISTEN needs no privilege. outbox_epochs: SELECT,
+--                       and EXECUTE on fanout_outbox_last_id and
+--                       fanout_outbox_new_epoch (a restore that rewound
+--                       the ids). relay_capture: SELECT,
 --                       INSERT, UPDATE, DELETE (a wal relay's bookkeeping).
 --                       The outbox's retention: EXECUTE on the functions
 --                       that add, seal and drop its ranges (SECURITY
@@ -53,24 +56,29 @@
 --                       pg_notify needs no privilege. The identity column
 --                       needs no USAGE on outbox_id_seq.
 --   fanout_cacheinval: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts, dead_letters; and
+--       and its own rows in subscriber_attempts, dead_letters;
+--       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
 --       SELECT ON products, brands, categories, inventory
 --   fanout_fulfilment: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts, dead_letters and subscriber_aggregates; and
+--       and its own rows in subscriber_attempts, dead_letters and subscriber_aggregates;
+--       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
 --       SELECT, INSERT, UPDATE ON fulfilment_orders
 --       SELECT, INSERT ON fulfilment_history, fulfilment_violations
 --   fanout_invoicing: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts, dead_letters; and
+--       and its own rows in subscriber_attempts, dead_letters;
+--       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
 --       SELECT ON orders, order_lines, products
 --       INSERT ON invoices, invoice_lines
 --       SELECT (id, order_id) ON invoices
 --       USAGE ON SEQUENCE invoice_number_seq
 --   fanout_salesledger: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts, dead_letters; and
+--       and its own rows in subscriber_attempts, dead_letters;
+--       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
 --       SELECT ON orders, order_lines
 --       SELECT, INSERT, UPDATE ON product_sales
 --   fanout_searchindex: LOGIN. Its own checkpoint rows in processed_events
---       and its own rows in subscriber_attempts, dead_letters; and
+--       and its own rows in subscriber_attempts, dead_letters;
+--       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
 --       SELECT ON products, brands, categories, inventory
 --   fanout_operator     LOGIN. The operator commands (fanout status, dlq,
 --                       outbox, reindex). A member of each subscriber role:
@@ -85,8 +93,8 @@
 --                       the actor): the audit trail is append-only and says
 --                       who. dead_letters: SELECT. replays: SELECT, and
 --                       EXECUTE on fanout_record_replay, the same way.
---                       relay_capture, outbox_partitions, outbox_default:
---                       SELECT (fanout status).
+--                       relay_capture, outbox_partitions, outbox_default,
+--                       outbox_epochs, event_origins: SELECT (fanout status).
 --
 -- processed_events, subscriber_attempts and dead_letters have row-level security: each
 -- subscriber role sees and writes only the rows of its own subscriber name
@@ -211,7 +219,7 @@ FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
                   'invoice_number_seq', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                   'outbox_partitions', 'outbox_default', 'outbox_aggregates', 'subscriber_aggregates',
-                  'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
+                  'outbox_epochs', 'event_origins', 'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
 
 \if :fanout_migrated
 
@@ -225,7 +233,7 @@ WHERE c.relnamespace = 'public'::regnamespace
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
                     'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
-                    'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
+                    'outbox_epochs', 'event_origins', 'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
 -- must own the outbox to do so).
@@ -258,10 +266,20 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
 GRANT SELECT ON outbox_partitions TO fanout_relay;
 GRANT EXECUTE ON FUNCTION fanout_outbox_extend(bigint, integer, bigint), fanout_outbox_seal(text),
     fanout_outbox_retire(text, interval, boolean, pg_lsn, bigint) TO fanout_relay;
+-- The events' origin: the outbox's epochs, the last id it handed out, and
+-- a new epoch when a restore rewound the ids.
+GRANT SELECT ON outbox_epochs TO fanout_relay;
+GRANT EXECUTE ON FUNCTION fanout_outbox_last_id(), fanout_outbox_new_epoch(integer, integer, bigint, bigint, text) TO fanout_relay;
 
 -- Writers (outbox.Write, outbox.Queue).
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers) ON outbox TO fanout_writer;
 GRANT SELECT (id) ON outbox TO fanout_writer;
+
+-- Subscribers: the numbers of the origins their checkpoints key on (shared:
+-- an origin is a fact, not a subscriber's), and the epochs of their own
+-- database.
+GRANT SELECT, INSERT ON event_origins TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
+GRANT SELECT ON outbox_epochs TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
 -- Subscribers: the checkpoint (insert, read, prune), restricted to their rows.
 ALTER TABLE processed_events ENABLE ROW LEVEL SECURITY;
@@ -369,7 +387,7 @@ GRANT EXECUTE ON FUNCTION fanout_record_replay(text, text, bigint, text, text) T
 DROP POLICY IF EXISTS fanout_operator_dead_letters ON dead_letters;
 CREATE POLICY fanout_operator_dead_letters ON dead_letters FOR SELECT TO fanout_operator USING (true);
 GRANT SELECT ON relay_capture TO fanout_operator;
-GRANT SELECT ON outbox_partitions, outbox_default TO fanout_operator;
+GRANT SELECT ON outbox_partitions, outbox_default, outbox_epochs, event_origins TO fanout_operator;
 -- fanout status counts the ordered subscribers' held aggregates (releasing
 -- one, at a discard, it does as the subscriber).
 GRANT SELECT ON subscriber_aggregates TO fanout_operator;

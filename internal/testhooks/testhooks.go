@@ -25,6 +25,11 @@ type Relay struct {
 	// aggregate's events while earlier ones are unpublished, and the wal
 	// relay publishes them without waiting for the one before.
 	Unordered bool
+	// Anonymous (sabotage) publishes events as relays did before events
+	// carried their database: Nats-Msg-Id is the bare row id, and no
+	// restore that rewound the ids is looked for. Two databases' events,
+	// or a restored database's, are then dropped as duplicates.
+	Anonymous bool
 }
 
 // Subscriber breaks the subscriber runtime, or stops it at a moment.
