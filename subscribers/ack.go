@@ -142,8 +142,8 @@ func (r *Runner) timed(ds []*delivery, ids []int64, handledAt time.Time) {
 	}
 	ts := make([]EventTimes, 0, len(ids))
 	for _, d := range ds {
-		if want[d.ev.ID] {
-			delete(want, d.ev.ID)
+		if want[d.ev.key()] {
+			delete(want, d.ev.key())
 			ts = append(ts, EventTimes{Committed: d.ev.CreatedAt, Stored: d.ev.StoredAt, Delivered: d.deliveredAt, Handled: handledAt})
 		}
 	}

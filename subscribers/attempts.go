@@ -168,7 +168,7 @@ func (r *Runner) recordFailure(ctx context.Context, d *delivery, cause error) (i
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	var failures int
-	if err := r.opts.Pool.QueryRow(ctx, recordFailureSQL, r.name, d.ev.ID, truncate(cause.Error(), 2000), closing).Scan(&failures); err != nil {
+	if err := r.opts.Pool.QueryRow(ctx, recordFailureSQL, r.name, d.ev.key(), truncate(cause.Error(), 2000), closing).Scan(&failures); err != nil {
 		return 0, fmt.Errorf("record the failure: %w", err)
 	}
 	d.opened, d.hasRow = false, true
@@ -195,18 +195,18 @@ func rowIDs(ds []*delivery) []int64 {
 	var ids []int64
 	for _, d := range ds {
 		if d.hasRow {
-			ids = append(ids, d.ev.ID)
+			ids = append(ids, d.ev.key())
 		}
 	}
 	slices.Sort(ids)
 	return slices.Compact(ids)
 }
 
-// eventIDs are the sorted, distinct event ids of ds.
+// eventIDs are the sorted, distinct checkpoint keys of ds (origin.go).
 func eventIDs(ds []*delivery) []int64 {
 	ids := make([]int64, len(ds))
 	for i, d := range ds {
-		ids[i] = d.ev.ID
+		ids[i] = d.ev.key()
 	}
 	slices.Sort(ids)
 	return slices.Compact(ids)

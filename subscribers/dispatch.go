@@ -153,7 +153,11 @@ const (
 // again when every dependency answers; their deliveries cost them nothing.
 func (r *Runner) process(softCtx, hardCtx context.Context, batch received) (all []*delivery) {
 	ds := make([]*delivery, 0, len(batch.msgs))
-	first := make(map[int64]*delivery, len(batch.msgs))
+	type identity struct {
+		origin string
+		id     int64
+	}
+	first := make(map[identity]*delivery, len(batch.msgs))
 	for i, m := range batch.msgs {
 		ev, err := r.parse(m)
 		d := &delivery{msg: m, ev: ev, deliveredAt: batch.at}
@@ -163,14 +167,14 @@ func (r *Runner) process(softCtx, hardCtx context.Context, batch received) (all 
 		}
 		if err != nil {
 			d.deadReason = err.Error()
-		} else if p := first[ev.ID]; p != nil {
+		} else if p := first[identity{ev.Origin, ev.ID}]; p != nil {
 			// One attempt for the event; the copy shares its fate (a copy
 			// acked as a duplicate while the first failed would lose the
 			// event, if both are the same stream message).
 			p.dups = append(p.dups, d)
 			continue
 		} else {
-			first[ev.ID] = d
+			first[identity{ev.Origin, ev.ID}] = d
 		}
 		ds = append(ds, d)
 	}
@@ -183,6 +187,10 @@ func (r *Runner) process(softCtx, hardCtx context.Context, batch received) (all 
 			// instance (or the next start) gets them after the ack wait.
 			r.closeAttempts(ds)
 			return all
+		}
+		if err := r.keyEvents(hardCtx, ds); err != nil {
+			r.health.markDown(DependencyPostgres, err)
+			continue
 		}
 		ds = r.attempt(hardCtx, ds)
 	}
@@ -246,6 +254,12 @@ func EventFromParts(data []byte, h nats.Header, subject, subjectPrefix string) (
 		return ev, fmt.Errorf("message carries no valid %s header (got %q): not an outbox event", outbox.EventIDHeader, idText)
 	}
 	ev.ID = id
+	if o := h.Get(outbox.OriginHeader); o != "" {
+		if _, err := outbox.ParseOrigin(o); err != nil {
+			return ev, fmt.Errorf("message carries a bad %s header: %w", outbox.OriginHeader, err)
+		}
+		ev.Origin = o
+	}
 	if t := h.Get(outbox.EventTypeHeader); t != "" {
 		ev.Type = t
 	}

@@ -105,7 +105,7 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 	var ok, todo, skipped []*delivery
 	var todoAt []int
 	for i, d := range ds {
-		if seen[d.ev.ID] {
+		if seen[d.ev.key()] {
 			ok = append(ok, d)
 			skipped = append(skipped, d)
 			continue

@@ -12,7 +12,12 @@ import (
 
 // Event is one delivered event.
 type Event struct {
-	ID            int64  // the outbox id: the same on every delivery and publish
+	ID int64 // the outbox id: the same on every delivery and publish
+	// Origin is the database the event came from and its outbox epoch
+	// (the Fanout-Origin header, "<system identifier>/<database>/<epoch>"):
+	// with ID, the event's identity. Empty on events published before
+	// events carried it, which came from this subscriber's database.
+	Origin        string
 	Type          string // e.g. "order.created"
 	AggregateType string
 	AggregateID   string
@@ -34,6 +39,17 @@ type Event struct {
 	StreamSeq uint64
 	StoredAt  time.Time // when the stream stored it: its PubAck (the server's clock)
 	Delivery  uint64    // 1 on the first delivery
+
+	ckey int64 // the checkpoint key of (Origin, ID), see origin.go
+}
+
+// key is the event's checkpoint key (origin.go): its id for an event of
+// this database's first epoch.
+func (e Event) key() int64 {
+	if e.ckey != 0 {
+		return e.ckey
+	}
+	return e.ID
 }
 
 // Named is what every handler is: a subscriber's name and the events it

@@ -104,8 +104,8 @@ func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forge
 	}
 	var evs []Event
 	for _, d := range ds {
-		if todo[d.ev.ID] {
-			delete(todo, d.ev.ID) // a duplicate in the same batch runs once
+		if todo[d.ev.key()] {
+			delete(todo, d.ev.key()) // a duplicate in the same batch runs once
 			evs = append(evs, d.ev)
 		}
 	}

@@ -122,7 +122,7 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 	var afterGap []bool
 	late := map[int64]bool{}
 	for _, d := range ds {
-		if !fresh[d.ev.ID] || d.ev.AggregateSeq == 0 {
+		if !fresh[d.ev.key()] || d.ev.AggregateSeq == 0 {
 			continue
 		}
 		types, ids = append(types, d.ev.AggregateType), append(ids, d.ev.AggregateID)

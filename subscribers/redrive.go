@@ -13,12 +13,16 @@ func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err er
 	// aggregate's holder first); one its aggregate moved past is applied
 	// where the operator says so, its checkpoint left as it is.
 	d := &delivery{ev: ev, hasRow: true, order: orderInfo{lateOK: true}}
+	if err := r.keyEvents(ctx, []*delivery{d}); err != nil {
+		return false, err
+	}
+	ev = d.ev
 	if r.txH != nil {
 		fresh, err := r.txBatch(ctx, []*delivery{d})
 		return len(fresh) == 1, err
 	}
 	var done bool
-	if err := r.opts.Pool.QueryRow(ctx, isProcessedSQL, r.name, ev.ID).Scan(&done); err != nil {
+	if err := r.opts.Pool.QueryRow(ctx, isProcessedSQL, r.name, ev.key()).Scan(&done); err != nil {
 		return false, err
 	}
 	if done {
@@ -27,6 +31,6 @@ func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err er
 	if err := r.call(ctx, ev); err != nil {
 		return false, err
 	}
-	err = r.checkpoint(ctx, []*delivery{d}, []int64{ev.ID})
+	err = r.checkpoint(ctx, []*delivery{d}, []int64{ev.key()})
 	return err == nil, err
 }

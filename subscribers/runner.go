@@ -15,6 +15,7 @@ import (
 
 	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/internal/testhooks"
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -37,6 +38,7 @@ type Options struct {
 // Runner runs one subscriber: its consumer, its workers, its dead letters.
 type Runner struct {
 	opts    Options
+	origins *originKeys          // checkpoint keys of events' identities (origin.go)
 	hooks   testhooks.Subscriber // zero but in tests (internal/testhooks)
 	name    string
 	ordered bool
@@ -297,7 +299,13 @@ func (r *Runner) checkStore(ctx context.Context) error {
 	wait := 100 * time.Millisecond
 	for {
 		err := pgx.BeginFunc(ctx, r.opts.Pool, func(tx pgx.Tx) error {
+			db, err := outbox.ReadDatabase(ctx, tx)
+			if err != nil {
+				return err
+			}
+			r.origins = &originKeys{pool: r.opts.Pool, own: ownOrigin(db), nums: map[string]int64{}}
 			b := &pgx.Batch{}
+			b.Queue(`SELECT num FROM event_origins LIMIT 0`)
 			b.Queue(`INSERT INTO processed_events (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
 			b.Queue(`INSERT INTO subscriber_attempts (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
 			b.Queue(vouchSQL, r.name, -1, -1, []byte{})
@@ -312,7 +320,7 @@ func (r *Runner) checkStore(ctx context.Context) error {
 		}
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01") {
-			return fmt.Errorf("subscriber %s cannot use its rows of processed_events, subscriber_attempts and dead_letters: %w "+
+			return fmt.Errorf("subscriber %s cannot use its rows of processed_events, subscriber_attempts and dead_letters, or event_origins: %w "+
 				"(run `fanout migrate`, then grant its role what deploy/postgres/roles.sql grants)", r.name, err)
 		}
 		if ctx.Err() != nil {

@@ -39,7 +39,7 @@ func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, 
 	var redelivered []int64
 	for _, d := range ds {
 		if d.ev.Delivery > 1 {
-			redelivered = append(redelivered, d.ev.ID)
+			redelivered = append(redelivered, d.ev.key())
 		}
 	}
 	if len(redelivered) == 0 {
@@ -60,7 +60,7 @@ func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, 
 			normal = append(normal, d)
 			continue
 		}
-		st := states[d.ev.ID]
+		st := states[d.ev.key()]
 		d.hasRow, d.mark = st.hasRow, true
 		died := st.openAttempts
 		if d.opened {

@@ -29,7 +29,11 @@ type event struct {
 // streamContents is the whole events stream, read to its last sequence.
 type streamContents struct {
 	bySeq []event
-	byID  map[int64][]uint64 // event id -> the sequences holding it
+	// byID maps an event id to the sequences holding it: the event of
+	// this run's database with that id. An event's identity is its origin
+	// and its id; messages of any other origin are in foreign.
+	byID    map[int64][]uint64
+	foreign []string
 }
 
 // readPatience is how long reading a stream rides out a cluster that is
@@ -53,6 +57,10 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 		return nil, err
 	}
 	out := &streamContents{byID: map[int64][]uint64{}}
+	ident, err := outbox.NewStore(r.pool()).ReadIdentity(ctx)
+	if err != nil {
+		return nil, err
+	}
 	if info.State.Msgs == 0 {
 		return out, nil
 	}
@@ -105,6 +113,10 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 				return nil, fmt.Errorf("message %d carries no event id: %w", last, err)
 			}
 			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(outbox.EventTypeHeader), body: m.Data()})
+			if o := m.Headers().Get(outbox.OriginHeader); o != ident.OriginOf(id) {
+				out.foreign = append(out.foreign, fmt.Sprintf("sequence %d: event %d of origin %q, not %q", last, id, o, ident.OriginOf(id)))
+				continue
+			}
 			out.byID[id] = append(out.byID[id], last)
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
@@ -188,6 +200,9 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 	}
 	if len(missing) > 0 {
 		rep.violate("1 (every sent row is in the stream)", fmt.Sprintf("%d sent rows missing from the stream: %s", len(missing), head(missing)))
+	}
+	if len(stream.foreign) > 0 {
+		rep.violate("10 (every event carries its database's identity)", fmt.Sprintf("%d messages of another origin: %s", len(stream.foreign), head(stream.foreign)))
 	}
 	if len(twice) > 0 {
 		rep.violate("2 (every sent row is in the stream once)", fmt.Sprintf("%d events stored more than once: %s", len(twice), head(twice)))

@@ -1,0 +1,138 @@
+package subscribers_test
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// byOrigin records the events it handles by their identity, origin and id.
+type byOrigin struct {
+	mu   sync.Mutex
+	seen map[string]int
+}
+
+func (h *byOrigin) Name() string         { return "origins" }
+func (h *byOrigin) EventTypes() []string { return []string{"thing.>"} }
+
+func (h *byOrigin) record(ev subscribers.Event) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.seen[ev.Origin+":"+strconv.FormatInt(ev.ID, 10)]++
+}
+
+func (h *byOrigin) Handle(_ context.Context, ev subscribers.Event) error {
+	h.record(ev)
+	return nil
+}
+
+func (h *byOrigin) count() (events, handled int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, n := range h.seen {
+		events, handled = events+1, handled+n
+	}
+	return events, handled
+}
+
+type byOriginTx struct{ *byOrigin }
+
+func (h byOriginTx) HandleTx(_ context.Context, _ pgx.Tx, ev subscribers.Event) error {
+	h.record(ev)
+	return nil
+}
+
+// Checkpoints key on an event's whole identity: event 1 of another
+// database, or of a later epoch of this one (a restore), is another event
+// than this database's event 1, and each is handled once however often it
+// comes.
+func TestCheckpointsKeyOnTheEventsOrigin(t *testing.T) {
+	t.Parallel()
+	for _, kind := range []string{"tx", "each"} {
+		t.Run(kind, func(t *testing.T) {
+			t.Parallel()
+			env := subscribertest.NewEnv(t)
+			h := &byOrigin{seen: map[string]int{}}
+			handler := subscribers.Each(h)
+			if kind == "tx" {
+				handler = subscribers.Tx(byOriginTx{h})
+			}
+			env.StartRunner(handler, nil)
+			ids := env.Write(func(pgx.Tx) ([]outbox.Event, error) {
+				return []outbox.Event{{AggregateType: "thing", AggregateID: "1", Type: "thing.made", Payload: map[string]int{"n": 1}}}, nil
+			})
+			id := ids[0]
+			subscribertest.WaitFor(t, 20*time.Second, "this database's event handled", func() (bool, string) {
+				e, n := h.count()
+				return e == 1 && n == 1, fmt.Sprintf("%d events, %d handlings", e, n)
+			})
+
+			db, err := outbox.ReadDatabase(context.Background(), env.DB.Pool)
+			if err != nil {
+				t.Fatal(err)
+			}
+			other := outbox.Origin{Database: outbox.Database{System: db.System, Name: "another shop"}, Epoch: 1}.String()
+			restored := outbox.Origin{Database: db, Epoch: 2}.String()
+			publish := func(origin, msgID string) {
+				t.Helper()
+				m := nats.NewMsg(env.Config.Stream.SubjectPrefix + ".thing.made")
+				m.Data = []byte(`{"n": 1}`)
+				m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
+				m.Header.Set(outbox.OriginHeader, origin)
+				m.Header.Set(outbox.AggregateTypeHeader, "thing")
+				m.Header.Set(outbox.AggregateIDHeader, "1")
+				if _, err := env.JS.PublishMsg(context.Background(), m, jetstream.WithMsgID(msgID)); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for round := range 2 { // the second time, each is a duplicate
+				for _, o := range []string{other, restored} {
+					publish(o, fmt.Sprintf("%s:%d:%d", o, id, round))
+				}
+			}
+			subscribertest.WaitFor(t, 20*time.Second, "both other origins' event 1 handled", func() (bool, string) {
+				e, n := h.count()
+				return e == 3, fmt.Sprintf("%d events, %d handlings", e, n)
+			})
+			env.Settle(h.Name())
+			if e, n := h.count(); e != 3 || n != 3 {
+				t.Fatalf("%d events handled %d times, want 3 events once each: %v", e, n, h.seen)
+			}
+			var rows, origins int
+			if err := env.DB.Pool.QueryRow(context.Background(), `
+SELECT (SELECT count(*) FROM processed_events WHERE subscriber = $1), (SELECT count(*) FROM event_origins WHERE origin = ANY($2))`,
+				h.Name(), []string{other, restored}).Scan(&rows, &origins); err != nil {
+				t.Fatal(err)
+			}
+			if rows != 3 || origins != 2 {
+				t.Fatalf("%d checkpoint rows and %d numbered origins, want 3 and 2", rows, origins)
+			}
+
+			// An origin that is no origin is bad input: dead-lettered with
+			// the reason, never taken for this database's.
+			publish("not an origin", "bad-origin")
+			subscribertest.WaitFor(t, 20*time.Second, "the event with a bad origin dead-lettered", func() (bool, string) {
+				for _, dl := range env.DeadLetters(h.Name()) {
+					if strings.Contains(dl.Header.Get(subscribers.DeadReasonHeader), outbox.OriginHeader) {
+						return true, ""
+					}
+				}
+				return false, "no letter yet"
+			})
+			if e, n := h.count(); e != 3 || n != 3 {
+				t.Fatalf("after the bad origin: %d events handled %d times, want 3 once each", e, n)
+			}
+		})
+	}
+}
