@@ -16,8 +16,23 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
+// The stream metadata that names its owner (package stream; its name is
+// shadowed below by a variable).
+const (
+	streamOwnerKey = stream.OwnerKey
+	streamShared   = stream.SeveralDatabases
+)
+
 // Status is what `fanout status` reports.
 type Status struct {
+	// Database is this database's identity, which every event it writes
+	// carries (Fanout-Origin), and its outbox's epochs: a restore that
+	// rewound the ids began a new one.
+	Database struct {
+		Name   string         `json:"name"` // <system identifier>/<database>
+		Epoch  int            `json:"epoch"`
+		Epochs []outbox.Epoch `json:"epochs"`
+	} `json:"database"`
 	Outbox struct {
 		Pending          int64   `json:"pending"`
 		Sending          int64   `json:"sending"`
@@ -43,6 +58,11 @@ type Status struct {
 		LastSeq  uint64 `json:"last_seq"`
 		// Missing: the stream does not exist yet (the relay creates it).
 		Missing bool `json:"missing,omitempty"`
+		// Owner is the database the stream records as its owner (metadata
+		// fanout.database), "several" for a shared one, "" if it records
+		// none; Foreign says it is not this database.
+		Owner   string `json:"owner"`
+		Foreign bool   `json:"foreign,omitempty"`
 	} `json:"stream"`
 	// Capture is how the relays find committed rows, and in wal capture
 	// their replication slot.
@@ -101,6 +121,11 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	var st Status
 	store := outbox.NewStore(src.Pool)
 	store.OnFailed = outbox.OnFailed(src.Relay.OnFailed)
+	ident, err := store.ReadIdentity(ctx)
+	if err != nil {
+		return st, err
+	}
+	st.Database.Name, st.Database.Epoch, st.Database.Epochs = ident.Database.String(), ident.Latest().N, ident.Epochs
 	backlog, err := store.Backlog(ctx)
 	if err != nil {
 		return st, fmt.Errorf("outbox: %w", err)
@@ -150,6 +175,8 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 		info := stream.CachedInfo()
 		st.Stream.Messages, st.Stream.Bytes = info.State.Msgs, info.State.Bytes
 		st.Stream.FirstSeq, st.Stream.LastSeq = info.State.FirstSeq, info.State.LastSeq
+		st.Stream.Owner = info.Config.Metadata[streamOwnerKey]
+		st.Stream.Foreign = st.Stream.Owner != "" && st.Stream.Owner != streamShared && st.Stream.Owner != st.Database.Name
 	}
 
 	checkpoints, err := subscribers.CountCheckpoints(ctx, src.Pool)

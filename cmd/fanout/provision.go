@@ -148,7 +148,7 @@ func provisionUpdate(cmd *cobra.Command, a *app, js jetstream.JetStream, names [
 		} else if err != nil {
 			return err
 		}
-		info, err := stream.Provision(ctx, js, want, stream.Changes{Update: true, AllowLower: allowLower}, logger)
+		info, err := stream.Provision(ctx, js, want, stream.Changes{Update: true, AllowLower: allowLower, ReplaceOwner: true}, logger)
 		if err != nil {
 			return err
 		}
@@ -188,7 +188,13 @@ func provisionCheck(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []
 				return nil, err
 			}
 			return s.CachedInfo().Config, nil
-		}, func(v any) []stream.Difference { return stream.StreamDifferences(v.(jetstream.StreamConfig), want) })
+		}, func(v any) []stream.Difference {
+			ds := stream.StreamDifferences(v.(jetstream.StreamConfig), want)
+			if d, ok := stream.OwnerDifference(v.(jetstream.StreamConfig), want); ok {
+				ds = append(ds, d)
+			}
+			return ds
+		})
 	}
 	for _, d := range decls {
 		want := subscribers.ConsumerConfig(d.Name, d.EventTypes, d.Ordered, a.cfg.Subscriber(d.Name), a.cfg.Stream)

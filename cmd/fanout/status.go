@@ -63,6 +63,11 @@ them all.`,
 }
 
 func printStatus(w io.Writer, st operator.Status) {
+	fmt.Fprintf(w, "database %s  outbox epoch %d", st.Database.Name, st.Database.Epoch)
+	if n := len(st.Database.Epochs); n > 1 {
+		fmt.Fprintf(w, " (from id %d: a restore rewound the ids; see outbox_epochs)", st.Database.Epochs[n-1].FirstID)
+	}
+	fmt.Fprintln(w)
 	o := st.Outbox
 	if c := st.Capture; c.Mode == relay.CaptureWAL {
 		// The wal relay marks nothing: its captured rows stay pending.
@@ -94,7 +99,14 @@ func printStatus(w io.Writer, st operator.Status) {
 	if st.Stream.Missing {
 		fmt.Fprintf(w, "stream   %s  not created yet (the relay creates it at start unless stream.provision is verify or off)\n\n", st.Stream.Name)
 	} else {
-		fmt.Fprintf(w, "stream   %s  %d messages  %d bytes  seq %d..%d\n\n", st.Stream.Name, st.Stream.Messages, st.Stream.Bytes, st.Stream.FirstSeq, st.Stream.LastSeq)
+		owner := st.Stream.Owner
+		switch {
+		case owner == "":
+			owner = "none recorded"
+		case st.Stream.Foreign:
+			owner += " (ANOTHER DATABASE: this database's relays refuse to publish into it)"
+		}
+		fmt.Fprintf(w, "stream   %s  %d messages  %d bytes  seq %d..%d  owner %s\n\n", st.Stream.Name, st.Stream.Messages, st.Stream.Bytes, st.Stream.FirstSeq, st.Stream.LastSeq, owner)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "SUBSCRIBER\tPENDING\tACK PENDING\tREDELIVERED\tCHECKPOINT\tDEAD LETTERS")
