@@ -123,7 +123,10 @@ func Provision(ctx context.Context, js jetstream.JetStream, want jetstream.Strea
 	}
 	info := s.CachedInfo()
 	diffs := StreamDifferences(info.Config, want)
-	if d, ok := OwnerDifference(info.Config, want); ok && (d.Have == "" || changes.ReplaceOwner) {
+	// An owner is filled in where none is recorded, replaced only when
+	// told, and listed by a provision that may change nothing: a relay
+	// never takes another database's stream.
+	if d, ok := OwnerDifference(info.Config, want); ok && (d.Have == "" || changes.ReplaceOwner || !changes.Update) {
 		diffs = append(diffs, d)
 	}
 	if len(diffs) == 0 {

@@ -8,6 +8,8 @@ import (
 
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/stream"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -161,5 +163,69 @@ func TestProvisionChangesAStreamOnlyWhenTold(t *testing.T) {
 	}
 	if out, err := run(t, env, "provision", "--update-stream", "ORDERS"); err == nil || !strings.Contains(out, "fanout has streams EVENTS and DEADLETTER only") {
 		t.Errorf("--update-stream of another stream: %v\n%s", err, out)
+	}
+}
+
+// The stream records the database that owns it: `fanout provision` from
+// stream.database, shared from stream.databases several; status shows the
+// database, its epoch and the owner, and says when it is another database.
+func TestProvisionRecordsTheStreamsOwner(t *testing.T) {
+	t.Parallel()
+	ns := natstest.Start(t)
+	db := pgtest.NewDB(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	own, err := outbox.ReadDatabase(ctx, db.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := []string{"FANOUT_POSTGRES_URL=" + db.URL, "FANOUT_NATS_URL=" + ns.URL, "FANOUT_LOG_FORMAT=json"}
+	js, err := jetstream.New(ns.Connect(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	owner := func() string {
+		t.Helper()
+		s, err := js.Stream(ctx, "EVENTS")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s.CachedInfo().Config.Metadata[stream.OwnerKey]
+	}
+
+	if out, err := run(t, append(env, "FANOUT_STREAM_DATABASE=shop"), "provision"); err == nil || !strings.Contains(out, "stream.database") {
+		t.Fatalf("provision with a stream.database that names no database: %v\n%s; want refused, naming the key", err, out)
+	}
+	if out, err := run(t, append(env, "FANOUT_STREAM_DATABASE="+own.String()), "provision"); err != nil {
+		t.Fatalf("provision: %v\n%s", err, out)
+	}
+	if got := owner(); got != own.String() {
+		t.Fatalf("stream EVENTS records owner %q, want %s", got, own)
+	}
+	st := status(t, env)
+	if st.Database.Name != own.String() || st.Database.Epoch != 1 || st.Stream.Owner != own.String() || st.Stream.Foreign {
+		t.Fatalf("status: database %+v, stream %+v", st.Database, st.Stream)
+	}
+
+	// Shared on purpose: only --update-stream, as the stream's
+	// administrator, records it.
+	shared := append(env, "FANOUT_STREAM_DATABASES=several")
+	if out, err := run(t, shared, "provision"); err == nil || !strings.Contains(out, "fanout.database") {
+		t.Fatalf("provision of a shared stream over an owned one: %v\n%s; want refused, naming the owner", err, out)
+	}
+	if out, err := run(t, shared, "provision", "--update-stream", "EVENTS"); err != nil {
+		t.Fatalf("provision --update-stream EVENTS: %v\n%s", err, out)
+	}
+	if got := owner(); got != stream.SeveralDatabases {
+		t.Fatalf("stream EVENTS records owner %q after sharing it, want %s", got, stream.SeveralDatabases)
+	}
+
+	other := outbox.Database{System: own.System, Name: "another shop"}
+	if out, err := run(t, append(env, "FANOUT_STREAM_DATABASE="+other.String()), "provision", "--update-stream", "EVENTS"); err != nil {
+		t.Fatalf("provision --update-stream EVENTS to another owner: %v\n%s", err, out)
+	}
+	out, err := run(t, env, "status")
+	if err != nil || !strings.Contains(out, "owner "+other.String()+" (ANOTHER DATABASE") || !strings.Contains(out, "database "+own.String()+"  outbox epoch 1") {
+		t.Fatalf("status of a stream another database owns: %v\n%s", err, out)
 	}
 }
