@@ -36,11 +36,12 @@ type orderInfo struct {
 	lateOK bool
 }
 
-// aggregateKey names an aggregate.
-type aggregateKey struct{ typ, id string }
+// aggregateKey names an aggregate: its database ("" for the subscriber's
+// own, see originKeys.database), type and id.
+type aggregateKey struct{ db, typ, id string }
 
-func keyOf(h nats.Header) aggregateKey {
-	return aggregateKey{h.Get(outbox.AggregateTypeHeader), h.Get(outbox.AggregateIDHeader)}
+func (od *orderedDispatch) keyOf(h nats.Header) aggregateKey {
+	return aggregateKey{od.r.origins.database(h.Get(outbox.OriginHeader)), h.Get(outbox.AggregateTypeHeader), h.Get(outbox.AggregateIDHeader)}
 }
 
 // orderedDispatch is the dispatcher's state: one goroutine owns it.
@@ -89,7 +90,7 @@ func (r *Runner) dispatchOrdered(hardCtx context.Context, batches chan<- receive
 		select {
 		case out <- next:
 			for _, m := range next.msgs {
-				od.lines[keyOf(m.Headers())].taken = true
+				od.lines[od.keyOf(m.Headers())].taken = true
 			}
 			od.forming = nil
 			od.inFlight++
@@ -141,7 +142,7 @@ func (r *Runner) readOrdered(hardCtx context.Context, out chan<- []jetstream.Msg
 
 func (od *orderedDispatch) add(m jetstream.Msg) {
 	h := m.Headers()
-	k := keyOf(h)
+	k := od.keyOf(h)
 	l := od.lines[k]
 	if l == nil {
 		l = &aggregateLine{key: k}
@@ -201,7 +202,7 @@ func (od *orderedDispatch) unform() {
 		return
 	}
 	for _, m := range od.forming.msgs {
-		if l := od.lines[keyOf(m.Headers())]; l != nil {
+		if l := od.lines[od.keyOf(m.Headers())]; l != nil {
 			l.sent, l.queued = nil, false
 		}
 	}
@@ -212,7 +213,7 @@ func (od *orderedDispatch) unform() {
 // next one go.
 func (od *orderedDispatch) finish(ds []*delivery) {
 	for _, d := range ds {
-		l := od.lines[keyOf(d.msg.Headers())]
+		l := od.lines[od.keyOf(d.msg.Headers())]
 		if l == nil || l.sent != d.msg {
 			continue
 		}

@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -30,11 +31,12 @@ const (
 	// view of the aggregate is stale (the pin moved while its first event
 	// was with another instance) cannot start it at its second.
 	advanceSQL = `
-INSERT INTO subscriber_aggregates AS a (subscriber, aggregate_type, aggregate_id, last_seq, prev_seq, last_event_id)
-SELECT $1, t, i, s, p, e FROM unnest($2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bool[]) AS w(t, i, s, p, e, g)
+INSERT INTO subscriber_aggregates AS a (subscriber, origin_database, aggregate_type, aggregate_id, last_seq, prev_seq, last_event_id)
+SELECT $1, d, t, i, s, p, e FROM unnest($2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bigint[], $7::bool[], $8::text[]) AS w(t, i, s, p, e, g, d)
 WHERE w.p = 0 OR w.g OR EXISTS (
-    SELECT FROM subscriber_aggregates x WHERE x.subscriber = $1 AND x.aggregate_type = w.t AND x.aggregate_id = w.i)
-ON CONFLICT (subscriber, aggregate_type, aggregate_id) DO UPDATE
+    SELECT FROM subscriber_aggregates x
+    WHERE x.subscriber = $1 AND x.origin_database = w.d AND x.aggregate_type = w.t AND x.aggregate_id = w.i)
+ON CONFLICT (subscriber, origin_database, aggregate_type, aggregate_id) DO UPDATE
 SET last_seq = excluded.last_seq, prev_seq = excluded.prev_seq, last_event_id = excluded.last_event_id,
     held_by_event = NULL, held_seq = NULL, updated_at = now()
 WHERE a.last_seq = excluded.prev_seq AND (a.held_by_event IS NULL OR a.held_by_event = excluded.last_event_id)
@@ -43,24 +45,25 @@ RETURNING last_event_id`
 	// aggregatesSQL reads the checkpoints of some aggregates (no row: none
 	// of its events applied yet).
 	aggregatesSQL = `
-SELECT w.t, w.i, a.last_seq, a.held_by_event, a.held_seq
-FROM unnest($2::text[], $3::text[]) AS w(t, i)
-LEFT JOIN subscriber_aggregates a ON a.subscriber = $1 AND a.aggregate_type = w.t AND a.aggregate_id = w.i`
+SELECT w.d, w.t, w.i, a.last_seq, a.held_by_event, a.held_seq
+FROM unnest($2::text[], $3::text[], $4::text[]) AS w(d, t, i)
+LEFT JOIN subscriber_aggregates a
+       ON a.subscriber = $1 AND a.origin_database = w.d AND a.aggregate_type = w.t AND a.aggregate_id = w.i`
 
 	// holdSQL holds an aggregate behind its dead-lettered event (unless it
 	// is held already, or moved past the event).
 	holdSQL = `
-INSERT INTO subscriber_aggregates AS a (subscriber, aggregate_type, aggregate_id, last_seq, prev_seq, held_by_event, held_seq)
-VALUES ($1, $2, $3, $4::bigint - 1, $4::bigint - 1, $5::bigint, $4::bigint)
-ON CONFLICT (subscriber, aggregate_type, aggregate_id) DO UPDATE
+INSERT INTO subscriber_aggregates AS a (subscriber, aggregate_type, aggregate_id, last_seq, prev_seq, held_by_event, held_seq, origin_database)
+VALUES ($1, $2, $3, $4::bigint - 1, $4::bigint - 1, $5::bigint, $4::bigint, $6)
+ON CONFLICT (subscriber, origin_database, aggregate_type, aggregate_id) DO UPDATE
 SET held_by_event = excluded.held_by_event, held_seq = excluded.held_seq, updated_at = now()
 WHERE a.held_by_event IS NULL AND a.last_seq < excluded.held_seq`
 
 	// passSQL lets an aggregate move past its dead-lettered event.
 	passSQL = `
-INSERT INTO subscriber_aggregates AS a (subscriber, aggregate_type, aggregate_id, last_seq, prev_seq, last_event_id)
-VALUES ($1, $2, $3, $4::bigint, $4::bigint - 1, $5::bigint)
-ON CONFLICT (subscriber, aggregate_type, aggregate_id) DO UPDATE
+INSERT INTO subscriber_aggregates AS a (subscriber, aggregate_type, aggregate_id, last_seq, prev_seq, last_event_id, origin_database)
+VALUES ($1, $2, $3, $4::bigint, $4::bigint - 1, $5::bigint, $6)
+ON CONFLICT (subscriber, origin_database, aggregate_type, aggregate_id) DO UPDATE
 SET last_seq = excluded.last_seq, prev_seq = a.last_seq, last_event_id = excluded.last_event_id, updated_at = now()
 WHERE a.held_by_event IS NULL AND a.last_seq < excluded.last_seq`
 
@@ -117,15 +120,17 @@ func (e *heldError) Error() string {
 // applied now is an error: held or late (the dead letters), or out of
 // turn (tried again).
 func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh map[int64]bool) error {
-	var types, ids []string
+	var types, ids, dbs []string
 	var seqs, prevs, events []int64
 	var afterGap []bool
 	late := map[int64]bool{}
+	epochs := map[int64]int{}
 	for _, d := range ds {
 		if !fresh[d.ev.key()] || d.ev.AggregateSeq == 0 {
 			continue
 		}
 		types, ids = append(types, d.ev.AggregateType), append(ids, d.ev.AggregateID)
+		dbs = append(dbs, r.origins.database(d.ev.Origin))
 		prev := d.order.prev
 		if !d.order.afterGap {
 			prev = d.ev.AggregateSeq - 1
@@ -133,11 +138,14 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 		seqs, prevs, events = append(seqs, d.ev.AggregateSeq), append(prevs, prev), append(events, d.ev.ID)
 		afterGap = append(afterGap, d.order.afterGap)
 		late[d.ev.ID] = d.order.lateOK
+		if o, err := outbox.ParseOrigin(d.ev.Origin); err == nil {
+			epochs[d.ev.ID] = o.Epoch
+		}
 	}
 	if len(events) == 0 {
 		return nil
 	}
-	rows, err := tx.Query(ctx, advanceSQL, r.name, types, ids, seqs, prevs, events, afterGap)
+	rows, err := tx.Query(ctx, advanceSQL, r.name, types, ids, seqs, prevs, events, afterGap, dbs)
 	if err != nil {
 		return fmt.Errorf("advance the aggregates' checkpoints: %w", err)
 	}
@@ -153,33 +161,40 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 	for _, id := range advanced {
 		done[id] = true
 	}
-	var lt, li []string
+	var left []aggregateKey
 	var lseq, lev []int64
 	for i, id := range events {
 		if !done[id] {
-			lt, li, lseq, lev = append(lt, types[i]), append(li, ids[i]), append(lseq, seqs[i]), append(lev, id)
+			left, lseq, lev = append(left, aggregateKey{dbs[i], types[i], ids[i]}), append(lseq, seqs[i]), append(lev, id)
 		}
 	}
-	states, err := r.aggregateStates(ctx, tx, lt, li)
+	states, err := r.aggregateStates(ctx, tx, left)
 	if err != nil {
 		return err
 	}
 	for i, id := range lev {
-		st := states[aggregateKey{lt[i], li[i]}]
+		k := left[i]
+		st := states[k]
 		switch {
 		case st.heldBy != 0 && st.heldBy != id:
 			return &eventError{id: id, err: Permanent(&heldError{by: st.heldBy, bySeq: st.heldSeq, seq: lseq[i]})}
 		case st.last >= lseq[i] && late[id]:
 			// An operator's redrive of an event its aggregate moved past:
 			// applied, the checkpoint left as it is.
+		case st.last >= lseq[i] && epochs[id] > 1:
+			return &eventError{id: id, err: Permanent(fmt.Errorf(
+				"arrived after its aggregate %s/%s moved past it: this is number %d, and number %d is applied; "+
+					"the event is of outbox epoch %d: its database was restored from a backup, and the events it lost had used the numbers "+
+					"its new events are given again (redrive this one to apply it)",
+				k.typ, k.id, lseq[i], st.last, epochs[id]))}
 		case st.last >= lseq[i]:
 			return &eventError{id: id, err: Permanent(fmt.Errorf(
 				"arrived after its aggregate %s/%s moved past it: this is number %d, and number %d is applied "+
 					"(it was let pass: a gap given up on after subscribers.gap_wait, or a dead letter under on_dead_letter=skip)",
-				lt[i], li[i], lseq[i], st.last))}
+				k.typ, k.id, lseq[i], st.last))}
 		default:
 			return &eventError{id: id, err: fmt.Errorf("event %d (number %d of %s/%s): %w: the checkpoint is at number %d",
-				id, lseq[i], lt[i], li[i], errOutOfTurn, st.last)}
+				id, lseq[i], k.typ, k.id, errOutOfTurn, st.last)}
 		}
 	}
 	return nil
@@ -194,15 +209,19 @@ type aggregateState struct {
 
 func (r *Runner) aggregateStates(ctx context.Context, q interface {
 	Query(context.Context, string, ...any) (pgx.Rows, error)
-}, types, ids []string) (map[aggregateKey]aggregateState, error) {
-	rows, err := q.Query(ctx, aggregatesSQL, r.name, types, ids)
+}, keys []aggregateKey) (map[aggregateKey]aggregateState, error) {
+	dbs, types, ids := make([]string, len(keys)), make([]string, len(keys)), make([]string, len(keys))
+	for i, k := range keys {
+		dbs[i], types[i], ids[i] = k.db, k.typ, k.id
+	}
+	rows, err := q.Query(ctx, aggregatesSQL, r.name, dbs, types, ids)
 	if err != nil {
 		return nil, fmt.Errorf("read the aggregates' checkpoints: %w", err)
 	}
-	out := make(map[aggregateKey]aggregateState, len(types))
+	out := make(map[aggregateKey]aggregateState, len(keys))
 	var k aggregateKey
 	var last, heldBy, heldSeq *int64
-	_, err = pgx.ForEachRow(rows, []any{&k.typ, &k.id, &last, &heldBy, &heldSeq}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&k.db, &k.typ, &k.id, &last, &heldBy, &heldSeq}, func() error {
 		st := aggregateState{exists: last != nil}
 		if last != nil {
 			st.last = *last
@@ -235,7 +254,7 @@ func (r *Runner) afterDeadLetter(ctx context.Context, d *delivery) error {
 	if r.cfg.OnDeadLetter == "skip" {
 		sql = passSQL
 	}
-	_, err := r.opts.Pool.Exec(ctx, sql, r.name, d.ev.AggregateType, d.ev.AggregateID, d.ev.AggregateSeq, d.ev.ID)
+	_, err := r.opts.Pool.Exec(ctx, sql, r.name, d.ev.AggregateType, d.ev.AggregateID, d.ev.AggregateSeq, d.ev.ID, r.origins.database(d.ev.Origin))
 	if err != nil {
 		return fmt.Errorf("record the dead letter in its aggregate's checkpoint: %w", err)
 	}

@@ -141,12 +141,12 @@ func (od *orderedDispatch) load(ctx context.Context) {
 	}
 	lines := od.toLoad
 	od.toLoad = nil
-	types, ids := make([]string, len(lines)), make([]string, len(lines))
+	keys := make([]aggregateKey, len(lines))
 	for i, l := range lines {
-		types[i], ids[i] = l.key.typ, l.key.id
+		keys[i] = l.key
 	}
 	qctx, cancel := od.r.bookkeeping(ctx)
-	states, err := od.r.aggregateStates(qctx, od.r.opts.Pool, types, ids)
+	states, err := od.r.aggregateStates(qctx, od.r.opts.Pool, keys)
 	cancel()
 	if err != nil {
 		if ctx.Err() == nil {

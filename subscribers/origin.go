@@ -12,6 +12,7 @@ package subscribers
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 
 	"github.com/fanout/fanout/outbox"
@@ -23,10 +24,11 @@ const originShift = 48
 
 // originKeys numbers origins, once each per process.
 type originKeys struct {
-	pool *pgxpool.Pool
-	own  string // this database's first epoch: keys are plain ids
-	mu   sync.Mutex
-	nums map[string]int64
+	pool  *pgxpool.Pool
+	own   string // this database's first epoch: keys are plain ids
+	ownDB string // this database, as an origin names it
+	mu    sync.Mutex
+	nums  map[string]int64
 }
 
 const originNumSQL = `
@@ -65,7 +67,7 @@ func (r *Runner) keyEvents(ctx context.Context, ds []*delivery) error {
 		if err != nil {
 			return err
 		}
-		r.origins = &originKeys{pool: r.opts.Pool, own: ownOrigin(db), nums: map[string]int64{}}
+		r.origins = newOriginKeys(r.opts.Pool, db)
 	}
 	for _, d := range ds {
 		if d.ev.ckey != 0 || d.deadReason != "" {
@@ -85,7 +87,19 @@ func (r *Runner) keyEvents(ctx context.Context, ds []*delivery) error {
 	return nil
 }
 
-// ownOrigin is the origin whose events' keys are their ids.
-func ownOrigin(db outbox.Database) string {
-	return outbox.Origin{Database: db, Epoch: 1}.String()
+func newOriginKeys(pool *pgxpool.Pool, db outbox.Database) *originKeys {
+	return &originKeys{pool: pool, own: outbox.Origin{Database: db, Epoch: 1}.String(), ownDB: db.String(), nums: map[string]int64{}}
+}
+
+// database is the database part of an ordered checkpoint's key for an
+// event of origin: "" for this database (and for an event that names
+// none), else the origin's database (schema migration 00016). Epochs
+// are left out: a restored database's aggregates number on from the
+// backup's counters.
+func (k *originKeys) database(origin string) string {
+	i := strings.LastIndexByte(origin, '/')
+	if i < 0 || origin[:i] == k.ownDB {
+		return ""
+	}
+	return origin[:i]
 }

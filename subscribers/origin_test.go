@@ -136,3 +136,104 @@ SELECT (SELECT count(*) FROM processed_events WHERE subscriber = $1), (SELECT co
 		})
 	}
 }
+
+// orderedByDatabase records, per database, the numbers of aggregate
+// thing/1's events in the order it applied them.
+type orderedByDatabase struct {
+	mu      sync.Mutex
+	applied map[string][]int64
+}
+
+func (h *orderedByDatabase) Name() string         { return "ordered_origins" }
+func (h *orderedByDatabase) EventTypes() []string { return []string{"thing.>"} }
+
+func (h *orderedByDatabase) HandleTx(_ context.Context, _ pgx.Tx, ev subscribers.Event) error {
+	db := ev.Origin[:max(strings.LastIndexByte(ev.Origin, '/'), 0)]
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.applied[db] = append(h.applied[db], ev.AggregateSeq)
+	return nil
+}
+
+func (h *orderedByDatabase) total() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := 0
+	for _, seqs := range h.applied {
+		n += len(seqs)
+	}
+	return n
+}
+
+// An ordered subscriber's per-aggregate checkpoint keys on the database
+// too: two databases sharing a stream each have an aggregate thing/1
+// numbered 1, 2, 3, and each sequence is applied whole and in order, none
+// of the second taken for duplicates or late events of the first.
+func TestOrderedCheckpointsKeyOnTheDatabase(t *testing.T) {
+	t.Parallel()
+	const n = 5
+	env := subscribertest.NewEnv(t)
+	h := &orderedByDatabase{applied: map[string][]int64{}}
+	env.StartRunner(subscribers.OrderedTx(h), nil)
+	for i := range n {
+		env.Write(func(pgx.Tx) ([]outbox.Event, error) {
+			return []outbox.Event{{AggregateType: "thing", AggregateID: "1", Type: "thing.changed", Payload: map[string]int{"n": i}}}, nil
+		})
+	}
+	subscribertest.WaitFor(t, 20*time.Second, "this database's events applied", func() (bool, string) {
+		return h.total() == n, fmt.Sprintf("%d applied", h.total())
+	})
+
+	db, err := outbox.ReadDatabase(context.Background(), env.DB.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := outbox.Origin{Database: outbox.Database{System: db.System, Name: "another shop"}, Epoch: 1}.String()
+	publish := func(origin string, id, seq int64) {
+		t.Helper()
+		m := nats.NewMsg(env.Config.Stream.SubjectPrefix + ".thing.changed")
+		m.Data = []byte(`{"n": 1}`)
+		m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
+		m.Header.Set(outbox.OriginHeader, origin)
+		m.Header.Set(outbox.AggregateTypeHeader, "thing")
+		m.Header.Set(outbox.AggregateIDHeader, "1")
+		m.Header.Set(outbox.AggregateSeqHeader, strconv.FormatInt(seq, 10))
+		if _, err := env.JS.PublishMsg(context.Background(), m, jetstream.WithMsgID(outbox.MsgID(origin, id))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for seq := int64(1); seq <= n; seq++ {
+		publish(other, seq, seq)
+	}
+	subscribertest.WaitFor(t, 20*time.Second, "the other database's events applied", func() (bool, string) {
+		if dls := env.DeadLetters(h.Name()); len(dls) > 0 {
+			t.Fatalf("dead-lettered: %s", dls[0].Header.Get(subscribers.DeadReasonHeader))
+		}
+		return h.total() == 2*n, fmt.Sprintf("%d applied", h.total())
+	})
+	env.Settle(h.Name())
+	h.mu.Lock()
+	for _, d := range []string{db.String(), strings.TrimSuffix(other, "/1")} {
+		if got := fmt.Sprint(h.applied[d]); got != "[1 2 3 4 5]" {
+			t.Errorf("database %s: applied numbers %s of thing/1, want [1 2 3 4 5]", d, got)
+		}
+	}
+	h.mu.Unlock()
+	if dls := env.DeadLetters(h.Name()); len(dls) > 0 {
+		t.Fatalf("dead-lettered: %s", dls[0].Header.Get(subscribers.DeadReasonHeader))
+	}
+
+	// This database restored from a backup taken after its number 3:
+	// epoch 2's first event of thing/1 is number 4 again. It is not
+	// dropped: it goes to the dead letters, and the reason says why.
+	publish(outbox.Origin{Database: db, Epoch: 2}.String(), 100, 4)
+	subscribertest.WaitFor(t, 20*time.Second, "the restored database's event dead-lettered", func() (bool, string) {
+		for _, dl := range env.DeadLetters(h.Name()) {
+			if reason := dl.Header.Get(subscribers.DeadReasonHeader); strings.Contains(reason, "restored from a backup") {
+				t.Logf("reason: %s", reason)
+				return true, ""
+			}
+		}
+		return false, "no letter yet"
+	})
+}

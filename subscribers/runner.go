@@ -303,7 +303,7 @@ func (r *Runner) checkStore(ctx context.Context) error {
 			if err != nil {
 				return err
 			}
-			r.origins = &originKeys{pool: r.opts.Pool, own: ownOrigin(db), nums: map[string]int64{}}
+			r.origins = newOriginKeys(r.opts.Pool, db)
 			b := &pgx.Batch{}
 			b.Queue(`SELECT num FROM event_origins LIMIT 0`)
 			b.Queue(`INSERT INTO processed_events (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
