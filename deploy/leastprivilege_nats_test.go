@@ -173,8 +173,8 @@ func TestNATSPermissions(t *testing.T) {
 			// It reads only what its consumer delivers: no event by
 			// sequence (the cache invalidator has no business reading
 			// orders).
-			tc.c.deniedRequest(t, "$JS.API.STREAM.MSG.GET.EVENTS", func(ctx context.Context) error {
-				_, err := events.GetMsg(ctx, tc.seq)
+			tc.c.deniedRequest(t, "$JS.API.DIRECT.GET.EVENTS", func(ctx context.Context) error {
+				_, err := events.GetMsg(ctx, tc.seq) // a direct get: EVENTS allows them
 				return err
 			})
 			tc.c.checkClean(t)
@@ -324,6 +324,9 @@ func TestNATSPermissions(t *testing.T) {
 		getMsg := func(name string) refusal {
 			return refusal{"read a message of " + name + " by sequence", "$JS.API.STREAM.MSG.GET." + name, raw("$JS.API.STREAM.MSG.GET."+name, `{"seq":1}`)}
 		}
+		directGet := func(name string) refusal {
+			return refusal{"read messages of " + name + " by direct get", "$JS.API.DIRECT.GET." + name, raw("$JS.API.DIRECT.GET."+name, `{"seq":1,"batch":10}`)}
+		}
 		publishTo := func(subject string) refusal {
 			return refusal{"publish to " + subject, subject, func(ctx context.Context, c *natsClient) error {
 				_, err := c.js.Publish(ctx, subject, []byte(`{}`))
@@ -353,12 +356,14 @@ func TestNATSPermissions(t *testing.T) {
 			}
 		}
 		byUser := map[*natsClient][]refusal{}
-		// The relay reads EVENTS by sequence (the newest event of its
-		// database, after a restore): events it wrote, whose rows it reads.
-		byUser[rel] = append(common(), getMsg(cfg.Subscribers.DeadLetterStream), consumerCreate("snoop", ""), publishTo("deadletter.invoicing.x"))
+		// The relay reads EVENTS by sequence (its database's newest
+		// events, after a restore; the audit): events it wrote, whose rows
+		// it reads.
+		byUser[rel] = append(common(), getMsg(cfg.Subscribers.DeadLetterStream), directGet(cfg.Subscribers.DeadLetterStream),
+			consumerCreate("snoop", ""), publishTo("deadletter.invoicing.x"))
 		for c, d := range handlers {
 			name := d.Name
-			byUser[c] = append(common(), getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream),
+			byUser[c] = append(common(), getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream), directGet(cfg.Stream.Name),
 				// Not even its own consumer: it could widen its filter.
 				consumerCreate(name, ""), consumerCreate(name, "events.>"), consumerDelete(name),
 				publishTo("events."+shop.OrderCreated))
@@ -367,7 +372,7 @@ func TestNATSPermissions(t *testing.T) {
 			purge(cfg.Stream.Name), purge(cfg.Subscribers.DeadLetterStream),
 			deleteStream(cfg.Stream.Name), deleteStream(cfg.Subscribers.DeadLetterStream),
 			deleteMsg(cfg.Stream.Name), deleteMsg(cfg.Subscribers.DeadLetterStream),
-			getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream), consumerDelete(invoicing.Name),
+			getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream), directGet(cfg.Stream.Name), consumerDelete(invoicing.Name),
 			{"pull from consumer invoicing", "$JS.API.CONSUMER.MSG.NEXT.EVENTS." + invoicing.Name, raw("$JS.API.CONSUMER.MSG.NEXT.EVENTS."+invoicing.Name, `{"batch":1}`)},
 			publishTo("events." + shop.OrderCreated), publishTo("deadletter.invoicing.x"),
 		}

@@ -182,7 +182,7 @@ SELECT id FROM p`).Scan(&productID)
 		}
 		denied(t, pool, "fanout_invoicing", `INSERT INTO dead_letters (subscriber, stream_seq, event_id, digest) VALUES ('salesledger', 7, 100, '\x00')`)
 		denied(t, pool, "fanout_invoicing", `INSERT INTO dead_letter_actions (action, subscriber, stream_seq, outcome, actor) VALUES ('discard', 'invoicing', 7, 'discarded', 'x')`)
-		denied(t, pool, "fanout_invoicing", `SELECT fanout_dead_letter_action('discard', 'invoicing', 100, 7, 7, 'discarded', 'x')`)
+		denied(t, pool, "fanout_invoicing", `SELECT fanout_dead_letter_action('discard', 'invoicing', 100, 7, 7, 'discarded', 'x', 100)`)
 		denied(t, pool, "fanout_invoicing", `UPDATE outbox SET status = 'pending'`)
 		denied(t, pool, "fanout_invoicing", `SELECT * FROM outbox`)
 		denied(t, pool, "fanout_invoicing", `SELECT * FROM brands`)
@@ -242,7 +242,7 @@ SELECT id FROM p`).Scan(&productID)
 			t.Errorf("fanout_operator returns failed rows to pending: %v", err)
 		}
 		// The audit trail: through the function only, which records who.
-		if _, err := pool.Exec(ctx, `SELECT fanout_dead_letter_action('discard', 'invoicing', 0, 1, 1, 'discarded', 'an injected letter')`); err != nil {
+		if _, err := pool.Exec(ctx, `SELECT fanout_dead_letter_action('discard', 'invoicing', 0, 1, 1, 'discarded', 'an injected letter', 0)`); err != nil {
 			t.Errorf("fanout_operator records an action: %v", err)
 		}
 		var actor string
@@ -254,7 +254,7 @@ SELECT id FROM p`).Scan(&productID)
 			t.Errorf("fanout_operator records a replay: %v", err)
 		}
 		denied(t, pool, "fanout_operator", `INSERT INTO replays (subscriber, stream, from_seq, outcome, actor) VALUES ('invoicing', 'EVENTS', 1, 'moved', 'someone else')`)
-		if _, err := pool.Exec(ctx, `SELECT fanout_dead_letter_action('discard', 'invoicing', 0, 3, 3, 'discarded', '')`); err == nil || !strings.Contains(err.Error(), "needs a reason") {
+		if _, err := pool.Exec(ctx, `SELECT fanout_dead_letter_action('discard', 'invoicing', 0, 3, 3, 'discarded', '', 0)`); err == nil || !strings.Contains(err.Error(), "needs a reason") {
 			t.Errorf("fanout_operator discards a letter no subscriber vouches for, without a reason: %v; want refused", err)
 		}
 		if _, err := shop.LoadProducts(ctx, pool, []int64{productID}); err != nil {

@@ -252,7 +252,11 @@ func (d *DeadLetters) EventOf(ctx context.Context, l Letter, fromLetter bool) (s
 			subscribers.ErrDeadLetterRefused, l.Seq, l.Subscriber)
 	}
 	p := l.parsed
-	if p.Event.ID > 0 {
+	ours, err := d.ours(ctx, p.Event)
+	if err != nil {
+		return subscribers.Event{}, "", err
+	}
+	if ours {
 		row, found, err := d.store.Event(ctx, p.Event.ID)
 		if err != nil {
 			return subscribers.Event{}, "", err
@@ -262,7 +266,7 @@ func (d *DeadLetters) EventOf(ctx context.Context, l Letter, fromLetter bool) (s
 			return ev, SourceOutbox, err
 		}
 	}
-	err := p.Verify(ctx, d.js, d.events)
+	err = p.Verify(ctx, d.js, d.events)
 	if err == nil {
 		return p.Event, SourceStream, nil
 	}
@@ -283,6 +287,26 @@ func (d *DeadLetters) EventOf(ctx context.Context, l Letter, fromLetter bool) (s
 			subscribers.ErrDeadLetterRefused, l.Seq, p.Event.ID, l.Subscriber)
 	}
 	return p.Event, SourceLetter, nil
+}
+
+// ours says whether this database's outbox row with the event's id is
+// that event: the event is of this database and of the epoch that row id
+// belongs to (an event without an origin was published before events
+// carried one: this database's first epoch). Another database's event 42,
+// or the event 42 a restore lost, is not read from this outbox's row 42.
+func (d *DeadLetters) ours(ctx context.Context, ev subscribers.Event) (bool, error) {
+	if ev.ID <= 0 {
+		return false, nil
+	}
+	ident, err := d.store.ReadIdentity(ctx)
+	if err != nil {
+		return false, err
+	}
+	origin := ev.Origin
+	if origin == "" {
+		origin = outbox.Origin{Database: ident.Database, Epoch: 1}.String()
+	}
+	return origin == ident.OriginOf(ev.ID), nil
 }
 
 // agedOut checks that the stream no longer holding the letter's event is
@@ -350,8 +374,22 @@ func (d *DeadLetters) fromRow(ctx context.Context, l Letter, row outbox.Claimed)
 // aggregate an ordered subscriber holds behind the event.
 func (d *DeadLetters) Record(ctx context.Context, action string, l Letter, outcome, comment string) error {
 	id, _ := strconv.ParseInt(l.EventID, 10, 64)
-	_, err := d.pool.Exec(ctx, `SELECT fanout_dead_letter_action($1, $2, $3, $4, $5, $6, $7)`,
-		action, l.Subscriber, id, int64(l.Seq), int64(eventSeq(l.Raw)), outcome, comment)
+	db, err := outbox.ReadDatabase(ctx, d.pool)
+	if err != nil {
+		return err
+	}
+	// The checkpoint and a held aggregate know the event by its key (its
+	// origin and id); an origin no subscriber numbered has no checkpoint
+	// and holds nothing (no key is negative).
+	key, ok, err := subscribers.CheckpointKey(ctx, d.pool, db, l.parsed.Event.Origin, id)
+	if err != nil {
+		return err
+	}
+	if !ok {
+		key = -1
+	}
+	_, err = d.pool.Exec(ctx, `SELECT fanout_dead_letter_action($1, $2, $3, $4, $5, $6, $7, $8)`,
+		action, l.Subscriber, id, int64(l.Seq), int64(eventSeq(l.Raw)), outcome, comment, key)
 	return err
 }
 

@@ -2,6 +2,7 @@ package operator_test
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"strings"
 	"testing"
@@ -15,6 +16,7 @@ import (
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"go.uber.org/goleak"
 )
 
@@ -258,7 +260,7 @@ func TestForgedLettersAreNotRedriven(t *testing.T) {
 	}
 	// The real event was never handled: recording it as handled is
 	// refused by the database.
-	_, err = env.DB.Pool.Exec(ctx, `SELECT fanout_dead_letter_action('redrive', $1, $2, $3, $4, 'handled', 'lying')`, invoicing.Name, ids[0], int64(real.Seq), realSeq)
+	_, err = env.DB.Pool.Exec(ctx, `SELECT fanout_dead_letter_action('redrive', $1, $2, $3, $4, 'handled', 'lying', $2)`, invoicing.Name, ids[0], int64(real.Seq), realSeq)
 	if err == nil || !strings.Contains(err.Error(), "has no checkpoint of it") {
 		t.Errorf("a redrive recorded as handled without a checkpoint: %v; want refused", err)
 	}
@@ -278,4 +280,61 @@ func indexOf(st operator.Status, name string) int {
 		}
 	}
 	return -1
+}
+
+// A letter of another database's event 1 is not redriven from this
+// database's outbox row 1: that row is another event. The event comes from
+// the stream's copy, with its own origin.
+func TestAnotherDatabasesLetterIsNotReadFromThisOutbox(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	env := subscribertest.NewEnv(t)
+	cfg := env.Config
+	ids := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) { return []outbox.Event{orderEvent(7)}, nil })
+	env.WaitSent(ids...)
+	db, err := outbox.ReadDatabase(ctx, env.DB.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := outbox.Origin{Database: outbox.Database{System: db.System, Name: "another shop"}, Epoch: 1}.String()
+	// Another database's order, which this database lacks (as it lacks
+	// its own order 7: the test writes events alone): invoicing
+	// dead-letters both.
+	m := nats.NewMsg(cfg.Stream.SubjectPrefix + "." + shop.OrderCreated)
+	m.Data = []byte(`{"order_id": 2199023255552, "customer": "theirs", "lines": 1}`)
+	m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(ids[0], 10))
+	m.Header.Set(outbox.OriginHeader, other)
+	m.Header.Set(outbox.EventTypeHeader, shop.OrderCreated)
+	m.Header.Set(outbox.AggregateTypeHeader, shop.AggregateOrder)
+	m.Header.Set(outbox.AggregateIDHeader, "2199023255552")
+	if _, err := env.JS.PublishMsg(ctx, m, jetstream.WithMsgID(outbox.MsgID(other, ids[0]))); err != nil {
+		t.Fatal(err)
+	}
+	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	subscribertest.WaitFor(t, 30*time.Second, "both events dead-lettered", func() (bool, string) {
+		return len(env.DeadLetters(invoicing.Name)) == 2, fmt.Sprintf("%d letters", len(env.DeadLetters(invoicing.Name)))
+	})
+	env.WaitIdle(invoicing.Name, 15*time.Second)
+	dl, err := operator.OpenDeadLetters(ctx, env.DB.Pool, env.JS, cfg.Stream, cfg.Subscribers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	letters, err := dl.List(ctx, invoicing.Name)
+	if err != nil || len(letters) != 2 {
+		t.Fatalf("letters: %+v (%v)", letters, err)
+	}
+	theirs := letters[0]
+	if theirs.Raw.Header.Get(outbox.OriginHeader) != other {
+		theirs = letters[1]
+	}
+	if !theirs.Vouched || theirs.EventID != strconv.FormatInt(ids[0], 10) {
+		t.Fatalf("the other database's letter: vouched %t, event %s", theirs.Vouched, theirs.EventID)
+	}
+	ev, source, err := dl.EventOf(ctx, theirs, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if source != operator.SourceStream || ev.Origin != other || !strings.Contains(string(ev.Payload), "theirs") {
+		t.Fatalf("the letter's event from %s: origin %q, payload %s; want the other database's event from the stream", source, ev.Origin, ev.Payload)
+	}
 }

@@ -151,6 +151,45 @@ func (s *Store) ReadIdentity(ctx context.Context) (*Identity, error) {
 	return NewIdentity(db, epochs)
 }
 
+// State is the outbox's identity and the last id it handed out, read
+// together (fanout_outbox_state): an epoch another relay is beginning is
+// either in Identity or not yet reflected in LastID.
+func (s *Store) State(ctx context.Context) (*Identity, int64, error) {
+	db, err := ReadDatabase(ctx, s.pool)
+	if err != nil {
+		return nil, 0, err
+	}
+	var lastID int64
+	var epochs []Epoch
+	if err := s.pool.QueryRow(ctx, `SELECT last_id, epochs FROM fanout_outbox_state()`).Scan(&lastID, &epochs); err != nil {
+		return nil, 0, fmt.Errorf("read the outbox's epochs and last id: %w", err)
+	}
+	ident, err := NewIdentity(db, epochs)
+	return ident, lastID, err
+}
+
+// RecentlyCreated says whether an event created at t (the database's
+// clock) is younger than d: its row cannot have been dropped by a
+// retention of d.
+func (s *Store) RecentlyCreated(ctx context.Context, t time.Time, d time.Duration) (bool, error) {
+	var recent bool
+	if err := s.pool.QueryRow(ctx, `SELECT $1::timestamptz > now() - make_interval(secs => $2::float8)`, t, d.Seconds()).Scan(&recent); err != nil {
+		return false, fmt.Errorf("compare an event's creation with the retention: %w", err)
+	}
+	return recent, nil
+}
+
+// PostgresStarted is when the database server last started: a restore, a
+// failover and a restart each change it, with or without an error any
+// query of the relay's saw.
+func (s *Store) PostgresStarted(ctx context.Context) (time.Time, error) {
+	var t time.Time
+	if err := s.pool.QueryRow(ctx, `SELECT pg_postmaster_start_time()`).Scan(&t); err != nil {
+		return time.Time{}, fmt.Errorf("read the server's start time: %w", err)
+	}
+	return t, nil
+}
+
 // LastID is the last id the outbox handed out (0 before the first).
 func (s *Store) LastID(ctx context.Context) (int64, error) {
 	var id int64

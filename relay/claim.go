@@ -64,7 +64,7 @@ func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
 		if err != nil {
 			msg := err.Error()
 			r.lastClaimErr.Store(&msg)
-			r.originStale.Store(true) // Postgres may be back from a restore
+			r.markOriginStale() // Postgres may be back from a restore
 			r.slots.Release(batch)
 			r.logger.Error("claim outbox batch", "error", err, "retry_in", errWait)
 			if !r.sleep(softCtx, errWait) {

@@ -19,7 +19,18 @@ package relay
 // there on has a new identity.
 //
 // The check runs before the first publish, after any error that may mean
-// Postgres went away (a restore stops it), and every stream.check_interval.
+// Postgres went away (a restore stops it), when the server's start time
+// changes (read before every batch: a pool that replaced its connections
+// quietly, a failover, a proxy in between), and every
+// stream.check_interval. It compares the outbox with the newest events of
+// this database in the stream's tail: an id the outbox has not handed out
+// yet, or a row that now holds another event, or is gone although the
+// event is younger than relay.sent_retention, is a rewind. An epoch of
+// this database the outbox does not know is not taken for a rewind: the
+// relay stops publishing and says why (another copy of the database
+// publishes into the stream, or a backup older than that epoch was
+// restored), since beginning yet another epoch could give rows already
+// published a second identity.
 
 import (
 	"context"
@@ -62,6 +73,50 @@ func (r *Relay) loadIdentity(ctx context.Context) error {
 // ErrForeignStream is the error of a relay whose stream another database owns.
 var ErrForeignStream = errors.New("the stream belongs to another database")
 
+// claimUnowned refuses, before a relay with stream.provision auto records
+// its database as the owner of a stream that records none, a stream whose
+// newest event is another database's.
+func (r *Relay) claimUnowned(ctx context.Context) error {
+	s, err := r.js.Stream(ctx, r.stream.Name)
+	if errors.Is(err, jetstream.ErrStreamNotFound) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read stream %s's owner: %w", r.stream.Name, err)
+	}
+	if s.CachedInfo().Config.Metadata[stream.OwnerKey] != "" {
+		return nil
+	}
+	if err := r.newestIsOurs(ctx, s); err != nil {
+		r.foreign.Store(true)
+		return fmt.Errorf("%w: %v", ErrForeignStream, err)
+	}
+	return nil
+}
+
+// newestIsOurs refuses a stream that records no owner but whose newest
+// event is another database's.
+func (r *Relay) newestIsOurs(ctx context.Context, s jetstream.Stream) error {
+	info := s.CachedInfo()
+	own := r.identity.Load().Database.String()
+	if r.stream.Databases == stream.SeveralDatabases || info.State.Msgs == 0 {
+		return nil
+	}
+	m, err := s.GetMsg(ctx, info.State.LastSeq)
+	if errors.Is(err, jetstream.ErrMsgNotFound) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read stream %s's newest event: %w", r.stream.Name, err)
+	}
+	if o, perr := outbox.ParseOrigin(m.Header.Get(outbox.OriginHeader)); perr == nil && o.Database.String() != own {
+		return fmt.Errorf("stream %s records no owner, but its newest event (sequence %d) is database %s's, not this relay's database %s: "+
+			"give this database a stream of its own (stream.name, stream.subject_prefix), or share one on purpose (stream.databases several)",
+			r.stream.Name, info.State.LastSeq, o.Database, own)
+	}
+	return nil
+}
+
 // checkOwner refuses a stream that records another database as its owner
 // (stream metadata stream.OwnerKey), unless it is shared
 // (stream.databases several).
@@ -79,20 +134,7 @@ func (r *Relay) checkOwner(ctx context.Context) error {
 	if errors.Is(err, stream.ErrNoOwner) {
 		// A stream `fanout provision` made without stream.database: its
 		// events say whose it is, the newest one last.
-		err = nil
-		if r.stream.Databases != stream.SeveralDatabases && info.State.Msgs > 0 {
-			m, gerr := s.GetMsg(ctx, info.State.LastSeq)
-			if gerr != nil && !errors.Is(gerr, jetstream.ErrMsgNotFound) {
-				return fmt.Errorf("read stream %s's newest event: %w", r.stream.Name, gerr)
-			}
-			if gerr == nil {
-				if o, perr := outbox.ParseOrigin(m.Header.Get(outbox.OriginHeader)); perr == nil && o.Database.String() != own {
-					err = fmt.Errorf("stream %s records no owner, but its newest event (sequence %d) is database %s's, not this relay's database %s: "+
-						"give this database a stream of its own (stream.name, stream.subject_prefix), or share one on purpose (stream.databases several)",
-						r.stream.Name, info.State.LastSeq, o.Database, own)
-				}
-			}
-		}
+		err = r.newestIsOurs(ctx, s)
 		if err == nil {
 			r.logger.Info("the stream records no owning database in its metadata; its events are this database's", "stream", r.stream.Name,
 				"database", own)
@@ -108,9 +150,8 @@ func (r *Relay) checkOwner(ctx context.Context) error {
 	return nil
 }
 
-// newestOfDatabase is the newest event of this database in the stream, by
-// stream sequence, as a restore check needs it.
-type newestOfDatabase struct {
+// tailEvent is one event of this database in the stream's tail.
+type tailEvent struct {
 	seq       uint64
 	origin    outbox.Origin
 	id        int64
@@ -119,92 +160,126 @@ type newestOfDatabase struct {
 	aggregate string
 }
 
-// newestScan bounds how many messages a shared stream is read back from
-// its end to find this database's newest event.
-const newestScan = 1000
+// tailScan is how many of the stream's newest messages the restore check
+// reads: ids are handed out in one order and committed in another (and a
+// wal relay publishes in commit order), so the highest id of the newest
+// events is looked for among many, not taken from the last.
+const tailScan = 1000
 
-// newestEvent reads back from the stream's end to the newest event of
-// db: the last message, in a stream that one database owns.
-func (r *Relay) newestEvent(ctx context.Context, db outbox.Database) (newestOfDatabase, bool, error) {
+// tail reads this database's events among the stream's newest messages.
+func (r *Relay) tail(ctx context.Context, db outbox.Database) ([]tailEvent, error) {
 	s, err := r.js.Stream(ctx, r.stream.Name)
 	if err != nil {
-		return newestOfDatabase{}, false, err
+		return nil, err
 	}
 	state := s.CachedInfo().State
+	if state.Msgs == 0 {
+		return nil, nil
+	}
+	n := tailScan
+	if !s.CachedInfo().Config.AllowDirect {
+		n = slowRead
+	}
+	from := uint64(1)
+	if state.LastSeq > uint64(n) {
+		from = state.LastSeq - uint64(n) + 1
+	}
 	prefix := db.String() + "/"
-	for seq, n := state.LastSeq, 0; seq >= state.FirstSeq && seq > 0 && n < newestScan; seq, n = seq-1, n+1 {
-		m, err := s.GetMsg(ctx, seq)
-		if errors.Is(err, jetstream.ErrMsgNotFound) {
-			continue
-		}
-		if err != nil {
-			return newestOfDatabase{}, false, err
-		}
+	var out []tailEvent
+	err = readStream(ctx, r.js, s, from, n, func(m *jetstream.RawStreamMsg) bool {
 		o := m.Header.Get(outbox.OriginHeader)
 		if !strings.HasPrefix(o, prefix) {
-			continue
+			return true
 		}
 		origin, err := outbox.ParseOrigin(o)
 		if err != nil {
-			continue
+			return true
 		}
 		id, err := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
 		if err != nil {
-			continue
+			return true
 		}
-		return newestOfDatabase{seq: seq, origin: origin, id: id, createdAt: m.Header.Get(outbox.CreatedAtHeader),
+		out = append(out, tailEvent{seq: m.Sequence, origin: origin, id: id, createdAt: m.Header.Get(outbox.CreatedAtHeader),
 			eventType: m.Header.Get(outbox.EventTypeHeader),
-			aggregate: m.Header.Get(outbox.AggregateTypeHeader) + "/" + m.Header.Get(outbox.AggregateIDHeader)}, true, nil
-	}
-	return newestOfDatabase{}, false, nil
+			aggregate: m.Header.Get(outbox.AggregateTypeHeader) + "/" + m.Header.Get(outbox.AggregateIDHeader)})
+		return true
+	})
+	return out, err
 }
 
-// checkRewind compares the outbox with the newest event of this database
-// in the stream, and begins a new epoch if a restore rewound the ids.
+// ErrUnknownEpoch is the error of a relay whose stream holds events of an
+// epoch of its database that the outbox does not know.
+var ErrUnknownEpoch = errors.New("the stream holds events of an outbox epoch this database does not know")
+
+// checkRewind compares the outbox with this database's newest events in
+// the stream, and begins a new epoch if a restore rewound the ids.
 func (r *Relay) checkRewind(ctx context.Context) error {
 	r.rewindMu.Lock()
 	defer r.rewindMu.Unlock()
-	ident, err := r.store.ReadIdentity(ctx)
+	// The identity and the last id, read together: after another relay
+	// began an epoch for this rewind, both say so.
+	ident, lastID, err := r.store.State(ctx)
 	if err != nil {
 		return err
 	}
 	r.identity.Store(ident)
-	newest, found, err := r.newestEvent(ctx, ident.Database)
+	events, err := r.tail(ctx, ident.Database)
 	if err != nil {
-		return fmt.Errorf("read the newest event of this database in stream %s: %w", r.stream.Name, err)
-	}
-	if !found {
-		return nil
+		return fmt.Errorf("read the newest events of this database in stream %s: %w", r.stream.Name, err)
 	}
 	latest := ident.Latest()
-	if newest.origin.Epoch < latest.N {
-		return nil // published before the epoch this database is in now
+	var newest *tailEvent
+	for i, e := range events {
+		if e.origin.Epoch > latest.N {
+			why := fmt.Sprintf("stream %s holds event %d of epoch %d of database %s (sequence %d), but the outbox knows epochs up to %d only: "+
+				"another copy of this database (a clone or a promoted standby, with the same system identifier and name) publishes into this stream, "+
+				"or the database was restored from a backup older than epoch %d. Not publishing. When you know it is a restore, begin the next epoch "+
+				"(as fanout_migrate or the relay's role): SELECT fanout_outbox_new_epoch(%d, %d, %d, %d, 'restored from a backup older than epoch %d')",
+				r.stream.Name, e.id, e.origin.Epoch, ident.Database, e.seq, latest.N, e.origin.Epoch,
+				latest.N, e.origin.Epoch+1, lastID+1, highestID(events), e.origin.Epoch)
+			r.conflict.Store(&why)
+			return fmt.Errorf("%w: %s", ErrUnknownEpoch, why)
+		}
+		if e.origin.Epoch == latest.N && (newest == nil || e.id > newest.id) {
+			newest = &events[i]
+		}
 	}
-	lastID, err := r.store.LastID(ctx)
-	if err != nil {
-		return err
+	r.conflict.Store(nil)
+	if newest == nil {
+		return nil // none of the current epoch: published before it began
 	}
 	var why string
-	switch {
-	case newest.origin.Epoch > latest.N:
-		why = fmt.Sprintf("the stream holds event %d of epoch %d (sequence %d), but the outbox knows epochs up to %d only",
-			newest.id, newest.origin.Epoch, newest.seq, latest.N)
-	case newest.id > lastID:
+	if newest.id > lastID {
 		why = fmt.Sprintf("the stream holds event %d (sequence %d), but the outbox has handed out ids up to %d only",
 			newest.id, newest.seq, lastID)
-	default:
+	} else {
 		row, ok, err := r.store.Event(ctx, newest.id)
 		if err != nil {
 			return err
 		}
-		if !ok {
-			return nil // sent and dropped by retention, or a rolled-back id
-		}
-		if created := row.CreatedAt.Time.UTC().Format(time.RFC3339Nano); created != newest.createdAt ||
-			row.EventType != newest.eventType || row.AggregateType+"/"+row.AggregateID != newest.aggregate {
-			why = fmt.Sprintf("the stream holds event %d (sequence %d: %s of %s, created %s), but outbox row %d is %s of %s/%s, created %s",
-				newest.id, newest.seq, newest.eventType, newest.aggregate, newest.createdAt,
-				row.ID, row.EventType, row.AggregateType, row.AggregateID, created)
+		switch {
+		case !ok:
+			created, perr := time.Parse(time.RFC3339Nano, newest.createdAt)
+			if perr != nil {
+				return nil
+			}
+			recent, err := r.store.RecentlyCreated(ctx, created, r.cfg.SentRetention)
+			if err != nil {
+				return err
+			}
+			if recent {
+				// Retention drops a row only relay.sent_retention after
+				// its publish, and a rolled-back id was never published.
+				why = fmt.Sprintf("the stream holds event %d (sequence %d, created %s), whose outbox row is gone, although no row that young is dropped (relay.sent_retention %s)",
+					newest.id, newest.seq, newest.createdAt, r.cfg.SentRetention)
+			}
+		default:
+			if created := row.CreatedAt.Time.UTC().Format(time.RFC3339Nano); created != newest.createdAt ||
+				row.EventType != newest.eventType || row.AggregateType+"/"+row.AggregateID != newest.aggregate {
+				why = fmt.Sprintf("the stream holds event %d (sequence %d: %s of %s, created %s), but outbox row %d is %s of %s/%s, created %s",
+					newest.id, newest.seq, newest.eventType, newest.aggregate, newest.createdAt,
+					row.ID, row.EventType, row.AggregateType, row.AggregateID, created)
+			}
 		}
 	}
 	if why == "" {
@@ -219,7 +294,7 @@ func (r *Relay) checkRewind(ctx context.Context) error {
 		return err
 	}
 	reason := "the outbox's ids were rewound (a restore from a backup?): " + why
-	epoch, err := r.store.NewEpoch(ctx, latest.N, max(latest.N, newest.origin.Epoch)+1, firstID, newest.id, reason)
+	epoch, err := r.store.NewEpoch(ctx, latest.N, latest.N+1, firstID, highestID(events), reason)
 	if err != nil {
 		return err
 	}
@@ -236,20 +311,52 @@ func (r *Relay) checkRewind(ctx context.Context) error {
 	return nil
 }
 
+// highestID is the highest id among events.
+func highestID(events []tailEvent) int64 {
+	var m int64
+	for _, e := range events {
+		m = max(m, e.id)
+	}
+	return m
+}
+
+// markOriginStale asks for a rewind check before the next publish.
+func (r *Relay) markOriginStale() { r.originWant.Add(1) }
+
 // guardOrigin runs the rewind check when one is due, before a batch is
-// published; false if it could not run (the batch is retried).
+// published; an error holds the batch back (it is retried).
 func (r *Relay) guardOrigin(ctx context.Context) error {
 	if r.foreign.Load() {
 		return fmt.Errorf("%w: not publishing (see the relay's log)", ErrForeignStream)
 	}
-	if !r.originStale.Load() || r.hooks.Anonymous {
+	if r.hooks.Anonymous {
+		return nil
+	}
+	// A restore, a failover or a restart of Postgres changes its start
+	// time, whether or not a query of this relay's failed meanwhile.
+	started, err := r.store.PostgresStarted(ctx)
+	if err != nil {
+		r.markOriginStale()
+		return fmt.Errorf("check the outbox against the stream (a restore?): %w", err)
+	}
+	if prev := r.pgStarted.Swap(started.UnixNano()); prev != started.UnixNano() {
+		r.markOriginStale()
+	}
+	want := r.originWant.Load()
+	if r.originDone.Load() >= want {
 		return nil
 	}
 	if err := r.checkRewind(ctx); err != nil {
 		return fmt.Errorf("check the outbox against the stream (a restore?): %w", err)
 	}
-	r.originStale.Store(false)
-	return nil
+	// Done up to the generation asked for when the check began: a request
+	// made during it asks for another.
+	for {
+		done := r.originDone.Load()
+		if done >= want || r.originDone.CompareAndSwap(done, want) {
+			return nil
+		}
+	}
 }
 
 // originCheck is the periodic part: owner and rewind, with the stream check.
@@ -257,5 +364,17 @@ func (r *Relay) originCheck(ctx context.Context) {
 	if err := r.checkOwner(ctx); err != nil {
 		r.logger.Error("not publishing", "error", err)
 	}
-	r.originStale.Store(true)
+	r.markOriginStale()
+}
+
+// originErr says why the relay does not publish, if it is the stream's
+// owner or an unknown epoch (readiness).
+func (r *Relay) originErr() error {
+	if r.foreign.Load() {
+		return fmt.Errorf("%w: not publishing (see the relay's log)", ErrForeignStream)
+	}
+	if why := r.conflict.Load(); why != nil {
+		return fmt.Errorf("%w: %s", ErrUnknownEpoch, *why)
+	}
+	return nil
 }

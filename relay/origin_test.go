@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -13,6 +14,8 @@ import (
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 )
 
 // Two databases number their outbox rows from 1 alike. Their events must
@@ -103,20 +106,23 @@ func TestTwoDatabasesIntoOneStream(t *testing.T) {
 func TestRestoreFromABaseBackup(t *testing.T) {
 	t.Parallel()
 	for _, capture := range []string{CapturePoll, CaptureWAL} {
-		for _, sabotage := range []bool{false, true} {
+		for _, variant := range []string{"", "live", "sabotage"} {
 			name := capture
-			if sabotage {
-				name += "/sabotage"
+			if variant != "" {
+				name += "/" + variant
 			}
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
-				restoreFromBackup(t, capture, sabotage)
+				restoreFromBackup(t, capture, variant == "sabotage", variant == "live")
 			})
 		}
 	}
 }
 
-func restoreFromBackup(t *testing.T, capture string, sabotage bool) {
+// restoreFromBackup writes, takes a base backup, writes the events the
+// restore will lose, restores, and writes again. With live, one relay runs
+// throughout, through the server's stop and start, as a deployed one would.
+func restoreFromBackup(t *testing.T, capture string, sabotage, live bool) {
 	const before, lost, after = 20, 100, 100
 	server := pgtest.StartServer(t)
 	h := newHarness(t)
@@ -158,7 +164,9 @@ func restoreFromBackup(t *testing.T, capture string, sabotage bool) {
 	}
 	writeMany(t, h.db.Pool, lost)
 	h.waitAllSent(before+lost, 20*time.Second)
-	stop(r)
+	if !live {
+		stop(r)
+	}
 	lostIDs := maxID(t, h)
 
 	if err := server.RestoreBackup(backup); err != nil {
@@ -172,7 +180,11 @@ func restoreFromBackup(t *testing.T, capture string, sabotage bool) {
 	t.Logf("restored: %d rows, last id %d", rows, last)
 	// The restored database writes as many events as it lost: the ids it
 	// hands out again are ids of events the stream holds.
-	r = run(func() { writeMany(t, h.db.Pool, after) })
+	if live {
+		writeMany(t, h.db.Pool, after)
+	} else {
+		r = run(func() { writeMany(t, h.db.Pool, after) })
+	}
 	firstNew := firstWrittenAfter(t, h, before)
 	want := before + lost + after
 	if sabotage {
@@ -250,4 +262,109 @@ WHERE created_at > (SELECT max(created_at) FROM (SELECT created_at FROM outbox O
 		t.Fatal(err)
 	}
 	return id
+}
+
+// publishForeign stores an event with the given origin and id in the
+// harness's stream, as another relay would have.
+func publishForeign(t *testing.T, h *harness, origin string, id int64) {
+	t.Helper()
+	js, err := jetstream.New(h.connect())
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := nats.NewMsg(stream.Subject(h.cfg.Stream.SubjectPrefix, "thing.made"))
+	m.Data = []byte(`{}`)
+	m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
+	m.Header.Set(outbox.OriginHeader, origin)
+	m.Header.Set(outbox.EventTypeHeader, "thing.made")
+	m.Header.Set(outbox.AggregateTypeHeader, "thing")
+	m.Header.Set(outbox.AggregateIDHeader, "1")
+	m.Header.Set(outbox.CreatedAtHeader, time.Now().UTC().Format(time.RFC3339Nano))
+	if _, err := js.PublishMsg(context.Background(), m, jetstream.WithMsgID(outbox.MsgID(origin, id))); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The stream holds an event of an epoch of this database that its outbox
+// does not know (a clone with the same identity publishing, or a restore
+// from a backup older than that epoch): the relay does not guess. It
+// publishes nothing, is not ready, and says which statement begins the
+// next epoch; once an operator runs it, the rows go.
+func TestAnEpochTheOutboxDoesNotKnow(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	r := h.startRelay(nil, nil)
+	writeMany(t, h.db.Pool, 5)
+	h.waitAllSent(5, 20*time.Second)
+	ident := h.identity()
+	publishForeign(t, h, outbox.Origin{Database: ident.Database, Epoch: 2}.String(), 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	writeMany(t, h.db.Pool, 5)
+	r = h.startRelay(nil, nil)
+	var why string
+	waitFor(t, 20*time.Second, "the relay refusing the unknown epoch", func() (bool, string) {
+		err := r.Ready()
+		if err != nil && errors.Is(err, ErrUnknownEpoch) {
+			why = err.Error()
+			return true, ""
+		}
+		return false, fmt.Sprintf("ready: %v", err)
+	})
+	t.Logf("not ready: %s", why)
+	if c := statusCounts(t, h.db.Pool); c["sent"] != 5 {
+		t.Fatalf("rows %s, want only the first 5 sent", formatCounts(c))
+	}
+	i := strings.Index(why, "SELECT fanout_outbox_new_epoch(")
+	if i < 0 {
+		t.Fatalf("the refusal names no statement to begin the next epoch: %s", why)
+	}
+	if _, err := h.db.Pool.Exec(context.Background(), why[i:]); err != nil {
+		t.Fatalf("the statement the refusal names: %v", err)
+	}
+	h.waitAllSent(10, 20*time.Second)
+	if err := r.Ready(); err != nil {
+		t.Fatalf("after the epoch began: not ready: %v", err)
+	}
+	if latest := h.identity().Latest(); latest.N != 3 || latest.FirstID != 11 {
+		t.Fatalf("epochs %+v, want epoch 3 from id 11 (the rows written before it keep epoch 1)", h.identity().Epochs)
+	}
+}
+
+// A stream that records no owner (made by `fanout provision` without
+// stream.database) and whose newest event is another database's is not
+// taken over by a relay with stream.provision auto.
+func TestAnAutoRelayLeavesAnotherDatabasesStream(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	js, err := jetstream.New(h.connect())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := stream.JetStreamConfig(h.cfg.Stream)
+	delete(cfg.Metadata, stream.OwnerKey)
+	if _, err := js.CreateStream(context.Background(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	other := outbox.Database{System: h.identity().Database.System, Name: "another shop"}
+	publishForeign(t, h, outbox.Origin{Database: other, Epoch: 1}.String(), 1)
+
+	r := h.newRelay(nil, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Start(ctx); !errors.Is(err, ErrForeignStream) {
+		_ = r.Stop(ctx)
+		t.Fatalf("a relay with stream.provision auto started on a stream whose newest event is another database's: %v", err)
+	}
+	s, err := js.Stream(ctx, cfg.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if owner := s.CachedInfo().Config.Metadata[stream.OwnerKey]; owner != "" {
+		t.Fatalf("the refused relay recorded owner %q", owner)
+	}
 }

@@ -132,11 +132,16 @@ type Relay struct {
 	// identity is the database's identity and its outbox's epochs, which
 	// every message carries (origin.go).
 	identity atomic.Pointer[outbox.Identity]
-	// originStale asks for a rewind check before the next publish;
-	// foreign stops publishing into a stream another database owns.
-	originStale atomic.Bool
-	foreign     atomic.Bool
-	rewindMu    sync.Mutex
+	// originWant is bumped to ask for a rewind check before the next
+	// publish, originDone is the request the last check answered;
+	// pgStarted is the Postgres start time last seen (unix nanoseconds).
+	// foreign stops publishing into a stream another database owns,
+	// conflict while the stream holds an epoch the outbox does not know.
+	originWant, originDone atomic.Uint64
+	pgStarted              atomic.Int64
+	foreign                atomic.Bool
+	conflict               atomic.Pointer[string]
+	rewindMu               sync.Mutex
 
 	startOnce  sync.Once
 	stopOnce   sync.Once
@@ -220,6 +225,13 @@ func (r *Relay) start(ctx context.Context) error {
 		// The owner a stream this relay makes records.
 		r.stream.Database = r.identity.Load().Database.String()
 	}
+	if r.stream.Provision == "auto" {
+		if err := jsretry.Do(ctx, r.logger, "check the stream's owner", func() error {
+			return r.claimUnowned(ctx)
+		}); err != nil {
+			return err
+		}
+	}
 	if err := jsretry.Do(ctx, r.logger, "provision the stream", func() error {
 		return stream.Ensure(ctx, r.js, r.stream, RepublishDelay(r.cfg), r.logger)
 	}); err != nil {
@@ -228,7 +240,7 @@ func (r *Relay) start(ctx context.Context) error {
 	if err := r.checkOwner(ctx); err != nil {
 		return err
 	}
-	r.originStale.Store(true)
+	r.markOriginStale()
 	hardCtx, cancelHard := context.WithCancel(context.WithoutCancel(ctx))
 	softCtx, cancelSoft := context.WithCancel(hardCtx)
 	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
@@ -355,6 +367,9 @@ func (r *Relay) Ready() error {
 		return errors.New("relay not started")
 	}
 	if err := r.drift.Err(); err != nil {
+		return err
+	}
+	if err := r.originErr(); err != nil {
 		return err
 	}
 	if r.cfg.Capture == CaptureWAL {

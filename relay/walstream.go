@@ -53,7 +53,7 @@ func (r *Relay) walLoop(softCtx, hardCtx context.Context) {
 		r.touchCapture()
 		msg := err.Error()
 		r.lastClaimErr.Store(&msg)
-		r.originStale.Store(true) // Postgres may be back from a restore
+		r.markOriginStale() // Postgres may be back from a restore
 		switch {
 		case errors.Is(err, errSlotInUse):
 			if r.captureState.Swap(captureStandby) != captureStandby {

@@ -98,6 +98,16 @@ var streamFields = []streamField{
 	}},
 }
 
+// AdvisoryDifferences are the settings a provision applies but the roles'
+// drift checks leave alone: they change how a stream is read, not what it
+// keeps or delivers, and a stream without them works, more slowly.
+func AdvisoryDifferences(have, want jetstream.StreamConfig) []Difference {
+	if have.AllowDirect != want.AllowDirect {
+		return []Difference{{Field: "allow_direct", Have: strconv.FormatBool(have.AllowDirect), Want: strconv.FormatBool(want.AllowDirect)}}
+	}
+	return nil
+}
+
 // StreamDifferences lists the settings in which have, a live stream's
 // configuration, is not want, fanout's.
 func StreamDifferences(have, want jetstream.StreamConfig) []Difference {

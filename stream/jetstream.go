@@ -33,7 +33,11 @@ func JetStreamConfig(cfg Config) jetstream.StreamConfig {
 		// no subscriber has handled yet.
 		DenyDelete: true,
 		DenyPurge:  true,
-		Metadata:   metadata(cfg),
+		// Reads by sequence, in batches (the relay's audit and its
+		// restore check): served by any replica, and without the
+		// stream's API queue.
+		AllowDirect: true,
+		Metadata:    metadata(cfg),
 	}
 }
 
@@ -122,7 +126,7 @@ func Provision(ctx context.Context, js jetstream.JetStream, want jetstream.Strea
 		return nil, err
 	}
 	info := s.CachedInfo()
-	diffs := StreamDifferences(info.Config, want)
+	diffs := append(StreamDifferences(info.Config, want), AdvisoryDifferences(info.Config, want)...)
 	// An owner is filled in where none is recorded, replaced only when
 	// told, and listed by a provision that may change nothing: a relay
 	// never takes another database's stream.

@@ -23,3 +23,21 @@ func Advance(ctx context.Context, r *Runner, tx pgx.Tx, ev Event, prev int64, af
 	d := &delivery{ev: ev, order: orderInfo{prev: prev, afterGap: afterGap}}
 	return r.advance(ctx, tx, []*delivery{d}, map[int64]bool{ev.ID: true})
 }
+
+// AdvanceBatch moves the per-aggregate checkpoints of several events in
+// one transaction, as a worker does with a batch: each event keyed first
+// (its origin and id), each expected at prevs[i].
+func AdvanceBatch(ctx context.Context, r *Runner, tx pgx.Tx, evs []Event, prevs []int64) error {
+	ds := make([]*delivery, len(evs))
+	for i, ev := range evs {
+		ds[i] = &delivery{ev: ev, order: orderInfo{prev: prevs[i]}}
+	}
+	if err := r.keyEvents(ctx, ds); err != nil {
+		return err
+	}
+	fresh := map[int64]bool{}
+	for _, d := range ds {
+		fresh[d.ev.key()] = true
+	}
+	return r.advance(ctx, tx, ds, fresh)
+}

@@ -125,6 +125,7 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 	var afterGap []bool
 	late := map[int64]bool{}
 	epochs := map[int64]int{}
+	idOf := map[int64]int64{} // checkpoint key -> event id, for the messages
 	for _, d := range ds {
 		if !fresh[d.ev.key()] || d.ev.AggregateSeq == 0 {
 			continue
@@ -135,11 +136,16 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 		if !d.order.afterGap {
 			prev = d.ev.AggregateSeq - 1
 		}
-		seqs, prevs, events = append(seqs, d.ev.AggregateSeq), append(prevs, prev), append(events, d.ev.ID)
+		// Events are known by their checkpoint keys here, in the table
+		// too (last_event_id, held_by_event): two databases' event 42 are
+		// two events.
+		key := d.ev.key()
+		seqs, prevs, events = append(seqs, d.ev.AggregateSeq), append(prevs, prev), append(events, key)
 		afterGap = append(afterGap, d.order.afterGap)
-		late[d.ev.ID] = d.order.lateOK
+		late[key] = d.order.lateOK
+		idOf[key] = d.ev.ID
 		if o, err := outbox.ParseOrigin(d.ev.Origin); err == nil {
-			epochs[d.ev.ID] = o.Epoch
+			epochs[key] = o.Epoch
 		}
 	}
 	if len(events) == 0 {
@@ -177,24 +183,24 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 		st := states[k]
 		switch {
 		case st.heldBy != 0 && st.heldBy != id:
-			return &eventError{id: id, err: Permanent(&heldError{by: st.heldBy, bySeq: st.heldSeq, seq: lseq[i]})}
+			return &eventError{id: idOf[id], err: Permanent(&heldError{by: st.heldBy, bySeq: st.heldSeq, seq: lseq[i]})}
 		case st.last >= lseq[i] && late[id]:
 			// An operator's redrive of an event its aggregate moved past:
 			// applied, the checkpoint left as it is.
 		case st.last >= lseq[i] && epochs[id] > 1:
-			return &eventError{id: id, err: Permanent(fmt.Errorf(
+			return &eventError{id: idOf[id], err: Permanent(fmt.Errorf(
 				"arrived after its aggregate %s/%s moved past it: this is number %d, and number %d is applied; "+
 					"the event is of outbox epoch %d: its database was restored from a backup, and the events it lost had used the numbers "+
 					"its new events are given again (redrive this one to apply it)",
 				k.typ, k.id, lseq[i], st.last, epochs[id]))}
 		case st.last >= lseq[i]:
-			return &eventError{id: id, err: Permanent(fmt.Errorf(
+			return &eventError{id: idOf[id], err: Permanent(fmt.Errorf(
 				"arrived after its aggregate %s/%s moved past it: this is number %d, and number %d is applied "+
 					"(it was let pass: a gap given up on after subscribers.gap_wait, or a dead letter under on_dead_letter=skip)",
 				k.typ, k.id, lseq[i], st.last))}
 		default:
-			return &eventError{id: id, err: fmt.Errorf("event %d (number %d of %s/%s): %w: the checkpoint is at number %d",
-				id, lseq[i], k.typ, k.id, errOutOfTurn, st.last)}
+			return &eventError{id: idOf[id], err: fmt.Errorf("event %d (number %d of %s/%s): %w: the checkpoint is at number %d",
+				idOf[id], lseq[i], k.typ, k.id, errOutOfTurn, st.last)}
 		}
 	}
 	return nil
@@ -254,7 +260,7 @@ func (r *Runner) afterDeadLetter(ctx context.Context, d *delivery) error {
 	if r.cfg.OnDeadLetter == "skip" {
 		sql = passSQL
 	}
-	_, err := r.opts.Pool.Exec(ctx, sql, r.name, d.ev.AggregateType, d.ev.AggregateID, d.ev.AggregateSeq, d.ev.ID, r.origins.database(d.ev.Origin))
+	_, err := r.opts.Pool.Exec(ctx, sql, r.name, d.ev.AggregateType, d.ev.AggregateID, d.ev.AggregateSeq, d.ev.key(), r.origins.database(d.ev.Origin))
 	if err != nil {
 		return fmt.Errorf("record the dead letter in its aggregate's checkpoint: %w", err)
 	}

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/fulfilment"
 	"github.com/fanout/fanout/subscribers/subscribertest"
@@ -64,5 +65,28 @@ func TestFirstCheckpointOnlyFromTheFirstEvent(t *testing.T) {
 	}
 	if got := applied("2"); got != 3 {
 		t.Fatalf("checkpoint at %d after number 3 applied after a gap, want 3", got)
+	}
+}
+
+// One batch may hold two databases' event 42: the checkpoint knows each by
+// its key, so the one out of turn is refused even when the other moved
+// its own aggregate.
+func TestOrderedBatchKnowsEventsByTheirKeys(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	r := env.NewRunner(subscribers.OrderedTx(fulfilment.New()), nil)
+	ctx := context.Background()
+	db, err := outbox.ReadDatabase(ctx, env.DB.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := outbox.Origin{Database: outbox.Database{System: db.System, Name: "another shop"}, Epoch: 1}.String()
+	ours := subscribers.Event{ID: 42, Type: "order.paid", AggregateType: "order", AggregateID: "7", AggregateSeq: 1}
+	theirs := subscribers.Event{ID: 42, Origin: other, Type: "order.paid", AggregateType: "order", AggregateID: "7", AggregateSeq: 2}
+	err = pgx.BeginFunc(ctx, env.DB.Pool, func(tx pgx.Tx) error {
+		return subscribers.AdvanceBatch(ctx, r, tx, []subscribers.Event{ours, theirs}, []int64{0, 1})
+	})
+	if err == nil || !strings.Contains(err.Error(), "the checkpoint is at number 0") {
+		t.Fatalf("the other database's number 2 without its number 1, beside this one's event 42: want refused as out of turn, got %v", err)
 	}
 }

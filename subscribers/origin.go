@@ -11,11 +11,14 @@ package subscribers
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
@@ -31,27 +34,41 @@ type originKeys struct {
 	nums  map[string]int64
 }
 
-const originNumSQL = `
-WITH ins AS (
-    INSERT INTO event_origins (origin) VALUES ($1) ON CONFLICT (origin) DO NOTHING RETURNING num
-)
-SELECT num FROM ins UNION ALL SELECT num FROM event_origins WHERE origin = $1`
+// originNumSQL numbers an origin (fanout_origin_number, schema migration
+// 00015): NULL when every number is taken.
+const originNumSQL = `SELECT fanout_origin_number($1)`
+
+// errNoKey is a verdict on one event: no checkpoint key can be made for it
+// (its id is too large for its origin, or every origin number is taken).
+// The event is dead-lettered with the reason; the others go on.
+type errNoKey struct{ reason string }
+
+func (e *errNoKey) Error() string { return e.reason }
 
 // key returns the checkpoint key of the event (origin, id).
 func (k *originKeys) key(ctx context.Context, origin string, id int64) (int64, error) {
 	if origin == "" || origin == k.own {
 		return id, nil
 	}
-	if id >= 1<<originShift {
-		return 0, fmt.Errorf("event %d of origin %s: ids of another origin than this database's first epoch must be below 2^%d", id, origin, originShift)
+	if id >= 1<<originShift || id < 0 {
+		return 0, &errNoKey{fmt.Sprintf("event %d of origin %s: the ids of an origin other than this database's first epoch must lie between 0 and 2^%d", id, origin, originShift)}
 	}
 	k.mu.Lock()
 	num, ok := k.nums[origin]
 	k.mu.Unlock()
 	if !ok {
-		if err := k.pool.QueryRow(ctx, originNumSQL, origin).Scan(&num); err != nil {
+		var n *int64
+		if err := k.pool.QueryRow(ctx, originNumSQL, origin).Scan(&n); err != nil {
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) && pgErr.Code == "22023" /* invalid_parameter_value: not an origin */ {
+				return 0, &errNoKey{fmt.Sprintf("event %d: %s", id, pgErr.Message)}
+			}
 			return 0, fmt.Errorf("number origin %s in event_origins: %w", origin, err)
 		}
+		if n == nil {
+			return 0, &errNoKey{fmt.Sprintf("event %d of origin %s: event_origins has numbered the most origins it can (32767): this one cannot be checkpointed", id, origin)}
+		}
+		num = *n
 		k.mu.Lock()
 		k.nums[origin] = num
 		k.mu.Unlock()
@@ -59,8 +76,9 @@ func (k *originKeys) key(ctx context.Context, origin string, id int64) (int64, e
 	return num<<originShift | id, nil
 }
 
-// keyEvents gives each delivery its checkpoint key; an error is Postgres's
-// (an outage), never the events'.
+// keyEvents gives each delivery its checkpoint key. An event that can have
+// none is marked for the dead letters; an error is Postgres's (an outage),
+// never the events'.
 func (r *Runner) keyEvents(ctx context.Context, ds []*delivery) error {
 	if r.origins == nil { // a runner that did not start: a redrive's
 		db, err := outbox.ReadDatabase(ctx, r.opts.Pool)
@@ -76,6 +94,11 @@ func (r *Runner) keyEvents(ctx context.Context, ds []*delivery) error {
 		ctx, cancel := r.bookkeeping(ctx)
 		key, err := r.origins.key(ctx, d.ev.Origin, d.ev.ID)
 		cancel()
+		var noKey *errNoKey
+		if errors.As(err, &noKey) {
+			d.deadReason = noKey.reason
+			continue
+		}
 		if err != nil {
 			return err
 		}
@@ -85,6 +108,27 @@ func (r *Runner) keyEvents(ctx context.Context, ds []*delivery) error {
 		}
 	}
 	return nil
+}
+
+// CheckpointKey is the key under which subscribers checkpoint the event
+// (origin, id) of a database whose own identity is db, as the operator
+// tools look it up; false when no subscriber has checkpointed an event of
+// that origin yet (it has no number).
+func CheckpointKey(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, db outbox.Database, origin string, id int64) (int64, bool, error) {
+	if origin == "" || origin == (outbox.Origin{Database: db, Epoch: 1}).String() {
+		return id, true, nil
+	}
+	var num int64
+	err := q.QueryRow(ctx, `SELECT num FROM event_origins WHERE origin = $1`, origin).Scan(&num)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, fmt.Errorf("look up origin %s in event_origins: %w", origin, err)
+	}
+	return num<<originShift | id, true, nil
 }
 
 func newOriginKeys(pool *pgxpool.Pool, db outbox.Database) *originKeys {

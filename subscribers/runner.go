@@ -306,6 +306,16 @@ func (r *Runner) checkStore(ctx context.Context) error {
 			r.origins = newOriginKeys(r.opts.Pool, db)
 			b := &pgx.Batch{}
 			b.Queue(`SELECT num FROM event_origins LIMIT 0`)
+			b.Queue(`SELECT has_function_privilege('fanout_origin_number(text)', 'EXECUTE')`).QueryRow(func(row pgx.Row) error {
+				var ok bool
+				if err := row.Scan(&ok); err != nil {
+					return err
+				}
+				if !ok {
+					return &pgconn.PgError{Code: "42501", Message: "permission denied for function fanout_origin_number"}
+				}
+				return nil
+			})
 			b.Queue(`INSERT INTO processed_events (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
 			b.Queue(`INSERT INTO subscriber_attempts (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
 			b.Queue(vouchSQL, r.name, -1, -1, []byte{})
@@ -319,7 +329,7 @@ func (r *Runner) checkStore(ctx context.Context) error {
 			return nil
 		}
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01") {
+		if errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01" || pgErr.Code == "42883") {
 			return fmt.Errorf("subscriber %s cannot use its rows of processed_events, subscriber_attempts and dead_letters, or event_origins: %w "+
 				"(run `fanout migrate`, then grant its role what deploy/postgres/roles.sql grants)", r.name, err)
 		}

@@ -189,7 +189,7 @@ func provisionCheck(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []
 			}
 			return s.CachedInfo().Config, nil
 		}, func(v any) []stream.Difference {
-			ds := stream.StreamDifferences(v.(jetstream.StreamConfig), want)
+			ds := append(stream.StreamDifferences(v.(jetstream.StreamConfig), want), stream.AdvisoryDifferences(v.(jetstream.StreamConfig), want)...)
 			if d, ok := stream.OwnerDifference(v.(jetstream.StreamConfig), want); ok {
 				ds = append(ds, d)
 			}

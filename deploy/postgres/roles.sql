@@ -32,9 +32,9 @@
 --                       published_at): it claims, marks, reaps and deletes
 --                       rows but cannot change an event or write one.
 --                       LISTEN needs no privilege. outbox_epochs: SELECT,
---                       and EXECUTE on fanout_outbox_last_id and
---                       fanout_outbox_new_epoch (a restore that rewound
---                       the ids). relay_capture: SELECT,
+--                       and EXECUTE on fanout_outbox_last_id,
+--                       fanout_outbox_state and fanout_outbox_new_epoch
+--                       (a restore that rewound the ids). relay_capture: SELECT,
 --                       INSERT, UPDATE, DELETE (a wal relay's bookkeeping).
 --                       The outbox's retention: EXECUTE on the functions
 --                       that add, seal and drop its ranges (SECURITY
@@ -57,28 +57,28 @@
 --                       needs no USAGE on outbox_id_seq.
 --   fanout_cacheinval: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters;
---       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
 --       SELECT ON products, brands, categories, inventory
 --   fanout_fulfilment: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters and subscriber_aggregates;
---       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
 --       SELECT, INSERT, UPDATE ON fulfilment_orders
 --       SELECT, INSERT ON fulfilment_history, fulfilment_violations
 --   fanout_invoicing: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters;
---       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
 --       SELECT ON orders, order_lines, products
 --       INSERT ON invoices, invoice_lines
 --       SELECT (id, order_id) ON invoices
 --       USAGE ON SEQUENCE invoice_number_seq
 --   fanout_salesledger: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters;
---       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
 --       SELECT ON orders, order_lines
 --       SELECT, INSERT, UPDATE ON product_sales
 --   fanout_searchindex: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters;
---       event_origins (SELECT, INSERT) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
 --       SELECT ON products, brands, categories, inventory
 --   fanout_operator     LOGIN. The operator commands (fanout status, dlq,
 --                       outbox, reindex). A member of each subscriber role:
@@ -243,7 +243,7 @@ WHERE i.inhparent = 'public.outbox'::regclass AND c.relowner <> 'fanout_migrate'
 SELECT format('ALTER FUNCTION %s OWNER TO fanout_migrate', p.oid::regprocedure)
 FROM pg_proc p
 WHERE p.pronamespace = 'public'::regnamespace
-  AND (p.proname LIKE 'fanout\_outbox\_%' OR p.proname IN ('fanout_dead_letter_action', 'fanout_record_replay'))
+  AND (p.proname LIKE 'fanout\_outbox\_%' OR p.proname IN ('fanout_dead_letter_action', 'fanout_record_replay', 'fanout_origin_number'))
   AND p.proowner <> 'fanout_migrate'::regrole \gexec
 SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
 WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
@@ -269,16 +269,19 @@ GRANT EXECUTE ON FUNCTION fanout_outbox_extend(bigint, integer, bigint), fanout_
 -- The events' origin: the outbox's epochs, the last id it handed out, and
 -- a new epoch when a restore rewound the ids.
 GRANT SELECT ON outbox_epochs TO fanout_relay;
-GRANT EXECUTE ON FUNCTION fanout_outbox_last_id(), fanout_outbox_new_epoch(integer, integer, bigint, bigint, text) TO fanout_relay;
+GRANT EXECUTE ON FUNCTION fanout_outbox_last_id(), fanout_outbox_state(),
+    fanout_outbox_new_epoch(integer, integer, bigint, bigint, text) TO fanout_relay;
 
 -- Writers (outbox.Write, outbox.Queue).
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, headers) ON outbox TO fanout_writer;
 GRANT SELECT (id) ON outbox TO fanout_writer;
 
 -- Subscribers: the numbers of the origins their checkpoints key on (shared:
--- an origin is a fact, not a subscriber's), and the epochs of their own
--- database.
-GRANT SELECT, INSERT ON event_origins TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
+-- an origin is a fact, not a subscriber's; numbered only through
+-- fanout_origin_number, which takes nothing that is not an origin), and
+-- the epochs of their own database.
+GRANT SELECT ON event_origins TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
+GRANT EXECUTE ON FUNCTION fanout_origin_number(text) TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 GRANT SELECT ON outbox_epochs TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
 -- Subscribers: the checkpoint (insert, read, prune), restricted to their rows.
@@ -379,7 +382,7 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
 -- The audit trail: read it, and add to it only through the function that
 -- records the session's role (and checks what it records).
 GRANT SELECT ON dead_letter_actions TO fanout_operator;
-GRANT EXECUTE ON FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, bigint, text, text) TO fanout_operator;
+GRANT EXECUTE ON FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, bigint, text, text, bigint) TO fanout_operator;
 GRANT SELECT ON dead_letters TO fanout_operator;
 -- Replays: recorded the same way.
 GRANT SELECT ON replays TO fanout_operator;

@@ -1,0 +1,76 @@
+package relay
+
+// Reading the stream back by sequence: the restore check reads the newest
+// events of its database, the audit every event the relay published.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/synadia-io/orbit.go/jetstreamext"
+)
+
+// directBatch is how many messages one batch direct get asks for: one
+// request and one round trip per batch, the messages streamed back.
+const directBatch = 4096
+
+// slowRead bounds a read of a stream that does not allow direct gets
+// (one request per message): only the restore check's tail uses it.
+const slowRead = 64
+
+// readStream calls fn for each message the stream holds from sequence from
+// on, in order, until fn returns false, n messages were read, or the
+// stream's end (as of the call). A stream that allows direct gets is read
+// in batches (orbit.go's GetBatch: any replica answers, the stream's API
+// queue is not involved); another one message at a time, at most slowRead.
+func readStream(ctx context.Context, js jetstream.JetStream, s jetstream.Stream, from uint64, n int, fn func(*jetstream.RawStreamMsg) bool) error {
+	info := s.CachedInfo()
+	last := info.State.LastSeq
+	from = max(from, info.State.FirstSeq, 1)
+	if !info.Config.AllowDirect {
+		for seq, read := from, 0; seq <= last && read < min(n, slowRead); seq++ {
+			m, err := s.GetMsg(ctx, seq)
+			if errors.Is(err, jetstream.ErrMsgNotFound) {
+				continue
+			}
+			if err != nil {
+				return err
+			}
+			read++
+			if !fn(m) {
+				return nil
+			}
+		}
+		return nil
+	}
+	for read := 0; from <= last && read < n; {
+		msgs, err := jetstreamext.GetBatch(ctx, js, info.Config.Name, min(directBatch, n-read), jetstreamext.GetBatchSeq(from))
+		if err != nil {
+			return fmt.Errorf("read stream %s from sequence %d: %w", info.Config.Name, from, err)
+		}
+		got := 0
+		for m, err := range msgs {
+			if errors.Is(err, jetstreamext.ErrNoMessages) {
+				return nil
+			}
+			if err != nil {
+				return fmt.Errorf("read stream %s from sequence %d: %w", info.Config.Name, from, err)
+			}
+			got++
+			read++
+			from = m.Sequence + 1
+			if m.Sequence > last {
+				return nil
+			}
+			if !fn(m) {
+				return nil
+			}
+		}
+		if got == 0 {
+			return nil
+		}
+	}
+	return nil
+}
