@@ -50,6 +50,9 @@ type Status struct {
 		HeldRows       int64 `json:"held_rows"`
 		HeldAggregates int64 `json:"held_aggregates"`
 	} `json:"outbox"`
+	// Audits are the newest audit of the stream against the outbox, and
+	// the newest that found events missing, if another (newest first).
+	Audits []outbox.Audit `json:"audits"`
 	Stream struct {
 		Name     string `json:"name"`
 		Messages uint64 `json:"messages"`
@@ -143,6 +146,9 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	}
 	if st.Outbox.Ranges, st.Outbox.SealedRanges, st.Outbox.DefaultRows, err = store.RangeCounts(ctx); err != nil {
 		return st, fmt.Errorf("outbox ranges: %w", err)
+	}
+	if st.Audits, err = store.Audits(ctx); err != nil {
+		return st, err
 	}
 
 	st.Capture.Mode = src.Relay.Capture

@@ -58,6 +58,10 @@ type Outcomes struct {
 	FailedReasons []string
 	// Returned rows go back to pending unpublished, no attempt counted.
 	Returned []int64
+	// Landed is where the published rows landed in Stream (the stream
+	// sequence of each PubAck), recorded with them for the auditor.
+	Landed []Landed
+	Stream string
 	// Next, if set, claims in the same transaction the next events of the
 	// aggregates of Next.Published, as ClaimNext: a relay goes on with an
 	// aggregate's backlog for the price of one round trip.
@@ -93,6 +97,9 @@ func (s *Store) Record(ctx context.Context, token pgtype.UUID, o Outcomes) (sent
 	}
 	if len(o.Returned) > 0 {
 		b.Queue(markReturnedSQL, o.Returned, token)
+	}
+	if len(o.Landed) > 0 {
+		b.Queue(insertLandingsSQL, landingArgs(o.Stream, o.Landed)...)
 	}
 	if o.Next != nil {
 		if args := nextClaimArgs(o.Next.Published, o.Next.Token, o.Next.Depth, o.Next.N); args != nil {

@@ -118,6 +118,9 @@ type Retirement struct {
 	// being claimed (math.MinInt64 once done): a pending row at or below
 	// it is still to be published.
 	BacklogThrough int64
+	// RequireAudit keeps a range until an audit of it passed since its
+	// rows were last published (relay.audit).
+	RequireAudit bool
 }
 
 // RetirePartition drops a sealed range whose rows were all published
@@ -130,8 +133,8 @@ func (s *Store) RetirePartition(ctx context.Context, name string, r Retirement) 
 		confirmed = &r.ConfirmedLSN
 	}
 	var why *string
-	err = s.pool.QueryRow(ctx, `SELECT retired, moved, reason FROM fanout_outbox_retire($1, make_interval(secs => $2::float8), $3, $4::pg_lsn, $5)`,
-		name, r.Retention.Seconds(), r.Captured, confirmed, r.BacklogThrough).Scan(&retired, &moved, &why)
+	err = s.pool.QueryRow(ctx, `SELECT retired, moved, reason FROM fanout_outbox_retire($1, make_interval(secs => $2::float8), $3, $4::pg_lsn, $5, $6)`,
+		name, r.Retention.Seconds(), r.Captured, confirmed, r.BacklogThrough, r.RequireAudit).Scan(&retired, &moved, &why)
 	if why != nil {
 		reason = *why
 	}

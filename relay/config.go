@@ -73,6 +73,23 @@ type Config struct {
 	// are all waiting on PubAcks). Default 30s, longer than PublishTimeout
 	// + PollInterval.
 	StallAfter time.Duration `koanf:"stall_after"`
+	// Audit runs the auditor (audit.go): it checks the stream against the
+	// outbox and publishes again what the stream lost, and a range of the
+	// outbox is dropped only after an audit of it passed. Default true.
+	Audit bool `koanf:"audit"`
+	// AuditInterval is how often the auditor looks for work. Default 10s,
+	// 100ms..1h.
+	AuditInterval time.Duration `koanf:"audit_interval"`
+	// AuditDelay is how old a published event is when the continuous
+	// audit checks it: longer than the server's sync_interval (2m unless
+	// set), so that what it finds was on disk. Default 3m, 0..1h.
+	AuditDelay time.Duration `koanf:"audit_delay"`
+	// AuditLookback: when an auditor starts, and after a sign that the
+	// stream may have lost messages (the relay's connection reconnected,
+	// the stream's leader changed, its last sequence went back), the
+	// events published this recently are checked again. Default 10m, at
+	// least AuditDelay.
+	AuditLookback time.Duration `koanf:"audit_lookback"`
 }
 
 // Capture modes (relay.capture).
@@ -101,6 +118,7 @@ func DefaultConfig() Config {
 		CleanupInterval: time.Minute,
 		CleanupBatch:    1000, ShutdownTimeout: 30 * time.Second, StallAfter: 30 * time.Second,
 		Capture: CapturePoll, Slot: DefaultSlot, OnFailed: string(outbox.HoldFailed),
+		Audit: true, AuditInterval: 10 * time.Second, AuditDelay: 3 * time.Minute, AuditLookback: 10 * time.Minute,
 	}
 }
 
@@ -133,6 +151,15 @@ func (c Config) Validate() error {
 	v.Positive("relay.stall_after", c.StallAfter)
 	v.OneOf("relay.capture", c.Capture, CapturePoll, CaptureWAL)
 	v.OneOf("relay.on_failed", c.OnFailed, string(outbox.HoldFailed), string(outbox.SkipFailed))
+	if c.AuditInterval < 100*time.Millisecond || c.AuditInterval > time.Hour {
+		v.Bad("relay.audit_interval", "must be between 100ms and 1h (got %s)", c.AuditInterval)
+	}
+	if c.AuditDelay < 0 || c.AuditDelay > time.Hour {
+		v.Bad("relay.audit_delay", "must be between 0 and 1h (got %s)", c.AuditDelay)
+	}
+	if c.AuditLookback < c.AuditDelay {
+		v.Bad("relay.audit_lookback", "must be at least relay.audit_delay (%s) (got %s)", c.AuditDelay, c.AuditLookback)
+	}
 	if !validSlotName(c.Slot) {
 		v.Bad("relay.slot", "must be 1 to 63 lower-case letters, digits or underscores, as PostgreSQL requires of a replication slot's name (got %q)", c.Slot)
 	}

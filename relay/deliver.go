@@ -169,12 +169,16 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 	var sentIDs, retryIDs, failedIDs, returnedIDs []int64
 	var retryReasons, failedReasons []string
 	var published []Published
+	var landed []outbox.Landed
 	for i, res := range results {
 		id := rows[i].ID
 		switch {
 		case res.acked:
 			sentIDs = append(sentIDs, id)
 			published = append(published, Published{ID: id, CreatedAt: rows[i].CreatedAt.Time, AckedAt: res.ackedAt, Duplicate: res.duplicate})
+			if res.seq > 0 {
+				landed = append(landed, outbox.Landed{ID: id, Seq: res.seq})
+			}
 		case res.permanent:
 			failedIDs = append(failedIDs, id)
 			failedReasons = append(failedReasons, res.err)
@@ -195,7 +199,8 @@ func (r *Relay) record(ctx context.Context, rows []row, token pgtype.UUID, resul
 			Retry: retryIDs, RetryReasons: retryReasons, RetryMin: r.cfg.RetryMin, RetryMax: r.cfg.RetryMax,
 			Failed: failedIDs, FailedReasons: failedReasons,
 			Returned: returnedIDs,
-			Next:     next,
+			Landed:   landed, Stream: r.stream.Name,
+			Next: next,
 		})
 		if err != nil && ctx.Err() != nil {
 			return struct{}{}, backoff.Permanent(err)

@@ -43,6 +43,10 @@ func newHarness(t testing.TB, opts ...natstest.Option) *harness {
 	cfg.Relay.RetryMin = 50 * time.Millisecond
 	cfg.Relay.RetryMax = 500 * time.Millisecond
 	cfg.Relay.PublishTimeout = 2 * time.Second
+	// The auditor at a test's pace: ranges wait for its audits.
+	cfg.Relay.AuditInterval = 100 * time.Millisecond
+	cfg.Relay.AuditDelay = 200 * time.Millisecond
+	cfg.Relay.AuditLookback = time.Minute
 	return &harness{t: t, db: pgtest.NewDB(t), nats: natstest.Start(t, opts...), cfg: cfg}
 }
 

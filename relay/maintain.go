@@ -151,7 +151,7 @@ func (r *Relay) keepRanges(ctx context.Context) error {
 // this relay cannot tell (a wal relay that has not yet opened its slot:
 // the one that streams drops the ranges).
 func (r *Relay) retirement(ctx context.Context) (ret outbox.Retirement, ok bool, err error) {
-	ret = outbox.Retirement{Retention: r.cfg.SentRetention, BacklogThrough: math.MinInt64}
+	ret = outbox.Retirement{Retention: r.cfg.SentRetention, BacklogThrough: math.MinInt64, RequireAudit: r.cfg.Audit}
 	if r.cfg.Capture != CaptureWAL {
 		return ret, true, nil
 	}

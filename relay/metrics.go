@@ -25,6 +25,7 @@ type Metrics struct {
 	outboxRangesDropped                                              prometheus.Counter
 	configDifferences                                                *prometheus.GaugeVec
 	rewinds                                                          prometheus.Counter
+	auditChecked, auditMissing, auditRepaired                        *prometheus.CounterVec
 }
 
 var _ Observer = (*Metrics)(nil)
@@ -58,8 +59,21 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	m.configDifferences = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "relay", Name: "config_differences",
 		Help: "Settings of the live stream (object \"stream <name>\") that differ from fanout's configuration, as of the last check (stream.check_interval): anything above 0 makes the relay not ready."}, []string{"object"})
-	reg.MustRegister(m.claimSeconds, m.slotLagBytes, m.slotStuckSeconds, m.outboxRanges, m.configDifferences)
+	cv := func(name, help string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "relay", Name: name, Help: help}, []string{"kind"})
+	}
+	m.auditChecked = cv("audit_checked_total", "Published events the auditor checked against the stream, by kind of audit (tail, lookback, range, command).")
+	m.auditMissing = cv("audit_missing_total", "Published events the auditor found missing from the stream (or published with no landing recorded), by kind of audit.")
+	m.auditRepaired = cv("audit_repaired_total", "Missing events the auditor published again, by kind of audit.")
+	reg.MustRegister(m.claimSeconds, m.slotLagBytes, m.slotStuckSeconds, m.outboxRanges, m.configDifferences,
+		m.auditChecked, m.auditMissing, m.auditRepaired)
 	return m
+}
+
+func (m *Metrics) Audited(kind string, checked, missing, repaired int) {
+	m.auditChecked.WithLabelValues(kind).Add(float64(checked))
+	m.auditMissing.WithLabelValues(kind).Add(float64(missing))
+	m.auditRepaired.WithLabelValues(kind).Add(float64(repaired))
 }
 
 func (m *Metrics) ConfigDifferences(object string, n int) {

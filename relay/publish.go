@@ -19,6 +19,7 @@ import (
 type outcome struct {
 	acked     bool
 	duplicate bool
+	seq       uint64 // where it landed in the stream (the PubAck's; a duplicate's is the first copy's)
 	ackedAt   time.Time
 	permanent bool // never publishable: mark failed
 	returned  bool // not published: an earlier event of its aggregate in the batch was not
@@ -81,7 +82,7 @@ func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
 		}
 		select {
 		case ack := <-f.Ok():
-			results[i] = outcome{acked: true, duplicate: ack.Duplicate, ackedAt: time.Now()}
+			results[i] = outcome{acked: true, duplicate: ack.Duplicate, seq: ack.Sequence, ackedAt: time.Now()}
 		case err := <-f.Err():
 			results[i] = classify(rows[i].ID, err)
 		case <-deadline.C:

@@ -48,6 +48,9 @@ type Observer interface {
 	ConfigDifferences(object string, n int)
 	// Rewound reports a restore that rewound the outbox's ids (origin.go).
 	Rewound()
+	// Audited reports an audit of the stream against the outbox
+	// (audit.go): events checked, found missing, and published again.
+	Audited(kind string, checked, missing, repaired int)
 }
 
 // Published describes one row stored in the stream.
@@ -71,6 +74,7 @@ func (NopObserver) OutboxRanges(int, int)         {}
 func (NopObserver) SlotLag(int64, time.Duration)  {}
 func (NopObserver) ConfigDifferences(string, int) {}
 func (NopObserver) Rewound()                      {}
+func (NopObserver) Audited(string, int, int, int) {}
 
 // Options are the relay's collaborators.
 type Options struct {
@@ -294,6 +298,13 @@ func (r *Relay) start(ctx context.Context) error {
 		defer r.loops.Done()
 		r.cleanupLoop(softCtx)
 	}()
+	if r.cfg.Audit && !r.hooks.NoAudit {
+		r.loops.Add(1)
+		go func() {
+			defer r.loops.Done()
+			r.auditLoop(softCtx)
+		}()
+	}
 	if wal {
 		r.logger.Info("relay started", "capture", r.cfg.Capture, "slot", r.cfg.Slot, "publication", Publication,
 			"stream", r.stream.Name, "subjects", r.stream.SubjectPrefix+".>",

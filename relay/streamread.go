@@ -5,9 +5,12 @@ package relay
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"time"
 
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/synadia-io/orbit.go/jetstreamext"
 )
@@ -73,4 +76,56 @@ func readStream(ctx context.Context, js jetstream.JetStream, s jetstream.Stream,
 		}
 	}
 	return nil
+}
+
+// leaderGet reads the message at seq from the stream's leader (a message
+// get through the stream's API, never a direct get, which a replica that
+// is behind may answer with "not found"); false if the stream does not
+// hold it.
+func leaderGet(ctx context.Context, nc *nats.Conn, stream string, seq uint64) (*jetstream.RawStreamMsg, bool, error) {
+	req, err := json.Marshal(map[string]uint64{"seq": seq})
+	if err != nil {
+		return nil, false, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	resp, err := nc.RequestWithContext(ctx, "$JS.API.STREAM.MSG.GET."+stream, req)
+	if err != nil {
+		return nil, false, fmt.Errorf("get message %d of stream %s: %w", seq, stream, err)
+	}
+	var r struct {
+		Error *struct {
+			Code        int    `json:"code"`
+			ErrCode     int    `json:"err_code"`
+			Description string `json:"description"`
+		} `json:"error"`
+		Message *struct {
+			Subject string    `json:"subject"`
+			Seq     uint64    `json:"seq"`
+			Header  []byte    `json:"hdrs"`
+			Data    []byte    `json:"data"`
+			Time    time.Time `json:"time"`
+		} `json:"message"`
+	}
+	if err := json.Unmarshal(resp.Data, &r); err != nil {
+		return nil, false, fmt.Errorf("get message %d of stream %s: %w", seq, stream, err)
+	}
+	if r.Error != nil {
+		if r.Error.ErrCode == int(jetstream.JSErrCodeMessageNotFound) {
+			return nil, false, nil
+		}
+		return nil, false, fmt.Errorf("get message %d of stream %s: %s (%d)", seq, stream, r.Error.Description, r.Error.ErrCode)
+	}
+	if r.Message == nil {
+		return nil, false, fmt.Errorf("get message %d of stream %s: an empty answer", seq, stream)
+	}
+	m := &jetstream.RawStreamMsg{Subject: r.Message.Subject, Sequence: r.Message.Seq, Data: r.Message.Data, Time: r.Message.Time, Header: nats.Header{}}
+	if len(r.Message.Header) > 0 {
+		h, err := nats.DecodeHeadersMsg(r.Message.Header)
+		if err != nil {
+			return nil, false, fmt.Errorf("get message %d of stream %s: %w", seq, stream, err)
+		}
+		m.Header = h
+	}
+	return m, true, nil
 }

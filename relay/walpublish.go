@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
+	"github.com/fanout/fanout/outbox"
 )
 
 // errNotVisibleYet: a decoded row is not visible to other sessions yet.
@@ -91,12 +92,16 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) (f
 			failedIDs        []int64
 			failedReasons    []string
 			published        []Published
+			landed           []outbox.Landed
 			firstRetryReason string
 		)
 		for i, res := range results {
 			switch {
 			case res.acked:
 				published = append(published, Published{ID: rows[i].ID, CreatedAt: rows[i].CreatedAt.Time, AckedAt: res.ackedAt, Duplicate: res.duplicate})
+				if res.seq > 0 {
+					landed = append(landed, outbox.Landed{ID: rows[i].ID, Seq: res.seq})
+				}
 			case res.permanent:
 				failedIDs = append(failedIDs, rows[i].ID)
 				failedReasons = append(failedReasons, res.err)
@@ -106,6 +111,11 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) (f
 				}
 				retry = append(retry, rows[i])
 			}
+		}
+		// Recorded before the slot may move past them: a relay killed after
+		// the confirm leaves no published event without its landing.
+		if !r.recordCaptured(softCtx, landed) {
+			return nil, false
 		}
 		r.reportPublished(published, len(retry), len(failedIDs))
 		if len(failedIDs) > 0 {
@@ -130,6 +140,20 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) (f
 		wait = min(wait*2, r.cfg.RetryMax)
 		rows = retry
 	}
+}
+
+// recordCaptured records where a wal relay's published rows landed,
+// retrying while Postgres is unreachable.
+func (r *Relay) recordCaptured(ctx context.Context, landed []outbox.Landed) bool {
+	if len(landed) == 0 {
+		return true
+	}
+	_, err := backoff.Retry(ctx, func() (struct{}, error) {
+		return struct{}{}, r.store.RecordLandings(ctx, r.stream.Name, landed)
+	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
+		r.logger.Warn("record where published rows landed, will retry", "error", err, "retry_in", next, "rows", len(landed))
+	}))
+	return err == nil
 }
 
 // failCaptured marks rows failed, retrying while Postgres is unreachable.

@@ -51,6 +51,7 @@ FANOUT_RELAY_BATCH_SIZE). ` + "`fanout config keys`" + ` lists every key.`,
 		statusCommand(app),
 		dlqCommand(app),
 		outboxCommand(app),
+		auditCommand(app),
 		replayCommand(app),
 		deployCommand(),
 	)

@@ -24,6 +24,10 @@ func init() {
 		// selftest run writes several hundred rows: a rarer sabotage could
 		// touch none of them).
 		sabotage.relay.SkipPublish = func(id int64) bool { return id%100 == 0 }
+	case "relay-no-audit":
+		// No auditor: the events JetStream loses after their PubAck (the
+		// fault run rolls a server's store back) stay lost.
+		sabotage.relay.NoAudit = true
 	case "relay-unordered":
 		// The relays publish an aggregate's events without waiting for
 		// the earlier ones, and one publish in 5 fails once and is

@@ -94,8 +94,25 @@ func printStatus(w io.Writer, st operator.Status) {
 		fmt.Fprintf(w, "held     %d events of %d aggregates wait behind a failed earlier event (relay.on_failed hold): fanout outbox retry-failed or fanout outbox skip ID releases them\n",
 			o.HeldRows, o.HeldAggregates)
 	}
-	fmt.Fprintf(w, "ranges   %d (%d full, waiting for relay.sent_retention)  outbox_default %d rows (no range holds them)\n",
+	fmt.Fprintf(w, "ranges   %d (%d full, waiting for relay.sent_retention and an audit)  outbox_default %d rows (no range holds them)\n",
 		o.Ranges, o.SealedRanges, o.DefaultRows)
+	if len(st.Audits) == 0 {
+		fmt.Fprintf(w, "audit    none yet (the relays audit the stream against the outbox: relay.audit)\n")
+	}
+	for i, a := range st.Audits {
+		label := "audit   "
+		if i > 0 {
+			label = "  missed"
+		}
+		found := "nothing missing"
+		if a.Missing > 0 {
+			found = fmt.Sprintf("%d MISSING, %d published again", a.Missing, a.Repaired)
+		}
+		if a.Detail != "" {
+			found += " (" + a.Detail + ")"
+		}
+		fmt.Fprintf(w, "%s %s %s ago: %s, %d events checked: %s\n", label, a.Kind, time.Since(a.FinishedAt).Round(time.Second), a.Scope, a.Checked, found)
+	}
 	if st.Stream.Missing {
 		fmt.Fprintf(w, "stream   %s  not created yet (the relay creates it at start unless stream.provision is verify or off)\n\n", st.Stream.Name)
 	} else {

@@ -36,6 +36,10 @@
 --                       fanout_outbox_state and fanout_outbox_new_epoch
 --                       (a restore that rewound the ids). relay_capture: SELECT,
 --                       INSERT, UPDATE, DELETE (a wal relay's bookkeeping).
+--                       The audit: outbox_landings SELECT, INSERT;
+--                       outbox_audit_state SELECT, UPDATE; outbox_audits
+--                       SELECT, INSERT, DELETE; outbox_partitions UPDATE
+--                       (audited_at).
 --                       The outbox's retention: EXECUTE on the functions
 --                       that add, seal and drop its ranges (SECURITY
 --                       DEFINER, owned by fanout_migrate: the relay owns
@@ -94,7 +98,8 @@
 --                       who. dead_letters: SELECT. replays: SELECT, and
 --                       EXECUTE on fanout_record_replay, the same way.
 --                       relay_capture, outbox_partitions, outbox_default,
---                       outbox_epochs, event_origins: SELECT (fanout status).
+--                       outbox_epochs, event_origins, outbox_audits,
+--                       outbox_audit_state: SELECT (fanout status).
 --
 -- processed_events, subscriber_attempts and dead_letters have row-level security: each
 -- subscriber role sees and writes only the rows of its own subscriber name
@@ -219,7 +224,8 @@ FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
                   'invoice_number_seq', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                   'outbox_partitions', 'outbox_default', 'outbox_aggregates', 'subscriber_aggregates',
-                  'outbox_epochs', 'event_origins', 'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
+                  'outbox_epochs', 'event_origins', 'order_transitions',
+                  'outbox_landings', 'outbox_audit_state', 'outbox_audits', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
 
 \if :fanout_migrated
 
@@ -233,7 +239,8 @@ WHERE c.relnamespace = 'public'::regnamespace
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
                     'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
-                    'outbox_epochs', 'event_origins', 'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
+                    'outbox_epochs', 'event_origins', 'order_transitions',
+                    'outbox_landings', 'outbox_audit_state', 'outbox_audits', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
 -- must own the outbox to do so).
@@ -265,7 +272,13 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
     ON outbox_default TO fanout_relay;
 GRANT SELECT ON outbox_partitions TO fanout_relay;
 GRANT EXECUTE ON FUNCTION fanout_outbox_extend(bigint, integer, bigint), fanout_outbox_seal(text),
-    fanout_outbox_retire(text, interval, boolean, pg_lsn, bigint) TO fanout_relay;
+    fanout_outbox_retire(text, interval, boolean, pg_lsn, bigint, boolean) TO fanout_relay;
+-- The audit of the stream against the outbox: where each event landed,
+-- the audit's progress and record, and a range's audit.
+GRANT SELECT, INSERT ON outbox_landings TO fanout_relay;
+GRANT SELECT, UPDATE ON outbox_audit_state TO fanout_relay;
+GRANT SELECT, INSERT, DELETE ON outbox_audits TO fanout_relay;
+GRANT UPDATE (audited_at) ON outbox_partitions TO fanout_relay;
 -- The events' origin: the outbox's epochs, the last id it handed out, and
 -- a new epoch when a restore rewound the ids.
 GRANT SELECT ON outbox_epochs TO fanout_relay;
@@ -390,7 +403,7 @@ GRANT EXECUTE ON FUNCTION fanout_record_replay(text, text, bigint, text, text) T
 DROP POLICY IF EXISTS fanout_operator_dead_letters ON dead_letters;
 CREATE POLICY fanout_operator_dead_letters ON dead_letters FOR SELECT TO fanout_operator USING (true);
 GRANT SELECT ON relay_capture TO fanout_operator;
-GRANT SELECT ON outbox_partitions, outbox_default, outbox_epochs, event_origins TO fanout_operator;
+GRANT SELECT ON outbox_partitions, outbox_default, outbox_epochs, event_origins, outbox_audits, outbox_audit_state TO fanout_operator;
 -- fanout status counts the ordered subscribers' held aggregates (releasing
 -- one, at a discard, it does as the subscriber).
 GRANT SELECT ON subscriber_aggregates TO fanout_operator;

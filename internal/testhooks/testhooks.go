@@ -30,6 +30,9 @@ type Relay struct {
 	// restore that rewound the ids is looked for. Two databases' events,
 	// or a restored database's, are then dropped as duplicates.
 	Anonymous bool
+	// NoAudit (sabotage) runs no auditor, whatever relay.audit says: an
+	// event the stream lost after its PubAck stays lost.
+	NoAudit bool
 }
 
 // Subscriber breaks the subscriber runtime, or stops it at a moment.

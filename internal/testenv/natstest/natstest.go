@@ -247,3 +247,34 @@ func freePort() (int, error) {
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port, nil
 }
+
+// Snapshot copies the server's store, as a disk holds it at this moment,
+// and returns where the copy is; the server must be stopped.
+func (s *Server) Snapshot() (string, error) {
+	if s.Running() {
+		return "", errors.New("natstest: snapshot of a running server's store: stop it first")
+	}
+	dst, err := os.MkdirTemp(filepath.Dir(s.StoreDir), "snapshot-")
+	if err != nil {
+		return "", err
+	}
+	if err := os.CopyFS(dst, os.DirFS(s.StoreDir)); err != nil {
+		return "", fmt.Errorf("natstest: snapshot the store: %w", err)
+	}
+	return dst, nil
+}
+
+// RollBack replaces the server's store with the snapshot's copy, as a
+// disk that lost every write since would; the server must be stopped.
+func (s *Server) RollBack(snapshot string) error {
+	if s.Running() {
+		return errors.New("natstest: roll back a running server's store: stop it first")
+	}
+	if err := os.RemoveAll(s.StoreDir); err != nil {
+		return err
+	}
+	if err := os.CopyFS(s.StoreDir, os.DirFS(snapshot)); err != nil {
+		return fmt.Errorf("natstest: roll the store back: %w", err)
+	}
+	return nil
+}
