@@ -20,6 +20,13 @@ import (
 // duplicate of another's (schema migration 00015).
 const OriginHeader = "Fanout-Origin"
 
+// RepairedHeader is set on an event the auditor published again because
+// the stream had lost it (package relay, audit.go): the sequence it was
+// lost from ("0": published with no landing recorded). Such a copy enters
+// the stream after later events of its aggregate; the ordered subscribers
+// hold those back until it arrives (subscribers.gap_wait).
+const RepairedHeader = "Fanout-Repaired-From"
+
 // Database names a Postgres database the world over: its cluster's system
 // identifier and its name, read live, so that a copy (CREATE DATABASE ...
 // TEMPLATE, a dump restored elsewhere) is another database. It is what a

@@ -40,6 +40,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -615,6 +616,7 @@ func (r *Relay) repair(ctx context.Context, ident *outbox.Identity, missing []ou
 				r.logger.Error("audit: an event missing from the stream cannot be published again", "event_id", rw.ID, "error", err)
 				continue
 			}
+			msg.Header[outbox.RepairedHeader] = []string{strconv.FormatUint(was[rw.ID], 10)}
 			if futures[i], err = r.js.PublishMsgAsync(msg); err != nil {
 				return repaired, lost, fmt.Errorf("publish event %d again: %w", rw.ID, err)
 			}

@@ -216,17 +216,25 @@ var ErrUnknownEpoch = errors.New("the stream holds events of an outbox epoch thi
 func (r *Relay) checkRewind(ctx context.Context) error {
 	r.rewindMu.Lock()
 	defer r.rewindMu.Unlock()
-	// The identity and the last id, read together: after another relay
-	// began an epoch for this rewind, both say so.
+	// The stream's tail first, then the outbox: an event the tail holds
+	// was published, so its id handed out, before the last id is read
+	// (read the other way round, the relays' newest publishes would look
+	// like ids the outbox never handed out). The identity and the last id
+	// are read together: after another relay began an epoch for this
+	// rewind, both say so.
+	db, err := outbox.ReadDatabase(ctx, r.pool)
+	if err != nil {
+		return err
+	}
+	events, err := r.tail(ctx, db)
+	if err != nil {
+		return fmt.Errorf("read the newest events of this database in stream %s: %w", r.stream.Name, err)
+	}
 	ident, lastID, err := r.store.State(ctx)
 	if err != nil {
 		return err
 	}
 	r.identity.Store(ident)
-	events, err := r.tail(ctx, ident.Database)
-	if err != nil {
-		return fmt.Errorf("read the newest events of this database in stream %s: %w", r.stream.Name, err)
-	}
 	latest := ident.Latest()
 	var newest *tailEvent
 	for i, e := range events {

@@ -79,6 +79,11 @@ func timeDrain(ctx context.Context, opts relay.Options) (result, *counter, error
 // the slot and stops, rows are committed in transactions of 1000, and a new
 // relay publishes them from the slot.
 func benchDrainWAL(ctx context.Context, nc *nats.Conn) (result, error) {
+	return drainWALWith(ctx, nc, func(*relay.Config) {})
+}
+
+// drainWALWith is benchDrainWAL with the relay configured by mutate.
+func drainWALWith(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (result, error) {
 	env, err := newRelayEnv(ctx, nc)
 	if err != nil {
 		return result{}, err
@@ -86,6 +91,7 @@ func benchDrainWAL(ctx context.Context, nc *nats.Conn) (result, error) {
 	defer env.close()
 	db, sc, rp := env.db, env.stream, env.relayPool
 	rc := relayConfig()
+	mutate(&rc)
 	rc.Capture, rc.Slot = relay.CaptureWAL, db.Name
 	first, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
 	if err != nil {

@@ -13,6 +13,10 @@
 //	    and slot lag (wal) before, during and after, and over time
 //	retention: removing one range of a million captured rows, row by row
 //	    (and the vacuum after) against dropping the range: time and WAL
+//	audit: the drains (poll and wal) with the auditor off, on, and on with
+//	    no delay; the time of an audit of a million published rows
+//	fsync: the drain and raw publishes against a server with the default
+//	    sync_interval (2m) and one with sync_interval always
 //	accounts (-only accounts): the drain and raw publishes as user relay
 //	    through deploy/nats/nats-server.conf's service import, against the
 //	    same inside the stream's account
@@ -57,7 +61,7 @@ var (
 	natsURL     = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
-	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, retention, accounts (the production NATS layout's cost; only when asked)")
+	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, audit, fsync, retention, accounts (the production NATS layout's cost; only when asked)")
 	cpuProfile  = flag.String("cpuprofile", "", "write a CPU profile of this process")
 	adminURL    = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
 )
@@ -164,6 +168,16 @@ func run(ctx context.Context) error {
 	if *only == "accounts" { // opt in: it starts a server of its own
 		if err := benchAccounts(ctx); err != nil {
 			return fmt.Errorf("accounts: %w", err)
+		}
+	}
+	if want("audit") {
+		if err := benchAudit(ctx, nc); err != nil {
+			return fmt.Errorf("audit: %w", err)
+		}
+	}
+	if want("fsync") {
+		if err := benchFsync(ctx); err != nil {
+			return fmt.Errorf("fsync: %w", err)
 		}
 	}
 	if want("retention") {

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -15,7 +16,7 @@ import (
 // resourceLocks keep two faults off one resource at a time: a short cut
 // of the search engine must not end a long outage of it early.
 type resourceLocks struct {
-	postgres, search, redis, deadLetters sync.Mutex
+	postgres, search, redis, deadLetters, nats sync.Mutex
 }
 
 // Nominal lengths of the long outages; a run shorter than three times one
@@ -26,6 +27,7 @@ const (
 	searchOutage      = 3 * time.Minute
 	deadLetterOutage  = time.Minute
 	snapshotHeldFor   = 2 * time.Minute
+	rolledBackAfter   = time.Minute
 	longOutageDivisor = 3
 )
 
@@ -33,7 +35,7 @@ const (
 // each, the long outages at seeded times in between.
 func (r *run) faults(ctx context.Context) {
 	var wg sync.WaitGroup
-	if len(r.o.KillOnly) == 0 {
+	if len(r.o.KillOnly) == 0 || r.o.RollBack {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -109,6 +111,10 @@ func (r *run) longOutages(ctx context.Context) {
 		{"search engine unreachable", searchOutage, r.searchDown},
 		{"dead-letter stream unavailable", deadLetterOutage, r.deadLettersDown},
 		{"a transaction holding its snapshot open", snapshotHeldFor, r.holdSnapshot},
+		{"JetStream losing the messages it acknowledged (its stores rolled back)", rolledBackAfter, r.rollBackJetStream},
+	}
+	if len(r.o.KillOnly) > 0 { // a self-test of the rollback: only it
+		outages = outages[len(outages)-1:]
 	}
 	var wg sync.WaitGroup
 	for _, o := range outages {
@@ -158,6 +164,10 @@ func (r *run) killRole(context.Context) bool {
 }
 
 func (r *run) killNATS(ctx context.Context) bool {
+	if !r.locks.nats.TryLock() {
+		return false
+	}
+	defer r.locks.nats.Unlock()
 	victim := r.nats[r.faultRand.intn(len(r.nats))]
 	if r.o.Cluster && r.faultRand.intn(2) == 0 {
 		// The stream leader, half the time. A short deadline: the admin
@@ -308,6 +318,83 @@ func (r *run) deadLettersDown(ctx context.Context, d time.Duration) {
 	}); err != nil {
 		r.report.violate("setup", "the dead-letter stream could not be restored: "+err.Error())
 	}
+}
+
+// rollBackJetStream makes JetStream lose messages it acknowledged. Every
+// server's store is copied (each server stopped for the copy, as a disk
+// image is taken), and after d the servers are killed, their stores put
+// back as the copy has them (a disk that lost every write since), and
+// started again: the events acknowledged in between are gone from the
+// stream, and the consumers' positions go back with it. Every node of a
+// cluster: a majority alone would have the leader's log to catch up from.
+func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
+	r.locks.nats.Lock()
+	defer r.locks.nats.Unlock()
+	r.locks.deadLetters.Lock() // the store holds the dead-letter stream's configuration too
+	defer r.locks.deadLetters.Unlock()
+	each := func(what string, fn func(s *natstest.Server) error) {
+		var wg sync.WaitGroup
+		for _, s := range r.nats {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for attempt := 0; ; attempt++ {
+					err := fn(s)
+					if err == nil {
+						return
+					}
+					if attempt == 5 {
+						r.report.violate("setup", "nats-server "+what+": "+err.Error())
+						return
+					}
+					r.o.Logf("chaos: nats-server %s: %v", what, err)
+					time.Sleep(time.Second)
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	before := r.streamMessages()
+	snapshots := make(map[*natstest.Server]string, len(r.nats))
+	var mu sync.Mutex
+	each("stop, copy its store, start", func(s *natstest.Server) error {
+		if s.Running() {
+			s.Stop()
+		}
+		if _, ok := snapshots[s]; !ok {
+			snap, err := s.Snapshot()
+			if err != nil {
+				return err
+			}
+			mu.Lock()
+			snapshots[s] = snap
+			mu.Unlock()
+		}
+		return s.Restart()
+	})
+	sleepCtx(ctx, d)
+	each("kill, roll its store back, start", func(s *natstest.Server) error {
+		if s.Running() {
+			s.Kill()
+		}
+		if err := s.RollBack(snapshots[s]); err != nil {
+			return err
+		}
+		return s.Restart()
+	})
+	r.o.Logf("chaos: JetStream's stores rolled back %s: the stream held %d messages at the copy, and has lost what it acknowledged since",
+		d, before)
+}
+
+// streamMessages is how many messages stream EVENTS holds (-1: unknown).
+func (r *run) streamMessages() int64 {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	s, err := r.js.Stream(ctx, "EVENTS")
+	if err != nil {
+		return -1
+	}
+	return int64(s.CachedInfo().State.Msgs)
 }
 
 // tryEverySecond calls fn, each call bounded by 5 s, until it succeeds or

@@ -57,6 +57,10 @@ type Options struct {
 	// Subscribers are the subscribers run and checked (default: the
 	// registry's); Binary must know them all.
 	Subscribers []subscribers.Declaration
+	// RollBack, in a run with KillOnly (a self-test), adds the fault
+	// that rolls JetStream's stores back: the one long fault such a run
+	// has.
+	RollBack bool
 	// Capture is the relays' relay.capture: poll (the default) or wal.
 	// Relay kills then land anywhere, also between a publish and the
 	// slot's confirmation.
@@ -160,6 +164,13 @@ func Run(t *testing.T, o Options) *Report {
 	}
 	r.report = &Report{Mode: mode, Seed: o.Seed, Duration: o.Duration, Faults: map[string]int{}}
 	r.logDir = t.TempDir()
+	if keep := os.Getenv("FANOUT_TEST_CHAOS_LOGS"); keep != "" {
+		// The roles' logs kept after the run, a directory per run.
+		r.logDir = filepath.Join(keep, strings.ReplaceAll(t.Name(), "/", "_"))
+		if err := os.MkdirAll(r.logDir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
 	r.setup()
 	defer r.teardown()
 
@@ -253,6 +264,9 @@ func (r *run) setup() {
 		// Ranges of the outbox added and sealed under the faults (the
 		// first 1000 ids go to outbox_default, the margin).
 		"FANOUT_RELAY_PARTITION_SIZE=1000", "FANOUT_RELAY_CLEANUP_INTERVAL=2s",
+		// The auditor looks every 2s (a rollback is found by the relays'
+		// reconnect): the lost events are back before the drain's end.
+		"FANOUT_RELAY_AUDIT_INTERVAL=2s",
 		"FANOUT_SUBSCRIBERS_ACK_WAIT=10s", "FANOUT_SUBSCRIBERS_RETRY_MIN=200ms", "FANOUT_SUBSCRIBERS_RETRY_MAX=5s",
 		"FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=8s", "FANOUT_SEARCH_TIMEOUT=5s",
 	)
