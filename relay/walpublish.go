@@ -113,8 +113,10 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) (f
 			}
 		}
 		// Recorded before the slot may move past them: a relay killed after
-		// the confirm leaves no published event without its landing.
-		if !r.recordCaptured(softCtx, landed) {
+		// the confirm leaves no published event without its landing. On
+		// hardCtx: a relay stopping records what it published, and so
+		// may confirm it (the next relay would publish it again).
+		if !r.recordCaptured(hardCtx, landed) {
 			return nil, false
 		}
 		r.reportPublished(published, len(retry), len(failedIDs))

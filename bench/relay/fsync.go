@@ -8,6 +8,7 @@ package main
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -17,7 +18,12 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
+var fsyncRows = flag.Int("fsyncrows", 20_000, "rows of the fsync part's drains and raw publishes (synced writes are slow)")
+
 func benchFsync(ctx context.Context) error {
+	saved := *rows
+	*rows = *fsyncRows
+	defer func() { *rows = saved }()
 	policies := []struct{ name, conf string }{
 		{"sync_interval 2m (the default)", "jetstream { sync_interval: 2m }\n"},
 		{"sync_interval always", "jetstream { sync_interval: always }\n"},

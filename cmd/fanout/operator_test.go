@@ -130,7 +130,7 @@ func TestOperatorCommands(t *testing.T) {
 	}
 	human, err := run(t, env, "status")
 	if err != nil || !strings.Contains(human, "SUBSCRIBER") || !regexp.MustCompile(`searchindex\s+0\s+0\s+0\s+5\s+1`).MatchString(human) ||
-		!strings.Contains(human, "ranges   2 (0 full, waiting for relay.sent_retention)  outbox_default 10 rows") {
+		!strings.Contains(human, "ranges   2 (0 full, waiting for relay.sent_retention and an audit)  outbox_default 10 rows") {
 		t.Errorf("fanout status: %v\n%s", err, human)
 	}
 

@@ -224,8 +224,8 @@ FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands',
                   'products', 'inventory', 'orders', 'order_lines', 'invoices', 'invoice_lines',
                   'invoice_number_seq', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                   'outbox_partitions', 'outbox_default', 'outbox_aggregates', 'subscriber_aggregates',
-                  'outbox_epochs', 'event_origins', 'order_transitions',
-                  'outbox_landings', 'outbox_audit_state', 'outbox_audits', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
+                  'outbox_epochs', 'event_origins', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
+                  'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
 
 \if :fanout_migrated
 
@@ -239,8 +239,8 @@ WHERE c.relnamespace = 'public'::regnamespace
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
                     'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
-                    'outbox_epochs', 'event_origins', 'order_transitions',
-                    'outbox_landings', 'outbox_audit_state', 'outbox_audits', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
+                    'outbox_epochs', 'event_origins', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
+                    'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
 -- must own the outbox to do so).
