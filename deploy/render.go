@@ -17,6 +17,7 @@ import (
 	"strings"
 	"text/template"
 
+	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/searchindex"
 )
@@ -79,6 +80,9 @@ type data struct {
 	// OperatorReindexConsumer is the consumer `fanout reindex` reads the
 	// events stream through, as the operator.
 	OperatorReindexConsumer string
+	// RelayAuditConsumers are the consumers the relay's audit and fanout
+	// audit read the events stream through, as the relay.
+	RelayAuditConsumers []string
 	// HBAConnectionTypes are the kinds of pg_hba.conf line: Unix socket
 	// (no address) and TCP.
 	HBAConnectionTypes []hbaConnectionType
@@ -88,6 +92,7 @@ type hbaConnectionType struct{ Type, Address string }
 
 func newData(decls []subscribers.Declaration) data {
 	d := data{OperatorReindexConsumer: searchindex.ReplayConsumer,
+		RelayAuditConsumers: []string{relay.AuditConsumer, relay.AuditCommandConsumer},
 		HBAConnectionTypes: []hbaConnectionType{{"local", "         "}, {"host ", "all      "}}}
 	for _, decl := range decls {
 		s := subscriber{

@@ -38,6 +38,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -100,8 +101,36 @@ func (a AuditReport) detail() string {
 	return strings.Join(parts, "; ")
 }
 
-// auditLockKey names the advisory lock the auditing relay holds.
-const auditLockKey = "fanout_outbox_audit"
+// auditLockKey names the advisory lock the auditing relay holds;
+// auditCommandLockKey the one fanout audit holds (its consumer is one).
+const (
+	auditLockKey        = "fanout_outbox_audit"
+	auditCommandLockKey = "fanout_outbox_audit_command"
+)
+
+// commandLock takes fanout audit's lock, for as long as the returned
+// release is not called, or says another one runs.
+func (r *Relay) commandLock(ctx context.Context) (release func(), err error) {
+	conn, err := r.pool.Acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var locked bool
+	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock(hashtext($1))`, auditCommandLockKey).Scan(&locked); err != nil {
+		conn.Release()
+		return nil, fmt.Errorf("take fanout audit's lock: %w", err)
+	}
+	if !locked {
+		conn.Release()
+		return nil, errors.New("another fanout audit is running (it holds the advisory lock fanout_outbox_audit_command)")
+	}
+	return func() {
+		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_, _ = conn.Exec(uctx, `SELECT pg_advisory_unlock(hashtext($1))`, auditCommandLockKey)
+		conn.Release()
+	}, nil
+}
 
 // auditChunk is how many landings one pass of the tail or lookback audit
 // reads at a time (each a batch of up to relay.batch_size events).
@@ -397,6 +426,12 @@ func Audit(ctx context.Context, opts Options, since time.Time, dryRun bool, prog
 		return AuditReport{}, err
 	}
 	r.identity.Store(ident)
+	r.auditConsumer = AuditCommandConsumer
+	release, err := r.commandLock(ctx)
+	if err != nil {
+		return AuditReport{}, err
+	}
+	defer release()
 	if !since.IsZero() {
 		began := time.Now()
 		rep, err := r.auditLandings(ctx, since, began, !dryRun)
@@ -498,7 +533,7 @@ func (r *Relay) verify(ctx context.Context, ls []outbox.Landed, repair bool) (Au
 		}
 		run := pairs[i:j]
 		k := 0
-		err := readStream(ctx, r.js, s, run[0].Seq, int(run[len(run)-1].Seq-run[0].Seq+1), func(m *jetstream.RawStreamMsg) bool {
+		err := readRange(ctx, r.js, s, r.auditConsumer, r.consumerRead, run[0].Seq, run[len(run)-1].Seq, func(m *jetstream.RawStreamMsg) bool {
 			for k < len(run) && run[k].Seq < m.Sequence {
 				suspects = append(suspects, run[k]) // no message at its sequence
 				k++

@@ -56,6 +56,7 @@ func TestAuditRepublishesWhatTheStreamLost(t *testing.T) {
 				obs := &auditCounter{}
 				r := h.newRelay(nil, obs)
 				r.hooks = testhooks.Relay{NoAudit: sabotage}
+				r.consumerRead = 1 // every run through the audit's consumer
 				h.launch(r, func() { writeMany(t, h.db.Pool, kept) })
 				waitFor(t, 20*time.Second, "the first events landed", func() (bool, string) {
 					return h.streamCount() == kept && h.landings() == kept, fmt.Sprintf("%d in the stream, %d landings", h.streamCount(), h.landings())

@@ -146,6 +146,11 @@ type Relay struct {
 	foreign                atomic.Bool
 	conflict               atomic.Pointer[string]
 	rewindMu               sync.Mutex
+	// auditConsumer is the consumer the audit reads runs of consumerRead
+	// sequences or more through (AuditConsumer; fanout audit's is
+	// AuditCommandConsumer).
+	auditConsumer string
+	consumerRead  uint64
 
 	startOnce  sync.Once
 	stopOnce   sync.Once
@@ -206,6 +211,7 @@ func New(opts Options) (*Relay, error) {
 	r.slotCheckEvery = slotCheckInterval
 	r.visibility = &visibilityGate{pool: opts.Pool}
 	r.drift = stream.NewDrift(opts.Logger, obs.ConfigDifferences)
+	r.auditConsumer, r.consumerRead = AuditConsumer, consumerRead
 	return r, nil
 }
 

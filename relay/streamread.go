@@ -78,6 +78,91 @@ func readStream(ctx context.Context, js jetstream.JetStream, s jetstream.Stream,
 	return nil
 }
 
+// Audit consumers: the auditor and fanout audit read long runs of the
+// stream through a pull consumer of their own (no acks, one replica, in
+// memory), which delivers about three times faster than batch direct gets
+// (on this project's 2-core machine, a million messages in 4.6 s against
+// 15.3 s: the server formats a direct get's headers message by message).
+// Their names are fixed so that the NATS permissions can give the relay
+// these consumers and no other (subscribers' names may not begin with
+// "relay_").
+const (
+	AuditConsumer        = "relay_audit"
+	AuditCommandConsumer = "relay_audit_command"
+)
+
+// consumerRead is how long a run of sequences must be for a consumer to
+// pay for itself (creating and deleting it are two round trips): the
+// default of Relay.consumerRead (tests lower it).
+const consumerRead = 4096
+
+// consumerIdle ends a consumer read that gets nothing for this long: the
+// rest of the run is not in the stream.
+const consumerIdle = 2 * time.Second
+
+// readRange calls fn for each message the stream holds from sequence from
+// to to, in order, until fn returns false: through the consumer named
+// consumer for a run of minRun or more, by direct gets (readStream)
+// otherwise.
+func readRange(ctx context.Context, js jetstream.JetStream, s jetstream.Stream, consumer string, minRun uint64, from, to uint64, fn func(*jetstream.RawStreamMsg) bool) error {
+	to = min(to, s.CachedInfo().State.LastSeq)
+	if to < from {
+		return nil
+	}
+	if consumer == "" || to-from+1 < minRun {
+		return readStream(ctx, js, s, from, int(to-from+1), fn)
+	}
+	name := s.CachedInfo().Config.Name
+	cleanup := func() {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := js.DeleteConsumer(dctx, name, consumer); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+			_ = err // an inactive consumer goes by itself (InactiveThreshold)
+		}
+	}
+	cleanup() // one an auditor that died left
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	c, err := js.CreateConsumer(cctx, name, jetstream.ConsumerConfig{
+		Name: consumer, Description: "fanout relay: the audit of the stream against the outbox (deleted after each read)",
+		DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: max(from, 1),
+		AckPolicy: jetstream.AckNonePolicy, Replicas: 1, MemoryStorage: true, InactiveThreshold: time.Minute,
+	})
+	cancel()
+	if err != nil {
+		return fmt.Errorf("create the audit's consumer %s on stream %s: %w", consumer, name, err)
+	}
+	defer cleanup()
+	it, err := c.Messages(jetstream.PullMaxMessages(8192))
+	if err != nil {
+		return fmt.Errorf("read stream %s through consumer %s: %w", name, consumer, err)
+	}
+	defer it.Stop()
+	defer context.AfterFunc(ctx, it.Stop)() // a stop ends the wait at once
+	for {
+		m, err := it.Next(jetstream.NextMaxWait(consumerIdle))
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if errors.Is(err, nats.ErrTimeout) || errors.Is(err, context.DeadlineExceeded) {
+			return nil // nothing more: the rest of the run is not there
+		}
+		if err != nil {
+			return fmt.Errorf("read stream %s through consumer %s: %w", name, consumer, err)
+		}
+		md, err := m.Metadata()
+		if err != nil {
+			return err
+		}
+		seq := md.Sequence.Stream
+		if seq > to {
+			return nil
+		}
+		if !fn(&jetstream.RawStreamMsg{Subject: m.Subject(), Sequence: seq, Header: m.Headers(), Data: m.Data(), Time: md.Timestamp}) || seq == to {
+			return nil
+		}
+	}
+}
+
 // leaderGet reads the message at seq from the stream's leader (a message
 // get through the stream's API, never a direct get, which a replica that
 // is behind may answer with "not found"); false if the stream does not

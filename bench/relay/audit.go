@@ -7,6 +7,8 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"os"
+	"runtime/pprof"
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
@@ -14,7 +16,10 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-var auditRows = flag.Int("auditrows", 1_000_000, "rows of the audit part's full audit")
+var (
+	auditRows    = flag.Int("auditrows", 1_000_000, "rows of the audit part's full audit")
+	auditProfile = flag.String("auditprofile", "", "write a CPU profile of the full audit (this process)")
+)
 
 // benchAudit prints, each figure over -runs runs: the poll and wal drains
 // of -rows rows with the auditor off, on as configured by default (its
@@ -118,6 +123,15 @@ func timeFullAudit(ctx context.Context, nc *nats.Conn) (float64, error) {
 		return 0, err
 	}
 	start := time.Now()
+	if *auditProfile != "" {
+		f, err := os.Create(*auditProfile)
+		if err != nil {
+			return 0, err
+		}
+		defer f.Close()
+		_ = pprof.StartCPUProfile(f)
+		defer pprof.StopCPUProfile()
+	}
 	rep, err := relay.Audit(ctx, relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet}, time.Time{}, true, nil)
 	secs := time.Since(start).Seconds()
 	if err != nil {

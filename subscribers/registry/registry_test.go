@@ -12,7 +12,7 @@ import (
 // deployment, nor the operator's consumer prefix: it would share their
 // permissions (deploy/nats/nats-server.conf).
 func TestReservedNamesAreRefused(t *testing.T) {
-	for _, name := range []string{"relay", "provisioner", "operator", "admin", "admin_deadletter", "events", "deadletter", "operator_reindex_searchindex", "operator_x"} {
+	for _, name := range []string{"relay", "provisioner", "operator", "admin", "admin_deadletter", "events", "deadletter", "operator_reindex_searchindex", "operator_x", "relay_audit", "relay_x"} {
 		d := invoicing.Subscriber
 		d.Name = name
 		_, err := registry.Default.With(d)
