@@ -93,7 +93,7 @@ type hbaConnectionType struct{ Type, Address string }
 func newData(decls []subscribers.Declaration) data {
 	d := data{OperatorReindexConsumer: searchindex.ReplayConsumer,
 		RelayAuditConsumers: []string{relay.AuditConsumer, relay.AuditCommandConsumer},
-		HBAConnectionTypes: []hbaConnectionType{{"local", "         "}, {"host ", "all      "}}}
+		HBAConnectionTypes:  []hbaConnectionType{{"local", "         "}, {"host ", "all      "}}}
 	for _, decl := range decls {
 		s := subscriber{
 			Name:       decl.Name,
