@@ -219,7 +219,9 @@ func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
 		msg := nats.NewMsg(subject)
 		msg.Data = payloads[i%len(payloads)]
 		msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(i+1))
-		f, err := js.PublishMsgAsync(msg, jetstream.WithMsgID(strconv.Itoa(i+1)))
+		// A slow server (sync_interval always) keeps max_in_flight in flight
+		// for long: wait for room rather than fail.
+		f, err := js.PublishMsgAsync(msg, jetstream.WithMsgID(strconv.Itoa(i+1)), jetstream.WithStallWait(time.Minute))
 		if err != nil {
 			return result{}, err
 		}

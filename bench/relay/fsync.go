@@ -25,7 +25,7 @@ func benchFsync(ctx context.Context) error {
 	*rows = *fsyncRows
 	defer func() { *rows = saved }()
 	policies := []struct{ name, conf string }{
-		{"sync_interval 2m (the default)", "jetstream { sync_interval: 2m }\n"},
+		{"sync_interval 2m (the default)", "jetstream { sync_interval: \"2m\" }\n"},
 		{"sync_interval always", "jetstream { sync_interval: always }\n"},
 	}
 	drains := make([]benchkit.Figure, len(policies))
