@@ -12,6 +12,7 @@ package deploy_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"log/slog"
 	"net/http"
@@ -114,6 +115,22 @@ func TestRedTeamNATS(t *testing.T) {
 		for _, name := range []string{invoicing.Name, cacheinval.Name} {
 			if err := admin.js.DeleteConsumer(ctx, cfg.Stream.Name, name); err != nil {
 				t.Fatal(err)
+			}
+		}
+	})
+
+	t.Run("the relay's audit consumer feeds no stream", func(t *testing.T) {
+		// The relay may create its audit consumers: as push consumers,
+		// delivering into the dead letters under invoicing's name, and
+		// into EVENTS itself (each message stored again).
+		for name, deliver := range map[string]string{relay.AuditConsumer: "deadletter.invoicing." + shop.OrderCreated, relay.AuditCommandConsumer: "events." + shop.OrderCreated} {
+			_, err := rel.js.CreateConsumer(ctx, cfg.Stream.Name, jetstream.ConsumerConfig{Name: name, DeliverSubject: deliver, AckPolicy: jetstream.AckNonePolicy})
+			t.Logf("the relay creates its consumer %s pushing to %s: %v", name, deliver, err)
+		}
+		heldThrough(t, "the relay's audit consumer pushing into a stream")
+		for _, name := range []string{relay.AuditConsumer, relay.AuditCommandConsumer} {
+			if err := rel.js.DeleteConsumer(ctx, cfg.Stream.Name, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+				t.Errorf("the relay deletes its consumer %s: %v", name, err)
 			}
 		}
 	})

@@ -84,6 +84,27 @@ ORDER BY id LIMIT $5`, stream, after, since, before, limit)
 	return ls, nil
 }
 
+// TailLandings lists, in order, up to limit landings in stream after the
+// landing after, up to (not including) the first one younger than delay
+// by the database's clock: the continuous audit never moves past a
+// landing it has not checked.
+func (s *Store) TailLandings(ctx context.Context, stream string, after int64, delay time.Duration, limit int) ([]Landing, error) {
+	rows, err := s.pool.Query(ctx, `
+SELECT id, landed_at, event_ids, seqs FROM outbox_landings
+WHERE stream = $1 AND id > $2
+  AND id < coalesce((SELECT min(id) FROM outbox_landings WHERE stream = $1 AND id > $2
+                     AND landed_at >= now() - make_interval(secs => $3::float8)), 9223372036854775807)
+ORDER BY id LIMIT $4`, stream, after, delay.Seconds(), limit)
+	if err != nil {
+		return nil, fmt.Errorf("read the outbox's landings: %w", err)
+	}
+	ls, err := pgx.CollectRows(rows, scanLanding)
+	if err != nil {
+		return nil, fmt.Errorf("read the outbox's landings: %w", err)
+	}
+	return ls, nil
+}
+
 // AuditState is the continuous audit's progress.
 type AuditState struct {
 	// TailLanding: every landing up to it was checked once old enough.
@@ -110,59 +131,91 @@ func (s *Store) AdvanceTail(ctx context.Context, landing int64) error {
 	return nil
 }
 
-// PartitionsToAudit lists the ranges whose drop waits for an audit: sealed,
-// their rows published longer than the retention ago, and not audited
-// since (fanout_outbox_retire noted their last publish in done_at when it
-// kept them for it).
-func (s *Store) PartitionsToAudit(ctx context.Context, retention time.Duration) ([]Partition, error) {
+// DueAudit is a range whose drop waits for an audit: sealed, its rows
+// published longer than the retention ago, last published at Due, and not
+// audited since (fanout_outbox_retire noted it in audit_due when it kept
+// the range for it).
+type DueAudit struct {
+	Partition
+	Due time.Time
+}
+
+// PartitionsToAudit lists the ranges whose drop waits for an audit.
+func (s *Store) PartitionsToAudit(ctx context.Context) ([]DueAudit, error) {
 	rows, err := s.pool.Query(ctx, `
-SELECT name, lower_id, upper_id, sealed_at FROM outbox_partitions
-WHERE sealed_at IS NOT NULL AND done_at IS NOT NULL AND done_at <= now() - make_interval(secs => $1::float8)
-  AND (audited_at IS NULL OR audited_at <= done_at)
-ORDER BY upper_id`, retention.Seconds())
+SELECT name, lower_id, upper_id, sealed_at, audit_due FROM outbox_partitions
+WHERE audit_due IS NOT NULL AND (audited_at IS NULL OR audited_at <= audit_due)
+ORDER BY upper_id`)
 	if err != nil {
 		return nil, fmt.Errorf("list the ranges to audit: %w", err)
 	}
-	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (Partition, error) {
-		var p Partition
-		err := row.Scan(&p.Name, &p.Lower, &p.Upper, &p.SealedAt)
-		return p, err
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (DueAudit, error) {
+		var d DueAudit
+		err := row.Scan(&d.Name, &d.Lower, &d.Upper, &d.SealedAt, &d.Due)
+		return d, err
 	})
 }
 
-// rangeEventsSQL lists a range's published rows ($2 <= id < $3, and at or
-// above the first recorded id $4) with the newest landing of each, or
-// none. A poll relay's published rows are sent; a wal relay's stay
-// pending (retention drops a range only once the slot confirmed past it).
-// Failed and skipped rows were never published.
+// rangeEventsSQL lists a window of a range's published rows ($2 <= id <
+// $3, at or above the first recorded id $4) with the newest landing of
+// each (sequence 0: none) and when it landed. Published: sent (a poll
+// relay's, and a wal relay's backlog); in wal capture ($5) also pending
+// rows the slot captured, that is none returned to the relays after the
+// range's last publish ($6: an operator's retry, which the relays will
+// publish). Failed and skipped rows were never published. unsettled
+// counts the rows still on their way (claimed, or returned since): a
+// range with any is not marked audited.
 const rangeEventsSQL = `
 WITH landed AS (
-    SELECT DISTINCT ON (e.id) e.id, e.seq
+    SELECT DISTINCT ON (e.id) e.id, e.seq, l.landed_at
     FROM outbox_landings l, unnest(l.event_ids, l.seqs) AS e(id, seq)
     WHERE l.stream = $1 AND l.last_id >= $2 AND l.first_id < $3 AND e.id >= $2 AND e.id < $3
     ORDER BY e.id, l.id DESC
 )
-SELECT o.id, coalesce(landed.seq, 0)
+SELECT o.id, coalesce(landed.seq, 0), landed.landed_at,
+       o.status = 'sending' OR (o.status = 'pending' AND (NOT $5 OR o.available_at > $6)) AS unsettled
 FROM outbox o LEFT JOIN landed ON landed.id = o.id
-WHERE o.id >= greatest($2, $4) AND o.id < $3 AND o.status IN ('sent', 'pending')`
+WHERE o.id >= greatest($2, $4) AND o.id < $3 AND o.status IN ('sent', 'pending', 'sending')`
+
+// RangeWindow is one window of a range's published rows.
+type RangeWindow struct {
+	Events []Landed
+	// Youngest is when the newest of the window's landings landed (a
+	// repair's copy may not be on disk yet).
+	Youngest time.Time
+	// Unsettled rows are on their way to the stream (see rangeEventsSQL).
+	Unsettled int
+}
 
 // RangeEvents lists the published rows of ids [lower, upper) at or above
-// fromID with the stream sequence each landed at (0: no landing recorded).
-func (s *Store) RangeEvents(ctx context.Context, stream string, lower, upper, fromID int64) ([]Landed, error) {
-	rows, err := s.pool.Query(ctx, rangeEventsSQL, stream, lower, upper, fromID)
+// fromID with the stream sequence each landed at (0: no landing
+// recorded). captured says the relays capture from the WAL, whose
+// published rows stay pending; a pending row returned after due is not
+// taken for published.
+func (s *Store) RangeEvents(ctx context.Context, stream string, lower, upper, fromID int64, captured bool, due time.Time) (RangeWindow, error) {
+	rows, err := s.pool.Query(ctx, rangeEventsSQL, stream, lower, upper, fromID, captured, due)
 	if err != nil {
-		return nil, fmt.Errorf("list a range's events and landings: %w", err)
+		return RangeWindow{}, fmt.Errorf("list a range's events and landings: %w", err)
 	}
-	var out []Landed
+	var w RangeWindow
 	var id, seq int64
-	_, err = pgx.ForEachRow(rows, []any{&id, &seq}, func() error {
-		out = append(out, Landed{ID: id, Seq: uint64(seq)})
+	var at *time.Time
+	var unsettled bool
+	_, err = pgx.ForEachRow(rows, []any{&id, &seq, &at, &unsettled}, func() error {
+		if unsettled {
+			w.Unsettled++
+			return nil
+		}
+		w.Events = append(w.Events, Landed{ID: id, Seq: uint64(seq)})
+		if at != nil && at.After(w.Youngest) {
+			w.Youngest = *at
+		}
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("list a range's events and landings: %w", err)
+		return RangeWindow{}, fmt.Errorf("list a range's events and landings: %w", err)
 	}
-	return out, nil
+	return w, nil
 }
 
 // MarkAudited records that the range passed an audit that began at began.
@@ -241,10 +294,12 @@ func (s *Store) NewestLandings(ctx context.Context, stream string, ids []int64) 
 		return nil, nil
 	}
 	lo, hi := slices.Min(ids), slices.Max(ids)
+	// A join, not e.id = ANY($4): that is checked against each id of the
+	// array in turn, for every landed event of the span.
 	rows, err := s.pool.Query(ctx, `
 SELECT DISTINCT ON (e.id) e.id, e.seq
-FROM outbox_landings l, unnest(l.event_ids, l.seqs) AS e(id, seq)
-WHERE l.stream = $1 AND l.last_id >= $2 AND l.first_id <= $3 AND e.id = ANY($4)
+FROM outbox_landings l, unnest(l.event_ids, l.seqs) AS e(id, seq), (SELECT DISTINCT unnest($4::bigint[]) AS id) AS w
+WHERE l.stream = $1 AND l.last_id >= $2 AND l.first_id <= $3 AND e.id = w.id
 ORDER BY e.id, l.id DESC`, stream, lo, hi, ids)
 	if err != nil {
 		return nil, fmt.Errorf("read where events landed last: %w", err)

@@ -108,28 +108,30 @@ const (
 	auditCommandLockKey = "fanout_outbox_audit_command"
 )
 
-// commandLock takes fanout audit's lock, for as long as the returned
-// release is not called, or says another one runs.
+// commandLock takes fanout audit's lock on a connection of its own, for
+// as long as the returned release is not called, or says another one runs.
 func (r *Relay) commandLock(ctx context.Context) (release func(), err error) {
-	conn, err := r.pool.Acquire(ctx)
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	conn, err := pgx.ConnectConfig(cctx, r.pool.Config().ConnConfig.Copy())
+	cancel()
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("connect for fanout audit's lock: %w", err)
+	}
+	closeConn := func() {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = conn.Close(cctx) // the lock goes with the session
 	}
 	var locked bool
 	if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock(hashtext($1))`, auditCommandLockKey).Scan(&locked); err != nil {
-		conn.Release()
+		closeConn()
 		return nil, fmt.Errorf("take fanout audit's lock: %w", err)
 	}
 	if !locked {
-		conn.Release()
+		closeConn()
 		return nil, errors.New("another fanout audit is running (it holds the advisory lock fanout_outbox_audit_command)")
 	}
-	return func() {
-		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_, _ = conn.Exec(uctx, `SELECT pg_advisory_unlock(hashtext($1))`, auditCommandLockKey)
-		conn.Release()
-	}, nil
+	return closeConn, nil
 }
 
 // auditChunk is how many landings one pass of the tail or lookback audit
@@ -195,6 +197,15 @@ func (r *Relay) auditAsLeader(ctx context.Context) error {
 			return nil
 		}
 	}
+	r.auditLease = func(ctx context.Context) error {
+		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		if err := conn.Ping(pctx); err != nil {
+			return fmt.Errorf("the audit lock's connection: %w", err)
+		}
+		return nil
+	}
+	defer func() { r.auditLease = nil }()
 	r.logger.Info("auditing the stream against the outbox", "stream", r.stream.Name,
 		"interval", r.cfg.AuditInterval, "delay", r.cfg.AuditDelay, "lookback", r.cfg.AuditLookback)
 	signs := r.lossSigns(ctx, lossSigns{})
@@ -204,11 +215,8 @@ func (r *Relay) auditAsLeader(ctx context.Context) error {
 		if !r.sleepFor(ctx, r.cfg.AuditInterval) {
 			return nil
 		}
-		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		err := conn.Ping(pctx)
-		cancel()
-		if err != nil {
-			return fmt.Errorf("the audit lock's connection: %w", err)
+		if err := r.stillAuditor(ctx); err != nil {
+			return err
 		}
 		next := r.lossSigns(ctx, signs)
 		if why := next.since(signs); why != "" {
@@ -274,7 +282,11 @@ func (r *Relay) auditTail(ctx context.Context) {
 	var total AuditReport
 	after := st.TailLanding
 	for ctx.Err() == nil {
-		ls, err := r.store.Landings(ctx, r.stream.Name, after, time.Time{}, time.Now().Add(-r.cfg.AuditDelay), auditChunk)
+		if err := r.stillAuditor(ctx); err != nil {
+			r.auditFailed(AuditTail, err)
+			break
+		}
+		ls, err := r.store.TailLandings(ctx, r.stream.Name, after, r.cfg.AuditDelay, auditChunk)
 		if err != nil {
 			r.auditFailed(AuditTail, err)
 			break
@@ -314,6 +326,9 @@ func (r *Relay) auditLandings(ctx context.Context, since, before time.Time, repa
 	var total AuditReport
 	var after int64
 	for ctx.Err() == nil {
+		if err := r.stillAuditor(ctx); err != nil {
+			return total, err
+		}
 		ls, err := r.store.Landings(ctx, r.stream.Name, after, since, before, auditChunk)
 		if err != nil {
 			return total, err
@@ -332,10 +347,10 @@ func (r *Relay) auditLandings(ctx context.Context, since, before time.Time, repa
 }
 
 // auditRanges audits the ranges waiting for an audit before their drop.
-// A range that needed repairs is audited again once the repairs are older
-// than relay.audit_delay.
+// A range that needed repairs, or holds a copy too young to be on disk,
+// is audited again once it is older than relay.audit_delay.
 func (r *Relay) auditRanges(ctx context.Context, notBefore map[string]time.Time) {
-	ps, err := r.store.PartitionsToAudit(ctx, r.cfg.SentRetention)
+	ps, err := r.store.PartitionsToAudit(ctx)
 	if err != nil {
 		r.auditFailed(AuditRange, err)
 		return
@@ -344,13 +359,14 @@ func (r *Relay) auditRanges(ctx context.Context, notBefore map[string]time.Time)
 		if time.Now().Before(notBefore[p.Name]) {
 			continue
 		}
-		rep, err := r.AuditRange(ctx, p, true, nil)
+		rep, passed, err := r.AuditRange(ctx, p.Partition, p.Due, true, nil)
 		if err != nil {
 			r.auditFailed(AuditRange, err)
 			return
 		}
-		if rep.Missing > 0 {
-			notBefore[p.Name] = time.Now().Add(r.cfg.AuditDelay)
+		if !passed {
+			notBefore[p.Name] = time.Now().Add(max(r.cfg.AuditDelay, r.cfg.AuditInterval))
+			r.logger.Info("outbox range audited, not yet passed: kept", "range", p.Name, "missing", rep.Missing, "repaired", rep.Repaired)
 		} else {
 			delete(notBefore, p.Name)
 		}
@@ -361,34 +377,44 @@ func (r *Relay) auditRanges(ctx context.Context, notBefore map[string]time.Time)
 // large range holds a window's events at a time.
 const auditWindow = 200_000
 
-// AuditRange checks every published row of the range p, a window of ids
-// at a time, and records the audit; if nothing was missing and repair is
-// set, it records that the range passed (it may then be dropped). A range
-// without a name is only checked (fanout audit's ids beyond the ranges).
-func (r *Relay) AuditRange(ctx context.Context, p outbox.Partition, repair bool, progress func(done, of int64, rep AuditReport)) (AuditReport, error) {
+// AuditRange checks every published row of the range p, last published at
+// due, a window of ids at a time, and records the audit. It passes when
+// nothing was missing, no row was on its way to the stream, and every
+// landing it checked was older than relay.audit_delay (a repair's copy may
+// not be on disk yet); with repair set, a range with a name that passes is
+// recorded audited (it may then be dropped). A range without a name is
+// only checked (fanout audit's).
+func (r *Relay) AuditRange(ctx context.Context, p outbox.Partition, due time.Time, repair bool,
+	progress func(done, of int64, rep AuditReport)) (rep AuditReport, passed bool, err error) {
 	began, err := r.store.Now(ctx)
 	if err != nil {
-		return AuditReport{}, err
+		return AuditReport{}, false, err
 	}
 	st, err := r.store.AuditState(ctx)
 	if err != nil {
-		return AuditReport{}, err
+		return AuditReport{}, false, err
 	}
 	lower := st.FromID
 	if p.Lower != nil {
 		lower = max(lower, *p.Lower)
 	}
-	var rep AuditReport
+	passed = true
 	for lo := lower; lo < p.Upper; lo += auditWindow {
-		hi := min(lo+auditWindow, p.Upper)
-		events, err := r.store.RangeEvents(ctx, r.stream.Name, lo, hi, st.FromID)
-		if err != nil {
-			return rep, err
+		if err := r.stillAuditor(ctx); err != nil {
+			return rep, false, err
 		}
-		part, err := r.verify(ctx, events, repair)
+		hi := min(lo+auditWindow, p.Upper)
+		w, err := r.store.RangeEvents(ctx, r.stream.Name, lo, hi, st.FromID, r.cfg.Capture == CaptureWAL, due)
+		if err != nil {
+			return rep, false, err
+		}
+		part, err := r.verify(ctx, w.Events, repair)
 		rep.add(part)
 		if err != nil {
-			return rep, err
+			return rep, false, err
+		}
+		if w.Unsettled > 0 || part.Missing > 0 || w.Youngest.After(began.Add(-r.cfg.AuditDelay)) {
+			passed = false
 		}
 		if progress != nil {
 			progress(hi-lower, p.Upper-lower, rep)
@@ -403,13 +429,22 @@ func (r *Relay) AuditRange(ctx context.Context, p outbox.Partition, repair bool,
 		kind = AuditCommand
 	}
 	r.auditDone(ctx, kind, scope, began, rep)
-	if rep.Missing == 0 && repair && p.Name != "" {
+	if passed && repair && p.Name != "" {
 		if err := r.store.MarkAudited(ctx, p.Name, began); err != nil {
-			return rep, err
+			return rep, false, err
 		}
 		r.logger.Info("outbox range audited: every event is in the stream; it may be dropped", "range", p.Name, "events", rep.Checked)
 	}
-	return rep, nil
+	return rep, passed, nil
+}
+
+// stillAuditor says whether this relay still holds the audit lock, for a
+// pass that runs long (nil when it is not the auditor, but fanout audit).
+func (r *Relay) stillAuditor(ctx context.Context) error {
+	if r.auditLease == nil {
+		return nil
+	}
+	return r.auditLease(ctx)
 }
 
 // Audit checks the stream against the outbox once, as the auditor does,
@@ -426,6 +461,9 @@ func Audit(ctx context.Context, opts Options, since time.Time, dryRun bool, prog
 		return AuditReport{}, err
 	}
 	r.identity.Store(ident)
+	if err := r.checkOwner(ctx); err != nil {
+		return AuditReport{}, err
+	}
 	r.auditConsumer = AuditCommandConsumer
 	release, err := r.commandLock(ctx)
 	if err != nil {
@@ -442,13 +480,18 @@ func Audit(ctx context.Context, opts Options, since time.Time, dryRun bool, prog
 	if err != nil {
 		return AuditReport{}, err
 	}
+	now, err := r.store.Now(ctx)
+	if err != nil {
+		return AuditReport{}, err
+	}
 	// Every id the outbox handed out, whatever range holds it (or none:
 	// outbox_default); the auditor marks the ranges it audits itself.
-	return r.AuditRange(ctx, outbox.Partition{Upper: lastID + 1}, !dryRun, func(done, of int64, rep AuditReport) {
+	rep, _, err := r.AuditRange(ctx, outbox.Partition{Upper: lastID + 1}, now, !dryRun, func(done, of int64, rep AuditReport) {
 		if progress != nil {
 			progress("outbox ids", done, of, rep)
 		}
 	})
+	return rep, err
 }
 
 func eventsOf(ls []outbox.Landing) []outbox.Landed {
@@ -493,7 +536,12 @@ func (r *Relay) verify(ctx context.Context, ls []outbox.Landed, repair bool) (Au
 	if len(ls) == 0 {
 		return rep, nil
 	}
-	ident := r.identity.Load()
+	// The identity as the database has it now: a relay that has not
+	// published since another began an epoch holds an older one.
+	ident, err := r.store.ReadIdentity(ctx)
+	if err != nil {
+		return rep, err
+	}
 	// The newest landing of each event (ls are in landing order).
 	newest := make(map[int64]int, len(ls))
 	for i, l := range ls {
@@ -563,7 +611,13 @@ func (r *Relay) verify(ctx context.Context, ls []outbox.Landed, repair bool) (Au
 	if len(missing) == 0 || !repair {
 		return rep, nil
 	}
-	repaired, lost, err := r.repair(ctx, ident, missing)
+	// A repair publishes, as the relay does: not into a stream another
+	// database owns or that holds an epoch this database does not know,
+	// and with the identity a due restore check may have just changed.
+	if err := r.guardOrigin(ctx); err != nil {
+		return rep, fmt.Errorf("not publishing the %d missing events again: %w", len(missing), err)
+	}
+	repaired, lost, err := r.repair(ctx, r.identity.Load(), missing)
 	rep.Repaired, rep.Lost = int64(repaired), lost
 	return rep, err
 }
@@ -590,6 +644,17 @@ func (r *Relay) confirmMissing(ctx context.Context, ident *outbox.Identity, susp
 	if err != nil {
 		return nil, err
 	}
+	// What the leader holds: a sequence past its last one is missing
+	// without asking (after a rollback, most of them are).
+	s, err := r.js.Stream(ctx, r.stream.Name)
+	if err != nil {
+		return nil, err
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return nil, err
+	}
+	leaderLast := info.State.LastSeq
 	var missing []outbox.Landed
 	for _, l := range suspects {
 		seqs := []uint64{l.Seq}
@@ -598,7 +663,7 @@ func (r *Relay) confirmMissing(ctx context.Context, ident *outbox.Identity, susp
 		}
 		found := false
 		for _, seq := range seqs {
-			if seq == 0 {
+			if seq == 0 || seq > leaderLast {
 				continue
 			}
 			m, ok, err := leaderGet(ctx, r.nc, r.stream.Name, seq)
@@ -620,30 +685,33 @@ func (r *Relay) confirmMissing(ctx context.Context, ident *outbox.Identity, susp
 // repair publishes the missing events again from their rows, with their
 // identity, and records where they landed. Rows gone too are lost.
 func (r *Relay) repair(ctx context.Context, ident *outbox.Identity, missing []outbox.Landed) (repaired int, lost []int64, err error) {
-	ids := make([]int64, len(missing))
 	was := make(map[int64]uint64, len(missing))
-	for i, l := range missing {
-		ids[i], was[l.ID] = l.ID, l.Seq
-	}
-	rows, err := r.store.Rows(ctx, ids)
-	if err != nil {
-		return 0, nil, err
-	}
-	have := make(map[int64]bool, len(rows))
-	for _, rw := range rows {
-		have[rw.ID] = true
-	}
-	for _, id := range ids {
-		if !have[id] {
-			lost = append(lost, id)
-			r.logger.Error("audit: an event is missing from the stream and its outbox row is gone: it cannot be published again",
-				"event_id", id, "stream_seq", was[id])
-		}
+	for _, l := range missing {
+		was[l.ID] = l.Seq
 	}
 	maxPayload := r.nc.MaxPayload()
-	for len(rows) > 0 {
-		chunk := rows[:min(len(rows), r.cfg.BatchSize)]
-		rows = rows[len(chunk):]
+	for len(missing) > 0 {
+		part := missing[:min(len(missing), r.cfg.BatchSize)]
+		missing = missing[len(part):]
+		ids := make([]int64, len(part))
+		for i, l := range part {
+			ids[i] = l.ID
+		}
+		chunk, err := r.store.Rows(ctx, ids)
+		if err != nil {
+			return repaired, lost, err
+		}
+		have := make(map[int64]bool, len(chunk))
+		for _, rw := range chunk {
+			have[rw.ID] = true
+		}
+		for _, id := range ids {
+			if !have[id] {
+				lost = append(lost, id)
+				r.logger.Error("audit: an event is missing from the stream and its outbox row is gone: it cannot be published again",
+					"event_id", id, "stream_seq", was[id])
+			}
+		}
 		futures := make([]jetstream.PubAckFuture, len(chunk))
 		for i, rw := range chunk {
 			msg, err := Message(r.stream, ident, rw, maxPayload)
@@ -676,6 +744,9 @@ func (r *Relay) repair(ctx context.Context, ident *outbox.Identity, missing []ou
 			return repaired, lost, err
 		}
 		repaired += len(landed)
+	}
+	if len(lost) > maxLostListed {
+		lost = lost[:maxLostListed]
 	}
 	return repaired, lost, nil
 }

@@ -151,6 +151,9 @@ type Relay struct {
 	// AuditCommandConsumer).
 	auditConsumer string
 	consumerRead  uint64
+	// auditLease checks, while this relay audits, that it still holds the
+	// audit lock (a long pass checks it between windows).
+	auditLease func(context.Context) error
 
 	startOnce  sync.Once
 	stopOnce   sync.Once
@@ -212,6 +215,11 @@ func New(opts Options) (*Relay, error) {
 	r.visibility = &visibilityGate{pool: opts.Pool}
 	r.drift = stream.NewDrift(opts.Logger, obs.ConfigDifferences)
 	r.auditConsumer, r.consumerRead = AuditConsumer, consumerRead
+	if opts.Stream.Databases == stream.SeveralDatabases {
+		// Each database's auditor would take the other's consumer: a
+		// shared stream is read by direct gets only.
+		r.auditConsumer = ""
+	}
 	return r, nil
 }
 

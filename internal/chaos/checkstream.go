@@ -24,9 +24,9 @@ type event struct {
 	subj string
 	typ  string
 	body []byte
-	// repaired: a copy the auditor published again after the stream lost
-	// the event (outbox.RepairedHeader).
-	repaired bool
+	// repairedFrom: the sequence a copy the auditor published again was
+	// lost from (outbox.RepairedHeader), or "" for a first publish.
+	repairedFrom string
 }
 
 // streamContents is the whole events stream, read to its last sequence.
@@ -116,7 +116,7 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 				return nil, fmt.Errorf("message %d carries no event id: %w", last, err)
 			}
 			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(outbox.EventTypeHeader), body: m.Data(),
-				repaired: m.Headers().Get(outbox.RepairedHeader) != ""})
+				repairedFrom: m.Headers().Get(outbox.RepairedHeader)})
 			if o := m.Headers().Get(outbox.OriginHeader); o != ident.OriginOf(id) {
 				out.foreign = append(out.foreign, fmt.Sprintf("sequence %d: event %d of origin %q, not %q", last, id, o, ident.OriginOf(id)))
 				continue
@@ -254,10 +254,12 @@ type aggregateEvent struct {
 // after later events of its aggregate: the numbers it leaves out may be
 // skipped, and its own copy is not held against the order (the ordered
 // subscriber's history, checked on its own, shows it applied in order).
+// Only a copy lost from a sequence a rollback of the run took away is
+// excused: a relay that skipped an event is not.
 func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, numbered map[int64]aggregateEvent) {
 	repairedNumber := map[aggregateEvent]bool{}
 	for _, ev := range stream.bySeq {
-		if a, ok := numbered[ev.id]; ok && ev.repaired && len(stream.byID[ev.id]) == 1 {
+		if a, ok := numbered[ev.id]; ok && r.lostToRollback(ev.repairedFrom) && len(stream.byID[ev.id]) == 1 {
 			repairedNumber[a] = true
 			r.report.Repaired++
 		}
@@ -295,4 +297,21 @@ func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, n
 	if len(disorder) > 0 {
 		r.report.violate("8 (each aggregate's events enter the stream in commit order)", fmt.Sprintf("%d events out of order: %s", len(disorder), head(disorder)))
 	}
+}
+
+// lostToRollback says whether a repaired copy's lost sequence is one a
+// rollback of the run took away.
+func (r *run) lostToRollback(repairedFrom string) bool {
+	seq, err := strconv.ParseUint(repairedFrom, 10, 64)
+	if err != nil || seq == 0 {
+		return false
+	}
+	r.lostMu.Lock()
+	defer r.lostMu.Unlock()
+	for _, span := range r.lostSpans {
+		if seq >= span[0] && seq <= span[1] {
+			return true
+		}
+	}
+	return false
 }

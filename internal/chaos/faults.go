@@ -354,7 +354,7 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 		}
 		wg.Wait()
 	}
-	before := r.streamMessages()
+	before, fromSeq := r.streamState()
 	snapshots := make(map[*natstest.Server]string, len(r.nats))
 	var mu sync.Mutex
 	each("stop, copy its store, start", func(s *natstest.Server) error {
@@ -373,6 +373,16 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 		return s.Restart()
 	})
 	sleepCtx(ctx, d)
+	_, toSeq := r.streamState()
+	if fromSeq >= 0 && toSeq >= 0 {
+		// The sequences the rollback takes away: an event the auditor
+		// publishes again was lost from one of them.
+		r.lostMu.Lock()
+		r.lostSpans = append(r.lostSpans, [2]uint64{uint64(fromSeq) + 1, uint64(toSeq)})
+		r.lostMu.Unlock()
+	} else {
+		r.report.violate("setup", "the stream's last sequence before the rollback could not be read")
+	}
 	each("kill, roll its store back, start", func(s *natstest.Server) error {
 		if s.Running() {
 			s.Kill()
@@ -386,15 +396,20 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 		d, before)
 }
 
-// streamMessages is how many messages stream EVENTS holds (-1: unknown).
-func (r *run) streamMessages() int64 {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	s, err := r.js.Stream(ctx, "EVENTS")
-	if err != nil {
-		return -1
-	}
-	return int64(s.CachedInfo().State.Msgs)
+// streamState is how many messages stream EVENTS holds and its last
+// sequence (-1, -1: unknown), tried for up to 30 s (a cluster electing).
+func (r *run) streamState() (msgs, lastSeq int64) {
+	msgs, lastSeq = -1, -1
+	deadline := time.Now().Add(30 * time.Second)
+	_ = tryEverySecond(func() bool { return time.Now().After(deadline) }, func(ctx context.Context) error {
+		s, err := r.js.Stream(ctx, "EVENTS")
+		if err != nil {
+			return err
+		}
+		msgs, lastSeq = int64(s.CachedInfo().State.Msgs), int64(s.CachedInfo().State.LastSeq)
+		return nil
+	})
+	return msgs, lastSeq
 }
 
 // tryEverySecond calls fn, each call bounded by 5 s, until it succeeds or

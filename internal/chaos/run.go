@@ -123,6 +123,9 @@ type run struct {
 	// which has no authentication.
 	passwords map[string]string
 	logDir    string
+	// lostSpans are the stream sequences the store rollbacks took away.
+	lostMu    sync.Mutex
+	lostSpans [][2]uint64
 	report    *Report
 	planted   *planted
 }

@@ -58,8 +58,11 @@ CREATE TABLE outbox_audits (
 CREATE INDEX outbox_audits_finished_idx ON outbox_audits (finished_at);
 
 -- A range is dropped only after an audit of it passed since its rows were
--- last published.
+-- last published: audit_due is set by fanout_outbox_retire when a range is
+-- kept for want of one (its rows' last publish), audited_at by the auditor
+-- when an audit that began then passed.
 ALTER TABLE outbox_partitions ADD COLUMN audited_at timestamptz;
+ALTER TABLE outbox_partitions ADD COLUMN audit_due timestamptz;
 
 DROP FUNCTION fanout_outbox_retire(text, interval, boolean, pg_lsn, bigint);
 -- +goose StatementBegin
@@ -128,8 +131,8 @@ BEGIN
         RETURN;
     END IF;
     IF require_audit AND (p.audited_at IS NULL OR p.audited_at <= last_done) THEN
-        -- done_at: the auditor finds the ranges waiting for it by it.
-        UPDATE outbox_partitions SET done_at = last_done WHERE name = part;
+        -- The auditor finds the ranges waiting for it by audit_due.
+        UPDATE outbox_partitions SET audit_due = last_done WHERE name = part;
         reason := 'not audited since its rows were published';
         RETURN;
     END IF;
@@ -143,10 +146,11 @@ BEGIN
     GET DIAGNOSTICS moved = ROW_COUNT;
     EXECUTE format('DROP TABLE %I', part);
     DELETE FROM outbox_partitions WHERE name = part;
-    -- The landings of ids below every range left (a landing may span two
-    -- ranges: it goes with the later one).
-    DELETE FROM outbox_landings
-    WHERE last_id < coalesce((SELECT min(coalesce(lower_id, -9223372036854775808)) FROM outbox_partitions), p.upper_id);
+    -- The landings no row is left for (a landing may span two ranges, and
+    -- rows of outbox_default: it goes with the last of them).
+    DELETE FROM outbox_landings l
+    WHERE l.last_id < p.upper_id
+      AND NOT EXISTS (SELECT FROM outbox o WHERE o.id BETWEEN l.first_id AND l.last_id);
     retired := true;
 END $$;
 -- +goose StatementEnd
@@ -226,6 +230,7 @@ BEGIN
 END $$;
 -- +goose StatementEnd
 REVOKE ALL ON FUNCTION fanout_outbox_retire(text, interval, boolean, pg_lsn, bigint) FROM PUBLIC;
+ALTER TABLE outbox_partitions DROP COLUMN audit_due;
 ALTER TABLE outbox_partitions DROP COLUMN audited_at;
 DROP TABLE outbox_audits;
 DROP TABLE outbox_audit_state;
