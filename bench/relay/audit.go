@@ -82,20 +82,7 @@ func benchAudit(ctx context.Context, nc *nats.Conn) error {
 
 // drainWith is part a's drain with the relay configured by mutate.
 func drainWith(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (result, error) {
-	env, err := newRelayEnv(ctx, nc)
-	if err != nil {
-		return result{}, err
-	}
-	defer env.close()
-	if err := fillOutbox(ctx, env.db.Pool, *rows); err != nil {
-		return result{}, err
-	}
-	if err := benchkit.Settle(ctx, env.db.Pool); err != nil {
-		return result{}, err
-	}
-	rc := relayConfig()
-	mutate(&rc)
-	res, _, err := timeDrain(ctx, relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet})
+	res, _, err := drainWithObserver(ctx, nc, mutate)
 	return res, err
 }
 

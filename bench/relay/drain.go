@@ -35,23 +35,31 @@ func (c *counter) Claimed(n int, took time.Duration) { c.claims.Add(1); c.claimN
 func (c *counter) Published(ev []relay.Published) { c.n.Add(int64(len(ev))) }
 
 func benchDrain(ctx context.Context, nc *nats.Conn) (result, error) {
-	env, err := newRelayEnv(ctx, nc)
-	if err != nil {
-		return result{}, err
-	}
-	defer env.close()
-	if err := fillOutbox(ctx, env.db.Pool, *rows); err != nil {
-		return result{}, err
-	}
-	if err := benchkit.Settle(ctx, env.db.Pool); err != nil {
-		return result{}, err
-	}
-	res, obs, err := timeDrain(ctx, relay.Options{Relay: relayConfig(), Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet})
+	res, obs, err := drainWithObserver(ctx, nc, func(*relay.Config) {})
 	if err != nil {
 		return result{}, err
 	}
 	res.claimMs = float64(obs.claimNanos.Load()) / float64(obs.claims.Load()) / 1e6
 	return res, nil
+}
+
+// drainWithObserver is part a's drain with the relay configured by
+// mutate: -rows pending rows in a fresh database, settled, then timed.
+func drainWithObserver(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (result, *counter, error) {
+	env, err := newRelayEnv(ctx, nc)
+	if err != nil {
+		return result{}, nil, err
+	}
+	defer env.close()
+	if err := fillOutbox(ctx, env.db.Pool, *rows); err != nil {
+		return result{}, nil, err
+	}
+	if err := benchkit.Settle(ctx, env.db.Pool); err != nil {
+		return result{}, nil, err
+	}
+	rc := relayConfig()
+	mutate(&rc)
+	return timeDrain(ctx, relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet})
 }
 
 // timeDrain starts a relay with opts and times it until it published
