@@ -217,8 +217,22 @@ func TestForgedLettersAreNotRedriven(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// A real event invoicing handled (or will): the second order.
-	other := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) { return []outbox.Event{orderEvent(1 << 42)}, nil })[0]
+	// A real event invoicing handles: the second order, which exists with
+	// a line (were either missing, invoicing would dead-letter it for real,
+	// racing the forgery below).
+	const handled = 1 << 42
+	other := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO orders (id, customer) OVERRIDING SYSTEM VALUE VALUES ($1, 'real')`, int64(handled)); err != nil {
+			return nil, err
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO order_lines (order_id, line_no, product_id, sku, name, quantity, unit_price) VALUES ($1, 1, 1, 'S', 'thing', 2, 5)`, int64(handled)); err != nil {
+			return nil, err
+		}
+		return []outbox.Event{orderEvent(handled)}, nil
+	})[0]
+	subscribertest.WaitFor(t, 30*time.Second, "invoicing's checkpoint of the second order", func() (bool, string) {
+		return env.Checkpointed(invoicing.Name, other), ""
+	})
 	forge(ids[0]+1000, "999999", `{"order_id": 1, "customer": "forged", "lines": 1}`)
 	forge(other, "2", `{"order_id": 1, "customer": "forged", "lines": 1}`)
 	forge(ids[0], realSeq, `{"order_id": 1, "customer": "forged", "lines": 1}`)

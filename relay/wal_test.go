@@ -302,7 +302,8 @@ func TestSwitchingCaptureUnderLoad(t *testing.T) {
 	pollA := h.startRelay(nil, nil)
 	time.Sleep(time.Second)
 	h.cfg.Relay.Capture = CaptureWAL
-	wal := h.startRelay(nil, nil)
+	walRec := &recorder{}
+	wal := h.startRelay(nil, walRec)
 	h.waitStreaming(wal)
 	time.Sleep(500 * time.Millisecond)
 	stopRelay(pollA)
@@ -331,16 +332,33 @@ func TestSwitchingCaptureUnderLoad(t *testing.T) {
 	h.waitAllSent(n, 30*time.Second)
 	assertEachOnce(t, h, n)
 
+	// A wal relay stopped gracefully confirms all it published, and the
+	// poll relay taking over marks those rows sent: it repeats none of
+	// them. It may repeat rows it published itself (those committed after
+	// its snapshot that its stream from the slot published too: how many
+	// depends on the machine's speed, so they are only counted).
+	walPublished := map[int64]bool{}
+	walRows, _ := walRec.snapshot()
+	for _, p := range walRows {
+		walPublished[p.ID] = true
+	}
 	published, _ := rec.snapshot()
-	dups := 0
+	var repeatedWAL []int64
+	own := 0
 	for _, p := range published {
-		if p.Duplicate {
-			dups++
+		switch {
+		case p.Duplicate && walPublished[p.ID]:
+			repeatedWAL = append(repeatedWAL, p.ID)
+		case p.Duplicate:
+			own++
 		}
 	}
-	t.Logf("%d events; the poll relay taking over published %d, %d of them again", n, len(published), dups)
-	if dups > n/10 {
-		t.Errorf("the poll relay that took over from the slot published %d of %d events again: it should only repeat those the slot had not confirmed", dups, n)
+	t.Logf("%d events; the wal relay published %d; the poll relay taking over published %d, %d of them its own again", n, len(walRows), len(published), own)
+	if len(walRows) == 0 {
+		t.Error("the wal relay published nothing: the switch was not tried under load")
+	}
+	if len(repeatedWAL) > 0 {
+		t.Errorf("the poll relay that took over from the slot published again %d events the wal relay had published and confirmed (the first: ids %v)", len(repeatedWAL), repeatedWAL[:min(len(repeatedWAL), 10)])
 	}
 	if _, _, exists, err := ReadSlot(ctx, h.db.Pool, h.db.Name); err != nil || exists {
 		t.Errorf("the slot after the switch back: exists %t (%v)", exists, err)
