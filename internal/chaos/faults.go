@@ -361,7 +361,10 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 		if s.Running() {
 			s.Stop()
 		}
-		if _, ok := snapshots[s]; !ok {
+		mu.Lock()
+		_, taken := snapshots[s] // a retry after the copy only starts the server
+		mu.Unlock()
+		if !taken {
 			snap, err := s.Snapshot()
 			if err != nil {
 				return err
