@@ -103,6 +103,16 @@ func (s *Store) SealPartition(ctx context.Context, name string) (bool, error) {
 	return sealed, err
 }
 
+// AnalyzeRanges analyzes the ranges that hold ids above fromID, skipping
+// any whose lock another session holds (migration 00018), and returns
+// how many it analyzed: the claim's plans are made again with statistics
+// that know a burst of rows.
+func (s *Store) AnalyzeRanges(ctx context.Context, fromID int64) (int, error) {
+	var n int
+	err := s.pool.QueryRow(ctx, `SELECT fanout_outbox_analyze($1)`, fromID).Scan(&n)
+	return n, err
+}
+
 // Retirement is what decides whether a sealed range may be dropped.
 type Retirement struct {
 	// Retention is how long after its last row was published a range is

@@ -56,6 +56,14 @@
 // id: a row reaped, backed off, retried by an operator, or committed by a
 // transaction open longer than a second. Its slow walk holds up no new row.
 //
+// # Claiming a burst
+//
+// A burst (a bulk import committing 300,000 rows at once) lands in a
+// range whose statistics say it is empty, and the claim's plan, made with
+// them, sorts every pending row of the range for each window. A claim
+// that finds more rows than its window asks for the ranges above the
+// floor to be analyzed (analyzeBurst), at most once a minute.
+//
 // # Per-aggregate order
 //
 // Every row is numbered within its aggregate in commit order (aggregate_seq,

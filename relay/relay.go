@@ -115,6 +115,7 @@ type Relay struct {
 	lastClaimErr atomic.Pointer[string]
 	floor        claimFloor          // where most claims start (claim.go)
 	heads        heads               // the claim loop's walk round the aggregates (claim.go)
+	analyzedAt   time.Time           // when the claim loop last asked for the ranges' statistics (analyzeBurst)
 	sweptHeads   outbox.AggregateKey // where the sweeper's walk round the aggregates goes on (sweepHeads)
 
 	// wal capture (see walstream.go).

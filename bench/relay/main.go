@@ -61,7 +61,7 @@ var (
 	natsURL     = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
-	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, audit, fsync, retention, accounts (the production NATS layout's cost; only when asked)")
+	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, audit, fsync, retention; only when asked: accounts (the production NATS layout's cost), auditfull, bigtx")
 	cpuProfile  = flag.String("cpuprofile", "", "write a CPU profile of this process")
 	adminURL    = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
 )
@@ -182,6 +182,11 @@ func run(ctx context.Context) error {
 				return err
 			}
 			fmt.Printf("(audit) audit of %d published rows: %.1f s\n", *auditRows, secs)
+		}
+	}
+	if *only == "bigtx" { // opt in: minutes of 300,000-row transactions
+		if err := benchBigTx(ctx, nc); err != nil {
+			return fmt.Errorf("bigtx: %w", err)
 		}
 	}
 	if want("fsync") {

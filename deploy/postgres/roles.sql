@@ -41,9 +41,9 @@
 --                       SELECT, INSERT, DELETE; outbox_partitions UPDATE
 --                       (audited_at).
 --                       The outbox's retention: EXECUTE on the functions
---                       that add, seal and drop its ranges (SECURITY
---                       DEFINER, owned by fanout_migrate: the relay owns
---                       no table), SELECT on outbox_partitions, and on
+--                       that add, seal, analyze and drop its ranges
+--                       (SECURITY DEFINER, owned by fanout_migrate: the
+--                       relay owns no table), SELECT on outbox_partitions, and on
 --                       outbox_default, which holds the rows no range
 --                       does, what it has on outbox, to delete them.
 --                       With relay_capture=wal (psql -v relay_capture=wal)
@@ -272,7 +272,7 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
     ON outbox_default TO fanout_relay;
 GRANT SELECT ON outbox_partitions TO fanout_relay;
 GRANT EXECUTE ON FUNCTION fanout_outbox_extend(bigint, integer, bigint), fanout_outbox_seal(text),
-    fanout_outbox_retire(text, interval, boolean, pg_lsn, bigint, boolean) TO fanout_relay;
+    fanout_outbox_retire(text, interval, boolean, pg_lsn, bigint, boolean), fanout_outbox_analyze(bigint) TO fanout_relay;
 -- The audit of the stream against the outbox: where each event landed,
 -- the audit's progress and record, and a range's audit.
 GRANT SELECT, INSERT ON outbox_landings TO fanout_relay;

@@ -1,0 +1,241 @@
+package main
+
+// Part bigtx: one writer transaction of -bigtx-rows events (a bulk import,
+// a backfill in SQL), published by a running relay, against the drain of
+// the same rows committed in transactions of 1000, in each capture mode,
+// over 1 aggregate, over 5,000, and with an aggregate per event.
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"runtime/pprof"
+	"strings"
+	"time"
+
+	"github.com/fanout/fanout/bench/benchkit"
+	"github.com/fanout/fanout/relay"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+)
+
+var (
+	bigTxRows    = flag.Int("bigtx-rows", 300_000, "events in the bigtx part's one transaction")
+	bigTxShapes  = flag.String("bigtx-shapes", "1,5000,each", "the bigtx part's aggregates: a count, or each (an aggregate per event)")
+	bigTxCapture = flag.String("bigtx-capture", "poll,wal", "the bigtx part's capture modes")
+	bigTxProfile = flag.String("bigtx-cpuprofile", "", "write CPU profiles of the big transactions' publishing to PREFIX.<capture>.<aggregates>")
+)
+
+// aggregateShape is how a bigtx run spreads its events over aggregates.
+type aggregateShape struct {
+	name  string
+	count int // 0: an aggregate per event
+}
+
+func bigTxShapeList() ([]aggregateShape, error) {
+	var shapes []aggregateShape
+	for _, s := range strings.Split(*bigTxShapes, ",") {
+		if s == "each" {
+			shapes = append(shapes, aggregateShape{name: "an aggregate per event"})
+			continue
+		}
+		var n int
+		if _, err := fmt.Sscanf(s, "%d", &n); err != nil || n < 1 {
+			return nil, fmt.Errorf("-bigtx-shapes: %q is neither a count nor each", s)
+		}
+		shapes = append(shapes, aggregateShape{name: fmt.Sprintf("%d aggregates", n), count: n})
+	}
+	return shapes, nil
+}
+
+func benchBigTx(ctx context.Context, nc *nats.Conn) error {
+	shapes, err := bigTxShapeList()
+	if err != nil {
+		return err
+	}
+	for _, capture := range strings.Split(*bigTxCapture, ",") {
+		mode := capture
+		if mode != relay.CapturePoll && mode != relay.CaptureWAL {
+			return fmt.Errorf("-bigtx-capture: %q is neither poll nor wal", capture)
+		}
+		for _, shape := range shapes {
+			var small, big, ratio benchkit.Figure
+			for range *benchkit.Runs {
+				s, err := bigTxRun(ctx, nc, mode, shape, 1000)
+				if err != nil {
+					return fmt.Errorf("bigtx %s, %s, transactions of 1000: %w", capture, shape.name, err)
+				}
+				b, err := bigTxRun(ctx, nc, mode, shape, *bigTxRows)
+				if err != nil {
+					return fmt.Errorf("bigtx %s, %s, one transaction: %w", capture, shape.name, err)
+				}
+				small.Add(s)
+				big.Add(b)
+				ratio.Add(b / s)
+			}
+			fmt.Printf("(bigtx) %s capture, %d events over %s: one transaction %s, transactions of 1000 %s; ratio %s (target >= 0.8)\n",
+				capture, *bigTxRows, shape.name, big.Format("%.0f rows/s"), small.Format("%.0f rows/s"), ratio.Format("%.2f"))
+		}
+	}
+	return nil
+}
+
+// bigTxRun commits -bigtx-rows events in transactions of txRows while a
+// relay in capture mode runs (caught up on an empty outbox first), and
+// returns the rate from the first commit to the last PubAck. Transactions
+// of 1000 are committed before the relay starts (a drain, as parts a and
+// w): committing them alongside would time the writer.
+func bigTxRun(ctx context.Context, nc *nats.Conn, mode string, shape aggregateShape, txRows int) (float64, error) {
+	env, err := newRelayEnv(ctx, nc)
+	if err != nil {
+		return 0, err
+	}
+	defer env.close()
+	rc := relayConfig()
+	rc.Capture = mode
+	if mode == relay.CaptureWAL {
+		rc.Slot = env.db.Name
+	}
+	drain := txRows < *bigTxRows
+	if drain || mode == relay.CaptureWAL {
+		// A wal relay's slot is made by its first start; the drain's
+		// rows wait in it (or in the outbox) while the relay is stopped.
+		if err := startAndStop(ctx, nc, env, rc); err != nil {
+			return 0, err
+		}
+	}
+	if drain {
+		for from := 0; from < *bigTxRows; from += txRows {
+			if err := fillShaped(ctx, env.db.Pool, shape, from, min(txRows, *bigTxRows-from)); err != nil {
+				return 0, err
+			}
+		}
+		if err := benchkit.Settle(ctx, env.db.Pool); err != nil {
+			return 0, err
+		}
+	}
+	obs := &counter{}
+	r, err := relay.New(relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet, Observer: obs})
+	if err != nil {
+		return 0, err
+	}
+	start := time.Now()
+	if err := r.Start(ctx); err != nil {
+		return 0, err
+	}
+	defer func() { _ = r.Stop(ctx) }()
+	if !drain {
+		if err := benchkit.Settle(ctx, env.db.Pool); err != nil {
+			return 0, err
+		}
+		if mode == relay.CaptureWAL {
+			if err := waitBacklogDone(ctx, env, rc.Slot); err != nil {
+				return 0, err
+			}
+		}
+		if err := fillShapedOneTx(ctx, env.db.Pool, shape, *bigTxRows); err != nil {
+			return 0, err
+		}
+		start = time.Now()
+		if *bigTxProfile != "" {
+			f, err := os.Create(fmt.Sprintf("%s.%s.%d", *bigTxProfile, mode, shape.count))
+			if err != nil {
+				return 0, err
+			}
+			defer f.Close()
+			if err := pprof.StartCPUProfile(f); err == nil {
+				defer pprof.StopCPUProfile()
+			}
+		}
+	}
+	deadline := time.Now().Add(20 * time.Minute)
+	for obs.n.Load() < int64(*bigTxRows) {
+		if time.Now().After(deadline) {
+			return 0, fmt.Errorf("%d of %d rows published in 20 minutes", obs.n.Load(), *bigTxRows)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return float64(*bigTxRows) / time.Since(start).Seconds(), nil
+}
+
+// startAndStop starts a relay once and stops it: a wal relay makes its
+// slot and records its backlog done.
+func startAndStop(ctx context.Context, nc *nats.Conn, env *relayEnv, rc relay.Config) error {
+	r, err := relay.New(relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet})
+	if err != nil {
+		return err
+	}
+	if err := r.Start(ctx); err != nil {
+		return err
+	}
+	if rc.Capture == relay.CaptureWAL {
+		if err := waitBacklogDone(ctx, env, rc.Slot); err != nil {
+			_ = r.Stop(ctx)
+			return err
+		}
+	}
+	return r.Stop(ctx)
+}
+
+func waitBacklogDone(ctx context.Context, env *relayEnv, slot string) error {
+	return waitFor(ctx, 30*time.Second, func() (bool, error) {
+		var done bool
+		err := env.db.Pool.QueryRow(ctx, `SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, slot).Scan(&done)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return false, nil
+		}
+		return done, err
+	})
+}
+
+// shapedInsert inserts events from+1 .. from+n of a shape, numbering them
+// itself (the benchmark's user may): the numbering trigger, given one
+// aggregate's events by the thousand in one transaction, costs the writer
+// quadratically, and this part times the relay.
+const shapedInsert = `
+WITH ev AS (
+    SELECT g, CASE WHEN $3::int = 0 THEN g ELSE g % $3::int + 1 END AS agg,
+           CASE WHEN $3::int = 0 THEN 1 ELSE (g - 1) / $3::int + 1 END AS seq
+    FROM generate_series($1::bigint + 1, $1::bigint + $2::bigint) AS g
+)
+INSERT INTO outbox (aggregate_type, aggregate_id, aggregate_seq, event_type, payload)
+SELECT 'product', agg::text, seq, 'product.updated',
+       jsonb_build_object('product_id', agg, 'version', g, 'price_cents', 1000 + g % 90000)
+FROM ev ORDER BY g`
+
+// fillShaped commits events from+1 .. from+n in one transaction.
+func fillShaped(ctx context.Context, pool *pgxpool.Pool, shape aggregateShape, from, n int) error {
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		return insertShaped(ctx, tx, shape, from, n)
+	})
+}
+
+// fillShapedOneTx commits n events in one transaction, inserted a
+// statement per 10,000 (as a bulk import would).
+func fillShapedOneTx(ctx context.Context, pool *pgxpool.Pool, shape aggregateShape, n int) error {
+	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		for from := 0; from < n; from += 10_000 {
+			if err := insertShaped(ctx, tx, shape, from, min(10_000, n-from)); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+func insertShaped(ctx context.Context, tx pgx.Tx, shape aggregateShape, from, n int) error {
+	if _, err := tx.Exec(ctx, shapedInsert, from, n, shape.count); err != nil {
+		return err
+	}
+	// The counters as the trigger would have left them.
+	_, err := tx.Exec(ctx, `
+INSERT INTO outbox_aggregates (aggregate_type, aggregate_id, last_seq)
+SELECT aggregate_type, aggregate_id, max(aggregate_seq) FROM outbox
+WHERE id > (SELECT coalesce(max(id), 0) FROM outbox) - $1::bigint
+GROUP BY 1, 2
+ON CONFLICT (aggregate_type, aggregate_id) DO UPDATE SET last_seq = excluded.last_seq`, n)
+	return err
+}
