@@ -209,7 +209,13 @@ func (r *Relay) auditAsLeader(ctx context.Context) error {
 	r.logger.Info("auditing the stream against the outbox", "stream", r.stream.Name,
 		"interval", r.cfg.AuditInterval, "delay", r.cfg.AuditDelay, "lookback", r.cfg.AuditLookback)
 	signs := r.lossSigns(ctx, lossSigns{})
-	r.auditLookback(ctx, "the auditor started")
+	// A lookback that could not finish (the stream still electing its
+	// leader after the loss, Postgres restarting) is tried again at every
+	// pass until it does: the sign that asked for it is not seen twice.
+	lookback := "the auditor started"
+	if r.auditLookback(ctx, lookback) {
+		lookback = ""
+	}
 	retryRange := map[string]time.Time{}
 	for {
 		if !r.sleepFor(ctx, r.cfg.AuditInterval) {
@@ -221,9 +227,12 @@ func (r *Relay) auditAsLeader(ctx context.Context) error {
 		next := r.lossSigns(ctx, signs)
 		if why := next.since(signs); why != "" {
 			r.logger.Warn("the stream may have lost messages: auditing the recent events again", "why", why, "lookback", r.cfg.AuditLookback)
-			r.auditLookback(ctx, why)
+			lookback = why
 		}
 		signs = next
+		if lookback != "" && r.auditLookback(ctx, lookback) {
+			lookback = ""
+		}
 		r.auditTail(ctx)
 		r.auditRanges(ctx, retryRange)
 	}
@@ -309,15 +318,29 @@ func (r *Relay) auditTail(ctx context.Context) {
 	r.auditDone(ctx, AuditTail, fmt.Sprintf("landings %d..%d", st.TailLanding+1, after), began, total)
 }
 
-// auditLookback checks every landing newer than relay.audit_lookback.
-func (r *Relay) auditLookback(ctx context.Context, why string) {
+// lookbackUnfinished ends the scope of a lookback recorded part done (it
+// is tried again).
+const lookbackUnfinished = "did not finish, tried again"
+
+// auditLookback checks every landing newer than relay.audit_lookback, and
+// says whether it finished.
+func (r *Relay) auditLookback(ctx context.Context, why string) bool {
 	began := time.Now()
 	since := began.Add(-r.cfg.AuditLookback)
-	rep, err := r.auditLandings(ctx, since, began, true)
+	var rep AuditReport
+	var err error
+	if r.hooks.FailLookback != nil && r.hooks.FailLookback() {
+		err = errors.New("test hook: the stream did not answer")
+	} else {
+		rep, err = r.auditLandings(ctx, since, began, true)
+	}
+	scope := fmt.Sprintf("events published since %s (%s)", since.UTC().Format(time.RFC3339), why)
 	if err != nil {
 		r.auditFailed(AuditLookback, err)
+		scope += "; " + lookbackUnfinished
 	}
-	r.auditDone(ctx, AuditLookback, fmt.Sprintf("events published since %s (%s)", since.UTC().Format(time.RFC3339), why), began, rep)
+	r.auditDone(ctx, AuditLookback, scope, began, rep)
+	return err == nil
 }
 
 // auditLandings checks every landing from since to before (its own

@@ -36,15 +36,18 @@ func (h *harness) landings() int {
 // back to a copy taken earlier, as a disk that lost its last writes would
 // leave it. The auditor finds every lost event (the relay's reconnect is
 // the sign) and publishes it again from its row; without an auditor (the
-// sabotage hook NoAudit) they stay lost.
+// sabotage hook NoAudit) they stay lost. A lookback the stream does not
+// answer at first (a cluster electing its leader after the loss) is tried
+// again until it finishes: the sign is not seen twice.
 func TestAuditRepublishesWhatTheStreamLost(t *testing.T) {
 	t.Parallel()
 	const kept, lost = 20, 30
 	for _, capture := range []string{CapturePoll, CaptureWAL} {
-		for _, sabotage := range []bool{false, true} {
+		for _, variant := range []string{"", "sabotage", "lookback-fails"} {
+			sabotage := variant == "sabotage"
 			name := capture
-			if sabotage {
-				name += "/sabotage"
+			if variant != "" {
+				name += "/" + variant
 			}
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
@@ -56,6 +59,14 @@ func TestAuditRepublishesWhatTheStreamLost(t *testing.T) {
 				obs := &auditCounter{}
 				r := h.newRelay(nil, obs)
 				r.hooks = testhooks.Relay{NoAudit: sabotage}
+				var rolledBack atomic.Bool
+				var failedLookbacks atomic.Int32
+				if variant == "lookback-fails" {
+					// The first two lookbacks after the rollback fail.
+					r.hooks.FailLookback = func() bool {
+						return rolledBack.Load() && failedLookbacks.Add(1) <= 2
+					}
+				}
 				r.consumerRead = 1 // every run through the audit's consumer
 				h.launch(r, func() { writeMany(t, h.db.Pool, kept) })
 				waitFor(t, 20*time.Second, "the first events landed", func() (bool, string) {
@@ -76,6 +87,7 @@ func TestAuditRepublishesWhatTheStreamLost(t *testing.T) {
 						fmt.Sprintf("%d in the stream, %d landings", h.distinctEvents(), h.landings())
 				})
 				h.nats.Stop()
+				rolledBack.Store(true)
 				if err := h.nats.RollBack(snapshot); err != nil {
 					t.Fatal(err)
 				}
@@ -102,6 +114,9 @@ func TestAuditRepublishesWhatTheStreamLost(t *testing.T) {
 					return got == kept+lost && m >= lost && rep >= lost,
 						fmt.Sprintf("%d distinct events in the stream; the audits counted %d missing, %d repaired", got, m, rep)
 				})
+				if variant == "lookback-fails" && failedLookbacks.Load() < 3 {
+					t.Fatalf("the lookback was tried %d times after the rollback: the test proves less than it claims", failedLookbacks.Load())
+				}
 				audits, err := outbox.NewStore(h.db.Pool).Audits(context.Background())
 				if err != nil || len(audits) == 0 {
 					t.Fatalf("audits recorded: %v (%v)", audits, err)

@@ -386,6 +386,7 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 	} else {
 		r.report.violate("setup", "the stream's last sequence before the rollback could not be read")
 	}
+	killed := time.Now()
 	each("kill, roll its store back, start", func(s *natstest.Server) error {
 		if s.Running() {
 			s.Kill()
@@ -395,6 +396,9 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 		}
 		return s.Restart()
 	})
+	r.lostMu.Lock()
+	r.rolledBack = killed // a lookback begun since saw the rolled-back stores, or failed
+	r.lostMu.Unlock()
 	r.o.Logf("chaos: JetStream's stores rolled back %s: the stream held %d messages at the copy, and has lost what it acknowledged since",
 		d, before)
 }

@@ -126,8 +126,11 @@ type run struct {
 	// lostSpans are the stream sequences the store rollbacks took away.
 	lostMu    sync.Mutex
 	lostSpans [][2]uint64
-	report    *Report
-	planted   *planted
+	// rolledBack is when the last store rollback began killing the
+	// servers, zero without one.
+	rolledBack time.Time
+	report     *Report
+	planted    *planted
 }
 
 // seeded is one stream of the run's randomness. Each consumer has its own
@@ -512,8 +515,30 @@ SELECT (SELECT count(*) FROM outbox o, relay_capture c
 }
 
 // drain waits until the outbox is empty and every subscriber caught up.
+// auditWait is how long the drain waits for the relays' auditor to look
+// back after a store rollback (a sabotaged build has none: the checker
+// then finds the events the stream lost).
+const auditWait = time.Minute
+
+// lookedBack says whether the relays' auditor finished a lookback since
+// the last store rollback (true without one): the events it lost are
+// published again, and the drain waits for the subscribers to take them.
+func (r *run) lookedBack(ctx context.Context) bool {
+	r.lostMu.Lock()
+	since := r.rolledBack
+	r.lostMu.Unlock()
+	if since.IsZero() {
+		return true
+	}
+	var n int
+	err := r.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_audits
+		WHERE kind = 'lookback' AND started_at > $1 AND scope NOT LIKE '%did not finish%'`, since).Scan(&n)
+	return err == nil && n > 0
+}
+
 func (r *run) drain() {
-	deadline := time.Now().Add(4 * time.Minute)
+	drainStart := time.Now()
+	deadline := drainStart.Add(4 * time.Minute)
 	var state string
 	var end string // wal capture: the WAL position after the last insert
 	for r.wal() && end == "" && time.Now().Before(deadline) {
@@ -534,6 +559,9 @@ func (r *run) drain() {
 		}
 		idle := err == nil && unsent == 0
 		state = fmt.Sprintf("unsent %d (%v)", unsent, err)
+		if idle && !r.lookedBack(ctx) && time.Since(drainStart) < auditWait {
+			idle, state = false, state+"; no lookback audit finished since the stores' rollback"
+		}
 		for _, name := range r.subscriberNames() {
 			c, err := r.js.Consumer(ctx, "EVENTS", name)
 			if err != nil {

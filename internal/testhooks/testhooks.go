@@ -33,6 +33,10 @@ type Relay struct {
 	// NoAudit (sabotage) runs no auditor, whatever relay.audit says: an
 	// event the stream lost after its PubAck stays lost.
 	NoAudit bool
+	// FailLookback, if set, is asked before each of the auditor's
+	// lookbacks; true fails it as a stream still electing its leader
+	// would.
+	FailLookback func() bool
 }
 
 // Subscriber breaks the subscriber runtime, or stops it at a moment.
