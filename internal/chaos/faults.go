@@ -215,6 +215,10 @@ func (r *run) cutSearch(context.Context) bool {
 }
 
 func (r *run) slowNATS(context.Context) bool {
+	if !r.locks.nats.TryLock() { // the proxies are the store rollback's
+		return false
+	}
+	defer r.locks.nats.Unlock()
 	d := r.faultRand.between(20*time.Millisecond, 150*time.Millisecond)
 	for _, p := range r.nproxy {
 		p.Slow(d)
@@ -227,6 +231,10 @@ func (r *run) slowNATS(context.Context) bool {
 }
 
 func (r *run) cutNATS(context.Context) bool {
+	if !r.locks.nats.TryLock() {
+		return false
+	}
+	defer r.locks.nats.Unlock()
 	p := r.nproxy[r.faultRand.intn(len(r.nproxy))]
 	p.Cut()
 	time.Sleep(r.faultRand.between(500*time.Millisecond, 3*time.Second))
@@ -376,6 +384,19 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 		return s.Restart()
 	})
 	sleepCtx(ctx, d)
+	// The roles' connections cut (they go through the proxies; this run's
+	// administrator does not) before the last sequence is read: a publish
+	// between the read and the kill would be lost from a sequence the
+	// checker does not know was taken away.
+	for _, p := range r.nproxy {
+		p.Cut()
+	}
+	defer func() {
+		for _, p := range r.nproxy {
+			p.Restore()
+		}
+	}()
+	time.Sleep(500 * time.Millisecond) // what the cut connections had sent, stored
 	_, toSeq := r.streamState()
 	if fromSeq >= 0 && toSeq >= 0 {
 		// The sequences the rollback takes away: an event the auditor
