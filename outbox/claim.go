@@ -246,7 +246,7 @@ func (s *Store) ClaimWindow(ctx context.Context, n int, token pgtype.UUID, after
 	}
 	var w Window
 	var end pgtype.Int8
-	if w.Claimed, err = scanClaimedAnd(rows, &end, &w.Newest); err != nil {
+	if w.Claimed, err = scanClaimedAnd(rows, &end, &w.Newest, &w.Unsent); err != nil {
 		return Window{}, fmt.Errorf("claim outbox batch: %w", err)
 	}
 	w.Full, w.End = end.Valid, end.Int64
@@ -259,13 +259,17 @@ type Window struct {
 	Newest  int64 // the newest id in the outbox as the claim began
 	Full    bool  // the window was full: more unpublished rows may lie beyond End
 	End     int64 // the window's last row, if Full
+	Unsent  int   // the unpublished rows in the window (at most its size), claimed ones and those in flight among them
 }
 
 // claimWindowSQL is claimSQL through the end of a window of $6+1
 // unpublished rows above $4 and up to $3 (or through $3 if there are
 // fewer), and it returns, on every row and on one row with nothing
-// claimed if it claims nothing, the window's end if it was full and the
-// newest id in the outbox.
+// claimed if it claims nothing, the window's end if it was full, the
+// newest id in the outbox, and how many unpublished rows the window holds
+// (one walk of outbox_unsent_idx finds both: the rows in flight are among
+// them, and the rest wait behind an earlier event of their aggregate, or
+// for their backoff).
 var claimWindowSQL, claimUnorderedWindowSQL = func() (string, string) {
 	window := func(claim string) string {
 		const bound, update = "o.id <= $3", "\nUPDATE outbox o"
@@ -274,15 +278,17 @@ var claimWindowSQL, claimUnorderedWindowSQL = func() (string, string) {
 		}
 		claim = strings.Replace(claim, bound, "o.id <= coalesce((SELECT last FROM bounds), $3)", 1)
 		claim = strings.Replace(claim, "\nWITH picked AS (", `
-WITH bounds AS (
-    SELECT (SELECT id FROM outbox WHERE published_at IS NULL AND id > $4 AND id <= $3 ORDER BY id OFFSET $6 LIMIT 1) AS last,
-           (SELECT coalesce(max(id), 0) FROM outbox) AS newest
+WITH win AS MATERIALIZED (
+    SELECT id FROM outbox WHERE published_at IS NULL AND id > $4 AND id <= $3 ORDER BY id LIMIT $6 + 1
+), bounds AS (
+    SELECT w.last, w.unsent, (SELECT coalesce(max(id), 0) FROM outbox) AS newest
+    FROM (SELECT CASE WHEN count(*) > $6 THEN max(id) END AS last, count(*) AS unsent FROM win) w
 ), picked AS (`, 1)
 		claim = strings.Replace(claim, update, "\n, claimed AS ("+update, 1)
 		return claim + `
 )
 SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.headers, c.created_at, c.aggregate_seq,
-       b.last, b.newest
+       b.last, b.newest, b.unsent
 FROM bounds b LEFT JOIN claimed c ON true`
 	}
 	return window(claimSQL), window(claimUnorderedSQL)

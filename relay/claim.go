@@ -168,6 +168,14 @@ func (r *Relay) claim(ctx context.Context) (_ []row, _ pgtype.UUID, backlog bool
 		return nil, token, false, err
 	}
 	backlog = w.Full || len(w.Claimed) == r.cfg.BatchSize
+	// Or a small backlog of events waiting behind the ones claimed (a
+	// transaction of one order's thousand lines): without ClaimNext they
+	// would go one per aggregate per claim. Rows in flight are among the
+	// unpublished, and a few held behind a failed event or backing off
+	// are not worth the next claims.
+	if waiting := w.Unsent - len(w.Claimed) - int(r.unrecorded.Load()); waiting >= max(len(w.Claimed), minWaitingForNext) {
+		backlog = true
+	}
 	if w.Full {
 		r.analyzeBurst(ctx)
 	}
@@ -212,6 +220,10 @@ func (r *Relay) claim(ctx context.Context) (_ []row, _ pgtype.UUID, backlog bool
 	sortRows(claimed)
 	return claimed, token, backlog, nil
 }
+
+// minWaitingForNext is how many unpublished rows, beyond those claimed and
+// in flight, make a claim that is not a full batch a backlog (claim).
+const minWaitingForNext = 64
 
 // analyzeEvery is how often, at most, the claim loop asks for fresh
 // statistics of the outbox's ranges while a backlog lasts: about as often

@@ -39,9 +39,11 @@ const claimNextDepth = 8
 // the next events, and its caller releases them all at the end.
 func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, claimNext bool, held *int64) {
 	for len(rows) > 0 {
+		r.unrecorded.Add(int64(len(rows)))
 		results, ok := r.publishWaves(ctx, rows)
 		if !ok {
 			// Hard stop: leave the rows `sending`; the reaper returns them.
+			r.unrecorded.Add(-int64(len(rows)))
 			return
 		}
 		if r.testHookBeforeRecord != nil {
@@ -54,6 +56,7 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, clai
 		next, rest := r.nextClaim(rows, results, claimNext, held)
 		start := time.Now()
 		claimed, ok := r.record(ctx, rows, token, results, next)
+		r.unrecorded.Add(-int64(len(rows)))
 		if !ok {
 			return
 		}
@@ -115,13 +118,26 @@ func (r *Relay) nextClaim(rows []row, results []outcome, claimNext bool, held *i
 		}
 		published = published[:per]
 	}
-	for want := int64(len(published)*claimNextDepth) - *held; want > 0; want /= 2 {
+	depth := r.nextDepth(len(published))
+	for want := int64(len(published)*depth) - *held; want > 0; want /= 2 {
 		if r.slots.TryAcquire(want) {
 			*held += want
 			break
 		}
 	}
-	return &outbox.NextClaim{Published: published, Token: newLeaseToken(), Depth: claimNextDepth, N: int(*held)}, rest
+	return &outbox.NextClaim{Published: published, Token: newLeaseToken(), Depth: depth, N: int(*held)}, rest
+}
+
+// nextDepth is how many events of each of n aggregates a delivery claims
+// next: claimNextDepth, or, where atomic batches carry them (atomic.go),
+// as many as fill a batch. A backlog of few aggregates (a bulk import of
+// one product's history) then moves a batch a round trip instead of
+// eight events.
+func (r *Relay) nextDepth(n int) int {
+	if !r.atomicOK.Load() || n <= 0 {
+		return claimNextDepth
+	}
+	return max(claimNextDepth, r.cfg.BatchSize/n)
 }
 
 // continueAsync claims and delivers the next events of the aggregates of

@@ -100,6 +100,17 @@
 // in order; outbox skip marks a row skipped and returns what was held
 // behind it. relay.on_failed skip lets them pass.
 //
+// An aggregate's events waiting behind one another would go a round trip
+// each: a transaction of 300,000 events of one aggregate drained at 2,500
+// rows/s. Where the stream allows atomic batches (allow_atomic, NATS
+// 2.12), a chain of them goes in one batch, which the stream stores whole
+// and in the order sent, or not at all (atomic.go): the poll relay sends a
+// batch's waves one after the other in one, and claims the next events of
+// few busy aggregates a batch at a time (nextDepth); a wal relay sends the
+// rows of a chunk waiting behind a ready one with it. A batch the stream
+// refuses (it holds an event the stream already has, the commit got no
+// answer) goes a wave at a time, as without them.
+//
 // Not ordered: rows written before migration 00009 (no number). The rows
 // a poll relay left when an installation switches to wal capture are all
 // published before the slot's stream starts (see below), so that none
@@ -221,7 +232,8 @@
 // the poll relay's claim loop, its floor and the sweeper; deliver.go a
 // claimed batch's delivery (publish, record, claim the next events);
 // publish.go the messages and their PubAcks, in both capture modes;
-// headers.go the headers column; order.go per-aggregate order; maintain.go
+// headers.go the headers column; order.go per-aggregate order, atomic.go
+// its atomic batches; maintain.go
 // the reaper, retention and the wake-up listener; config.go and metrics.go
 // the settings and the metrics. Capture from the write-ahead log:
 // walstream.go the replication stream (standing by, streaming,

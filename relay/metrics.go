@@ -26,6 +26,7 @@ type Metrics struct {
 	configDifferences                                                *prometheus.GaugeVec
 	rewinds                                                          prometheus.Counter
 	auditChecked, auditMissing, auditRepaired                        *prometheus.CounterVec
+	atomicBatches, atomicEvents                                      *prometheus.CounterVec
 }
 
 var _ Observer = (*Metrics)(nil)
@@ -65,8 +66,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m.auditChecked = cv("audit_checked_total", "Published events the auditor checked against the stream, by kind of audit (tail, lookback, range, command).")
 	m.auditMissing = cv("audit_missing_total", "Published events the auditor found missing from the stream (or published with no landing recorded), by kind of audit.")
 	m.auditRepaired = cv("audit_repaired_total", "Missing events the auditor published again, by kind of audit.")
+	outcome := func(name, help string) *prometheus.CounterVec {
+		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "relay", Name: name, Help: help}, []string{"outcome"})
+	}
+	m.atomicBatches = outcome("atomic_batches_total", "Atomic batches the relay sent, by outcome: stored (whole), or refused (refused or unanswered: their events went again another way or later).")
+	m.atomicEvents = outcome("atomic_batch_events_total", "Events in the atomic batches the relay sent, by the batch's outcome.")
 	reg.MustRegister(m.claimSeconds, m.slotLagBytes, m.slotStuckSeconds, m.outboxRanges, m.configDifferences,
-		m.auditChecked, m.auditMissing, m.auditRepaired)
+		m.auditChecked, m.auditMissing, m.auditRepaired, m.atomicBatches, m.atomicEvents)
 	return m
 }
 
@@ -74,6 +80,15 @@ func (m *Metrics) Audited(kind string, checked, missing, repaired int) {
 	m.auditChecked.WithLabelValues(kind).Add(float64(checked))
 	m.auditMissing.WithLabelValues(kind).Add(float64(missing))
 	m.auditRepaired.WithLabelValues(kind).Add(float64(repaired))
+}
+
+func (m *Metrics) AtomicBatch(events int, err error) {
+	outcome := "stored"
+	if err != nil {
+		outcome = "refused"
+	}
+	m.atomicBatches.WithLabelValues(outcome).Inc()
+	m.atomicEvents.WithLabelValues(outcome).Add(float64(events))
 }
 
 func (m *Metrics) ConfigDifferences(object string, n int) {

@@ -3,6 +3,7 @@ package relay
 import (
 	"cmp"
 	"context"
+	"errors"
 	"slices"
 	"strconv"
 	"sync"
@@ -212,6 +213,18 @@ func (r *Relay) publishOrdered(softCtx, hardCtx context.Context, c *ordered) boo
 			}
 			continue
 		}
+		// With atomic batches, the rows waiting for one that is ready
+		// (and so on) go in the same batch, behind it.
+		if chained, rest := chainedOf(c, ready, waiting); len(chained) > len(ready) && r.atomicOK.Load() {
+			done, ok := r.publishChainCaptured(softCtx, hardCtx, c, chained, hold)
+			if !ok {
+				return false
+			}
+			if done {
+				left = rest
+				continue
+			}
+		}
 		var publish []row
 		var heldIDs []int64
 		var heldReasons []string
@@ -247,6 +260,94 @@ func (r *Relay) publishOrdered(softCtx, hardCtx context.Context, c *ordered) boo
 		left = waiting
 	}
 	return true
+}
+
+// chainedOf extends ready, the rows of c whose previous row is done, by
+// the waiting rows whose previous row is among them (and so on), in c's
+// order, which is their aggregates' (the decoder's); rest is the rows
+// still waiting for a row outside c.
+func chainedOf(c *ordered, ready, waiting []int) (chained, rest []int) {
+	in := make(map[*turn]bool, len(ready)+len(waiting))
+	for _, i := range ready {
+		in[c.own[i]] = true
+	}
+	isReady := make(map[int]bool, len(ready))
+	for _, i := range ready {
+		isReady[i] = true
+	}
+	all := append(slices.Clone(ready), waiting...)
+	slices.Sort(all)
+	for _, i := range all {
+		switch {
+		case isReady[i]:
+			chained = append(chained, i)
+		case in[c.prev[i]]:
+			in[c.own[i]] = true
+			chained = append(chained, i)
+		default:
+			rest = append(rest, i)
+		}
+	}
+	return chained, rest
+}
+
+// publishChainCaptured publishes the rows of c at idx, in that order, as
+// atomic batches (publishChain), marking failed those held behind a failed
+// event first, and records where they landed. done says whether every row
+// is stored; if not, nothing is recorded and the rows go the usual way
+// (publishCaptured), a wave at a time: those the batches stored are then
+// duplicates JetStream drops. ok is false if the relay stopped first.
+func (r *Relay) publishChainCaptured(softCtx, hardCtx context.Context, c *ordered, idx []int, hold bool) (done, ok bool) {
+	var publish []row
+	var heldIDs []int64
+	var heldReasons []string
+	// A row held behind a failed event that is in the chain (returned by
+	// an operator's retry, as the rows behind it are) goes behind it: the
+	// hold is released when it is stored, with them.
+	chained := make(map[int64]bool, len(idx))
+	for _, i := range idx {
+		chained[c.rows[i].ID] = true
+	}
+	for _, i := range idx {
+		rw := c.rows[i]
+		if by, isHeld := r.order.heldBehind(rw); isHeld && hold && !chained[by] {
+			heldIDs = append(heldIDs, rw.ID)
+			heldReasons = append(heldReasons, outbox.HeldBehindReason(by))
+			continue
+		}
+		publish = append(publish, rw)
+	}
+	results, n, err := r.publishChain(hardCtx, publish)
+	if n < len(publish) {
+		if hardCtx.Err() != nil {
+			return false, false
+		}
+		if !errors.Is(err, errNotAtomic) {
+			r.logger.Debug("atomic batch refused; its events go a wave at a time", "rows", len(publish)-n, "error", err)
+		}
+		return false, true
+	}
+	if len(heldIDs) > 0 && !r.failCaptured(softCtx, heldIDs, heldReasons) {
+		return false, false
+	}
+	published := make([]Published, len(publish))
+	landed := make([]outbox.Landed, len(publish))
+	for j, rw := range publish {
+		res := results[j]
+		published[j] = Published{ID: rw.ID, CreatedAt: rw.CreatedAt.Time, AckedAt: res.ackedAt}
+		landed[j] = outbox.Landed{ID: rw.ID, Seq: res.seq}
+	}
+	if !r.recordCaptured(hardCtx, landed) {
+		return false, false
+	}
+	r.reportPublished(published, 0, 0)
+	for _, rw := range publish {
+		r.order.release(rw)
+	}
+	for _, i := range idx {
+		r.order.leave(c, i, false)
+	}
+	return true, true
 }
 
 // publishWaves publishes a claimed batch an aggregate's event at a time:
@@ -288,11 +389,39 @@ func (r *Relay) publishWaves(ctx context.Context, rows []row) ([]outcome, bool) 
 	for _, at := range byAggregate {
 		waves = max(waves, len(at))
 	}
+	// The waves one after the other, as atomic batches (atomic.go): what
+	// they store is a first part of each aggregate's events; the rest, if
+	// any, go a wave at a time below.
+	var chain []int
+	for wave := range waves {
+		for _, k := range keys {
+			if at := byAggregate[k]; wave < len(at) {
+				chain = append(chain, at[wave])
+			}
+		}
+	}
+	chained := make([]row, len(chain))
+	for j, i := range chain {
+		chained[j] = rows[i]
+	}
+	res, done, err := r.publishChain(ctx, chained)
+	for j := range done {
+		results[chain[j]] = res[j]
+	}
+	if done == len(chain) {
+		return results, true
+	}
+	if ctx.Err() != nil {
+		return nil, false
+	}
+	if !errors.Is(err, errNotAtomic) {
+		r.logger.Debug("atomic batch refused; its events go a wave at a time", "rows", len(chain)-done, "error", err)
+	}
 	for wave := range waves {
 		var idx []int
 		for _, k := range keys {
 			at := byAggregate[k]
-			if wave >= len(at) {
+			if wave >= len(at) || results[at[wave]].acked {
 				continue
 			}
 			if stopped[k] {

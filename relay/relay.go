@@ -51,6 +51,10 @@ type Observer interface {
 	// Audited reports an audit of the stream against the outbox
 	// (audit.go): events checked, found missing, and published again.
 	Audited(kind string, checked, missing, repaired int)
+	// AtomicBatch reports an atomic batch of events (atomic.go): stored
+	// whole, or refused or unanswered (err) and its events published again
+	// another way or later.
+	AtomicBatch(events int, err error)
 }
 
 // Published describes one row stored in the stream.
@@ -75,6 +79,7 @@ func (NopObserver) SlotLag(int64, time.Duration)  {}
 func (NopObserver) ConfigDifferences(string, int) {}
 func (NopObserver) Rewound()                      {}
 func (NopObserver) Audited(string, int, int, int) {}
+func (NopObserver) AtomicBatch(int, error)        {}
 
 // Options are the relay's collaborators.
 type Options struct {
@@ -103,15 +108,20 @@ type Relay struct {
 	// relay's concurrent publishes.
 	order *aggregateOrder
 
-	wake    chan struct{}
-	slots   *semaphore.Weighted // rows claimed and not yet recorded
-	batches sync.WaitGroup      // deliveries in flight
-	loops   sync.WaitGroup      // claimer, listener, reaper, cleaner
+	wake  chan struct{}
+	slots *semaphore.Weighted // rows claimed and not yet recorded
+	// atomicOK: the live stream allows atomic batches (checkStream);
+	// atomicSlots bounds those open at once (atomic.go).
+	atomicOK    atomic.Bool
+	atomicSlots *semaphore.Weighted
+	batches     sync.WaitGroup // deliveries in flight
+	loops       sync.WaitGroup // claimer, listener, reaper, cleaner
 
 	// lastClaimed (unix nanoseconds) is when a claim last completed, empty
 	// or not, and lastClaimErr the error of the last one that failed:
 	// readiness reads them, with no query of its own.
 	lastClaimed  atomic.Int64
+	unrecorded   atomic.Int64 // rows claimed and handed to deliveries, not yet recorded
 	lastClaimErr atomic.Pointer[string]
 	floor        claimFloor          // where most claims start (claim.go)
 	heads        heads               // the claim loop's walk round the aggregates (claim.go)
@@ -195,18 +205,19 @@ func New(opts Options) (*Relay, error) {
 		obs = NopObserver{}
 	}
 	r := &Relay{
-		cfg:      opts.Relay,
-		stream:   opts.Stream,
-		pool:     opts.Pool,
-		store:    outbox.NewStore(opts.Pool),
-		nc:       opts.Conn,
-		js:       js,
-		logger:   opts.Logger,
-		obs:      obs,
-		order:    newAggregateOrder(),
-		wake:     make(chan struct{}, 1),
-		slots:    semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
-		stopping: make(chan struct{}),
+		cfg:         opts.Relay,
+		stream:      opts.Stream,
+		pool:        opts.Pool,
+		store:       outbox.NewStore(opts.Pool),
+		nc:          opts.Conn,
+		js:          js,
+		logger:      opts.Logger,
+		obs:         obs,
+		order:       newAggregateOrder(),
+		wake:        make(chan struct{}, 1),
+		slots:       semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
+		atomicSlots: semaphore.NewWeighted(atomicInFlight),
+		stopping:    make(chan struct{}),
 	}
 	r.store.OnFailed = outbox.OnFailed(r.cfg.OnFailed)
 	r.partitionsAhead = defaultPartitionsAhead
@@ -344,7 +355,11 @@ func (r *Relay) checkStream(ctx context.Context) {
 		r.logger.Debug("stream check: no answer", "stream", r.stream.Name, "error", err)
 		return
 	}
-	r.drift.Set("stream "+r.stream.Name, stream.StreamDifferences(s.CachedInfo().Config, stream.JetStreamConfig(r.stream)))
+	live := s.CachedInfo().Config
+	r.drift.Set("stream "+r.stream.Name, stream.StreamDifferences(live, stream.JetStreamConfig(r.stream)))
+	if r.atomicOK.Swap(live.AllowAtomicPublish) != live.AllowAtomicPublish && !live.AllowAtomicPublish {
+		r.logger.Warn("the stream does not allow atomic batches: an aggregate's events waiting behind one another go a round trip each (`fanout provision --update-stream "+r.stream.Name+"` sets allow_atomic)", "stream", r.stream.Name)
+	}
 }
 
 // Stop claims no more rows, lets the batches in flight finish (their PubAcks

@@ -102,10 +102,14 @@ var streamFields = []streamField{
 // drift checks leave alone: they change how a stream is read, not what it
 // keeps or delivers, and a stream without them works, more slowly.
 func AdvisoryDifferences(have, want jetstream.StreamConfig) []Difference {
+	var ds []Difference
 	if have.AllowDirect != want.AllowDirect {
-		return []Difference{{Field: "allow_direct", Have: strconv.FormatBool(have.AllowDirect), Want: strconv.FormatBool(want.AllowDirect)}}
+		ds = append(ds, Difference{Field: "allow_direct", Have: strconv.FormatBool(have.AllowDirect), Want: strconv.FormatBool(want.AllowDirect)})
 	}
-	return nil
+	if have.AllowAtomicPublish != want.AllowAtomicPublish {
+		ds = append(ds, Difference{Field: "allow_atomic", Have: strconv.FormatBool(have.AllowAtomicPublish), Want: strconv.FormatBool(want.AllowAtomicPublish)})
+	}
+	return ds
 }
 
 // StreamDifferences lists the settings in which have, a live stream's

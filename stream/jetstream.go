@@ -37,7 +37,11 @@ func JetStreamConfig(cfg Config) jetstream.StreamConfig {
 		// restore check): served by any replica, and without the
 		// stream's API queue.
 		AllowDirect: true,
-		Metadata:    metadata(cfg),
+		// An aggregate's events waiting behind one another go in one
+		// batch the stream stores whole and in order (package relay,
+		// atomic.go), not a round trip each.
+		AllowAtomicPublish: true,
+		Metadata:           metadata(cfg),
 	}
 }
 

@@ -42,12 +42,16 @@ type Report struct {
 	PlantedDeleted int
 	// Counted from every process's logs, across restarts.
 	JetStreamDuplicates int64 // publishes JetStream recognized (after crashes, reaped leases)
-	CheckpointSkips     int64 // deliveries the checkpoints absorbed
-	Redeliveries        int64
-	Outages             map[string]int // dependency -> times a subscriber instance held its events for it
-	Restarts            int
-	DrainTime           time.Duration
-	Violations          []string
+	// AtomicStored and AtomicRefused count the relays' atomic batches
+	// (stored whole, or refused or unanswered), AtomicEvents the events
+	// of those stored.
+	AtomicStored, AtomicRefused, AtomicEvents int64
+	CheckpointSkips                           int64 // deliveries the checkpoints absorbed
+	Redeliveries                              int64
+	Outages                                   map[string]int // dependency -> times a subscriber instance held its events for it
+	Restarts                                  int
+	DrainTime                                 time.Duration
+	Violations                                []string
 }
 
 func (r *Report) violate(invariant, detail string) {
@@ -96,6 +100,8 @@ func (r *Report) String() string {
 	}
 	fmt.Fprintf(&b, "  duplicates absorbed: %d by JetStream (publishes it already had), %d by the checkpoints; %d redeliveries\n",
 		r.JetStreamDuplicates, r.CheckpointSkips, r.Redeliveries)
+	fmt.Fprintf(&b, "  atomic batches: %d stored (%d events), %d refused or unanswered (their events went again)\n",
+		r.AtomicStored, r.AtomicEvents, r.AtomicRefused)
 	fmt.Fprintf(&b, "  outages waited out by subscriber instances (events held, none counted against them):")
 	for _, k := range sortedKeys(r.Outages) {
 		fmt.Fprintf(&b, " %s %d", k, r.Outages[k])
@@ -143,6 +149,8 @@ func (r *run) collectCounters() {
 				Skipped     int64  `json:"skipped"`
 				Redelivered int64  `json:"redelivered"`
 				Dependency  string `json:"dependency"`
+				Events      int64  `json:"events"`
+				Refused     bool   `json:"refused"`
 			}
 			if json.Unmarshal(sc.Bytes(), &line) != nil {
 				continue
@@ -150,6 +158,13 @@ func (r *run) collectCounters() {
 			switch line.Msg {
 			case "batch recorded":
 				r.report.JetStreamDuplicates += line.Duplicates
+			case "atomic batch":
+				if line.Refused {
+					r.report.AtomicRefused++
+				} else {
+					r.report.AtomicStored++
+					r.report.AtomicEvents += line.Events
+				}
 			case "batch handled":
 				r.report.CheckpointSkips += line.Skipped
 				r.report.Redeliveries += line.Redelivered

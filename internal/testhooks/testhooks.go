@@ -37,6 +37,12 @@ type Relay struct {
 	// lookbacks; true fails it as a stream still electing its leader
 	// would.
 	FailLookback func() bool
+	// FailAtomic, if set, names atomic batches (by their rows' ids) that
+	// fail as if the commit got no answer, before anything is sent.
+	FailAtomic func(ids []int64) bool
+	// AtomicReversed (sabotage) sends each atomic batch's events in the
+	// reverse order: an aggregate's chain lands backwards.
+	AtomicReversed bool
 }
 
 // Subscriber breaks the subscriber runtime, or stops it at a moment.
