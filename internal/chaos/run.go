@@ -65,6 +65,9 @@ type Options struct {
 	// Relay kills then land anywhere, also between a publish and the
 	// slot's confirmation.
 	Capture string
+	// Atomic is the relays' relay.atomic: event (the default) or
+	// transaction (wal capture), which the checker then holds them to.
+	Atomic string
 }
 
 // wal reports whether the run's relays capture from the WAL: they leave
@@ -279,6 +282,9 @@ func (r *run) setup() {
 	if r.o.Sabotage != "" {
 		env = append(env, "FANOUT_TEST_SABOTAGE="+r.o.Sabotage)
 	}
+	if r.o.Atomic != "" {
+		env = append(env, "FANOUT_RELAY_ATOMIC="+r.o.Atomic)
+	}
 	if r.wal() {
 		// Slot names are cluster-wide; the run's database is its own.
 		env = append(env, "FANOUT_RELAY_CAPTURE=wal", "FANOUT_RELAY_SLOT="+r.db.Name)
@@ -428,7 +434,7 @@ func (r *run) waitConsumers() {
 // load writes the shop's traffic at the rate, and plants bad input.
 func (r *run) load(ctx context.Context) {
 	d := &demo.Driver{Pool: r.db.Pool, Rate: r.o.Rate, Rand: rand.New(rand.NewPCG(r.o.Seed, 2)), Logger: quietLogger(),
-		Mix: demo.Mix{Price: 34, Stock: 25, Order: 15, Lifecycle: 10, Create: 6, Delete: 4, RenameBrand: 4, RenameCategory: 2}}
+		Mix: demo.Mix{Price: 30, Sale: 4, Stock: 25, Order: 15, Lifecycle: 10, Create: 6, Delete: 4, RenameBrand: 4, RenameCategory: 2}}
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() {

@@ -7,7 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -29,6 +31,9 @@ type Mix struct {
 	// Lifecycle moves an open order on: paid, shipped, delivered, or (one
 	// time in six) cancelled.
 	Lifecycle int
+	// Sale changes the prices of 2 to 8 products in one transaction: its
+	// events enter the stream together with relay.atomic transaction.
+	Sale int
 }
 
 // DefaultMix resembles a shop: mostly price and stock changes, some orders,
@@ -146,6 +151,8 @@ func (d *Driver) writeOne(ctx context.Context) error {
 			return err
 		case op < m.Price+m.Stock+m.Order+m.Create+m.Delete+m.RenameCategory+m.Lifecycle:
 			return d.moveOrder(ctx, tx)
+		case op < m.Price+m.Stock+m.Order+m.Create+m.Delete+m.RenameCategory+m.Lifecycle+m.Sale:
+			return d.sale(ctx, tx)
 		default:
 			// Brand renames last, so that a mix written before category
 			// renames existed draws the same writes from the same seed.
@@ -190,6 +197,24 @@ SELECT id, status FROM orders WHERE status IN ('created', 'paid', 'shipped') ORD
 		return nil // another writer moved it first
 	}
 	return err
+}
+
+// sale changes the prices of 2 to 8 products, in id order.
+func (d *Driver) sale(ctx context.Context, tx pgx.Tx) error {
+	ids := map[int64]bool{}
+	for range 2 + d.Rand.IntN(7) {
+		id, err := d.randomProduct(ctx, tx)
+		if err != nil {
+			return err
+		}
+		ids[id] = true
+	}
+	for _, id := range slices.Sorted(maps.Keys(ids)) {
+		if _, err := shop.UpdatePrice(ctx, tx, id, int64(1000+d.Rand.IntN(300000))); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // randomProduct picks an existing product id cheaply: a random point in the
