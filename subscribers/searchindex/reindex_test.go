@@ -396,17 +396,19 @@ func TestReindexVerifiesHotProducts(t *testing.T) {
 // check.
 func TestReindexOutlastsTheStatementTimeout(t *testing.T) {
 	t.Parallel()
-	f := newFixture(t, search.OpenSearch, 3000)
+	const products = 15000
+	f := newFixture(t, search.OpenSearch, products)
 	ctx := context.Background()
 	cfg, err := pgxpool.ParseConfig(f.env.DB.URL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The whole load takes longer (0.5–2 s here: 1500 products once
-	// loaded in 255 ms, under a 300 ms timeout), a page of 25 far less (a
-	// few ms; a page of 100 once took over 100 ms on a host busy with the
-	// fault run).
-	cfg.ConnConfig.RuntimeParams["statement_timeout"] = "150" // ms
+	// The whole load takes longer (about 0.9 s on an idle host: 6000
+	// products loaded in 375 ms), a page of 25 far less (a few ms; a page
+	// of 100 once took over 100 ms, and a statement of a reindex over 150
+	// ms, on a host busy with the fault run).
+	const timeout = 300 * time.Millisecond
+	cfg.ConnConfig.RuntimeParams["statement_timeout"] = strconv.Itoa(int(timeout.Milliseconds()))
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -416,10 +418,10 @@ func TestReindexOutlastsTheStatementTimeout(t *testing.T) {
 	r.Pool, r.PageSize = pool, 25
 	rep, err := r.Reindex(ctx)
 	if err != nil {
-		t.Fatalf("reindex with a 150ms statement timeout: %v", err)
+		t.Fatalf("reindex with a %s statement timeout: %v", timeout, err)
 	}
-	if rep.Snapshot != 3000 || rep.Loaded != 3000 || rep.LoadTime < 150*time.Millisecond {
-		t.Errorf("reindex: %+v; want 3000 of 3000 loaded, in longer than the statement timeout", rep)
+	if rep.Snapshot != products || rep.Loaded != products || rep.LoadTime < timeout {
+		t.Errorf("reindex: %+v; want %d of %d loaded, in longer than the statement timeout", rep, products, products)
 	}
 	d, err := searchindex.Check(ctx, f.client, pool, rep.To, 0)
 	if err != nil || d.Total() != 0 {
