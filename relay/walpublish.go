@@ -16,9 +16,8 @@ var errNotVisibleYet = errors.New("decoded row not visible yet")
 const visibleWithin = 5 * time.Second
 
 // dispatch publishes the current transaction's rows collected so far as
-// one chunk (last: the transaction's), waiting for room in flight
-// (relay.max_in_flight) first.
-func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error {
+// one chunk, waiting for room in flight (relay.max_in_flight) first.
+func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 	if len(s.rows) == 0 {
 		return nil
 	}
@@ -42,11 +41,6 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 		}
 	}
 	txn := s.cur
-	txn.parts++
-	part := txPart{tx: txn.final.String(), chunk: txn.parts, last: last}
-	// A transaction's chunks enter the stream in their order.
-	before, partDone := txn.lastPart, make(chan struct{})
-	txn.lastPart = partDone
 	txn.chunks.Add(1)
 	s.r.batches.Add(1)
 	// Each row takes its place in its aggregate's order here, in the
@@ -57,7 +51,6 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 		defer s.r.slots.Release(n)
 		defer txn.chunks.Done()
 		defer s.r.order.abandon(c) // a no-op for the rows done
-		defer close(partDone)
 		// Every row of a transaction is dispatched at its commit or after
 		// it (a chunk that filled up earlier waits here the same way).
 		if err := s.r.visibility.wait(softCtx, txn.xid); err != nil {
@@ -72,21 +65,7 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 			}
 			c = s.r.order.keep(c, kept)
 		}
-		published := false
-		if s.r.cfg.Atomic == AtomicTransaction {
-			if before != nil {
-				select {
-				case <-before:
-				case <-softCtx.Done():
-					txn.abandoned.Store(true)
-					return
-				}
-			}
-			published = !txn.abandoned.Load() && s.r.publishTransaction(softCtx, hardCtx, c, part)
-		} else {
-			published = s.r.publishOrdered(softCtx, hardCtx, c)
-		}
-		if !published {
+		if !s.r.publishOrdered(softCtx, hardCtx, c) {
 			txn.abandoned.Store(true)
 		}
 	}()
