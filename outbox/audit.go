@@ -316,6 +316,16 @@ ORDER BY e.id, l.id DESC`, stream, lo, hi, ids)
 	return out, nil
 }
 
+// LandedThrough is the highest event id with a landing recorded in
+// stream (0: none).
+func (s *Store) LandedThrough(ctx context.Context, stream string) (int64, error) {
+	var id int64
+	if err := s.pool.QueryRow(ctx, `SELECT coalesce(max(last_id), 0) FROM outbox_landings WHERE stream = $1`, stream).Scan(&id); err != nil {
+		return 0, fmt.Errorf("read the newest landing: %w", err)
+	}
+	return id, nil
+}
+
 // Now is the database's clock.
 func (s *Store) Now(ctx context.Context) (time.Time, error) {
 	var t time.Time

@@ -194,6 +194,12 @@ type Claimed struct {
 	// AggregateSeq is the event's number within its aggregate; not valid
 	// for a row written before schema migration 00009.
 	AggregateSeq pgtype.Int8
+	// LandedSeq is where an earlier publish of the event landed in the
+	// stream, when the relay knows of one (0: none): a wal relay decoding
+	// again what it had published (relay's replay). The message carries
+	// it in RepairedHeader, so that a copy stored again, because the
+	// stream lost the earlier one, says so as the auditor's repairs do.
+	LandedSeq uint64
 }
 
 // Claim moves up to n pending rows that are due to `sending` under the

@@ -22,7 +22,10 @@ const OriginHeader = "Fanout-Origin"
 
 // RepairedHeader is set on an event the auditor published again because
 // the stream had lost it (package relay, audit.go): the sequence it was
-// lost from ("0": published with no landing recorded). Such a copy enters
+// lost from ("0": published with no landing recorded). A wal relay that
+// decodes again an event it had published sets it too (Claimed.LandedSeq):
+// JetStream drops that copy as a duplicate, unless the stream lost the
+// earlier one. Such a copy enters
 // the stream after later events of its aggregate; the ordered subscribers
 // hold those back until it arrives (subscribers.gap_wait).
 const RepairedHeader = "Fanout-Repaired-From"

@@ -56,6 +56,9 @@ const (
 	AuditLookback = "lookback"
 	AuditRange    = "range"
 	AuditCommand  = "command"
+	// AuditReplay counts, in the metrics only, what a wal relay found
+	// missing as it decoded again events it had published (replayed).
+	AuditReplay = "replay"
 )
 
 // AuditReport is what one audit checked and found.

@@ -129,11 +129,11 @@ func Message(cfg stream.Config, ident *outbox.Identity, rw outbox.Claimed, maxPa
 	msg := &nats.Msg{
 		Subject: stream.Subject(cfg.SubjectPrefix, rw.EventType),
 		Data:    rw.Payload,
-		Header:  make(nats.Header, len(headers)+9),
+		Header:  make(nats.Header, len(headers)+10),
 	}
 	// Every header has one value: one array holds them all, rather than an
 	// allocation per header for every event.
-	values := make([]string, 0, len(headers)+9)
+	values := make([]string, 0, len(headers)+10)
 	set := func(k, v string) {
 		values = append(values, v)
 		msg.Header[k] = values[len(values)-1 : len(values) : len(values)]
@@ -159,6 +159,9 @@ func Message(cfg stream.Config, ident *outbox.Identity, rw outbox.Claimed, maxPa
 	// identity: another database's event with the same id is another
 	// event), and the stream the event must land in (publishAll passes no
 	// publish options).
+	if rw.LandedSeq > 0 {
+		set(outbox.RepairedHeader, strconv.FormatUint(rw.LandedSeq, 10))
+	}
 	set(jetstream.MsgIDHeader, origin+":"+id)
 	set(jetstream.ExpectedStreamHeader, cfg.Name)
 	hdr := msg.Size() - len(msg.Subject) - len(msg.Data)

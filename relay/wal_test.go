@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -85,6 +86,68 @@ func TestWALRelayKilledBeforeConfirmingPublishesAgain(t *testing.T) {
 			t.Errorf("event %d: second publish not reported as a duplicate by JetStream", p.ID)
 		}
 	}
+	assertEachOnce(t, h, n)
+}
+
+// A relay decodes again what its slot had not confirmed: events published
+// already, which JetStream drops as duplicates, unless the stream lost them
+// meanwhile (its store rolled back). The copy stored then is a repair and
+// says where the earlier one was lost from (Fanout-Repaired-From), as the
+// auditor's repairs do: without it, nobody can tell it from an event
+// published behind later ones of its aggregate (a fault run could not).
+func TestWALReplayOfWhatTheStreamLostSaysWhereItWas(t *testing.T) {
+	t.Parallel()
+	const n = 30
+	h := newWALHarness(t)
+	h.cfg.Relay.Audit = false // the replay, not the auditor, publishes them again
+	dying := h.newRelay(nil, nil)
+	dying.testHookBeforeConfirm = func(ctx context.Context, _ pglogrepl.LSN) {
+		<-ctx.Done() // never confirm: the slot stays behind every event
+	}
+	h.start(dying)
+	h.waitStreaming(dying)
+	h.nats.Stop()
+	snapshot, err := h.nats.Snapshot() // the stream, empty
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.nats.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	writeMany(t, h.db.Pool, n)
+	waitFor(t, 20*time.Second, "every event landed", func() (bool, string) {
+		return h.streamCount() == n && h.landings() == n, fmt.Sprintf("%d in the stream, %d landings", h.streamCount(), h.landings())
+	})
+	landed := map[string]string{}
+	for _, m := range h.streamMessages() {
+		landed[m.Header.Get(outbox.EventIDHeader)] = strconv.FormatUint(m.Sequence, 10)
+	}
+	stopCtx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	_ = dying.Stop(stopCtx)
+
+	h.nats.Stop()
+	if err := h.nats.RollBack(snapshot); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.nats.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.streamCount(); got != 0 {
+		t.Fatalf("after the rollback the stream holds %d events, want none: the test proves less than it claims", got)
+	}
+	obs := &auditCounter{}
+	h.startRelay(nil, obs)
+	h.waitAllSent(n, 30*time.Second)
+	for _, m := range h.streamMessages() {
+		id := m.Header.Get(outbox.EventIDHeader)
+		if got, want := m.Header.Get(outbox.RepairedHeader), landed[id]; got != want {
+			t.Errorf("event %s stored again at %d: %s %q, want %q (where it was lost from)", id, m.Sequence, outbox.RepairedHeader, got, want)
+		}
+	}
+	waitFor(t, 10*time.Second, "the repairs counted", func() (bool, string) {
+		return obs.missing.Load() == n && obs.repaired.Load() == n, fmt.Sprintf("%d missing, %d repaired", obs.missing.Load(), obs.repaired.Load())
+	})
 	assertEachOnce(t, h, n)
 }
 

@@ -65,6 +65,12 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 			}
 			c = s.r.order.keep(c, kept)
 		}
+		if len(c.rows) > 0 && c.rows[0].ID <= s.landedThrough {
+			if !s.r.replayed(softCtx, c.rows, s.landedThrough) {
+				txn.abandoned.Store(true)
+				return
+			}
+		}
 		if !s.r.publishOrdered(softCtx, hardCtx, c) {
 			txn.abandoned.Store(true)
 		}
@@ -94,11 +100,17 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) (f
 			published        []Published
 			landed           []outbox.Landed
 			firstRetryReason string
+			repaired         int
 		)
 		for i, res := range results {
 			switch {
 			case res.acked:
 				published = append(published, Published{ID: rows[i].ID, CreatedAt: rows[i].CreatedAt.Time, AckedAt: res.ackedAt, Duplicate: res.duplicate})
+				if rows[i].LandedSeq > 0 && !res.duplicate {
+					repaired++
+					r.logger.Warn("decoded again, an event was missing from the stream: published again",
+						"event_id", rows[i].ID, "stream_seq", rows[i].LandedSeq, "new_stream_seq", res.seq)
+				}
 				if res.seq > 0 {
 					landed = append(landed, outbox.Landed{ID: rows[i].ID, Seq: res.seq})
 				}
@@ -120,6 +132,9 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) (f
 			return nil, false
 		}
 		r.reportPublished(published, len(retry), len(failedIDs))
+		if repaired > 0 {
+			r.obs.Audited(AuditReplay, 0, repaired, repaired)
+		}
 		if len(failedIDs) > 0 {
 			if !r.failCaptured(softCtx, failedIDs, failedReasons) {
 				return nil, false
@@ -202,6 +217,40 @@ func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string)
 		if _, gone := missing[id]; !gone {
 			r.logger.Error("outbox row can never be published: marked failed", "event_id", id, "reason", reasons[i])
 		}
+	}
+	return true
+}
+
+// replayed looks up where the rows up to landedThrough (ids) landed when
+// published before: a stream starts from the slot's confirmed position,
+// so it decodes again what was published and not yet confirmed (by this
+// relay before a reconnect, or by the one before it). Each such row's
+// message carries its landing (outbox.RepairedHeader): JetStream drops it
+// as a duplicate, unless the stream lost the earlier copy (a store that
+// lost its last writes), and then the copy stored again is a repair, as
+// the auditor's are, and says where it was lost from. False: the relay
+// stopped first.
+//
+// A row published by a relay still finishing its work after the bound was
+// read goes without its landing: it is a duplicate as well, unless lost,
+// and then only its header is missing.
+func (r *Relay) replayed(ctx context.Context, rows []row, landedThrough int64) bool {
+	ids := make([]int64, 0, len(rows))
+	for _, rw := range rows {
+		if rw.ID <= landedThrough {
+			ids = append(ids, rw.ID)
+		}
+	}
+	landed, err := backoff.Retry(ctx, func() (map[int64]uint64, error) {
+		return r.store.NewestLandings(ctx, r.stream.Name, ids)
+	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
+		r.logger.Warn("read where decoded-again rows landed, will retry", "error", err, "retry_in", next, "rows", len(ids))
+	}))
+	if err != nil {
+		return false
+	}
+	for i := range rows {
+		rows[i].LandedSeq = landed[rows[i].ID]
 	}
 	return true
 }

@@ -164,7 +164,14 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 	// again after the restart.
 	streamCtx, endStream := context.WithCancelCause(softCtx)
 	defer endStream(nil)
-	s := &walStream{r: r, conn: conn, relations: map[uint32]*relationColumns{}, types: pgtype.NewMap(), queue: make(chan *walTxn, r.cfg.MaxInFlight+64), until: until}
+	landedCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
+	landedThrough, err := r.store.LandedThrough(landedCtx, r.stream.Name)
+	cancel()
+	if err != nil {
+		return err
+	}
+	s := &walStream{r: r, conn: conn, relations: map[uint32]*relationColumns{}, types: pgtype.NewMap(), queue: make(chan *walTxn, r.cfg.MaxInFlight+64), until: until,
+		landedThrough: landedThrough}
 	s.progressAt.Store(time.Now().UnixNano())
 	drain.Add(1)
 	go func() {
@@ -245,12 +252,17 @@ type walStream struct {
 	refetch   []int         // indexes in rows of versions decoded without a value (unchanged TOAST), ascending
 	rowAt     map[int64]int // id -> index in rows
 
-	until      pglogrepl.LSN // end the stream once confirmed this far (0: never)
-	queue      chan *walTxn  // transactions in commit order, to confirm
-	queued     atomic.Int64  // transactions in queue or being waited on
-	confirmed  atomic.Uint64 // the position safe to confirm
-	progressAt atomic.Int64  // unix nanoseconds when a transaction was last confirmed, or the queue last empty
-	stopped    atomic.Bool   // the confirmer met an abandoned transaction
+	until pglogrepl.LSN // end the stream once confirmed this far (0: never)
+	// landedThrough: the highest event id with a landing when the stream
+	// started. The stream starts from the slot's confirmed position, which
+	// lags what was published: rows up to it may be decoded again, and
+	// their landings are looked up (replayed).
+	landedThrough int64
+	queue         chan *walTxn  // transactions in commit order, to confirm
+	queued        atomic.Int64  // transactions in queue or being waited on
+	confirmed     atomic.Uint64 // the position safe to confirm
+	progressAt    atomic.Int64  // unix nanoseconds when a transaction was last confirmed, or the queue last empty
+	stopped       atomic.Bool   // the confirmer met an abandoned transaction
 }
 
 func (s *walStream) run(softCtx, hardCtx context.Context) (err error) {

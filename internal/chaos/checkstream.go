@@ -255,7 +255,9 @@ type aggregateEvent struct {
 // skipped, and its own copy is not held against the order (the ordered
 // subscriber's history, checked on its own, shows it applied in order).
 // Only a copy lost from a sequence a rollback of the run took away is
-// excused: a relay that skipped an event is not.
+// excused (its Fanout-Repaired-From says which: the auditor's repairs, and
+// a wal relay's events decoded again after a rollback): a relay that
+// skipped an event is not.
 func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, numbered map[int64]aggregateEvent) {
 	repairedNumber := map[aggregateEvent]bool{}
 	for _, ev := range stream.bySeq {
@@ -295,6 +297,26 @@ func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, n
 		r.report.violate("8 (every event numbered in its aggregate)", fmt.Sprintf("%d events in the stream have no aggregate_seq", unnumbered))
 	}
 	if len(disorder) > 0 {
+		// What the stream holds of the first aggregates out of order, copy
+		// by copy, for whoever reads the report.
+		shown := map[string]bool{}
+		for _, d := range disorder {
+			if len(shown) < 4 {
+				shown[d[:strings.Index(d, ":")]] = true
+			}
+		}
+		for agg := range shown {
+			var copies []string
+			for _, ev := range stream.bySeq {
+				if a, ok := numbered[ev.id]; ok && a.aggregate == agg {
+					copies = append(copies, fmt.Sprintf("#%d id %d seq %d repaired-from %q lost-to-rollback %v", a.number, ev.id, ev.seq, ev.repairedFrom, r.lostToRollback(ev.repairedFrom)))
+				}
+			}
+			r.lostMu.Lock()
+			spans := slices.Clone(r.lostSpans)
+			r.lostMu.Unlock()
+			r.o.Logf("chaos: %s in the stream: %s (lost spans %v)", agg, strings.Join(copies, "; "), spans)
+		}
 		r.report.violate("8 (each aggregate's events enter the stream in commit order)", fmt.Sprintf("%d events out of order: %s", len(disorder), head(disorder)))
 	}
 }

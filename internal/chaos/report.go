@@ -31,7 +31,8 @@ type Report struct {
 	// commit order (invariant 8).
 	Aggregates int
 	// Repaired: events the stream lost after their PubAck that the
-	// auditor published again (a rolled-back store).
+	// auditor, or a wal relay decoding them again, published again (a
+	// rolled-back store).
 	Repaired int
 	// Order transitions (after created) the ordered subscriber applied,
 	// its history checked against the committed one (invariant 8).
@@ -79,7 +80,7 @@ func (r *Report) String() string {
 	}
 	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows; %d aggregates, each one's events checked in commit order\n", r.OutboxRows, r.Events, r.FailedRows, r.Aggregates)
 	if r.Repaired > 0 {
-		fmt.Fprintf(&b, "  lost by JetStream after their PubAck and published again by the auditor: %d events\n", r.Repaired)
+		fmt.Fprintf(&b, "  lost by JetStream after their PubAck and published again (by the auditor, or by a wal relay decoding them again): %d events\n", r.Repaired)
 	}
 	fmt.Fprintf(&b, "  orders: %d transitions after created applied by the ordered subscriber, its history checked against the committed one\n", r.Transitions)
 	fmt.Fprintf(&b, "  outbox ranges at the end: %d (%d sealed), %d rows in outbox_default\n", r.Ranges, r.SealedRanges, r.DefaultRows)
