@@ -3,6 +3,7 @@ package relay
 import (
 	"context"
 	"errors"
+	"slices"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
@@ -65,7 +66,7 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 			}
 			c = s.r.order.keep(c, kept)
 		}
-		if len(c.rows) > 0 && c.rows[0].ID <= s.landedThrough {
+		if slices.ContainsFunc(c.rows, func(rw row) bool { return rw.ID <= s.landedThrough }) {
 			if !s.r.replayed(softCtx, c.rows, s.landedThrough) {
 				txn.abandoned.Store(true)
 				return
