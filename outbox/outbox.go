@@ -48,6 +48,14 @@ const (
 	// (schema migration 00009 numbers every row as it is inserted). Absent
 	// on events written before that migration.
 	AggregateSeqHeader = "Fanout-Aggregate-Seq"
+	// With relay.atomic transaction, the writer transaction an event came
+	// from (its commit's position in the write-ahead log), the chunk of it
+	// the event's atomic batch carried (1, 2, ...: a transaction of more
+	// than 1000 events goes in chunks of 1000), and, on the last chunk's
+	// events, "true".
+	TxHeader      = "Fanout-Tx"
+	TxChunkHeader = "Fanout-Tx-Chunk"
+	TxLastHeader  = "Fanout-Tx-Last"
 )
 
 // WakeChannel is the Postgres NOTIFY channel on which writers wake the relay.

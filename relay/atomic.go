@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"time"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/nats-io/nats.go"
 	"github.com/synadia-io/orbit.go/jetstreamext"
 )
@@ -107,7 +109,13 @@ func (r *Relay) publishAtomic(ctx context.Context, msgs []*nats.Msg) (uint64, er
 	defer cancel()
 	// No acknowledgement of the first message: one round trip a batch. A
 	// stream that refuses the batch says so in the commit's answer.
-	ack, err := jetstreamext.PublishMsgBatch(ctx, r.js, msgs, jetstreamext.BatchFlowControl{AckFirst: false})
+	var ack *jetstreamext.BatchAck
+	var err error
+	if r.hooks.MidBatch != nil {
+		ack, err = r.publishAtomicHalting(ctx, msgs)
+	} else {
+		ack, err = jetstreamext.PublishMsgBatch(ctx, r.js, msgs, jetstreamext.BatchFlowControl{AckFirst: false})
+	}
 	r.obs.AtomicBatch(len(msgs), err)
 	r.logger.Debug("atomic batch", "events", len(msgs), "refused", err != nil)
 	if err != nil {
@@ -117,4 +125,218 @@ func (r *Relay) publishAtomic(ctx context.Context, msgs []*nats.Msg) (uint64, er
 		return 0, fmt.Errorf("atomic batch of %d events stored in stream %s, not %s", len(msgs), ack.Stream, r.stream.Name)
 	}
 	return ack.Sequence, nil
+}
+
+// publishAtomicHalting is publishAtomic's batch sent a message at a time,
+// with the test hook MidBatch run halfway.
+func (r *Relay) publishAtomicHalting(ctx context.Context, msgs []*nats.Msg) (*jetstreamext.BatchAck, error) {
+	b, err := jetstreamext.NewBatchPublisher(r.js)
+	if err != nil {
+		return nil, err
+	}
+	for i, msg := range msgs[:len(msgs)-1] {
+		if i == len(msgs)/2 {
+			r.hooks.MidBatch()
+		}
+		if err := b.AddMsg(msg); err != nil {
+			return nil, err
+		}
+	}
+	return b.CommitMsg(ctx, msgs[len(msgs)-1])
+}
+
+// txPart names what one atomic batch of relay.atomic transaction carries:
+// a writer transaction (its commit's position in the write-ahead log), or
+// the chunk-th of its chunks of atomicMax events, last or not.
+type txPart struct {
+	tx    string
+	chunk int
+	last  bool
+}
+
+// setHeaders marks msg as an event of p.
+func (p txPart) setHeaders(msg *nats.Msg) {
+	msg.Header[outbox.TxHeader] = []string{p.tx}
+	msg.Header[outbox.TxChunkHeader] = []string{strconv.Itoa(p.chunk)}
+	if p.last {
+		msg.Header[outbox.TxLastHeader] = []string{"true"}
+	}
+}
+
+// publishTransaction publishes a wal chunk of relay.atomic transaction:
+// every row of it in one atomic batch, once the events before them in
+// their aggregates are done, or none. A row that can never be published
+// is marked failed (with those behind it in its aggregate, and rows held
+// behind an earlier failed event: relay.on_failed hold), and the others
+// go without it. A batch the stream does not store is tried again, with
+// backoff, for as long as it takes: going without the batch would let a
+// subscriber see part of the transaction. It returns false if the relay
+// stopped first, or a row before one of these was abandoned.
+func (r *Relay) publishTransaction(softCtx, hardCtx context.Context, c *ordered, p txPart) bool {
+	defer r.order.abandon(c) // a no-op for the rows done
+	own := make(map[*turn]bool, len(c.rows))
+	inChunk := make(map[int64]bool, len(c.rows))
+	for i, rw := range c.rows {
+		own[c.own[i]] = true
+		inChunk[rw.ID] = true
+	}
+	for i := range c.rows {
+		if prev := c.prev[i]; prev != nil && !own[prev] {
+			select {
+			case <-prev.done:
+				if prev.abandoned {
+					return false
+				}
+			case <-softCtx.Done():
+				return false
+			}
+		}
+	}
+
+	hold := r.store.OnFailed != outbox.SkipFailed
+	maxPayload := r.nc.MaxPayload()
+	var (
+		publish           []row
+		msgs              []*nats.Msg
+		failedIDs         []int64
+		failedReasons     []string
+		poisons           []row
+		stoppedBy         = map[aggregateKey]int64{} // a row of this chunk that failed
+		heldN, poisonRows int
+	)
+	for _, rw := range c.rows {
+		if hold && rw.AggregateSeq.Valid {
+			by, held := stoppedBy[keyOf(rw)]
+			if !held {
+				// Held behind an earlier failed event, unless that one is
+				// in this chunk (an operator's retry returns it with them).
+				if b, ok := r.order.heldBehind(rw); ok && !inChunk[b] {
+					by, held = b, true
+				}
+			}
+			if held {
+				failedIDs, failedReasons = append(failedIDs, rw.ID), append(failedReasons, outbox.HeldBehindReason(by))
+				heldN++
+				continue
+			}
+		}
+		msg, err := r.message(rw, maxPayload)
+		if err != nil {
+			failedIDs, failedReasons = append(failedIDs, rw.ID), append(failedReasons, rowReason(rw.ID, err))
+			poisons = append(poisons, rw)
+			poisonRows++
+			if hold && rw.AggregateSeq.Valid {
+				stoppedBy[keyOf(rw)] = rw.ID
+			}
+			continue
+		}
+		p.setHeaders(msg)
+		publish, msgs = append(publish, rw), append(msgs, msg)
+	}
+	if len(publish) > 0 && !r.publishTransactionBatch(softCtx, hardCtx, p, publish, msgs) {
+		return false
+	}
+	if len(failedIDs) > 0 {
+		if !r.failCaptured(softCtx, failedIDs, failedReasons) {
+			return false
+		}
+		for _, rw := range poisons {
+			if hold && rw.AggregateSeq.Valid {
+				r.order.hold(rw)
+			}
+		}
+		if len(publish) > 0 {
+			r.logger.Warn("a transaction's events went without those that can never be published, and those held behind them",
+				"transaction", p.tx, "published", len(publish), "failed", poisonRows, "held", heldN)
+		}
+	}
+	for _, rw := range publish {
+		r.order.release(rw)
+	}
+	for i := range c.rows {
+		r.order.leave(c, i, false)
+	}
+	return true
+}
+
+// publishTransactionBatch publishes msgs, the events of rows, as one
+// atomic batch, trying again until the stream stores it, records where
+// they landed and reports them. A batch holding an event the stream
+// already has was stored before (by a relay that stopped before the slot
+// moved past it, or a commit whose answer was lost): its events are
+// published again one by one, each dropped as the duplicate it is, which
+// says where it landed.
+func (r *Relay) publishTransactionBatch(softCtx, hardCtx context.Context, p txPart, rows []row, msgs []*nats.Msg) bool {
+	wait := r.cfg.RetryMin
+	for {
+		err := r.guardOrigin(hardCtx)
+		var seqs []uint64
+		switch {
+		case err != nil:
+		case !r.atomicOK.Load():
+			err = fmt.Errorf("the stream %s does not allow atomic batches: set allow_atomic (`fanout provision --update-stream %s`)", r.stream.Name, r.stream.Name)
+		default:
+			seqs, err = r.sendTransaction(softCtx, hardCtx, msgs)
+		}
+		if err == nil {
+			now := time.Now()
+			published := make([]Published, len(rows))
+			landed := make([]outbox.Landed, len(rows))
+			for i, rw := range rows {
+				published[i] = Published{ID: rw.ID, CreatedAt: rw.CreatedAt.Time, AckedAt: now}
+				landed[i] = outbox.Landed{ID: rw.ID, Seq: seqs[i]}
+			}
+			if !r.recordCaptured(hardCtx, landed) {
+				return false
+			}
+			r.reportPublished(published, 0, 0)
+			return true
+		}
+		if errors.Is(err, jetstreamext.ErrBatchPublishDuplicateMsgID) {
+			r.logger.Info("a transaction's atomic batch holds events the stream already has: publishing them again one by one, as duplicates",
+				"transaction", p.tx, "chunk", p.chunk, "events", len(rows))
+			// With the batch's headers: if the stream lost them since it
+			// said so (a store rolled back), they are stored again one by
+			// one, still marked as the transaction's.
+			failed, ok := r.publishCaptured(softCtx, hardCtx, rows, p.setHeaders)
+			if ok && len(failed) > 0 {
+				r.logger.Error("events of a transaction published one by one failed", "transaction", p.tx, "failed", len(failed))
+			}
+			return ok
+		}
+		if hardCtx.Err() != nil {
+			return false
+		}
+		r.obs.Retried(len(rows))
+		r.logger.Warn("a transaction's atomic batch was not stored; retrying, the slot waits for it",
+			"transaction", p.tx, "chunk", p.chunk, "events", len(rows), "error", err, "retry_in", wait)
+		if !r.sleep(softCtx, wait) {
+			return false
+		}
+		wait = min(wait*2, r.cfg.RetryMax)
+	}
+}
+
+// sendTransaction publishes msgs as one atomic batch and returns each
+// one's stream sequence. With the sabotage hook SplitTransactions it
+// sends them as two batches, 200 ms apart: others may land between.
+func (r *Relay) sendTransaction(softCtx, hardCtx context.Context, msgs []*nats.Msg) ([]uint64, error) {
+	parts := [][]*nats.Msg{msgs}
+	if half := len(msgs) / 2; r.hooks.SplitTransactions && half > 0 {
+		parts = [][]*nats.Msg{msgs[:half], msgs[half:]}
+	}
+	seqs := make([]uint64, 0, len(msgs))
+	for i, part := range parts {
+		if i > 0 && !r.sleep(softCtx, 200*time.Millisecond) {
+			return nil, softCtx.Err()
+		}
+		last, err := r.publishAtomic(hardCtx, part)
+		if err != nil {
+			return nil, err
+		}
+		for j := range part {
+			seqs = append(seqs, last-uint64(len(part)-1-j))
+		}
+	}
+	return seqs, nil
 }

@@ -1,8 +1,10 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -217,4 +219,289 @@ func TestAtomicBatchesFallBack(t *testing.T) {
 			}
 		})
 	})
+}
+
+// txCheck reads the stream against the outbox's transactions (their rows'
+// xmin: a wal relay leaves published rows as inserted) and returns how
+// many transactions it checked and what is wrong: every transaction's
+// events once each, in chunks of at most 1000 that are each one run of
+// consecutive sequences, numbered from 1 with the last one marked.
+func txCheck(t *testing.T, h *harness) (txs int, bad []string) {
+	t.Helper()
+	byID := map[int64]*jetstream.RawStreamMsg{}
+	for _, m := range h.streamMessages() {
+		id, err := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+		if err != nil {
+			t.Fatalf("message %d: %v", m.Sequence, err)
+		}
+		if byID[id] != nil {
+			bad = append(bad, fmt.Sprintf("event %d twice, at %d and %d", id, byID[id].Sequence, m.Sequence))
+			continue
+		}
+		byID[id] = m
+	}
+	rows, err := h.db.Pool.Query(context.Background(), `SELECT xmin::text, array_agg(id ORDER BY id) FROM outbox WHERE status = 'pending' GROUP BY xmin::text`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	groups, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) ([]int64, error) {
+		var xmin string
+		var ids []int64
+		err := row.Scan(&xmin, &ids)
+		return ids, err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ids := range groups {
+		txs++
+		var msgs []*jetstream.RawStreamMsg
+		for _, id := range ids {
+			m := byID[id]
+			if m == nil {
+				bad = append(bad, fmt.Sprintf("event %d is not in the stream", id))
+				continue
+			}
+			msgs = append(msgs, m)
+		}
+		slices.SortFunc(msgs, func(a, b *jetstream.RawStreamMsg) int { return cmp.Compare(a.Sequence, b.Sequence) })
+		chunks := (len(ids) + atomicMax - 1) / atomicMax
+		tx := ""
+		for i, m := range msgs {
+			chunk := i/atomicMax + 1
+			want := []string{strconv.Itoa(chunk), ""}
+			if chunk == chunks {
+				want[1] = "true"
+			}
+			got := []string{m.Header.Get(outbox.TxChunkHeader), m.Header.Get(outbox.TxLastHeader)}
+			if i == 0 {
+				tx = m.Header.Get(outbox.TxHeader)
+			}
+			if m.Header.Get(outbox.TxHeader) != tx || tx == "" || !slices.Equal(got, want) {
+				bad = append(bad, fmt.Sprintf("event %s of transaction %s marked %s chunk %v, want %s chunk %v", m.Header.Get(outbox.EventIDHeader),
+					tx, m.Header.Get(outbox.TxHeader), got, tx, want))
+			}
+			if i%atomicMax > 0 && m.Sequence != msgs[i-1].Sequence+1 {
+				bad = append(bad, fmt.Sprintf("transaction %s chunk %d: %d other messages between sequences %d and %d",
+					tx, chunk, m.Sequence-msgs[i-1].Sequence-1, msgs[i-1].Sequence, m.Sequence))
+			}
+		}
+	}
+	return txs, bad
+}
+
+// writeSmallTxs commits transactions of two events, of aggregates of
+// their own, until stop is closed: their events land between the
+// transaction's under test if it is not one batch.
+func writeSmallTxs(h *harness, stop <-chan struct{}) (written int, err error) {
+	ctx := context.Background()
+	for i := 0; ; i++ {
+		select {
+		case <-stop:
+			return written, nil
+		default:
+		}
+		if err := pgx.BeginFunc(ctx, h.db.Pool, func(tx pgx.Tx) error {
+			for _, e := range []outbox.Event{productEvent(10_000 + i), productEvent(20_000 + i)} {
+				if _, err := outbox.Write(ctx, tx, e); err != nil {
+					return err
+				}
+			}
+			return nil
+		}); err != nil {
+			return written, err
+		}
+		written += 2
+	}
+}
+
+// With relay.atomic transaction, each writer transaction enters the
+// stream as one atomic batch, in chunks of 1000 when it is larger, while
+// other transactions are written beside it: a row that can never be
+// published is marked failed, with the row of its aggregate behind it,
+// and the rest of its transaction goes without them. Published as two
+// batches each (the sabotage hook SplitTransactions), the same check
+// finds other events between a transaction's.
+func TestTransactionsEnterTheStreamWhole(t *testing.T) {
+	t.Parallel()
+	for _, sabotage := range []bool{false, true} {
+		name := "whole"
+		if sabotage {
+			name = "split-hook"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t)
+			h.cfg.Relay.Capture = CaptureWAL
+			h.cfg.Relay.Atomic = AtomicTransaction
+			r := h.newRelay(nil, nil)
+			r.hooks.SplitTransactions = sabotage
+			var small int
+			var poison, behind int64
+			h.launch(r, func() {
+				stop := make(chan struct{})
+				done := make(chan error)
+				go func() {
+					var err error
+					small, err = writeSmallTxs(h, stop)
+					done <- err
+				}()
+				defer func() {
+					close(stop)
+					if err := <-done; err != nil {
+						t.Fatal(err)
+					}
+				}()
+				write(t, h.db.Pool, productEvent(1), productEvent(2), productEvent(3))
+				big := make([]outbox.Event, 2500)
+				for i := range big {
+					big[i] = productEvent(1 + i%50)
+				}
+				write(t, h.db.Pool, big...)
+				// A writer in another language stores headers that are not
+				// strings: that row can never be published, and the next
+				// event of its aggregate waits behind it.
+				ctx := context.Background()
+				if err := pgx.BeginFunc(ctx, h.db.Pool, func(tx pgx.Tx) error {
+					if _, err := outbox.Write(ctx, tx, productEvent(7)); err != nil {
+						return err
+					}
+					if err := tx.QueryRow(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+VALUES ('product', '8', 'product.updated', '{}', '{"x-count": 1}') RETURNING id`).Scan(&poison); err != nil {
+						return err
+					}
+					var err error
+					if behind, err = outbox.Write(ctx, tx, productEvent(8)); err != nil {
+						return err
+					}
+					_, err = outbox.Write(ctx, tx, productEvent(9))
+					return err
+				}); err != nil {
+					t.Fatal(err)
+				}
+				time.Sleep(300 * time.Millisecond) // small transactions beside the last
+			})
+			want := 3 + 2500 + 2 + small
+			waitFor(t, 90*time.Second, "every publishable event in the stream", func() (bool, string) {
+				n := h.streamCount()
+				return n >= want, fmt.Sprintf("%d of %d", n, want)
+			})
+			var status, reason string
+			for id, wantReason := range map[int64]string{poison: "headers", behind: outbox.HeldBehindReason(poison)} {
+				waitFor(t, 10*time.Second, fmt.Sprintf("row %d failed", id), func() (bool, string) {
+					if err := h.db.Pool.QueryRow(context.Background(), `SELECT status, coalesce(last_error, '') FROM outbox WHERE id = $1`, id).Scan(&status, &reason); err != nil {
+						t.Fatal(err)
+					}
+					return status == "failed" && strings.Contains(reason, wantReason), status + ": " + reason
+				})
+			}
+			txs, bad := txCheck(t, h)
+			if txs < 3+small/2 {
+				t.Fatalf("%d transactions checked, want at least %d", txs, 3+small/2)
+			}
+			switch {
+			case sabotage && len(bad) == 0:
+				t.Fatalf("transactions published as two batches each, %d of them, all found whole: the check proves nothing", txs)
+			case !sabotage && len(bad) > 0:
+				t.Fatalf("%d problems, first: %s", len(bad), strings.Join(bad[:min(5, len(bad))], "; "))
+			}
+			t.Logf("%d transactions (%d small ones beside), %d problems", txs, small/2, len(bad))
+		})
+	}
+}
+
+// A relay killed in the middle of an atomic batch leaves none of the
+// batch's events in the stream; the next relay publishes the whole
+// transaction, once.
+func TestATransactionHalfSentIsNotInTheStream(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	h.cfg.Relay.Capture = CaptureWAL
+	h.cfg.Relay.Atomic = AtomicTransaction
+	first := h.newRelay(nil, nil)
+	halfway := make(chan struct{})
+	killed := make(chan struct{})
+	var once sync.Once
+	first.hooks.MidBatch = func() {
+		once.Do(func() {
+			close(halfway)
+			<-killed
+		})
+	}
+	const n = 600
+	events := make([]outbox.Event, n)
+	for i := range events {
+		events[i] = productEvent(i)
+	}
+	h.launch(first, func() { write(t, h.db.Pool, events...) })
+	select {
+	case <-halfway:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay never sent half a batch")
+	}
+	if got := h.streamCount(); got != 0 {
+		t.Fatalf("half a batch sent, uncommitted: the stream holds %d messages", got)
+	}
+	// Killed: its connection gone, the rest of the batch and its commit
+	// never sent.
+	first.nc.Close()
+	close(killed)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	_ = first.Stop(ctx)
+	cancel()
+	if got := h.streamCount(); got != 0 {
+		t.Fatalf("after the kill, the stream holds %d messages of the half-sent batch", got)
+	}
+
+	second := h.newRelay(nil, nil)
+	h.start(second)
+	waitFor(t, 60*time.Second, "the transaction published by the next relay", func() (bool, string) {
+		got := h.streamCount()
+		return got >= n, fmt.Sprintf("%d of %d", got, n)
+	})
+	txs, bad := txCheck(t, h)
+	if txs != 1 || len(bad) > 0 {
+		t.Fatalf("%d transactions, problems: %v", txs, bad)
+	}
+}
+
+// With relay.atomic transaction, a stream that does not allow atomic
+// batches gets nothing: the relay waits, as for any outage, and publishes
+// each transaction whole once the stream allows them.
+func TestTransactionsWaitForAStreamThatAllowsThem(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	h.cfg.Relay.Capture = CaptureWAL
+	h.cfg.Relay.Atomic = AtomicTransaction
+	h.cfg.Stream.Provision = "verify"
+	h.cfg.Stream.CheckInterval = 200 * time.Millisecond
+	cfg := h.cfg.Stream
+	cfg.Database = h.identity().Database.String()
+	want := stream.JetStreamConfig(cfg)
+	want.AllowAtomicPublish = false
+	js, err := jetstream.New(h.connect())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if _, err := js.CreateStream(ctx, want); err != nil {
+		t.Fatal(err)
+	}
+	r := h.newRelay(nil, nil)
+	h.launch(r, func() { write(t, h.db.Pool, productEvent(1), productEvent(2), productEvent(3)) })
+	time.Sleep(time.Second)
+	if got := h.streamCount(); got != 0 {
+		t.Fatalf("a stream without allow_atomic holds %d events of a transaction", got)
+	}
+	want.AllowAtomicPublish = true
+	if _, err := js.UpdateStream(ctx, want); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "the transaction published once the stream allows it", func() (bool, string) {
+		n := h.streamCount()
+		return n == 3, fmt.Sprint(n)
+	})
+	if txs, bad := txCheck(t, h); txs != 1 || len(bad) > 0 {
+		t.Fatalf("%d transactions, problems: %v", txs, bad)
+	}
 }

@@ -90,12 +90,25 @@ type Config struct {
 	// events published this recently are checked again. Default 10m, at
 	// least AuditDelay.
 	AuditLookback time.Duration `koanf:"audit_lookback"`
+	// Atomic is what enters the stream at once: event (each event as it is
+	// published; the default) or transaction (a writer transaction's
+	// events together or not at all, as one atomic batch, a transaction of
+	// more than 1000 events in chunks of 1000: see atomic.go). transaction
+	// needs wal capture, max_in_flight of at least 1000 and a stream that
+	// allows atomic batches (allow_atomic, NATS 2.12).
+	Atomic string `koanf:"atomic"`
 }
 
 // Capture modes (relay.capture).
 const (
 	CapturePoll = "poll"
 	CaptureWAL  = "wal"
+)
+
+// What enters the stream at once (relay.atomic).
+const (
+	AtomicEvent       = "event"
+	AtomicTransaction = "transaction"
 )
 
 // Defaults the configuration files and the tests refer to.
@@ -119,6 +132,7 @@ func DefaultConfig() Config {
 		CleanupBatch:    1000, ShutdownTimeout: 30 * time.Second, StallAfter: 30 * time.Second,
 		Capture: CapturePoll, Slot: DefaultSlot, OnFailed: string(outbox.HoldFailed),
 		Audit: true, AuditInterval: 10 * time.Second, AuditDelay: 3 * time.Minute, AuditLookback: 10 * time.Minute,
+		Atomic: AtomicEvent,
 	}
 }
 
@@ -151,6 +165,17 @@ func (c Config) Validate() error {
 	v.Positive("relay.stall_after", c.StallAfter)
 	v.OneOf("relay.capture", c.Capture, CapturePoll, CaptureWAL)
 	v.OneOf("relay.on_failed", c.OnFailed, string(outbox.HoldFailed), string(outbox.SkipFailed))
+	v.OneOf("relay.atomic", c.Atomic, AtomicEvent, AtomicTransaction)
+	if c.Atomic == AtomicTransaction {
+		// A poll relay claims rows, not transactions: a transaction's rows
+		// may wait behind different events of their aggregates.
+		if c.Capture != CaptureWAL {
+			v.Bad("relay.atomic", "transaction needs relay.capture wal, which reads each transaction whole from the write-ahead log (got relay.capture %s)", c.Capture)
+		}
+		if c.MaxInFlight < atomicMax {
+			v.Bad("relay.max_in_flight", "must be at least %d with relay.atomic transaction, a chunk of a transaction being in flight at once (got %d)", atomicMax, c.MaxInFlight)
+		}
+	}
 	if c.AuditInterval < 100*time.Millisecond || c.AuditInterval > time.Hour {
 		v.Bad("relay.audit_interval", "must be between 100ms and 1h (got %s)", c.AuditInterval)
 	}

@@ -116,6 +116,20 @@
 // published before the slot's stream starts (see below), so that none
 // goes after a newer event of its aggregate.
 //
+// # A transaction's events together
+//
+// With relay.atomic transaction (wal capture), a writer transaction is a
+// unit: the decoder cuts it into chunks of atomicMax rows (a full chunk
+// goes once a row follows it, so the commit's chunk is never empty and
+// says it is the last), and each chunk goes as one atomic batch once the
+// events before its rows in their aggregates are done
+// (publishTransaction). A batch the stream does not store is tried again
+// until it is: going another way would let a subscriber see part of the
+// transaction. One holding an event the stream has (the slot replayed a
+// transaction whose batch was stored) goes again one by one, as the
+// duplicates they are. A poll relay claims rows, not transactions, so
+// the setting needs wal capture.
+//
 // # Retention
 //
 // The outbox is partitioned by ranges of ids (schema migration 00008), and

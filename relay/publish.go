@@ -29,7 +29,7 @@ type outcome struct {
 // publishAll publishes rows asynchronously and waits for their PubAcks, but
 // never past the publish timeout. It returns each row's outcome, or false
 // if ctx ended first (outcomes unknown).
-func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
+func (r *Relay) publishAll(ctx context.Context, rows []row, decorate ...func(*nats.Msg)) ([]outcome, bool) {
 	results := make([]outcome, len(rows))
 	if err := r.guardOrigin(ctx); err != nil {
 		// Not the rows' fault: they back off and come back, uncounted
@@ -46,6 +46,9 @@ func (r *Relay) publishAll(ctx context.Context, rows []row) ([]outcome, bool) {
 		if err != nil {
 			results[i] = outcome{permanent: true, err: rowReason(rw.ID, err)}
 			continue
+		}
+		for _, d := range decorate {
+			d(msg)
 		}
 		if r.hooks.FailPublish != nil && r.hooks.FailPublish(rw.ID) {
 			results[i] = outcome{err: "nats: no responders available for request (injected by a test hook)"}

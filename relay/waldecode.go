@@ -42,7 +42,7 @@ func (s *walStream) decode(softCtx, hardCtx context.Context, data []byte) error 
 		if s.queued.Load() == 0 {
 			s.progressAt.Store(time.Now().UnixNano())
 		}
-		s.cur = &walTxn{xid: m.Xid}
+		s.cur = &walTxn{xid: m.Xid, final: m.FinalLSN}
 		s.cur.chunks.Add(1) // done at commit
 		s.queued.Add(1)
 		if err := s.enqueue(softCtx, s.cur); err != nil {
@@ -58,7 +58,7 @@ func (s *walStream) decode(softCtx, hardCtx context.Context, data []byte) error 
 		}
 		s.cur.end = m.TransactionEndLSN
 		s.cur.commitAt = m.CommitTime
-		if err := s.dispatch(softCtx, hardCtx); err != nil {
+		if err := s.dispatch(softCtx, hardCtx, true); err != nil {
 			return err
 		}
 		s.cur.chunks.Done()
@@ -106,6 +106,13 @@ func (s *walStream) capture(softCtx, hardCtx context.Context, relationID uint32,
 		}
 		return nil
 	}
+	if s.r.cfg.Atomic == AtomicTransaction && len(s.rows) == atomicMax {
+		// A full chunk goes once a row follows it: the commit's is then
+		// never empty, and its events say they are the last.
+		if err := s.dispatch(softCtx, hardCtx, false); err != nil {
+			return err
+		}
+	}
 	if state == tupleToasted {
 		s.refetch = append(s.refetch, len(s.rows))
 	}
@@ -114,8 +121,8 @@ func (s *walStream) capture(softCtx, hardCtx context.Context, relationID uint32,
 	}
 	s.rowAt[rw.ID] = len(s.rows)
 	s.rows = append(s.rows, rw)
-	if len(s.rows) >= s.r.cfg.BatchSize {
-		return s.dispatch(softCtx, hardCtx)
+	if s.r.cfg.Atomic != AtomicTransaction && len(s.rows) >= s.r.cfg.BatchSize {
+		return s.dispatch(softCtx, hardCtx, false)
 	}
 	return nil
 }

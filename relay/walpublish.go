@@ -8,6 +8,7 @@ import (
 
 	"github.com/cenkalti/backoff/v5"
 	"github.com/fanout/fanout/outbox"
+	"github.com/nats-io/nats.go"
 )
 
 // errNotVisibleYet: a decoded row is not visible to other sessions yet.
@@ -17,8 +18,9 @@ var errNotVisibleYet = errors.New("decoded row not visible yet")
 const visibleWithin = 5 * time.Second
 
 // dispatch publishes the current transaction's rows collected so far as
-// one chunk, waiting for room in flight (relay.max_in_flight) first.
-func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
+// one chunk (last: the transaction's), waiting for room in flight
+// (relay.max_in_flight) first.
+func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error {
 	if len(s.rows) == 0 {
 		return nil
 	}
@@ -42,6 +44,11 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 		}
 	}
 	txn := s.cur
+	txn.parts++
+	part := txPart{tx: txn.final.String(), chunk: txn.parts, last: last}
+	// A transaction's chunks enter the stream in their order.
+	before, partDone := txn.lastPart, make(chan struct{})
+	txn.lastPart = partDone
 	txn.chunks.Add(1)
 	s.r.batches.Add(1)
 	// Each row takes its place in its aggregate's order here, in the
@@ -52,6 +59,7 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 		defer s.r.slots.Release(n)
 		defer txn.chunks.Done()
 		defer s.r.order.abandon(c) // a no-op for the rows done
+		defer close(partDone)
 		// Every row of a transaction is dispatched at its commit or after
 		// it (a chunk that filled up earlier waits here the same way).
 		if err := s.r.visibility.wait(softCtx, txn.xid); err != nil {
@@ -72,7 +80,21 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 				return
 			}
 		}
-		if !s.r.publishOrdered(softCtx, hardCtx, c) {
+		published := false
+		if s.r.cfg.Atomic == AtomicTransaction {
+			if before != nil {
+				select {
+				case <-before:
+				case <-softCtx.Done():
+					txn.abandoned.Store(true)
+					return
+				}
+			}
+			published = !txn.abandoned.Load() && s.r.publishTransaction(softCtx, hardCtx, c, part)
+		} else {
+			published = s.r.publishOrdered(softCtx, hardCtx, c)
+		}
+		if !published {
 			txn.abandoned.Store(true)
 		}
 	}()
@@ -84,13 +106,13 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context) error {
 // so a publish that fails for a reason outside the row (NATS down, the
 // stream unavailable) is retried with backoff, for as long as it takes. It
 // returns the ids it marked failed, and false if the relay stopped first.
-func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row) (failed map[int64]bool, ok bool) {
+func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row, decorate ...func(*nats.Msg)) (failed map[int64]bool, ok bool) {
 	wait := r.cfg.RetryMin
 	for {
 		if len(rows) == 0 {
 			return failed, true
 		}
-		results, ok := r.publishAll(hardCtx, rows)
+		results, ok := r.publishAll(hardCtx, rows, decorate...)
 		if !ok {
 			return nil, false
 		}

@@ -235,6 +235,9 @@ func serverStopping(err error) bool {
 // the slot may be confirmed past it once every chunk is done.
 type walTxn struct {
 	xid       uint32        // its transaction id, for the visibility gate
+	final     pglogrepl.LSN // its commit record's position, from its begin: names it
+	parts     int           // chunks dispatched (the decoder's alone)
+	lastPart  chan struct{} // closed when the last chunk dispatched is done (relay.atomic transaction)
 	end       pglogrepl.LSN // the end of its commit record, set at commit
 	commitAt  time.Time
 	chunks    sync.WaitGroup // the commit, and each chunk in flight

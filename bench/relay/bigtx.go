@@ -28,6 +28,7 @@ var (
 	bigTxShapes  = flag.String("bigtx-shapes", "1,5000,each", "the bigtx part's aggregates: a count, or each (an aggregate per event)")
 	bigTxCapture = flag.String("bigtx-capture", "poll,wal", "the bigtx part's capture modes")
 	bigTxProfile = flag.String("bigtx-cpuprofile", "", "write CPU profiles of the big transactions' publishing to PREFIX.<capture>.<aggregates>")
+	bigTxAtomic  = flag.String("bigtx-atomic", "event,transaction", "the bigtx part's relay.atomic settings (transaction: wal capture only)")
 )
 
 // aggregateShape is how a bigtx run spreads its events over aggregates.
@@ -62,24 +63,50 @@ func benchBigTx(ctx context.Context, nc *nats.Conn) error {
 		if mode != relay.CapturePoll && mode != relay.CaptureWAL {
 			return fmt.Errorf("-bigtx-capture: %q is neither poll nor wal", capture)
 		}
-		for _, shape := range shapes {
-			var small, big, ratio, peak benchkit.Figure
-			for range *benchkit.Runs {
-				s, _, err := bigTxRun(ctx, nc, mode, shape, 1000)
-				if err != nil {
-					return fmt.Errorf("bigtx %s, %s, transactions of 1000: %w", capture, shape.name, err)
-				}
-				b, mem, err := bigTxRun(ctx, nc, mode, shape, *bigTxRows)
-				if err != nil {
-					return fmt.Errorf("bigtx %s, %s, one transaction: %w", capture, shape.name, err)
-				}
-				small.Add(s)
-				big.Add(b)
-				ratio.Add(b / s)
-				peak.Add(float64(mem) / (1 << 20))
+		var atomics []string
+		for _, atomic := range strings.Split(*bigTxAtomic, ",") {
+			if atomic != relay.AtomicTransaction || mode == relay.CaptureWAL {
+				atomics = append(atomics, atomic)
 			}
-			fmt.Printf("(bigtx) %s capture, %d events over %s: one transaction %s, transactions of 1000 %s; ratio %s (target >= 0.8); peak Go memory of the process (relay and writer) in the one transaction %s (target <= 256)\n",
-				capture, *bigTxRows, shape.name, big.Format("%.0f rows/s"), small.Format("%.0f rows/s"), ratio.Format("%.2f"), peak.Format("%.0f MB"))
+		}
+		for _, shape := range shapes {
+			// The settings alternate within each round, so that their
+			// ratio is measured side by side.
+			type figures struct{ small, big, ratio, peak benchkit.Figure }
+			got := make([]figures, len(atomics))
+			var against, againstBig benchkit.Figure // the second setting's rates over the first's
+			for range *benchkit.Runs {
+				var first, firstBig float64
+				for i, atomic := range atomics {
+					s, _, err := bigTxRun(ctx, nc, mode, atomic, shape, 1000)
+					if err != nil {
+						return fmt.Errorf("bigtx %s, %s, relay.atomic %s, transactions of 1000: %w", capture, shape.name, atomic, err)
+					}
+					b, mem, err := bigTxRun(ctx, nc, mode, atomic, shape, *bigTxRows)
+					if err != nil {
+						return fmt.Errorf("bigtx %s, %s, relay.atomic %s, one transaction: %w", capture, shape.name, atomic, err)
+					}
+					got[i].small.Add(s)
+					got[i].big.Add(b)
+					got[i].ratio.Add(b / s)
+					got[i].peak.Add(float64(mem) / (1 << 20))
+					if i == 0 {
+						first, firstBig = s, b
+					} else {
+						against.Add(s / first)
+						againstBig.Add(b / firstBig)
+					}
+				}
+			}
+			for i, atomic := range atomics {
+				f := &got[i]
+				fmt.Printf("(bigtx) %s capture, relay.atomic %s, %d events over %s: one transaction %s, transactions of 1000 %s; ratio %s (target >= 0.8); peak Go memory of the process (relay and writer) in the one transaction %s (target <= 256)\n",
+					capture, atomic, *bigTxRows, shape.name, f.big.Format("%.0f rows/s"), f.small.Format("%.0f rows/s"), f.ratio.Format("%.2f"), f.peak.Format("%.0f MB"))
+			}
+			if len(atomics) == 2 {
+				fmt.Printf("(bigtx) %s capture, %s: relay.atomic %s against %s, transactions of 1000 %s, one transaction %s\n",
+					capture, shape.name, atomics[1], atomics[0], against.Format("%.2f"), againstBig.Format("%.2f"))
+			}
 		}
 	}
 	return nil
@@ -90,14 +117,14 @@ func benchBigTx(ctx context.Context, nc *nats.Conn) error {
 // returns the rate from the first commit to the last PubAck. Transactions
 // of 1000 are committed before the relay starts (a drain, as parts a and
 // w): committing them alongside would time the writer.
-func bigTxRun(ctx context.Context, nc *nats.Conn, mode string, shape aggregateShape, txRows int) (rate float64, peakMem uint64, err error) {
+func bigTxRun(ctx context.Context, nc *nats.Conn, mode, atomic string, shape aggregateShape, txRows int) (rate float64, peakMem uint64, err error) {
 	env, err := newRelayEnv(ctx, nc)
 	if err != nil {
 		return 0, 0, err
 	}
 	defer env.close()
 	rc := relayConfig()
-	rc.Capture = mode
+	rc.Capture, rc.Atomic = mode, atomic
 	if mode == relay.CaptureWAL {
 		rc.Slot = env.db.Name
 	}

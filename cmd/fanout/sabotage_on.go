@@ -28,6 +28,11 @@ func init() {
 		// No auditor: the events JetStream loses after their PubAck (the
 		// fault run rolls a server's store back) stay lost.
 		sabotage.relay.NoAudit = true
+	case "relay-splits-transactions":
+		// With relay.atomic transaction, each transaction's events go in
+		// two atomic batches, 200 ms apart: other transactions' events
+		// land between them.
+		sabotage.relay.SplitTransactions = true
 	case "relay-unordered":
 		// The relays publish an aggregate's events without waiting for
 		// the earlier ones, and one publish in 5 fails once and is

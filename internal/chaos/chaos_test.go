@@ -41,13 +41,18 @@ func TestChaos(t *testing.T) {
 		if m := os.Getenv("FANOUT_TEST_CHAOS_MODE"); m != "" && m != mode {
 			continue
 		}
-		for _, capture := range []string{relay.CapturePoll, relay.CaptureWAL} {
+		// wal-transaction: wal capture with relay.atomic transaction.
+		for _, capture := range []string{relay.CapturePoll, relay.CaptureWAL, walTransaction} {
 			if c := os.Getenv("FANOUT_TEST_CHAOS_CAPTURE"); c != "" && c != capture {
 				continue
 			}
 			t.Run(mode+"/"+capture, func(t *testing.T) {
 				t.Parallel()
-				rep := Run(t, Options{Duration: duration, Seed: seed, Cluster: mode == "cluster", Rate: 40, Binary: bin, Logf: t.Logf, Capture: capture})
+				atomic := ""
+				if capture == walTransaction {
+					capture, atomic = relay.CaptureWAL, relay.AtomicTransaction
+				}
+				rep := Run(t, Options{Duration: duration, Seed: seed, Cluster: mode == "cluster", Rate: 40, Binary: bin, Logf: t.Logf, Capture: capture, Atomic: atomic})
 				t.Log("\n" + rep.String())
 				if !rep.Pass() {
 					t.Errorf("invariant violated: %s", rep.Violations[0])
@@ -56,6 +61,10 @@ func TestChaos(t *testing.T) {
 		}
 	}
 }
+
+// walTransaction names the fault run's wal capture with relay.atomic
+// transaction (FANOUT_TEST_CHAOS_CAPTURE=wal-transaction).
+const walTransaction = "wal-transaction"
 
 // build compiles the fanout binary, with extra build flags, into the
 // test's temporary directory.
@@ -90,31 +99,35 @@ func TestChaosSelfTest(t *testing.T) {
 		killOnly []string
 		want     string // in the first violation reported for it
 		rollBack bool   // JetStream's stores rolled back during the run
+		atomic   string // relay.atomic
 	}{
 		// Rows marked sent without a publish: the stream lacks them.
-		{"relay-skips-publish", relay.CapturePoll, []string{"relay"}, "every sent row is in the stream", false},
+		{"relay-skips-publish", relay.CapturePoll, []string{"relay"}, "every sent row is in the stream", false, ""},
 		// The same in wal capture, where a published row stays pending:
 		// the checker must still see the ones the stream lacks.
-		{"relay-skips-publish", relay.CaptureWAL, []string{"relay"}, "every sent row is in the stream", false},
+		{"relay-skips-publish", relay.CaptureWAL, []string{"relay"}, "every sent row is in the stream", false, ""},
 		// Events published without waiting for their aggregate's earlier
 		// ones, some of which fail and are retried: out of order.
-		{"relay-unordered", relay.CapturePoll, []string{"relay"}, "each aggregate's events enter the stream in commit order", false},
+		{"relay-unordered", relay.CapturePoll, []string{"relay"}, "each aggregate's events enter the stream in commit order", false, ""},
 		// An ordered subscriber run unordered, with events failing for a
 		// few seconds: an order's transitions applied out of order.
-		{"subscriber-unordered", relay.CapturePoll, []string{"relay"}, "every order's applied history equals its committed history", false},
+		{"subscriber-unordered", relay.CapturePoll, []string{"relay"}, "every order's applied history equals its committed history", false, ""},
 		// Acked before the commit, then killed: events neither handled
 		// nor dead-lettered.
-		{"ack-before-commit", relay.CapturePoll, []string{"invoicing", "salesledger"}, "every event checkpointed or dead-lettered", false},
+		{"ack-before-commit", relay.CapturePoll, []string{"invoicing", "salesledger"}, "every event checkpointed or dead-lettered", false, ""},
 		// An event handled twice: the ledger counts its order twice.
-		{"handle-twice", relay.CapturePoll, []string{"relay"}, "sales ledger equals its order lines", false},
+		{"handle-twice", relay.CapturePoll, []string{"relay"}, "sales ledger equals its order lines", false, ""},
 		// No auditor while JetStream loses messages it acknowledged: the
 		// stream lacks them for good.
-		{"relay-no-audit", relay.CapturePoll, []string{"relay"}, "every sent row is in the stream", true},
+		{"relay-no-audit", relay.CapturePoll, []string{"relay"}, "every sent row is in the stream", true, ""},
+		// relay.atomic transaction, with each transaction's events
+		// published in two halves: others land between them.
+		{"relay-splits-transactions", relay.CaptureWAL, []string{"relay"}, "a transaction's events enter the stream together", false, relay.AtomicTransaction},
 	} {
 		t.Run(tc.sabotage+"/"+tc.capture, func(t *testing.T) {
 			t.Parallel()
 			rep := Run(t, Options{Duration: duration, Seed: 1, Rate: 40, Binary: bin, Logf: t.Logf,
-				Sabotage: tc.sabotage, KillOnly: tc.killOnly, Capture: tc.capture, RollBack: tc.rollBack})
+				Sabotage: tc.sabotage, KillOnly: tc.killOnly, Capture: tc.capture, RollBack: tc.rollBack, Atomic: tc.atomic})
 			t.Log("\n" + rep.String())
 			found := false
 			for _, v := range rep.Violations {

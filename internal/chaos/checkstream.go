@@ -13,7 +13,9 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/relay"
 	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -27,6 +29,9 @@ type event struct {
 	// repairedFrom: the sequence a copy the auditor published again was
 	// lost from (outbox.RepairedHeader), or "" for a first publish.
 	repairedFrom string
+	// tx: with relay.atomic transaction, the transaction and chunk the
+	// relay says the event's batch carried (outbox.TxHeader, ...).
+	tx string
 }
 
 // streamContents is the whole events stream, read to its last sequence.
@@ -116,7 +121,8 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 				return nil, fmt.Errorf("message %d carries no event id: %w", last, err)
 			}
 			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(outbox.EventTypeHeader), body: m.Data(),
-				repairedFrom: m.Headers().Get(outbox.RepairedHeader)})
+				repairedFrom: m.Headers().Get(outbox.RepairedHeader),
+				tx:           txOf(m.Headers())})
 			if o := m.Headers().Get(outbox.OriginHeader); o != ident.OriginOf(id) {
 				out.foreign = append(out.foreign, fmt.Sprintf("sequence %d: event %d of origin %q, not %q", last, id, o, ident.OriginOf(id)))
 				continue
@@ -228,6 +234,9 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 			rep.FailedRows, len(p.failedRows), head(plantedNotFailed)))
 	}
 	r.checkAggregateOrder(stream, sent, numbered)
+	if r.o.Atomic == relay.AtomicTransaction {
+		r.checkTransactions(ctx, stream)
+	}
 	var phantoms []string
 	for id, seqs := range stream.byID {
 		if !sent[id] {
@@ -309,7 +318,7 @@ func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, n
 			var copies []string
 			for _, ev := range stream.bySeq {
 				if a, ok := numbered[ev.id]; ok && a.aggregate == agg {
-					copies = append(copies, fmt.Sprintf("#%d id %d seq %d repaired-from %q lost-to-rollback %v", a.number, ev.id, ev.seq, ev.repairedFrom, r.lostToRollback(ev.repairedFrom)))
+					copies = append(copies, fmt.Sprintf("#%d id %d seq %d repaired-from %q tx %q lost-to-rollback %v", a.number, ev.id, ev.seq, ev.repairedFrom, ev.tx, r.lostToRollback(ev.repairedFrom)))
 				}
 			}
 			r.lostMu.Lock()
@@ -336,4 +345,78 @@ func (r *run) lostToRollback(repairedFrom string) bool {
 		}
 	}
 	return false
+}
+
+// txOf is what an event's headers say of its transaction: "" without one.
+func txOf(h nats.Header) string {
+	if h.Get(outbox.TxHeader) == "" {
+		return ""
+	}
+	return h.Get(outbox.TxHeader) + " chunk " + h.Get(outbox.TxChunkHeader) + " last " + h.Get(outbox.TxLastHeader)
+}
+
+// checkTransactions: with relay.atomic transaction, every writer
+// transaction of at most 1000 published events is in the stream as one
+// atomic batch: the first copies of its events at consecutive sequences,
+// nothing of another transaction between them, each marked as its one
+// and last chunk. What makes a transaction is Postgres's word, not the
+// relay's: the rows' xmin (a wal relay leaves the rows it publishes as
+// their transaction inserted them). A transaction an event of which the
+// stream lost and the auditor published again on its own is not
+// checked; nor one with an event missing (invariant 1 reports it).
+func (r *run) checkTransactions(ctx context.Context, stream *streamContents) {
+	rows, err := r.pool().Query(ctx, `SELECT xmin::text, array_agg(id ORDER BY id) FROM outbox WHERE status = 'pending' GROUP BY xmin::text`)
+	if err != nil {
+		r.report.violate("atomic (read the outbox's transactions)", err.Error())
+		return
+	}
+	atSeq := make(map[uint64]event, len(stream.bySeq))
+	for _, ev := range stream.bySeq {
+		atSeq[ev.seq] = ev
+	}
+	var xmin string
+	var ids []int64
+	var split []string
+	_, err = pgx.ForEachRow(rows, []any{&xmin, &ids}, func() error {
+		if len(ids) > 1000 {
+			return nil
+		}
+		seqs := make([]uint64, 0, len(ids))
+		for _, id := range ids {
+			copies := stream.byID[id]
+			if len(copies) == 0 || r.lostToRollback(atSeq[copies[0]].repairedFrom) {
+				return nil
+			}
+			seqs = append(seqs, copies[0])
+		}
+		slices.Sort(seqs)
+		r.report.Transactions++
+		first, last := seqs[0], seqs[len(seqs)-1]
+		tx := atSeq[first].tx
+		var problems []string
+		if between := int(last-first+1) - len(seqs); between > 0 {
+			problems = append(problems, fmt.Sprintf("%d other messages between its events", between))
+		}
+		if tx == "" || !strings.HasSuffix(tx, " chunk 1 last true") {
+			problems = append(problems, fmt.Sprintf("its first event marked %q, not its one and last chunk", tx))
+		}
+		for _, seq := range seqs {
+			if atSeq[seq].tx != tx {
+				problems = append(problems, fmt.Sprintf("event %d marked %q, event %d %q", atSeq[seq].id, atSeq[seq].tx, atSeq[first].id, tx))
+				break
+			}
+		}
+		if len(problems) > 0 {
+			split = append(split, fmt.Sprintf("transaction %s (%d events, sequences %d..%d): %s", xmin, len(ids), first, last, strings.Join(problems, "; ")))
+		}
+		return nil
+	})
+	if err != nil {
+		r.report.violate("atomic (read the outbox's transactions)", err.Error())
+		return
+	}
+	if len(split) > 0 {
+		slices.Sort(split)
+		r.report.violate("atomic (a transaction's events enter the stream together)", fmt.Sprintf("%d transactions not in one batch: %s", len(split), head(split)))
+	}
 }

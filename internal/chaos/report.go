@@ -30,6 +30,9 @@ type Report struct {
 	// Aggregates whose events the stream holds, each checked to be in
 	// commit order (invariant 8).
 	Aggregates int
+	// Transactions (relay.atomic transaction) checked to be in the stream
+	// whole, each as one batch.
+	Transactions int
 	// Repaired: events the stream lost after their PubAck that the
 	// auditor, or a wal relay decoding them again, published again (a
 	// rolled-back store).
@@ -79,6 +82,9 @@ func (r *Report) String() string {
 		fmt.Fprintf(&b, "    %-48s %d\n", k, r.Faults[k])
 	}
 	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows; %d aggregates, each one's events checked in commit order\n", r.OutboxRows, r.Events, r.FailedRows, r.Aggregates)
+	if r.Transactions > 0 {
+		fmt.Fprintf(&b, "  transactions (relay.atomic transaction): %d checked to be in the stream as one batch each\n", r.Transactions)
+	}
 	if r.Repaired > 0 {
 		fmt.Fprintf(&b, "  lost by JetStream after their PubAck and published again (by the auditor, or by a wal relay decoding them again): %d events\n", r.Repaired)
 	}

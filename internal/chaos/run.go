@@ -65,6 +65,9 @@ type Options struct {
 	// Relay kills then land anywhere, also between a publish and the
 	// slot's confirmation.
 	Capture string
+	// Atomic is the relays' relay.atomic: event (the default) or
+	// transaction (wal capture), which the checker then holds them to.
+	Atomic string
 }
 
 // wal reports whether the run's relays capture from the WAL: they leave
@@ -278,6 +281,9 @@ func (r *run) setup() {
 	)
 	if r.o.Sabotage != "" {
 		env = append(env, "FANOUT_TEST_SABOTAGE="+r.o.Sabotage)
+	}
+	if r.o.Atomic != "" {
+		env = append(env, "FANOUT_RELAY_ATOMIC="+r.o.Atomic)
 	}
 	if r.wal() {
 		// Slot names are cluster-wide; the run's database is its own.

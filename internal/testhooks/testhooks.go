@@ -43,6 +43,14 @@ type Relay struct {
 	// AtomicReversed (sabotage) sends each atomic batch's events in the
 	// reverse order: an aggregate's chain lands backwards.
 	AtomicReversed bool
+	// SplitTransactions (sabotage), with relay.atomic transaction,
+	// publishes each transaction's events as two atomic batches, a moment
+	// apart, instead of one.
+	SplitTransactions bool
+	// MidBatch, if set, runs in each atomic batch after the first half of
+	// its messages were sent and before the rest and the commit: a test
+	// kills the relay there.
+	MidBatch func()
 }
 
 // Subscriber breaks the subscriber runtime, or stops it at a moment.

@@ -31,8 +31,8 @@ type Mix struct {
 	// Lifecycle moves an open order on: paid, shipped, delivered, or (one
 	// time in six) cancelled.
 	Lifecycle int
-	// Sale changes the prices of 2 to 8 products in one transaction:
-	// several aggregates' events committed at once.
+	// Sale changes the prices of 2 to 8 products in one transaction: its
+	// events enter the stream together with relay.atomic transaction.
 	Sale int
 }
 
