@@ -24,7 +24,7 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// TestANewSubscriber adds a subscriber the way the README says: its package
+// TestANewSubscriber adds a subscriber the way docs/subscribers.md says: its package
 // (subscribers/example) and one line in the registry (here behind the
 // fanout_example build tag, so the shipped binary does not carry it). The
 // binary built with it then renders its deployment, and the rendered files
