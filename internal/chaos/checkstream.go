@@ -307,26 +307,29 @@ func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, n
 	}
 	if len(disorder) > 0 {
 		// What the stream holds of the first aggregates out of order, copy
-		// by copy, for whoever reads the report.
-		shown := map[string]bool{}
+		// by copy, for whoever reads the report: in it, since a CI log
+		// may keep only its end.
+		var shown []string
 		for _, d := range disorder {
-			if len(shown) < 4 {
-				shown[d[:strings.Index(d, ":")]] = true
+			if agg := d[:strings.Index(d, ":")]; len(shown) < 2 && !slices.Contains(shown, agg) {
+				shown = append(shown, agg)
 			}
 		}
-		for agg := range shown {
+		var held []string
+		for _, agg := range shown {
 			var copies []string
 			for _, ev := range stream.bySeq {
 				if a, ok := numbered[ev.id]; ok && a.aggregate == agg {
 					copies = append(copies, fmt.Sprintf("#%d id %d seq %d repaired-from %q tx %q lost-to-rollback %v", a.number, ev.id, ev.seq, ev.repairedFrom, ev.tx, r.lostToRollback(ev.repairedFrom)))
 				}
 			}
-			r.lostMu.Lock()
-			spans := slices.Clone(r.lostSpans)
-			r.lostMu.Unlock()
-			r.o.Logf("chaos: %s in the stream: %s (lost spans %v)", agg, strings.Join(copies, "; "), spans)
+			held = append(held, agg+" in the stream: "+strings.Join(copies, "; "))
 		}
-		r.report.violate("8 (each aggregate's events enter the stream in commit order)", fmt.Sprintf("%d events out of order: %s", len(disorder), head(disorder)))
+		r.lostMu.Lock()
+		spans := slices.Clone(r.lostSpans)
+		r.lostMu.Unlock()
+		r.report.violate("8 (each aggregate's events enter the stream in commit order)", fmt.Sprintf("%d events out of order: %s (%s; sequences the rollbacks took away: %v)",
+			len(disorder), head(disorder), strings.Join(held, "; "), spans))
 	}
 }
 

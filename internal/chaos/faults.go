@@ -398,15 +398,6 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 	}()
 	time.Sleep(500 * time.Millisecond) // what the cut connections had sent, stored
 	_, toSeq := r.streamState()
-	if fromSeq >= 0 && toSeq >= 0 {
-		// The sequences the rollback takes away: an event the auditor
-		// publishes again was lost from one of them.
-		r.lostMu.Lock()
-		r.lostSpans = append(r.lostSpans, [2]uint64{uint64(fromSeq) + 1, uint64(toSeq)})
-		r.lostMu.Unlock()
-	} else {
-		r.report.violate("setup", "the stream's last sequence before the rollback could not be read")
-	}
 	killed := time.Now()
 	each("kill, roll its store back, start", func(s *natstest.Server) error {
 		if s.Running() {
@@ -417,11 +408,25 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 		}
 		return s.Restart()
 	})
+	// What the restored stores hold (the roles cannot publish yet: their
+	// proxies are cut). Below the sequence read before the copy if the
+	// stop for the copy lost messages itself: they are lost to this fault
+	// all the same.
+	_, rolledTo := r.streamState()
+	if fromSeq >= 0 && toSeq >= 0 && rolledTo >= 0 {
+		// The sequences the rollback took away: an event the auditor
+		// publishes again was lost from one of them.
+		r.lostMu.Lock()
+		r.lostSpans = append(r.lostSpans, [2]uint64{uint64(min(fromSeq, rolledTo)) + 1, uint64(toSeq)})
+		r.lostMu.Unlock()
+	} else {
+		r.report.violate("setup", "the stream's last sequence around the rollback could not be read")
+	}
 	r.lostMu.Lock()
 	r.rolledBack = killed // a lookback begun since saw the rolled-back stores, or failed
 	r.lostMu.Unlock()
-	r.o.Logf("chaos: JetStream's stores rolled back %s: the stream held %d messages at the copy, and has lost what it acknowledged since",
-		d, before)
+	r.o.Logf("chaos: JetStream's stores rolled back %s: the stream held %d messages (last sequence %d) when its store was copied, %d after the rollback, and has lost what it acknowledged through sequence %d",
+		d, before, fromSeq, rolledTo, toSeq)
 }
 
 // streamState is how many messages stream EVENTS holds and its last

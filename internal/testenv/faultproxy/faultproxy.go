@@ -60,7 +60,14 @@ func (p *Proxy) serve(c net.Conn) {
 		c.Close()
 		return
 	}
-	p.track(c, up)
+	// A cut that came while this connection was being set up (accepted
+	// before it, dialled after it) closes it all the same: a connection
+	// that outlived a cut would carry what the cut is there to stop.
+	if !p.track(c, up) {
+		c.Close()
+		up.Close()
+		return
+	}
 	defer p.untrack(c, up)
 	done := make(chan struct{}, 2)
 	pipe := func(dst, src net.Conn) {
@@ -92,12 +99,17 @@ func (p *Proxy) serve(c net.Conn) {
 	<-done
 }
 
-func (p *Proxy) track(cs ...net.Conn) {
+// track adds connections to those a cut closes, unless a cut is on.
+func (p *Proxy) track(cs ...net.Conn) bool {
 	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cut.Load() {
+		return false
+	}
 	for _, c := range cs {
 		p.conns[c] = struct{}{}
 	}
-	p.mu.Unlock()
+	return true
 }
 
 func (p *Proxy) untrack(cs ...net.Conn) {
@@ -113,8 +125,8 @@ func (p *Proxy) Slow(d time.Duration) { p.delay.Store(int64(d)) }
 
 // Cut drops every connection and refuses new ones until Restore.
 func (p *Proxy) Cut() {
-	p.cut.Store(true)
 	p.mu.Lock()
+	p.cut.Store(true)
 	for c := range p.conns {
 		c.Close()
 	}
