@@ -267,7 +267,7 @@ func (r *Relay) publishTransaction(softCtx, hardCtx context.Context, c *ordered,
 // published again one by one, each dropped as the duplicate it is, which
 // says where it landed.
 func (r *Relay) publishTransactionBatch(softCtx, hardCtx context.Context, p txPart, rows []row, msgs []*nats.Msg) bool {
-	wait := r.cfg.RetryMin
+	wait := min(r.cfg.RetryMin, r.outageRetryMax())
 	for {
 		err := r.guardOrigin(hardCtx)
 		var seqs []uint64
@@ -313,7 +313,7 @@ func (r *Relay) publishTransactionBatch(softCtx, hardCtx context.Context, p txPa
 		if !r.sleep(softCtx, wait) {
 			return false
 		}
-		wait = min(wait*2, r.cfg.RetryMax)
+		wait = min(wait*2, r.outageRetryMax())
 	}
 }
 

@@ -31,7 +31,8 @@ type Config struct {
 	// ReapInterval is how often expired leases are looked for. Default 10s, > 0.
 	ReapInterval time.Duration `koanf:"reap_interval"`
 	// RetryMin and RetryMax bound the exponential backoff of a failed
-	// publish. Defaults 1s and 5m, 0 < min <= max.
+	// publish. Defaults 1s and 5m, 0 < min <= max. In wal capture, where
+	// the slot waits for the rows, tries are at most 5s apart.
 	RetryMin time.Duration `koanf:"retry_min"`
 	RetryMax time.Duration `koanf:"retry_max"`
 	// SentRetention is how long published rows are kept (for republish

@@ -211,11 +211,33 @@ func (r *Relay) tail(ctx context.Context, db outbox.Database) ([]tailEvent, erro
 // epoch of its database that the outbox does not know.
 var ErrUnknownEpoch = errors.New("the stream holds events of an outbox epoch this database does not know")
 
-// checkRewind compares the outbox with this database's newest events in
-// the stream, and begins a new epoch if a restore rewound the ids.
-func (r *Relay) checkRewind(ctx context.Context) error {
+// checkRewind answers the rewind check asked for as generation want: it
+// compares the outbox with this database's newest events in the stream,
+// and begins a new epoch if a restore rewound the ids. One check runs at a
+// time, and a check that began at or after the request answers it: every
+// batch waiting on a due check (after an outage, hundreds of them) goes
+// on the next check's answer rather than each running its own in turn.
+func (r *Relay) checkRewind(ctx context.Context, want uint64) error {
 	r.rewindMu.Lock()
 	defer r.rewindMu.Unlock()
+	if r.originDone.Load() >= want {
+		return nil
+	}
+	if err := r.compareWithStream(ctx); err != nil {
+		return err
+	}
+	// Done up to the generation asked for when the check began: a request
+	// made during it asks for another.
+	for {
+		done := r.originDone.Load()
+		if done >= want || r.originDone.CompareAndSwap(done, want) {
+			return nil
+		}
+	}
+}
+
+// compareWithStream is checkRewind's comparison, under rewindMu.
+func (r *Relay) compareWithStream(ctx context.Context) error {
 	// The stream's tail first, then the outbox: an event the tail holds
 	// was published, so its id handed out, before the last id is read
 	// (read the other way round, the relays' newest publishes would look
@@ -354,17 +376,10 @@ func (r *Relay) guardOrigin(ctx context.Context) error {
 	if r.originDone.Load() >= want {
 		return nil
 	}
-	if err := r.checkRewind(ctx); err != nil {
+	if err := r.checkRewind(ctx, want); err != nil {
 		return fmt.Errorf("check the outbox against the stream (a restore?): %w", err)
 	}
-	// Done up to the generation asked for when the check began: a request
-	// made during it asks for another.
-	for {
-		done := r.originDone.Load()
-		if done >= want || r.originDone.CompareAndSwap(done, want) {
-			return nil
-		}
-	}
+	return nil
 }
 
 // originCheck is the periodic part: owner and rewind, with the stream check.

@@ -2,7 +2,9 @@ package relay
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"sync"
@@ -11,6 +13,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
@@ -473,4 +476,70 @@ func TestWALInvalidatedSlotIsRecovered(t *testing.T) {
 	if err != nil || !ok || st.WALStatus == "lost" {
 		t.Errorf("the slot after the recovery: %+v (exists %t, %v)", st, ok, err)
 	}
+}
+
+// An outage holds a wal relay's publishes, and they are tried again at
+// most outageWaitMax apart whatever relay.retry_max says: the slot waits
+// for them, and everything behind them waits too, so a wait that doubled
+// through the outage would hold the stream long after it ended. The same
+// for relay.atomic transaction's batches.
+func TestWALRetriesThroughAnOutageAtMostSecondsApart(t *testing.T) {
+	t.Parallel()
+	for _, atomic := range []string{AtomicEvent, AtomicTransaction} {
+		t.Run(atomic, func(t *testing.T) {
+			t.Parallel()
+			h := newWALHarness(t)
+			h.cfg.Relay.Atomic = atomic
+			h.cfg.Relay.RetryMin = time.Second
+			h.cfg.Relay.RetryMax = 5 * time.Minute
+			var logs syncbuf.Buffer
+			r := h.newRelay(nil, nil)
+			r.logger = slog.New(slog.NewJSONHandler(&logs, nil))
+			h.launch(r, func() { writeMany(t, h.db.Pool, 10) })
+			h.waitAllSent(10, 10*time.Second)
+
+			h.nats.Stop()
+			writeMany(t, h.db.Pool, 20)
+			// 1s, 2s, 4s, then the bound: 5s, however long the outage.
+			waitFor(t, time.Minute, "two tries at the bound", func() (bool, string) {
+				waits := retryWaits(t, logs.String())
+				at := 0
+				for _, w := range waits {
+					if w == outageWaitMax {
+						at++
+					}
+				}
+				return at >= 2, fmt.Sprint(waits)
+			})
+			if err := h.nats.Restart(); err != nil {
+				t.Fatal(err)
+			}
+			h.waitAllSent(30, 30*time.Second)
+			assertEachOnce(t, h, 30)
+			for _, w := range retryWaits(t, logs.String()) {
+				if w > outageWaitMax {
+					t.Errorf("a publish held by an outage waited %s before its next try (bound %s)", w, outageWaitMax)
+				}
+			}
+		})
+	}
+}
+
+// retryWaits are the waits before the next try that a relay's JSON log
+// announced for publishes held by an outage.
+func retryWaits(t *testing.T, logs string) []time.Duration {
+	var waits []time.Duration
+	for line := range strings.Lines(logs) {
+		var entry struct {
+			Msg     string        `json:"msg"`
+			RetryIn time.Duration `json:"retry_in"`
+		}
+		if err := json.Unmarshal([]byte(line), &entry); err != nil {
+			t.Fatalf("relay log line %q: %v", line, err)
+		}
+		if strings.Contains(entry.Msg, "retrying, the slot waits") {
+			waits = append(waits, entry.RetryIn)
+		}
+	}
+	return waits
 }

@@ -107,7 +107,7 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 // stream unavailable) is retried with backoff, for as long as it takes. It
 // returns the ids it marked failed, and false if the relay stopped first.
 func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row, decorate ...func(*nats.Msg)) (failed map[int64]bool, ok bool) {
-	wait := r.cfg.RetryMin
+	wait := min(r.cfg.RetryMin, r.outageRetryMax())
 	for {
 		if len(rows) == 0 {
 			return failed, true
@@ -177,7 +177,7 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row, de
 		if !r.sleep(softCtx, wait) {
 			return nil, false
 		}
-		wait = min(wait*2, r.cfg.RetryMax)
+		wait = min(wait*2, r.outageRetryMax())
 		rows = retry
 	}
 }
@@ -315,6 +315,19 @@ func (r *Relay) refetchCaptured(ctx context.Context, rows []row, refetch []int) 
 	}
 	return kept, true
 }
+
+// outageWaitMax bounds the wait between two tries of a wal relay's
+// publish that failed for a reason outside its rows (NATS unreachable,
+// the stream without a leader, a batch unanswered). The slot waits for
+// those rows, and every event behind them waits too: a wait that doubled
+// up to relay.retry_max (5 minutes by default) through an outage of a
+// minute would hold them for a minute more once it ended. (A poll
+// relay's rows back off each on its own: the others go.)
+const outageWaitMax = 5 * time.Second
+
+// outageRetryMax is the longest wait between two tries of a wal relay's
+// publish: outageWaitMax, or relay.retry_max if shorter.
+func (r *Relay) outageRetryMax() time.Duration { return min(r.cfg.RetryMax, outageWaitMax) }
 
 // postgresRetry is the backoff of a wal relay's calls to Postgres that
 // must succeed before the slot moves on.
