@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"time"
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
 	"github.com/synadia-io/orbit.go/jetstreamext"
 )
 
@@ -267,6 +269,17 @@ func (r *Relay) publishTransaction(softCtx, hardCtx context.Context, c *ordered,
 // published again one by one, each dropped as the duplicate it is, which
 // says where it landed.
 func (r *Relay) publishTransactionBatch(softCtx, hardCtx context.Context, p txPart, rows []row, msgs []*nats.Msg) bool {
+	if r.stillInStream(hardCtx, rows) {
+		now := time.Now()
+		published := make([]Published, len(rows))
+		for i, rw := range rows {
+			published[i] = Published{ID: rw.ID, CreatedAt: rw.CreatedAt.Time, AckedAt: now, Duplicate: true}
+		}
+		r.logger.Debug("a transaction decoded again is in the stream where it landed: not published again",
+			"transaction", p.tx, "chunk", p.chunk, "events", len(rows))
+		r.reportPublished(published, 0, 0)
+		return true
+	}
 	wait := min(r.cfg.RetryMin, r.outageRetryMax())
 	for {
 		err := r.guardOrigin(hardCtx)
@@ -315,6 +328,50 @@ func (r *Relay) publishTransactionBatch(softCtx, hardCtx context.Context, p txPa
 		}
 		wait = min(wait*2, r.outageRetryMax())
 	}
+}
+
+// stillInStream says whether every row of a chunk decoded again is still
+// in the stream where it landed before (replayed: each row's LandedSeq):
+// a relay that stopped before its slot moved past a transaction, or a
+// reconnect, leaves its batches to be decoded again, and sent again each
+// would be refused whole as holding duplicates, then go one by one. One
+// batch direct get says so at the cost of one round trip. Anything else (a
+// row without a landing, landings spread out, a message missing or
+// another one there, an error) says no: the chunk goes as usual, and
+// JetStream's duplicate detection stays the judge.
+func (r *Relay) stillInStream(ctx context.Context, rows []row) bool {
+	ident := r.identity.Load()
+	if ident == nil || len(rows) == 0 {
+		return false
+	}
+	want := make(map[uint64]string, len(rows))
+	lo, hi := uint64(math.MaxUint64), uint64(0)
+	for _, rw := range rows {
+		if rw.LandedSeq == 0 {
+			return false
+		}
+		want[rw.LandedSeq] = outbox.MsgID(ident.OriginOf(rw.ID), rw.ID)
+		lo, hi = min(lo, rw.LandedSeq), max(hi, rw.LandedSeq)
+	}
+	if len(want) != len(rows) || hi-lo >= uint64(2*len(rows)) {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	defer cancel()
+	msgs, err := jetstreamext.GetBatch(ctx, r.js, r.stream.Name, int(hi-lo+1), jetstreamext.GetBatchSeq(lo))
+	if err != nil {
+		return false
+	}
+	found := 0
+	for m, err := range msgs {
+		if err != nil || m.Sequence > hi {
+			break
+		}
+		if id, ok := want[m.Sequence]; ok && m.Header.Get(jetstream.MsgIDHeader) == id {
+			found++
+		}
+	}
+	return found == len(rows)
 }
 
 // sendTransaction publishes msgs as one atomic batch and returns each

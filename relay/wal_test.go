@@ -56,41 +56,79 @@ func TestWALPublishesRowsCommittedBeforeTheSlot(t *testing.T) {
 
 // A relay killed after its events' PubAcks and before it confirmed the slot
 // past them: the next relay decodes them again from the slot and publishes
-// them again, and JetStream drops every one as a duplicate.
+// them again, and JetStream drops every one as a duplicate. With
+// relay.atomic transaction, the next relay finds each transaction in the
+// stream where it landed and sends no batch at all (each would be refused
+// whole for its duplicates, then go one by one).
 func TestWALRelayKilledBeforeConfirmingPublishesAgain(t *testing.T) {
 	t.Parallel()
-	h := newWALHarness(t)
-	const n = 50
-	acked := make(chan struct{})
-	var once sync.Once
-	dying := h.newRelay(nil, nil)
-	dying.testHookBeforeConfirm = func(ctx context.Context, _ pglogrepl.LSN) {
-		once.Do(func() { close(acked) })
-		<-ctx.Done() // never confirm: the process dies here
-	}
-	h.launch(dying, func() { writeMany(t, h.db.Pool, n) })
-	<-acked
-	h.waitAllSent(n, 10*time.Second)
-	stopCtx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
-	defer cancel()
-	if err := dying.Stop(stopCtx); err == nil {
-		t.Fatal("Stop of a relay stuck before confirming returned no error")
-	}
+	for _, atomic := range []string{AtomicEvent, AtomicTransaction} {
+		t.Run(atomic, func(t *testing.T) {
+			t.Parallel()
+			h := newWALHarness(t)
+			h.cfg.Relay.Atomic = atomic
+			const txs, perTx = 10, 5
+			const n = txs * perTx
+			acked := make(chan struct{})
+			var once sync.Once
+			dying := h.newRelay(nil, nil)
+			dying.testHookBeforeConfirm = func(ctx context.Context, _ pglogrepl.LSN) {
+				once.Do(func() { close(acked) })
+				<-ctx.Done() // never confirm: the process dies here
+			}
+			h.launch(dying, func() {
+				for tx := range txs {
+					var events []outbox.Event
+					for i := range perTx {
+						events = append(events, productEvent(tx*perTx+i+1))
+					}
+					write(t, h.db.Pool, events...)
+				}
+			})
+			<-acked
+			h.waitAllSent(n, 10*time.Second)
+			stopCtx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+			defer cancel()
+			if err := dying.Stop(stopCtx); err == nil {
+				t.Fatal("Stop of a relay stuck before confirming returned no error")
+			}
 
-	rec := &recorder{}
-	h.startRelay(nil, rec)
-	waitFor(t, 20*time.Second, "the next relay to publish every event again", func() (bool, string) {
-		published, _ := rec.snapshot()
-		return len(published) == n, strings.Repeat("|", len(published))
-	})
-	published, _ := rec.snapshot()
-	for _, p := range published {
-		if !p.Duplicate {
-			t.Errorf("event %d: second publish not reported as a duplicate by JetStream", p.ID)
-		}
+			rec := &atomicRecorder{}
+			h.startRelay(nil, rec)
+			waitFor(t, 20*time.Second, "the next relay to publish every event again", func() (bool, string) {
+				published, _ := rec.snapshot()
+				return len(published) == n, strings.Repeat("|", len(published))
+			})
+			published, _ := rec.snapshot()
+			for _, p := range published {
+				if !p.Duplicate {
+					t.Errorf("event %d: second publish not reported as a duplicate by JetStream", p.ID)
+				}
+			}
+			if atomic == AtomicTransaction {
+				if sent, refused := rec.batches(); sent != 0 {
+					t.Errorf("the next relay sent %d atomic batches (%d refused) for transactions the stream holds", sent, refused)
+				}
+			}
+			assertEachOnce(t, h, n)
+		})
 	}
-	assertEachOnce(t, h, n)
 }
+
+// atomicRecorder is a recorder that counts atomic batches too.
+type atomicRecorder struct {
+	recorder
+	sent, refused atomic.Int64
+}
+
+func (r *atomicRecorder) AtomicBatch(_ int, err error) {
+	r.sent.Add(1)
+	if err != nil {
+		r.refused.Add(1)
+	}
+}
+
+func (r *atomicRecorder) batches() (sent, refused int64) { return r.sent.Load(), r.refused.Load() }
 
 // A relay decodes again what its slot had not confirmed: events published
 // already, which JetStream drops as duplicates, unless the stream lost them
