@@ -18,6 +18,7 @@ import (
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -202,6 +203,53 @@ func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
 }
 
 func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
+	return rawPublish(ctx, nc, func(sc stream.Config) (func(i int) (*nats.Msg, error), error) {
+		payloads := make([][]byte, 1000)
+		for i := range payloads {
+			payloads[i] = fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, i, i+1, 1000+i)
+		}
+		subject := sc.SubjectPrefix + ".product.updated"
+		return func(i int) (*nats.Msg, error) {
+			msg := nats.NewMsg(subject)
+			msg.Data = payloads[i%len(payloads)]
+			msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(i+1))
+			msg.Header.Set(jetstream.MsgIDHeader, strconv.Itoa(i+1))
+			return msg, nil
+		}, nil
+	})
+}
+
+// benchRawRelayMessages is part m: part c's raw publishes of the messages
+// the relay sends for part a's rows, built by relay.Message (its headers:
+// the event's identity, type, aggregate and number, creation time,
+// origin, Nats-Msg-Id, Nats-Expected-Stream), without Postgres. What a
+// relay of this contract could reach if reading and marking rows cost
+// nothing: the ceiling its drains are judged against, beside part c.
+func benchRawRelayMessages(ctx context.Context, nc *nats.Conn) (result, error) {
+	db := outbox.Database{System: 7453120005312000531, Name: "bench"}
+	ident, err := outbox.NewIdentity(db, []outbox.Epoch{{N: 1, FirstID: 1}})
+	if err != nil {
+		return result{}, err
+	}
+	created := pgtype.Timestamptz{Time: time.Now(), Valid: true}
+	return rawPublish(ctx, nc, func(sc stream.Config) (func(i int) (*nats.Msg, error), error) {
+		return func(i int) (*nats.Msg, error) {
+			g := i + 1
+			product := g%1000 + 1
+			rw := outbox.Claimed{ID: int64(g), AggregateType: "product", AggregateID: strconv.Itoa(product), EventType: "product.updated",
+				Headers:      []byte(`{}`),
+				Payload:      fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, g, product, 1000+g%90000),
+				CreatedAt:    created,
+				AggregateSeq: pgtype.Int8{Int64: int64(g/1000 + 1), Valid: true}}
+			return relay.Message(sc, ident, rw, nc.MaxPayload())
+		}, nil
+	})
+}
+
+// rawPublish publishes -rows messages, built by the function build returns
+// for the fresh stream, asynchronously with max_in_flight in flight, and
+// times them until the last PubAck.
+func rawPublish(ctx context.Context, nc *nats.Conn, build func(stream.Config) (func(i int) (*nats.Msg, error), error)) (result, error) {
 	sc, done, err := freshStream(nc)
 	if err != nil {
 		return result{}, err
@@ -215,21 +263,22 @@ func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
 	if err := stream.Ensure(ctx, js, sc, 0, quiet); err != nil {
 		return result{}, err
 	}
-	payloads := make([][]byte, 1000)
-	for i := range payloads {
-		payloads[i] = fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, i, i+1, 1000+i)
+	next, err := build(sc)
+	if err != nil {
+		return result{}, err
 	}
-	subject := sc.SubjectPrefix + ".product.updated"
 	var failed atomic.Int64
+	var firstErr atomic.Pointer[error]
 	start := time.Now()
 	futures := make([]jetstream.PubAckFuture, 0, *rows)
 	for i := range *rows {
-		msg := nats.NewMsg(subject)
-		msg.Data = payloads[i%len(payloads)]
-		msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(i+1))
+		msg, err := next(i)
+		if err != nil {
+			return result{}, err
+		}
 		// A slow server (sync_interval always) keeps max_in_flight in flight
 		// for long: wait for room rather than fail.
-		f, err := js.PublishMsgAsync(msg, jetstream.WithMsgID(strconv.Itoa(i+1)), jetstream.WithStallWait(time.Minute))
+		f, err := js.PublishMsgAsync(msg, jetstream.WithStallWait(time.Minute))
 		if err != nil {
 			return result{}, err
 		}
@@ -243,13 +292,14 @@ func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
 	secs := time.Since(start).Seconds()
 	for _, f := range futures {
 		select {
-		case <-f.Err():
+		case err := <-f.Err():
 			failed.Add(1)
+			firstErr.CompareAndSwap(nil, &err)
 		default:
 		}
 	}
 	if failed.Load() > 0 {
-		return result{}, fmt.Errorf("%d raw publishes failed", failed.Load())
+		return result{}, fmt.Errorf("%d raw publishes failed, the first: %v", failed.Load(), *firstErr.Load())
 	}
 	return result{n: *rows, secs: secs, rate: float64(*rows) / secs}, nil
 }

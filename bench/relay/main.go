@@ -5,6 +5,8 @@
 //	(b) the naive publisher (poll every 2 s, batch 50, one synchronous publish
 //	    after another, then mark) for a fixed 20 s, rows/s
 //	(c) raw JetStream async publish of 200k messages with msg ids, no Postgres
+//	(m) the same of the relay's own messages (relay.Message: the contract's
+//	    headers), no Postgres: the ceiling a relay carrying them can reach
 //	writer cost: price-update tx/s at 8 connections without and with the
 //	    outbox insert and its wake-up (and with a NOTIFY in every transaction)
 //	latency: commit → PubAck p50/p99 at a steady 1,000 writes/s
@@ -37,7 +39,9 @@ import (
 	"os"
 	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
@@ -61,7 +65,7 @@ var (
 	natsURL     = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	batchSize   = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
-	only        = flag.String("only", "", "run only this part: a, w, b, c, writer, latency, horizon, audit, fsync, retention; only when asked: accounts (the production NATS layout's cost), auditfull, bigtx")
+	only        = flag.String("only", "", "run only these parts (a comma-separated list): a, w, b, c, m, writer, latency, horizon, audit, fsync, retention; only when asked: accounts (the production NATS layout's cost), auditfull, bigtx")
 	cpuProfile  = flag.String("cpuprofile", "", "write a CPU profile of this process")
 	adminURL    = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
 )
@@ -96,10 +100,11 @@ func run(ctx context.Context) error {
 	defer nc.Close()
 	fmt.Printf("relay benchmark, %s, GOMAXPROCS=%d\n\n", time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0))
 
-	want := func(part string) bool { return *only == "" || *only == part }
+	want := func(part string) bool { return *only == "" || slices.Contains(strings.Split(*only, ","), part) }
 	var a, w, b, c, claimMs, ac, wa, ab benchkit.Figure
+	var m, mc, am, wm, wc, ac2 benchkit.Figure // part m and the ceilings
 	for run := range *benchkit.Runs {
-		var ra, rw, rb, rc result
+		var ra, rw, rb, rc, rm result
 		if want("a") {
 			if ra, err = benchDrain(ctx, nc); err != nil {
 				return fmt.Errorf("(a): %w", err)
@@ -125,6 +130,20 @@ func run(ctx context.Context) error {
 			}
 			c.Add(rc.rate)
 		}
+		if want("m") {
+			if rm, err = benchRawRelayMessages(ctx, nc); err != nil {
+				return fmt.Errorf("(m): %w", err)
+			}
+			m.Add(rm.rate)
+		}
+		if want("a") && want("w") && want("c") && want("m") {
+			// The ceilings, within one run: the parts ran minutes apart at most.
+			ac2.Add(ra.rate / rc.rate)
+			mc.Add(rm.rate / rc.rate)
+			am.Add(ra.rate / rm.rate)
+			wm.Add(rw.rate / rm.rate)
+			wc.Add(rw.rate / rc.rate)
+		}
 		if *only == "" {
 			// Ratios within one run: the parts ran minutes apart at most.
 			ac.Add(ra.rate / rc.rate)
@@ -132,7 +151,7 @@ func run(ctx context.Context) error {
 			ab.Add(ra.rate / rb.rate)
 		}
 		if want("a") || want("w") || want("b") || want("c") {
-			fmt.Printf("    run %d of %d: a %.0f rows/s  w %.0f rows/s  b %.1f rows/s  c %.0f msgs/s\n", run+1, *benchkit.Runs, ra.rate, rw.rate, rb.rate, rc.rate)
+			fmt.Printf("    run %d of %d: a %.0f rows/s  w %.0f rows/s  b %.1f rows/s  c %.0f msgs/s  m %.0f msgs/s\n", run+1, *benchkit.Runs, ra.rate, rw.rate, rb.rate, rc.rate, rm.rate)
 		}
 	}
 	if want("a") {
@@ -146,6 +165,13 @@ func run(ctx context.Context) error {
 	}
 	if want("c") {
 		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %s\n", *rows, c.Format("%.0f msgs/s"))
+	}
+	if want("m") {
+		fmt.Printf("(m) raw JetStream async publish of the relay's own messages (relay.Message: its headers), %d msgs: %s\n", *rows, m.Format("%.0f msgs/s"))
+	}
+	if want("a") && want("w") && want("c") && want("m") {
+		fmt.Printf("    ceilings: a/c = %s (target >= 0.5)   w/c = %s (target >= 0.7)   m/c = %s (what the messages' headers leave of c)   a/m = %s   w/m = %s\n\n",
+			ac2.Format("%.2f"), wc.Format("%.2f"), mc.Format("%.2f"), am.Format("%.2f"), wm.Format("%.2f"))
 	}
 	if *only == "" {
 		fmt.Printf("    a/c = %s (target >= 0.35)   a/b = %s (target >= 1000)   w/a = %s (target for wal: >= 1)\n\n", ac.Format("%.2f"), ab.Format("%.0f"), wa.Format("%.2f"))
