@@ -58,7 +58,7 @@ func run(m *testing.M) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	defer server.Stop()
+	defer server.Close()
 	nc, err := nats.Connect(server.URL)
 	if err != nil {
 		return 0, err

@@ -69,7 +69,7 @@ func onServer(ctx context.Context, conf string) (drain, raw float64, err error) 
 	if err != nil {
 		return 0, 0, err
 	}
-	defer srv.Stop()
+	defer srv.Close()
 	nc, err := nats.Connect(srv.URL, nats.ReconnectBufSize(-1))
 	if err != nil {
 		return 0, 0, err

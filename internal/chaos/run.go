@@ -336,13 +336,13 @@ func startCluster(t *testing.T, passwords map[string]string) []*natstest.Server 
 		servers, err := tryCluster(t, root, passwords)
 		if err == nil {
 			for _, s := range servers {
-				t.Cleanup(s.Kill)
+				t.Cleanup(s.Close)
 			}
 			return servers
 		}
 		for _, s := range servers {
 			if s != nil {
-				s.Kill()
+				s.Close()
 			}
 		}
 		if !errors.Is(err, natstest.ErrPortTaken) {

@@ -14,6 +14,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -36,6 +37,9 @@ type Server struct {
 	cmd        *exec.Cmd
 	exited     chan struct{}
 	log        *syncbuf.Buffer
+	// hold keeps the port of a stopped server (see holdPort).
+	holdMu sync.Mutex
+	hold   net.Listener
 }
 
 // Option adjusts the server's command line.
@@ -73,7 +77,7 @@ func Start(t testing.TB, opts ...Option) *Server {
 	if err != nil {
 		t.Fatalf("natstest: %v", err)
 	}
-	t.Cleanup(s.Stop)
+	t.Cleanup(s.Close)
 	return s
 }
 
@@ -134,7 +138,7 @@ func (s *Server) start() error {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			s.Kill()
+			s.signal(syscall.SIGKILL)
 			return fmt.Errorf("nats-server on port %d not ready: %v\n%s", s.Port, err, s.log.String())
 		}
 		select {
@@ -180,11 +184,58 @@ func (s *Server) ready() error {
 	return err
 }
 
-// Stop shuts the server down gracefully (SIGTERM); idempotent.
-func (s *Server) Stop() { s.signal(syscall.SIGTERM) }
+// Stop shuts the server down gracefully (SIGTERM); idempotent. Its port
+// stays this server's until Restart (holdPort).
+func (s *Server) Stop() { s.signal(syscall.SIGTERM); s.holdPort() }
 
-// Kill kills the server (SIGKILL), as a power cut would; idempotent.
-func (s *Server) Kill() { s.signal(syscall.SIGKILL) }
+// Kill kills the server (SIGKILL), as a power cut would; idempotent. Its
+// port stays this server's until Restart (holdPort).
+func (s *Server) Kill() { s.signal(syscall.SIGKILL); s.holdPort() }
+
+// Close kills the server for good and lets its port go.
+func (s *Server) Close() {
+	s.signal(syscall.SIGKILL)
+	s.releasePort()
+}
+
+// holdPort keeps a stopped server's port from the servers other tests
+// start meanwhile (they take free ports, and the OS may hand out this
+// one): the clients of this test, reconnecting, would reach another
+// test's server and publish into its stream of the same name (a relay
+// test once found another test's event among its own). Connections are
+// accepted and closed at once, as a server that is down would refuse
+// them.
+func (s *Server) holdPort() {
+	s.holdMu.Lock()
+	defer s.holdMu.Unlock()
+	if s.hold != nil || s.Port == 0 {
+		return
+	}
+	l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(s.Port)))
+	if err != nil {
+		return // taken already: Restart will say so
+	}
+	s.hold = l
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			c.Close()
+		}
+	}()
+}
+
+// releasePort lets the held port go, for the server to bind it again.
+func (s *Server) releasePort() {
+	s.holdMu.Lock()
+	defer s.holdMu.Unlock()
+	if s.hold != nil {
+		s.hold.Close()
+		s.hold = nil
+	}
+}
 
 func (s *Server) signal(sig syscall.Signal) {
 	if s.cmd == nil || s.cmd.Process == nil {
@@ -212,6 +263,7 @@ func (s *Server) Restart() error {
 	default:
 		return errors.New("nats-server still running: Stop or Kill it first")
 	}
+	s.releasePort()
 	return s.start()
 }
 
