@@ -36,6 +36,7 @@ type event struct {
 
 // streamContents is the whole events stream, read to its last sequence.
 type streamContents struct {
+	// bySeq: this run's database's events, in stream order.
 	bySeq []event
 	// byID maps an event id to the sequences holding it: the event of
 	// this run's database with that id. An event's identity is its origin
@@ -120,13 +121,15 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 			if err != nil {
 				return nil, fmt.Errorf("message %d carries no event id: %w", last, err)
 			}
-			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(outbox.EventTypeHeader), body: m.Data(),
-				repairedFrom: m.Headers().Get(outbox.RepairedHeader),
-				tx:           txOf(m.Headers())})
 			if o := m.Headers().Get(outbox.OriginHeader); o != ident.OriginOf(id) {
+				// Not this run's event, whatever its id: kept out of every
+				// other check (invariant 10 reports it).
 				out.foreign = append(out.foreign, fmt.Sprintf("sequence %d: event %d of origin %q, not %q", last, id, o, ident.OriginOf(id)))
 				continue
 			}
+			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(outbox.EventTypeHeader), body: m.Data(),
+				repairedFrom: m.Headers().Get(outbox.RepairedHeader),
+				tx:           txOf(m.Headers())})
 			out.byID[id] = append(out.byID[id], last)
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
@@ -141,8 +144,8 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 			}
 		}
 	}
-	if uint64(len(out.bySeq)) != info.State.Msgs {
-		return nil, fmt.Errorf("read %d messages, the stream reports %d", len(out.bySeq), info.State.Msgs)
+	if uint64(len(out.bySeq)+len(out.foreign)) != info.State.Msgs {
+		return nil, fmt.Errorf("read %d messages, the stream reports %d", len(out.bySeq)+len(out.foreign), info.State.Msgs)
 	}
 	return out, nil
 }
