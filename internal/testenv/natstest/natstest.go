@@ -14,11 +14,11 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/testenv/porthold"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/nats-io/nats.go"
@@ -37,9 +37,8 @@ type Server struct {
 	cmd        *exec.Cmd
 	exited     chan struct{}
 	log        *syncbuf.Buffer
-	// hold keeps the port of a stopped server (see holdPort).
-	holdMu sync.Mutex
-	hold   net.Listener
+	// hold keeps a stopped server's port until it restarts.
+	hold porthold.Hold
 }
 
 // Option adjusts the server's command line.
@@ -185,56 +184,17 @@ func (s *Server) ready() error {
 }
 
 // Stop shuts the server down gracefully (SIGTERM); idempotent. Its port
-// stays this server's until Restart (holdPort).
-func (s *Server) Stop() { s.signal(syscall.SIGTERM); s.holdPort() }
+// stays this server's until Restart (package porthold).
+func (s *Server) Stop() { s.signal(syscall.SIGTERM); s.hold.Take(s.Port) }
 
 // Kill kills the server (SIGKILL), as a power cut would; idempotent. Its
-// port stays this server's until Restart (holdPort).
-func (s *Server) Kill() { s.signal(syscall.SIGKILL); s.holdPort() }
+// port stays this server's until Restart (package porthold).
+func (s *Server) Kill() { s.signal(syscall.SIGKILL); s.hold.Take(s.Port) }
 
 // Close kills the server for good and lets its port go.
 func (s *Server) Close() {
 	s.signal(syscall.SIGKILL)
-	s.releasePort()
-}
-
-// holdPort keeps a stopped server's port from the servers other tests
-// start meanwhile (they take free ports, and the OS may hand out this
-// one): the clients of this test, reconnecting, would reach another
-// test's server and publish into its stream of the same name (a relay
-// test once found another test's event among its own). Connections are
-// accepted and closed at once, as a server that is down would refuse
-// them.
-func (s *Server) holdPort() {
-	s.holdMu.Lock()
-	defer s.holdMu.Unlock()
-	if s.hold != nil || s.Port == 0 {
-		return
-	}
-	l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(s.Port)))
-	if err != nil {
-		return // taken already: Restart will say so
-	}
-	s.hold = l
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			c.Close()
-		}
-	}()
-}
-
-// releasePort lets the held port go, for the server to bind it again.
-func (s *Server) releasePort() {
-	s.holdMu.Lock()
-	defer s.holdMu.Unlock()
-	if s.hold != nil {
-		s.hold.Close()
-		s.hold = nil
-	}
+	s.hold.Release()
 }
 
 func (s *Server) signal(sig syscall.Signal) {
@@ -263,7 +223,7 @@ func (s *Server) Restart() error {
 	default:
 		return errors.New("nats-server still running: Stop or Kill it first")
 	}
-	s.releasePort()
+	s.hold.Release()
 	return s.start()
 }
 

@@ -10,10 +10,10 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/testenv/porthold"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -27,9 +27,8 @@ type Server struct {
 	dir      string
 	port     int
 	runAs    []string
-	// hold keeps the port of a stopped server (see holdPort).
-	holdMu sync.Mutex
-	hold   net.Listener
+	// hold keeps a stopped server's port until it starts again.
+	hold porthold.Hold
 }
 
 // StartServer initializes and starts a server for t and stops it when t
@@ -114,7 +113,7 @@ func (s *Server) options() string {
 
 // Start starts the server (after Stop).
 func (s *Server) Start() error {
-	s.releasePort()
+	s.hold.Release()
 	if err := s.pgctl("start", "-o", s.options()); err != nil {
 		return err
 	}
@@ -150,56 +149,19 @@ func (s *Server) SetHBA(lines string) error {
 }
 
 // Stop stops the server (fast mode). Its port stays this server's until
-// Start (holdPort).
+// Start (package porthold).
 func (s *Server) Stop() error {
 	if err := s.pgctl("stop", "-m", "fast"); err != nil {
 		return err
 	}
-	s.holdPort()
+	s.hold.Take(s.port)
 	return nil
 }
 
 func (s *Server) stop() {
 	_ = s.pgctl("stop", "-m", "immediate")
-	s.releasePort()
+	s.hold.Release()
 	_ = os.RemoveAll(s.dir)
-}
-
-// holdPort keeps a stopped server's port from the servers other tests
-// start meanwhile (on ports found free, which the OS may hand out again):
-// this test's clients, reconnecting, would reach another test's server.
-// Connections are accepted and closed at once, as a server that is down
-// would refuse them.
-func (s *Server) holdPort() {
-	s.holdMu.Lock()
-	defer s.holdMu.Unlock()
-	if s.hold != nil {
-		return
-	}
-	l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port)))
-	if err != nil {
-		return // taken already: Start will say so
-	}
-	s.hold = l
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			c.Close()
-		}
-	}()
-}
-
-// releasePort lets the held port go, for the server to bind it again.
-func (s *Server) releasePort() {
-	s.holdMu.Lock()
-	defer s.holdMu.Unlock()
-	if s.hold != nil {
-		s.hold.Close()
-		s.hold = nil
-	}
 }
 
 // NewDB creates a migrated database on this server for t.
