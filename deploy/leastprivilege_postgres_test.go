@@ -326,6 +326,35 @@ SELECT id FROM p`).Scan(&productID)
 		})
 	}
 
+	// A backfill runs as its subscriber's role: the declaration's grants
+	// and its table's SELECT cover what it reads; its progress and
+	// failures are its own rows; a role without a backfill has neither.
+	t.Run("backfill as fanout_invoicing", func(t *testing.T) {
+		pool := rolePool(t, cfg, db.URL, "fanout_invoicing")
+		scfg := subscribers.DefaultConfig()
+		s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: invoicing.Subscriber,
+			Handler: subscribers.Tx(invoicing.New()), Config: scfg, Pool: pool, Logger: slog.New(slog.DiscardHandler), Restart: true})
+		if err != nil || !s.Finished() || s.Done == 0 || s.Failed != 0 {
+			t.Fatalf("invoicing's backfill as its role: %+v, %v", s, err)
+		}
+		var uninvoiced int
+		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM orders o WHERE NOT EXISTS (SELECT FROM invoices i WHERE i.order_id = o.id)`).Scan(&uninvoiced); err != nil || uninvoiced != 0 {
+			t.Fatalf("%d orders without an invoice after the backfill (%v)", uninvoiced, err)
+		}
+		denied(t, pool, "fanout_invoicing", `INSERT INTO subscriber_backfills (subscriber, high_key, last_key, total_rows) VALUES ('salesledger', 0, 0, 0)`)
+		denied(t, pool, "fanout_invoicing", `INSERT INTO subscriber_backfill_failures (subscriber, row_key, reason) VALUES ('salesledger', 1, 'x')`)
+		ledger := rolePool(t, cfg, db.URL, "fanout_salesledger")
+		denied(t, ledger, "fanout_salesledger", `SELECT * FROM subscriber_backfills`)
+		denied(t, ledger, "fanout_salesledger", `UPDATE subscriber_backfills SET paused = true`)
+		// The operator (a member of the subscribers' roles, to act as them)
+		// reads every backfill for fanout status.
+		op := rolePool(t, cfg, db.URL, "fanout_operator")
+		var n int
+		if err := op.QueryRow(ctx, `SELECT count(*) FROM subscriber_backfills WHERE subscriber = 'invoicing'`).Scan(&n); err != nil || n != 1 {
+			t.Errorf("fanout_operator reads the backfills (fanout status): %d rows, %v", n, err)
+		}
+	})
+
 	t.Run("fanout_relay", func(t *testing.T) {
 		pool := rolePool(t, cfg, db.URL, "fanout_relay")
 		denied(t, pool, "fanout_relay", `SELECT * FROM products`)

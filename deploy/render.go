@@ -70,6 +70,7 @@ type subscriber struct {
 	Redis      bool
 	Search     bool
 	Ordered    bool
+	Backfill   bool
 }
 
 type data struct {
@@ -99,10 +100,11 @@ func newData(decls []subscribers.Declaration) data {
 			Name:       decl.Name,
 			Env:        strings.ToUpper(decl.Name),
 			EventTypes: decl.EventTypes,
-			Grants:     decl.Grants,
+			Grants:     decl.AllGrants(),
 			Redis:      decl.UsesService(subscribers.Redis),
 			Search:     decl.UsesService(subscribers.Search),
 			Ordered:    decl.Ordered,
+			Backfill:   decl.Backfill != nil,
 		}
 		d.Subscribers = append(d.Subscribers, s)
 		d.Tables = append(d.Tables, decl.Tables...)

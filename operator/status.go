@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
@@ -71,6 +72,9 @@ type Status struct {
 	// their replication slot.
 	Capture     CaptureStatus      `json:"capture"`
 	Subscribers []SubscriberStatus `json:"subscribers"`
+	// Backfills are the subscribers' backfills (fanout backfill), running,
+	// paused or finished.
+	Backfills []Backfill `json:"backfills,omitempty"`
 	// Stages are the last minute's stage latencies, when Sources.Ops names
 	// endpoints to read them from.
 	Stages *Stages `json:"stages,omitempty"`
@@ -85,6 +89,20 @@ type CaptureStatus struct {
 	// BacklogDone: the rows committed before the slot existed are all
 	// published (wal capture).
 	BacklogDone bool `json:"backlog_done,omitempty"`
+}
+
+// Backfill is one subscriber's backfill.
+type Backfill struct {
+	Subscriber string     `json:"subscriber"`
+	Where      string     `json:"where,omitempty"`
+	Total      int64      `json:"total_rows"`
+	Done       int64      `json:"done_rows"`
+	Failed     int64      `json:"failed_rows"`
+	LastKey    int64      `json:"last_key"`
+	Paused     bool       `json:"paused,omitempty"`
+	StartedAt  time.Time  `json:"started_at"`
+	UpdatedAt  time.Time  `json:"updated_at"`
+	FinishedAt *time.Time `json:"finished_at,omitempty"`
 }
 
 // SubscriberStatus is one subscriber's state.
@@ -228,6 +246,14 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 		st.Subscribers = append(st.Subscribers, s)
 	}
 	slices.SortFunc(st.Subscribers, func(x, y SubscriberStatus) int { return strings.Compare(x.Name, y.Name) })
+	backfills, err := subscribers.Backfills(ctx, src.Pool)
+	if err != nil {
+		return st, err
+	}
+	for _, b := range backfills {
+		st.Backfills = append(st.Backfills, Backfill{Subscriber: b.Subscriber, Where: b.Where, Total: b.Total, Done: b.Done,
+			Failed: b.Failed, LastKey: b.LastKey, Paused: b.Paused, StartedAt: b.StartedAt, UpdatedAt: b.UpdatedAt, FinishedAt: b.FinishedAt})
+	}
 	if len(src.Ops) > 0 {
 		stages := ReadStages(ctx, src.Ops)
 		st.Stages = &stages

@@ -50,6 +50,10 @@ type Declaration struct {
 	// consumer pins one instance at a time; its role may write its rows of
 	// subscriber_aggregates.
 	Ordered bool
+	// Backfill, if set, is how its state derives from Postgres: `fanout
+	// backfill <name>` reads the table it names and hands the handler an
+	// event per row (see Backfill). Its role gets SELECT on the table.
+	Backfill *Backfill
 	// New builds the handler from the connections in deps. It may check
 	// or prepare its dependencies (an index, a schema) and fail.
 	New func(deps Deps) (Handler, error)
@@ -144,10 +148,24 @@ func (d Declaration) Validate() error {
 	if d.New == nil {
 		errs = append(errs, errors.New("no constructor (New)"))
 	}
+	if d.Backfill != nil {
+		if err := d.Backfill.validate(d.EventTypes, d.Ordered); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("subscriber %q: %w", d.Name, err)
 	}
 	return nil
+}
+
+// AllGrants are its Grants and what its backfill reads (SELECT on the
+// backfill's table): what its Postgres role is granted.
+func (d Declaration) AllGrants() []string {
+	if d.Backfill == nil {
+		return slices.Clone(d.Grants)
+	}
+	return append(slices.Clone(d.Grants), "SELECT ON "+d.Backfill.Table)
 }
 
 // Build runs the declaration's constructor and checks that the handler it

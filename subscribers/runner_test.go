@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -20,7 +21,12 @@ import (
 	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	if url := os.Getenv(backfillChildEnv); url != "" {
+		os.Exit(backfillChild(url)) // the process a backfill test kills
+	}
+	goleak.VerifyTestMain(m)
+}
 
 // scripted is a test subscriber whose events say how to behave.
 type scripted struct {

@@ -141,9 +141,30 @@ func printStatus(w io.Writer, st operator.Status) {
 				s.Name, s.HeldAggregates, s.Name)
 		}
 	}
+	for _, b := range st.Backfills {
+		printBackfill(w, b)
+	}
 	if st.Stages != nil {
 		printStages(w, *st.Stages)
 	}
+}
+
+func printBackfill(w io.Writer, b operator.Backfill) {
+	state := "running"
+	switch {
+	case b.FinishedAt != nil:
+		state = "finished " + time.Since(*b.FinishedAt).Round(time.Second).String() + " ago"
+	case b.Paused:
+		state = "PAUSED (fanout backfill " + b.Subscriber + " --resume)"
+	case time.Since(b.UpdatedAt) > time.Minute:
+		state = "stopped " + time.Since(b.UpdatedAt).Round(time.Second).String() + " ago (fanout backfill " + b.Subscriber + " resumes it)"
+	}
+	where := ""
+	if b.Where != "" {
+		where = "  where " + b.Where
+	}
+	fmt.Fprintf(w, "backfill %s: %s, %d/%d rows, %d failed (subscriber_backfill_failures), started %s ago%s\n",
+		b.Subscriber, state, b.Done, b.Total, b.Failed, time.Since(b.StartedAt).Round(time.Second), where)
 }
 
 // stageNames are the stages as status prints them.

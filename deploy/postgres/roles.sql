@@ -75,6 +75,7 @@
 --       INSERT ON invoices, invoice_lines
 --       SELECT (id, order_id) ON invoices
 --       USAGE ON SEQUENCE invoice_number_seq
+--       SELECT ON orders
 --   fanout_salesledger: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters;
 --       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
@@ -225,7 +226,7 @@ FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands',
                   'invoice_number_seq', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                   'outbox_partitions', 'outbox_default', 'outbox_aggregates', 'subscriber_aggregates',
                   'outbox_epochs', 'event_origins', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
-                  'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
+                  'order_transitions', 'subscriber_backfills', 'subscriber_backfill_failures', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
 
 \if :fanout_migrated
 
@@ -240,7 +241,7 @@ WHERE c.relnamespace = 'public'::regnamespace
                     'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
                     'outbox_epochs', 'event_origins', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
-                    'order_transitions', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
+                    'order_transitions', 'subscriber_backfills', 'subscriber_backfill_failures', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
 -- must own the outbox to do so).
@@ -376,7 +377,21 @@ DROP POLICY IF EXISTS fanout_searchindex_dead_letters ON dead_letters;
 CREATE POLICY fanout_searchindex_dead_letters ON dead_letters TO fanout_searchindex
     USING (subscriber = 'searchindex') WITH CHECK (subscriber = 'searchindex');
 
--- Each subscriber's own grants (its declaration's Grants).
+-- Subscribers that declare a backfill: where it is, and the rows it could
+-- not apply, restricted to their rows.
+ALTER TABLE subscriber_backfills ENABLE ROW LEVEL SECURITY;
+ALTER TABLE subscriber_backfill_failures ENABLE ROW LEVEL SECURITY;
+GRANT SELECT, INSERT, UPDATE ON subscriber_backfills TO fanout_invoicing;
+DROP POLICY IF EXISTS fanout_invoicing_backfills ON subscriber_backfills;
+CREATE POLICY fanout_invoicing_backfills ON subscriber_backfills TO fanout_invoicing
+    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_backfill_failures TO fanout_invoicing;
+DROP POLICY IF EXISTS fanout_invoicing_backfill_failures ON subscriber_backfill_failures;
+CREATE POLICY fanout_invoicing_backfill_failures ON subscriber_backfill_failures TO fanout_invoicing
+    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+
+-- Each subscriber's own grants (its declaration's Grants, and SELECT on
+-- the table its backfill reads).
 GRANT SELECT ON products, brands, categories, inventory TO fanout_cacheinval;
 GRANT SELECT, INSERT, UPDATE ON fulfilment_orders TO fanout_fulfilment;
 GRANT SELECT, INSERT ON fulfilment_history, fulfilment_violations TO fanout_fulfilment;
@@ -384,6 +399,7 @@ GRANT SELECT ON orders, order_lines, products TO fanout_invoicing;
 GRANT INSERT ON invoices, invoice_lines TO fanout_invoicing;
 GRANT SELECT (id, order_id) ON invoices TO fanout_invoicing;
 GRANT USAGE ON SEQUENCE invoice_number_seq TO fanout_invoicing;
+GRANT SELECT ON orders TO fanout_invoicing;
 GRANT SELECT ON orders, order_lines TO fanout_salesledger;
 GRANT SELECT, INSERT, UPDATE ON product_sales TO fanout_salesledger;
 GRANT SELECT ON products, brands, categories, inventory TO fanout_searchindex;
@@ -409,6 +425,12 @@ GRANT SELECT ON outbox_partitions, outbox_default, outbox_epochs, event_origins,
 GRANT SELECT ON subscriber_aggregates TO fanout_operator;
 DROP POLICY IF EXISTS fanout_operator_aggregates ON subscriber_aggregates;
 CREATE POLICY fanout_operator_aggregates ON subscriber_aggregates FOR SELECT TO fanout_operator USING (true);
+-- fanout status shows the backfills.
+GRANT SELECT ON subscriber_backfills, subscriber_backfill_failures TO fanout_operator;
+DROP POLICY IF EXISTS fanout_operator_backfills ON subscriber_backfills;
+CREATE POLICY fanout_operator_backfills ON subscriber_backfills FOR SELECT TO fanout_operator USING (true);
+DROP POLICY IF EXISTS fanout_operator_backfill_failures ON subscriber_backfill_failures;
+CREATE POLICY fanout_operator_backfill_failures ON subscriber_backfill_failures FOR SELECT TO fanout_operator USING (true);
 -- outbox skip marks a failed row skipped (the status column, above).
 
 \else

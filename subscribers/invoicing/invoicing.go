@@ -42,6 +42,13 @@ var Subscriber = subscribers.Declaration{
 		"SELECT (id, order_id) ON invoices",
 		"USAGE ON SEQUENCE invoice_number_seq",
 	},
+	// `fanout backfill invoicing` invoices the orders whose order.created
+	// the stream no longer holds: an order.created per order, naming it;
+	// the handler reads its lines, and invoices it once however often.
+	Backfill: &subscribers.Backfill{
+		Table: "orders", Key: "id", EventType: shop.OrderCreated, AggregateType: shop.AggregateOrder,
+		Payload: "jsonb_build_object('order_id', t.id, 'customer', t.customer)",
+	},
 	New: func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Tx(New()), nil },
 }
 

@@ -105,26 +105,34 @@ func (e *Env) StartRelay(hooks testhooks.Relay) {
 // under test), while the relay and the test's own pool keep working.
 func (e *Env) ProxiedPool() (*pgxpool.Pool, *faultproxy.Proxy) {
 	e.T.Helper()
-	u, err := url.Parse(e.DB.URL)
+	return ProxiedPool(e.T, e.DB.URL)
+}
+
+// ProxiedPool returns a pool to the database at dbURL through a fault
+// proxy, to cut Postgres off from what uses the pool alone; both close
+// when t ends.
+func ProxiedPool(t testing.TB, dbURL string) (*pgxpool.Pool, *faultproxy.Proxy) {
+	t.Helper()
+	u, err := url.Parse(dbURL)
 	if err != nil {
-		e.T.Fatal(err)
+		t.Fatal(err)
 	}
 	p, err := faultproxy.New(u.Host)
 	if err != nil {
-		e.T.Fatal(err)
+		t.Fatal(err)
 	}
-	e.T.Cleanup(p.Close)
+	t.Cleanup(p.Close)
 	u.Host = p.Addr
 	cfg, err := pgxpool.ParseConfig(u.String())
 	if err != nil {
-		e.T.Fatal(err)
+		t.Fatal(err)
 	}
 	cfg.ConnConfig.ConnectTimeout = 2 * time.Second
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
-		e.T.Fatal(err)
+		t.Fatal(err)
 	}
-	e.T.Cleanup(pool.Close)
+	t.Cleanup(pool.Close)
 	return pool, p
 }
 
