@@ -7,6 +7,7 @@ package subscribertest
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/url"
@@ -372,4 +373,32 @@ func (e *Env) Settle(name string) {
 		return unsent == 0, strconv.Itoa(unsent) + " unsent"
 	})
 	e.WaitIdle(name, time.Minute)
+}
+
+// ExpireStream lets the stream's retention drop every event it holds, as
+// stream.max_age does once they are older than it: its max age is
+// shortened for a moment (the stream denies purges), then restored.
+func (e *Env) ExpireStream() {
+	e.T.Helper()
+	ctx := context.Background()
+	events, err := e.JS.Stream(ctx, e.Config.Stream.Name)
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	was := events.CachedInfo().Config
+	short := was
+	short.MaxAge, short.Duplicates = 2*time.Second, time.Second
+	if _, err := e.JS.UpdateStream(ctx, short); err != nil {
+		e.T.Fatal(err)
+	}
+	WaitFor(e.T, 30*time.Second, "the stream to drop its events", func() (bool, string) {
+		info, err := events.Info(ctx)
+		if err != nil {
+			return false, err.Error()
+		}
+		return info.State.Msgs == 0, fmt.Sprint(info.State.Msgs, " messages")
+	})
+	if _, err := e.JS.UpdateStream(ctx, was); err != nil {
+		e.T.Fatal(err)
+	}
 }
