@@ -36,7 +36,7 @@ func TestBackfillInvoicesOrdersOlderThanTheStream(t *testing.T) {
 	}
 	old := writeOrders(400)
 	env.WaitSent(old...)
-	env.ExpireStream() // as stream.max_age does
+	env.ExpireStream()                     // as stream.max_age does
 	old = append(old, writeOrders(100)...) // and these are still in it
 	env.WaitSent(old...)
 
