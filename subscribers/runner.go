@@ -127,10 +127,16 @@ func (r *Runner) start(ctx context.Context) error {
 		return fmt.Errorf("subscriber %s: stream %s: %w", r.name, r.opts.Stream.Name, err)
 	}
 	r.stream = events
+	want := ConsumerConfig(r.opts.Handler.Name(), r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream)
+	if want.DeliverPolicy != jetstream.DeliverAllPolicy {
+		if err := r.startFromFirstIfNotNew(ctx, &want); err != nil {
+			return err
+		}
+	}
 	var cons jetstream.Consumer
 	err = jsretry.Do(ctx, r.logger, "provision the consumer", func() error {
 		var err error
-		cons, err = ensureConsumer(ctx, events, ConsumerConfig(r.opts.Handler.Name(), r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream), r.opts.Stream.Provision)
+		cons, err = ensureConsumer(ctx, events, want, r.opts.Stream.Provision)
 		return err
 	})
 	if err != nil {
@@ -288,6 +294,36 @@ func (r *Runner) checkConfig(ctx context.Context) {
 		ds = append(ds, stream.Difference{Field: "created", Have: info.Created.UTC().Format(time.RFC3339Nano), Want: bound.UTC().Format(time.RFC3339Nano) + " (the consumer this subscriber bound at start: it was deleted and made again since, and may start elsewhere)"})
 	}
 	r.drift.Set(object, ds)
+}
+
+// startFromFirstIfNotNew makes a consumer created for a subscriber that
+// already has checkpoints start at the stream's first event, whatever
+// subscribers.start says: its consumer is being made again (deleted by
+// hand, or lost with a JetStream store rolled back), and starting at new
+// events would skip every event published while it was gone. Its
+// checkpoints absorb the events it had handled.
+func (r *Runner) startFromFirstIfNotNew(ctx context.Context, want *jetstream.ConsumerConfig) error {
+	var seen bool
+	for wait := 100 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
+		err := r.opts.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM processed_events WHERE subscriber = $1 AND event_id >= 0)`, r.name).Scan(&seen)
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("subscriber %s: read its checkpoint: %w", r.name, err)
+		}
+		r.logger.Warn("checkpoint store unavailable at start; waiting", "error", err, "retry_in", wait)
+		select {
+		case <-ctx.Done():
+		case <-time.After(wait):
+		}
+	}
+	if seen {
+		r.logger.Info("subscribers.start applies to a new subscriber only: this one has checkpoints, so a consumer made now starts at the stream's first event",
+			"start", r.cfg.Start)
+		want.DeliverPolicy, want.OptStartTime = jetstream.DeliverAllPolicy, nil
+	}
+	return nil
 }
 
 // checkStore makes sure, at start, that the subscriber may write its own

@@ -543,3 +543,44 @@ func TestTheHandlerKindIsTheConstructors(t *testing.T) {
 		t.Fatalf("New without a handler: %v", err)
 	}
 }
+
+// subscribers.start=new is for a new subscriber: one that has checkpoints
+// and finds its consumer gone (deleted by hand, or lost with a JetStream
+// store rolled back) gets a consumer from the stream's first event, and
+// misses none of the events published while it had none.
+func TestStartNewAppliesToANewSubscriberOnly(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	history := write(env, testEvent("ok", 0), testEvent("ok", 0))
+	env.WaitSent(history...)
+	startNew := func(o *subscribers.Options) { o.Config.Start = "new" }
+	first := newScripted("late")
+	r := env.StartRunner(subscribers.Each(first), startNew)
+	seen := write(env, testEvent("ok", 0))
+	env.WaitSent(seen...)
+	env.WaitIdle("late", 10*time.Second)
+	if !first.isDone(seen[0]) || len(first.deliveries(history[0])) != 0 {
+		t.Fatalf("start=new: new event handled %t, historical one delivered %d times", first.isDone(seen[0]), len(first.deliveries(history[0])))
+	}
+	if err := r.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.JS.DeleteConsumer(context.Background(), env.Config.Stream.Name, "late"); err != nil {
+		t.Fatal(err)
+	}
+	gone := write(env, testEvent("ok", 0), testEvent("ok", 0))
+	env.WaitSent(gone...)
+	again := newScripted("late")
+	env.StartRunner(subscribers.Each(again), startNew)
+	more := write(env, testEvent("ok", 0))
+	env.WaitSent(more...)
+	env.WaitIdle("late", 10*time.Second)
+	for _, id := range append(gone, more...) {
+		if !again.isDone(id) {
+			t.Errorf("event %d, published while the consumer was gone or after, not handled", id)
+		}
+	}
+	if len(again.deliveries(seen[0])) != 0 {
+		t.Errorf("event %d, checkpointed before, handled again", seen[0])
+	}
+}
