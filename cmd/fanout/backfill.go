@@ -88,7 +88,7 @@ running elsewhere; --restart starts over.`,
 			m := subscribers.NewBackfillMetrics(reg)
 			p := newBackfillProgress(cmd.ErrOrStderr())
 			s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{
-				Declaration: decl, Handler: h, Config: a.cfg.Subscriber(decl.Name), Pool: pool,
+				Declaration: decl, Handler: sabotagedBackfill(h), Config: a.cfg.Subscriber(decl.Name), Pool: pool,
 				Logger: logging.Component(a.logger, "backfill"),
 				Where:  where, Rate: rate, Chunk: chunk, Restart: restart,
 				Progress: func(s subscribers.BackfillStatus) { m.Observe(s); p.show(s) },

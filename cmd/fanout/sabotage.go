@@ -12,8 +12,9 @@ import (
 var sabotage struct {
 	relay      testhooks.Relay
 	subscriber testhooks.Subscriber
-	// handler, if set, wraps each subscriber's handler.
-	handler func(subscribers.Handler) subscribers.Handler
+	// handler, if set, wraps each subscriber's handler; backfill, the
+	// handler a backfill runs.
+	handler, backfill func(subscribers.Handler) subscribers.Handler
 }
 
 // sabotaged wraps h if a sabotage asks for it.
@@ -22,4 +23,12 @@ func sabotaged(h subscribers.Handler) subscribers.Handler {
 		return h
 	}
 	return sabotage.handler(h)
+}
+
+// sabotagedBackfill wraps a backfill's h if a sabotage asks for it.
+func sabotagedBackfill(h subscribers.Handler) subscribers.Handler {
+	if sabotage.backfill == nil {
+		return h
+	}
+	return sabotage.backfill(h)
 }

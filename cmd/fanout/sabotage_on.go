@@ -6,6 +6,8 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -69,6 +71,15 @@ func init() {
 			}
 			return h
 		}
+	case "backfill-skips-rows":
+		// A backfill that moves its checkpoint past one row in 3 without
+		// handing it to the handler: those orders never get an invoice.
+		sabotage.backfill = func(h subscribers.Handler) subscribers.Handler {
+			if th, ok := h.TxHandler(); ok {
+				return subscribers.Tx(skipRows{th})
+			}
+			return h
+		}
 	default:
 		fmt.Fprintf(os.Stderr, "fanout: unknown FANOUT_TEST_SABOTAGE %q\n", kind)
 		os.Exit(2)
@@ -124,4 +135,20 @@ func (f *failOnce) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event
 		return fmt.Errorf("sabotage: event %d fails for %s", ev.ID, failFor)
 	}
 	return f.TxHandler.HandleTx(ctx, tx, ev)
+}
+
+// skipRows drops one backfill row in 3, by its key.
+type skipRows struct{ subscribers.TxHandler }
+
+func skipped(ev subscribers.Event) bool {
+	_, key, _ := strings.Cut(ev.Headers.Get(subscribers.BackfillHeader), ":")
+	n, _ := strconv.ParseInt(key, 10, 64)
+	return n%3 == 0
+}
+
+func (s skipRows) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
+	if skipped(ev) {
+		return nil
+	}
+	return s.TxHandler.HandleTx(ctx, tx, ev)
 }

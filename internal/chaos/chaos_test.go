@@ -12,6 +12,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/subscribers/example"
+	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/fanout/fanout/subscribers/registry"
 )
 
@@ -100,34 +101,38 @@ func TestChaosSelfTest(t *testing.T) {
 		want     string // in the first violation reported for it
 		rollBack bool   // JetStream's stores rolled back during the run
 		atomic   string // relay.atomic
+		backfill string // a subscriber that joins late (Options.Backfill)
 	}{
 		// Rows marked sent without a publish: the stream lacks them.
-		{"relay-skips-publish", relay.CapturePoll, []string{"relay"}, "every sent row is in the stream", false, ""},
+		{"relay-skips-publish", relay.CapturePoll, []string{"relay"}, "every sent row is in the stream", false, "", ""},
 		// The same in wal capture, where a published row stays pending:
 		// the checker must still see the ones the stream lacks.
-		{"relay-skips-publish", relay.CaptureWAL, []string{"relay"}, "every sent row is in the stream", false, ""},
+		{"relay-skips-publish", relay.CaptureWAL, []string{"relay"}, "every sent row is in the stream", false, "", ""},
 		// Events published without waiting for their aggregate's earlier
 		// ones, some of which fail and are retried: out of order.
-		{"relay-unordered", relay.CapturePoll, []string{"relay"}, "each aggregate's events enter the stream in commit order", false, ""},
+		{"relay-unordered", relay.CapturePoll, []string{"relay"}, "each aggregate's events enter the stream in commit order", false, "", ""},
 		// An ordered subscriber run unordered, with events failing for a
 		// few seconds: an order's transitions applied out of order.
-		{"subscriber-unordered", relay.CapturePoll, []string{"relay"}, "every order's applied history equals its committed history", false, ""},
+		{"subscriber-unordered", relay.CapturePoll, []string{"relay"}, "every order's applied history equals its committed history", false, "", ""},
 		// Acked before the commit, then killed: events neither handled
 		// nor dead-lettered.
-		{"ack-before-commit", relay.CapturePoll, []string{"invoicing", "salesledger"}, "every event checkpointed or dead-lettered", false, ""},
+		{"ack-before-commit", relay.CapturePoll, []string{"invoicing", "salesledger"}, "every event checkpointed or dead-lettered", false, "", ""},
 		// An event handled twice: the ledger counts its order twice.
-		{"handle-twice", relay.CapturePoll, []string{"relay"}, "sales ledger equals its order lines", false, ""},
+		{"handle-twice", relay.CapturePoll, []string{"relay"}, "sales ledger equals its order lines", false, "", ""},
 		// No auditor while JetStream loses messages it acknowledged: the
 		// stream lacks them for good.
-		{"relay-no-audit", relay.CapturePoll, []string{"relay"}, "every sent row is in the stream", true, ""},
+		{"relay-no-audit", relay.CapturePoll, []string{"relay"}, "every sent row is in the stream", true, "", ""},
 		// relay.atomic transaction, with each transaction's events
 		// published in two halves: others land between them.
-		{"relay-splits-transactions", relay.CaptureWAL, []string{"relay"}, "a transaction's events enter the stream together", false, relay.AtomicTransaction},
+		{"relay-splits-transactions", relay.CaptureWAL, []string{"relay"}, "a transaction's events enter the stream together", false, relay.AtomicTransaction, ""},
+		// A backfill that moves past rows it never handed to the handler:
+		// orders from before the late subscriber joined lack invoices.
+		{"backfill-skips-rows", relay.CapturePoll, []string{"backfill"}, "exactly one invoice per order", false, "", invoicing.Name},
 	} {
 		t.Run(tc.sabotage+"/"+tc.capture, func(t *testing.T) {
 			t.Parallel()
 			rep := Run(t, Options{Duration: duration, Seed: 1, Rate: 40, Binary: bin, Logf: t.Logf,
-				Sabotage: tc.sabotage, KillOnly: tc.killOnly, Capture: tc.capture, RollBack: tc.rollBack, Atomic: tc.atomic})
+				Sabotage: tc.sabotage, KillOnly: tc.killOnly, Capture: tc.capture, RollBack: tc.rollBack, Atomic: tc.atomic, Backfill: tc.backfill})
 			t.Log("\n" + rep.String())
 			found := false
 			for _, v := range rep.Violations {
@@ -137,6 +142,29 @@ func TestChaosSelfTest(t *testing.T) {
 				t.Errorf("sabotage %s: the checker did not report %q (it reported %d violations: %v)", tc.sabotage, tc.want, len(rep.Violations), rep.Violations)
 			}
 		})
+	}
+}
+
+// TestChaosBackfill: invoicing joins a third of the way into the run,
+// taking only new events, and its backfill (killed again and again,
+// beside the run's faults) hands it the orders from before: every order
+// ends with exactly one invoice, every event after it joined is in its
+// checkpoint or its dead letters, and the only rows the backfill could
+// not apply are the planted bad orders.
+func TestChaosBackfill(t *testing.T) {
+	t.Parallel()
+	duration := 40 * time.Second
+	if d, err := time.ParseDuration(os.Getenv("FANOUT_TEST_CHAOS_DURATION")); err == nil {
+		duration = d
+	}
+	seed := uint64(3)
+	if s, err := strconv.ParseUint(os.Getenv("FANOUT_TEST_CHAOS_SEED"), 10, 64); err == nil {
+		seed = s
+	}
+	rep := Run(t, Options{Duration: duration, Seed: seed, Rate: 40, Binary: build(t), Logf: t.Logf, Backfill: invoicing.Name})
+	t.Log("\n" + rep.String())
+	if !rep.Pass() {
+		t.Errorf("invariant violated: %s", rep.Violations[0])
 	}
 }
 

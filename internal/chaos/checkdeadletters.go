@@ -75,7 +75,7 @@ func (r *run) deadLetters(ctx context.Context) ([]deadLetter, error) {
 // checkDeadLetters: each dead letter belongs to a known subscriber (by its
 // subject and its header alike) and matches a planted input by its reason;
 // every planted input that must reach a subscriber's dead letters did.
-func (r *run) checkDeadLetters(ctx context.Context, dead []deadLetter) {
+func (r *run) checkDeadLetters(ctx context.Context, dead []deadLetter, stream *streamContents) {
 	rep, p := r.report, r.planted
 	rep.DeadLetters = map[string]map[string]int{}
 	var orphans, unexpected []string
@@ -111,6 +111,9 @@ func (r *run) checkDeadLetters(ctx context.Context, dead []deadLetter) {
 		for id, l := range want {
 			if got[subscriber][id] {
 				continue
+			}
+			if seq, ok := stream.seqOf(id); ok && r.missedByLate(subscriber, seq) {
+				continue // before the late subscriber joined: the backfill's
 			}
 			if l.product != 0 {
 				// A rejected product the load deleted before the indexer

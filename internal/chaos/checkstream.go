@@ -426,3 +426,13 @@ func (r *run) checkTransactions(ctx context.Context, stream *streamContents) {
 		r.report.violate("atomic (a transaction's events enter the stream together)", fmt.Sprintf("%d transactions not in one batch: %s", len(split), head(split)))
 	}
 }
+
+// seqOf returns the last stream sequence holding the event of this run's
+// database with that id.
+func (c *streamContents) seqOf(id int64) (uint64, bool) {
+	seqs := c.byID[id]
+	if len(seqs) == 0 {
+		return 0, false
+	}
+	return slices.Max(seqs), true
+}

@@ -145,14 +145,20 @@ func sleepCtx(ctx context.Context, d time.Duration) {
 }
 
 func (r *run) killRole(context.Context) bool {
-	candidates := r.roles
+	r.rolesMu.Lock()
+	roles := slices.Clone(r.roles)
+	r.rolesMu.Unlock()
+	candidates := roles
 	if len(r.o.KillOnly) > 0 {
 		candidates = nil
-		for _, role := range r.roles {
+		for _, role := range roles {
 			if slices.ContainsFunc(r.o.KillOnly, func(p string) bool { return strings.HasPrefix(role.Name, p) }) {
 				candidates = append(candidates, role)
 			}
 		}
+	}
+	if len(candidates) == 0 {
+		return false // the late subscriber's roles, before they join
 	}
 	role := candidates[r.faultRand.intn(len(candidates))]
 	role.Kill()

@@ -40,6 +40,9 @@ type Report struct {
 	// Order transitions (after created) the ordered subscriber applied,
 	// its history checked against the committed one (invariant 8).
 	Transitions int
+	// Backfilled: rows the late subscriber's backfill applied
+	// (Options.Backfill).
+	Backfilled  int64
 	DeadLetters map[string]map[string]int // subscriber -> planted kind (or NOT PLANTED: reason) -> letters
 	// PlantedDeleted counts rejected products the load deleted before the
 	// indexer reached their event: indexed as gone, no letter expected.
@@ -89,6 +92,9 @@ func (r *Report) String() string {
 		fmt.Fprintf(&b, "  lost by JetStream after their PubAck and published again (by the auditor, or by a wal relay decoding them again): %d events\n", r.Repaired)
 	}
 	fmt.Fprintf(&b, "  orders: %d transitions after created applied by the ordered subscriber, its history checked against the committed one\n", r.Transitions)
+	if r.Backfilled > 0 {
+		fmt.Fprintf(&b, "  backfill: %d rows from Postgres for the subscriber that joined late, its state checked against Postgres\n", r.Backfilled)
+	}
 	fmt.Fprintf(&b, "  outbox ranges at the end: %d (%d sealed), %d rows in outbox_default\n", r.Ranges, r.SealedRanges, r.DefaultRows)
 	letters := 0
 	for _, byKind := range r.DeadLetters {

@@ -68,6 +68,11 @@ type Options struct {
 	// Atomic is the relays' relay.atomic: event (the default) or
 	// transaction (wal capture), which the checker then holds them to.
 	Atomic string
+	// Backfill names a subscriber that joins the run late (backfill.go):
+	// at a third of the load, its processes start with a consumer that
+	// takes only new events, and `fanout backfill` (killed like every
+	// role) hands it what came before, from Postgres.
+	Backfill string
 }
 
 // wal reports whether the run's relays capture from the WAL: they leave
@@ -116,7 +121,9 @@ type run struct {
 	rdb       *redis.Client
 	search    *search.Client
 	alias     string
+	rolesMu   sync.Mutex // roles grows when the late subscriber joins
 	roles     []*Role
+	late      lateSubscriber // Options.Backfill's (backfill.go)
 	admin     *nats.Conn
 	js        jetstream.JetStream // stream EVENTS, as its administrator
 	adminDL   *nats.Conn
@@ -186,7 +193,8 @@ func Run(t *testing.T, o Options) *Report {
 	start := time.Now()
 	ctx, stop := context.WithTimeout(context.Background(), o.Duration)
 	var wg sync.WaitGroup
-	wg.Add(3)
+	wg.Add(4)
+	go func() { defer wg.Done(); r.joinLate(ctx) }()
 	go func() { defer wg.Done(); r.load(ctx) }()
 	go func() { defer wg.Done(); r.readCache(ctx) }()
 	go func() { defer wg.Done(); r.faults(ctx) }()
@@ -303,6 +311,10 @@ func (r *run) setup() {
 		if !ok {
 			n = 2
 		}
+		if name == r.o.Backfill {
+			r.prepareLate(env, n)
+			continue
+		}
 		for i := range n {
 			specs = append(specs, []string{name + "-" + strconv.Itoa(i+1), "subscribe", name})
 		}
@@ -416,6 +428,9 @@ func (r *run) waitConsumers() {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 		missing := ""
 		for _, name := range r.subscriberNames() {
+			if name == r.o.Backfill {
+				continue // it joins later
+			}
 			if _, err := r.js.Consumer(ctx, "EVENTS", name); err != nil {
 				missing = name + ": " + err.Error()
 				break
@@ -573,6 +588,11 @@ func (r *run) drain() {
 		if idle && !r.lookedBack(ctx) && time.Since(drainStart) < auditWait {
 			idle, state = false, state+"; no lookback audit finished since the stores' rollback"
 		}
+		if r.o.Backfill != "" {
+			if done, why := r.backfillDone(ctx); !done {
+				idle, state = false, state+"; "+why
+			}
+		}
 		for _, name := range r.subscriberNames() {
 			c, err := r.js.Consumer(ctx, "EVENTS", name)
 			if err != nil {
@@ -674,7 +694,7 @@ func (r *run) asUser(env []string, spec []string) []string {
 		return env
 	}
 	user := spec[1] // relay
-	if spec[1] == "subscribe" {
+	if spec[1] == "subscribe" || spec[1] == "backfill" {
 		user = spec[2]
 	}
 	return append(slices.Clone(env), "FANOUT_NATS_USER="+user, "FANOUT_NATS_PASSWORD="+r.passwords[user])

@@ -1,0 +1,187 @@
+package chaos
+
+// A subscriber that joins the run late (Options.Backfill): its consumer
+// takes only the events published after it exists, and `fanout backfill`
+// hands it the rest from Postgres, under the same kills and outages as
+// every role. The checks then hold it to everything committed, as if it
+// had been there from the start: its state (for invoicing, exactly one
+// invoice per order) equals what Postgres says.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/jackc/pgx/v5"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// lateSubscriber is Options.Backfill's state.
+type lateSubscriber struct {
+	roles []*Role // its subscribe processes, then its backfill
+	// joinedAt is when its processes started; zero if they never did.
+	joinedAt time.Time
+	// firstSeq is the first stream sequence its consumer delivers: the
+	// events before it are the backfill's to make up for.
+	firstSeq uint64
+	rand     *seeded // when its backfill is killed
+}
+
+// prepareLate makes the late subscriber's n subscribe processes (taking
+// only new events) and its backfill process, not started yet.
+func (r *run) prepareLate(env []string, n int) {
+	name := r.o.Backfill
+	r.late.rand = newSeeded(r.o.Seed, 7)
+	var specs [][]string
+	for i := range n {
+		specs = append(specs, []string{name + "-" + strconv.Itoa(i+1), "subscribe", name, "--start", "new"})
+	}
+	// Slow, so that it runs for seconds beside the live events, and its
+	// kills land mid-chunk.
+	specs = append(specs, []string{"backfill-" + name, "backfill", name, "--chunk", "5", "--rate", "25"})
+	for _, spec := range specs {
+		role, err := newRole(spec[0], r.o.Binary, r.logDir, r.asUser(env, spec), spec[1:]...)
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		r.late.roles = append(r.late.roles, role)
+	}
+}
+
+// joinLate starts the late subscriber at a third of the load, then its
+// backfill once its consumer exists.
+func (r *run) joinLate(ctx context.Context) {
+	if r.o.Backfill == "" {
+		return
+	}
+	sleepCtx(ctx, r.o.Duration/3)
+	if ctx.Err() != nil {
+		return
+	}
+	subscribers, backfill := r.late.roles[:len(r.late.roles)-1], r.late.roles[len(r.late.roles)-1]
+	r.late.joinedAt = time.Now()
+	r.startLate(subscribers...)
+	var info *jetstream.ConsumerInfo
+	err := tryEverySecond(func() bool { return time.Since(r.late.joinedAt) > 2*time.Minute }, func(ictx context.Context) error {
+		c, err := r.js.Consumer(ictx, "EVENTS", r.o.Backfill)
+		if err == nil {
+			info, err = c.Info(ictx)
+		}
+		return err
+	})
+	if err != nil {
+		r.report.violate("12 (the late subscriber's consumer)", err.Error())
+		return
+	}
+	// A consumer that takes new events starts after the stream's last
+	// sequence when it was made; one provisioned earlier (a cluster run's
+	// provisioner makes every consumer up front) takes them all.
+	r.late.firstSeq = info.Delivered.Stream + 1
+	if info.Config.DeliverPolicy != jetstream.DeliverNewPolicy {
+		r.late.firstSeq = 0
+	}
+	r.o.Logf("chaos: %s joined; its consumer starts at stream sequence %d; backfill started", r.o.Backfill, r.late.firstSeq)
+	r.startLate(backfill)
+	// Killed and restarted until it finishes, beside the run's faults.
+	for ctx.Err() == nil {
+		sleepCtx(ctx, r.late.rand.between(500*time.Millisecond, 2*time.Second))
+		if done, _ := r.backfillDone(ctx); done || ctx.Err() != nil {
+			return
+		}
+		backfill.Kill()
+		r.countFault("backfill process killed (kill -9) and restarted")
+		time.Sleep(r.late.rand.between(100*time.Millisecond, time.Second))
+		if err := backfill.Start(); err != nil {
+			r.o.Logf("chaos: restart %s: %v", backfill.Name, err)
+		}
+	}
+}
+
+func (r *run) startLate(roles ...*Role) {
+	for _, role := range roles {
+		if err := role.Start(); err != nil {
+			r.t.Errorf("chaos: start %s: %v", role.Name, err)
+		}
+	}
+	r.rolesMu.Lock()
+	r.roles = append(r.roles, roles...)
+	r.rolesMu.Unlock()
+}
+
+// missedByLate reports whether the late subscriber's consumer never
+// delivers the event at stream sequence seq.
+func (r *run) missedByLate(subscriber string, seq uint64) bool {
+	return subscriber == r.o.Backfill && seq < r.late.firstSeq
+}
+
+// backfillDone reports whether the late subscriber's backfill has finished
+// (the drain waits for it), and if not, why.
+func (r *run) backfillDone(ctx context.Context) (bool, string) {
+	if r.late.joinedAt.IsZero() {
+		return true, ""
+	}
+	var finished bool
+	err := r.pool().QueryRow(ctx, `SELECT finished_at IS NOT NULL FROM subscriber_backfills WHERE subscriber = $1`, r.o.Backfill).Scan(&finished)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return false, "backfill not started"
+	case err != nil:
+		return false, "backfill: " + err.Error()
+	case !finished:
+		return false, "backfill running"
+	}
+	return true, ""
+}
+
+// checkBackfill: the late subscriber joined and its backfill finished;
+// the rows it could not apply are exactly planted bad input (for
+// invoicing, orders whose line names a missing product), each with the
+// handler's reason.
+func (r *run) checkBackfill(ctx context.Context) {
+	if r.o.Backfill == "" {
+		return
+	}
+	rep := r.report
+	if r.late.joinedAt.IsZero() {
+		rep.violate("12 (a late subscriber)", "it never joined: the check proves nothing")
+		return
+	}
+	var done, failed int64
+	var finished bool
+	if err := r.pool().QueryRow(ctx, `SELECT done_rows, failed_rows, finished_at IS NOT NULL FROM subscriber_backfills WHERE subscriber = $1`,
+		r.o.Backfill).Scan(&done, &failed, &finished); err != nil {
+		rep.violate("12 (read the backfill)", err.Error())
+		return
+	}
+	rep.Backfilled = done
+	if !finished || done == 0 {
+		rep.violate("12 (the backfill finishes)", fmt.Sprintf("%d rows done, finished %t", done, finished))
+	}
+	rows, err := r.pool().Query(ctx, `
+SELECT f.row_key, f.reason, EXISTS (SELECT FROM order_lines l WHERE l.order_id = f.row_key AND l.product_id = $2 AND l.sku IS NULL)
+FROM subscriber_backfill_failures f WHERE f.subscriber = $1 ORDER BY f.row_key`, r.o.Backfill, missingProduct)
+	if err != nil {
+		rep.violate("12 (read the backfill's failures)", err.Error())
+		return
+	}
+	var wrong []string
+	var key int64
+	var reason string
+	var planted bool
+	if _, err := pgx.ForEachRow(rows, []any{&key, &reason, &planted}, func() error {
+		if r.o.Backfill != invoicing.Name || !planted || !strings.Contains(reason, invoicing.ErrMissingProduct.Error()) {
+			wrong = append(wrong, fmt.Sprintf("row %d: %s", key, reason))
+		}
+		return nil
+	}); err != nil {
+		rep.violate("12 (read the backfill's failures)", err.Error())
+		return
+	}
+	if len(wrong) > 0 {
+		rep.violate("12 (only planted rows fail the backfill)", head(wrong))
+	}
+}
