@@ -341,7 +341,8 @@ SELECT id FROM p`).Scan(&productID)
 		if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM orders o WHERE NOT EXISTS (SELECT FROM invoices i WHERE i.order_id = o.id)`).Scan(&uninvoiced); err != nil || uninvoiced != 0 {
 			t.Fatalf("%d orders without an invoice after the backfill (%v)", uninvoiced, err)
 		}
-		denied(t, pool, "fanout_invoicing", `INSERT INTO subscriber_backfills (subscriber, high_key, last_key, total_rows) VALUES ('salesledger', 0, 0, 0)`)
+		denied(t, pool, "fanout_invoicing", `INSERT INTO subscriber_backfills (subscriber, high_key, total_rows) VALUES ('salesledger', 0, 0)`)
+		denied(t, pool, "fanout_invoicing", `INSERT INTO subscriber_backfill_segments (subscriber, segment, from_key, to_key, last_key) VALUES ('salesledger', 9, 0, 0, 0)`)
 		denied(t, pool, "fanout_invoicing", `INSERT INTO subscriber_backfill_failures (subscriber, row_key, reason) VALUES ('salesledger', 1, 'x')`)
 		ledger := rolePool(t, cfg, db.URL, "fanout_salesledger")
 		denied(t, ledger, "fanout_salesledger", `SELECT * FROM subscriber_backfills`)

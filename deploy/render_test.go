@@ -93,8 +93,8 @@ func TestANewSubscriberGetsItsDeployment(t *testing.T) {
 		{"postgres-roles", operatorMembership(reg)},
 		// Its table: roles.sql waits for it to exist, then hands it to
 		// fanout_migrate and grants on it.
-		{"postgres-roles", `'order_transitions', 'subscriber_backfills', 'subscriber_backfill_failures', 'audit_entries', 'fulfilment_history'`},
-		{"postgres-roles", `'order_transitions', 'subscriber_backfills', 'subscriber_backfill_failures', 'audit_entries', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
+		{"postgres-roles", `'order_transitions', 'subscriber_backfills', 'subscriber_backfill_segments', 'subscriber_backfill_failures', 'audit_entries', 'fulfilment_history'`},
+		{"postgres-roles", `'order_transitions', 'subscriber_backfills', 'subscriber_backfill_segments', 'subscriber_backfill_failures', 'audit_entries', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole`},
 		{"postgres-roles", `GRANT SELECT, INSERT ON audit_entries TO fanout_audit_trail;`},
 		{"compose", `  audit_trail:

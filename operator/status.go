@@ -93,16 +93,17 @@ type CaptureStatus struct {
 
 // Backfill is one subscriber's backfill.
 type Backfill struct {
-	Subscriber string     `json:"subscriber"`
-	Where      string     `json:"where,omitempty"`
-	Total      int64      `json:"total_rows"`
-	Done       int64      `json:"done_rows"`
-	Failed     int64      `json:"failed_rows"`
-	LastKey    int64      `json:"last_key"`
-	Paused     bool       `json:"paused,omitempty"`
-	StartedAt  time.Time  `json:"started_at"`
-	UpdatedAt  time.Time  `json:"updated_at"`
-	FinishedAt *time.Time `json:"finished_at,omitempty"`
+	Subscriber   string     `json:"subscriber"`
+	Where        string     `json:"where,omitempty"`
+	Total        int64      `json:"total_rows"`
+	Done         int64      `json:"done_rows"`
+	Failed       int64      `json:"failed_rows"`
+	Segments     int        `json:"segments"`
+	SegmentsDone int        `json:"segments_done"`
+	Paused       bool       `json:"paused,omitempty"`
+	StartedAt    time.Time  `json:"started_at"`
+	UpdatedAt    time.Time  `json:"updated_at"`
+	FinishedAt   *time.Time `json:"finished_at,omitempty"`
 }
 
 // SubscriberStatus is one subscriber's state.
@@ -252,7 +253,7 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	}
 	for _, b := range backfills {
 		st.Backfills = append(st.Backfills, Backfill{Subscriber: b.Subscriber, Where: b.Where, Total: b.Total, Done: b.Done,
-			Failed: b.Failed, LastKey: b.LastKey, Paused: b.Paused, StartedAt: b.StartedAt, UpdatedAt: b.UpdatedAt, FinishedAt: b.FinishedAt})
+			Failed: b.Failed, Segments: b.Segments, SegmentsDone: b.SegmentsDone, Paused: b.Paused, StartedAt: b.StartedAt, UpdatedAt: b.UpdatedAt, FinishedAt: b.FinishedAt})
 	}
 	if len(src.Ops) > 0 {
 		stages := ReadStages(ctx, src.Ops)

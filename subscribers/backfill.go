@@ -101,10 +101,11 @@ WHERE t.%[2]s > $1 AND t.%[2]s <= $2 AND (%[5]s)
 ORDER BY t.%[2]s LIMIT $3`, b.Table, b.Key, id, b.Payload, whereOrTrue(where))
 }
 
-// boundsSQL reads the backfill's last key and how many rows it has to do.
+// boundsSQL reads the backfill's least and greatest keys and how many rows
+// it has to do.
 func (b *Backfill) boundsSQL(where string) string {
-	return fmt.Sprintf(`WITH high AS (SELECT coalesce(max(%[2]s), 0) AS k FROM %[1]s)
-SELECT high.k, (SELECT count(*) FROM %[1]s AS t WHERE t.%[2]s <= high.k AND (%[3]s)) FROM high`, b.Table, b.Key, whereOrTrue(where))
+	return fmt.Sprintf(`WITH high AS (SELECT coalesce(min(%[2]s), 0) AS lo, coalesce(max(%[2]s), 0) AS hi FROM %[1]s)
+SELECT high.lo, high.hi, (SELECT count(*) FROM %[1]s AS t WHERE t.%[2]s <= high.hi AND (%[3]s)) FROM high`, b.Table, b.Key, whereOrTrue(where))
 }
 
 func whereOrTrue(where string) string {

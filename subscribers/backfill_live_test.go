@@ -204,6 +204,7 @@ func TestANewSubscriberStartsFromTheTruth(t *testing.T) {
 	if !s.Finished() || s.Done < 600 || s.Failed != 0 {
 		t.Fatalf("backfill %+v, want finished with at least the 600 orders, none failed", s)
 	}
+	env.WaitAllSent()
 	env.WaitIdle("orderstatus", 30*time.Second)
 	if err := orderStatusErrors(ctx, env.DB.Pool); err != nil {
 		t.Fatalf("after a backfill beside %d live writes: %v", moves, err)
@@ -254,6 +255,7 @@ func TestBackfillAndALiveEventApplyInEitherOrder(t *testing.T) {
 			if err != nil || !s.Finished() {
 				t.Fatalf("backfill %+v: %v", s, err)
 			}
+			env.WaitAllSent()
 			env.WaitIdle("orderstatus", 30*time.Second)
 			err = orderStatusErrors(ctx, env.DB.Pool)
 			switch want := fmt.Sprintf("order %d is paid (version 2), its copy created (version 1)", first); {

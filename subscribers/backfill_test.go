@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -469,5 +470,37 @@ func TestBackfillDeclarationIsValidated(t *testing.T) {
 	}
 	if g := tallyDecl.AllGrants(); len(g) != 1 || g[0] != "SELECT ON backfill_source" {
 		t.Fatalf("AllGrants: %v", g)
+	}
+}
+
+// The segments cover the keys low..high exactly, each once, however wide
+// the range.
+func TestBackfillSegmentsCoverTheKeys(t *testing.T) {
+	for _, c := range []struct {
+		low, high int64
+		n, want   int
+	}{
+		{1, 1000, 2, 2}, {1, 1000, 3, 3}, {-27, 59970, 2, 2}, {5, 5, 4, 1}, {0, 0, 2, 1}, {1, 2, 4, 1},
+		{math.MinInt64, math.MaxInt64, 4, 4}, {math.MinInt64 + 1, -1, 2, 2},
+	} {
+		segs := subscribers.SplitKeys(c.low, c.high, c.n)
+		if len(segs) != c.want {
+			t.Errorf("split(%d, %d, %d): %d segments %v, want %d", c.low, c.high, c.n, len(segs), segs, c.want)
+			continue
+		}
+		if first := segs[0][0]; c.low > math.MinInt64 && first != c.low-1 {
+			t.Errorf("split(%d, %d, %d) starts after %d, want after %d", c.low, c.high, c.n, first, c.low-1)
+		}
+		if last := segs[len(segs)-1][1]; last != c.high {
+			t.Errorf("split(%d, %d, %d) ends at %d, want %d", c.low, c.high, c.n, last, c.high)
+		}
+		for i := range segs {
+			if segs[i][0] > segs[i][1] {
+				t.Errorf("split(%d, %d, %d): segment %v is backwards", c.low, c.high, c.n, segs[i])
+			}
+			if i > 0 && segs[i][0] != segs[i-1][1] {
+				t.Errorf("split(%d, %d, %d): segment %v does not start where %v ends", c.low, c.high, c.n, segs[i], segs[i-1])
+			}
+		}
 	}
 }

@@ -12,12 +12,14 @@ import (
 	"log/slog"
 	"math"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
+	"golang.org/x/sync/errgroup"
 	"golang.org/x/time/rate"
 )
 
@@ -33,13 +35,19 @@ type BackfillOptions struct {
 	// Where filters the rows (an SQL condition over the table, alias t);
 	// a backfill resumed keeps the one it started with.
 	Where string
-	// Rate limits the rows handled per second; 0 is no limit.
+	// Rate limits the rows handled per second, all workers together; 0
+	// is no limit.
 	Rate float64
 	// Chunk is the rows per chunk (one transaction): 500 when 0.
 	Chunk int
+	// Workers is how many segments of the key range are read side by
+	// side, each by its own worker: 2 when 0. A backfill resumed keeps the
+	// segments it started with.
+	Workers int
 	// Restart starts over even if a backfill is unfinished.
 	Restart bool
-	// Progress, if set, is called after every chunk and while paused.
+	// Progress, if set, is called after every chunk and while paused,
+	// from one worker at a time.
 	Progress func(BackfillStatus)
 	// Hooks are for tests.
 	Hooks BackfillHooks
@@ -56,18 +64,19 @@ type BackfillHooks struct {
 
 // BackfillStatus is a backfill's row in subscriber_backfills.
 type BackfillStatus struct {
-	Subscriber  string
-	Where       string
-	HighKey     int64
-	LastKey     int64
-	Total       int64
-	Done        int64
-	Failed      int64
-	Paused      bool
-	StartedAt   time.Time
-	UpdatedAt   time.Time
-	FinishedAt  *time.Time
-	initialized bool
+	Subscriber string
+	Where      string
+	HighKey    int64
+	Total      int64
+	Done       int64
+	Failed     int64
+	Paused     bool
+	StartedAt  time.Time
+	UpdatedAt  time.Time
+	FinishedAt *time.Time
+	// Segments are the key range's parts read side by side, SegmentsDone
+	// those finished.
+	Segments, SegmentsDone int
 }
 
 // Finished reports whether the backfill has done its last chunk.
@@ -78,27 +87,48 @@ func (s BackfillStatus) Finished() bool { return s.FinishedAt != nil }
 var ErrBackfillWhere = errors.New("an unfinished backfill has another --where")
 
 const (
-	backfillStatusSQL = `SELECT subscriber, where_sql, high_key, last_key, total_rows, done_rows, failed_rows, paused,
-       started_at, updated_at, finished_at FROM subscriber_backfills`
+	backfillStatusSQL = `SELECT b.subscriber, b.where_sql, b.high_key, b.total_rows, b.done_rows, b.failed_rows, b.paused,
+       b.started_at, b.updated_at, b.finished_at,
+       (SELECT count(*) FROM subscriber_backfill_segments s WHERE s.subscriber = b.subscriber),
+       (SELECT count(*) FROM subscriber_backfill_segments s WHERE s.subscriber = b.subscriber AND s.last_key >= s.to_key)
+FROM subscriber_backfills b`
 
 	startBackfillSQL = `
-INSERT INTO subscriber_backfills AS b (subscriber, where_sql, high_key, last_key, total_rows)
-VALUES ($1, $2, $3, $4, $5)
+INSERT INTO subscriber_backfills AS b (subscriber, where_sql, high_key, total_rows)
+VALUES ($1, $2, $3, $4)
 ON CONFLICT (subscriber) DO UPDATE
-SET where_sql = excluded.where_sql, high_key = excluded.high_key, last_key = excluded.last_key,
-    total_rows = excluded.total_rows, done_rows = 0, failed_rows = 0, paused = false,
-    started_at = now(), updated_at = now(), finished_at = NULL`
+SET where_sql = excluded.where_sql, high_key = excluded.high_key, total_rows = excluded.total_rows,
+    done_rows = 0, failed_rows = 0, paused = false, started_at = now(), updated_at = now(), finished_at = NULL`
+
+	clearSegmentsSQL = `DELETE FROM subscriber_backfill_segments WHERE subscriber = $1`
+
+	addSegmentSQL = `INSERT INTO subscriber_backfill_segments (subscriber, segment, from_key, to_key, last_key) VALUES ($1, $2, $3, $4, $3)`
+
+	segmentsSQL = `SELECT segment, to_key, last_key FROM subscriber_backfill_segments WHERE subscriber = $1 ORDER BY segment`
 
 	clearBackfillFailuresSQL = `DELETE FROM subscriber_backfill_failures WHERE subscriber = $1`
 
-	// lockBackfillSQL fences a chunk: another process running the same
-	// backfill, or a restart, moved it on if last_key or started_at differ.
-	lockBackfillSQL = `SELECT last_key, started_at, paused FROM subscriber_backfills WHERE subscriber = $1 FOR UPDATE`
+	// lockSegmentSQL fences a chunk: another process running the same
+	// backfill, or a restart, moved the segment on if last_key or
+	// started_at differ.
+	lockSegmentSQL = `
+SELECT s.last_key, b.started_at, b.paused
+FROM subscriber_backfill_segments s JOIN subscriber_backfills b USING (subscriber)
+WHERE s.subscriber = $1 AND s.segment = $2
+FOR UPDATE OF s`
 
-	advanceBackfillSQL = `
-UPDATE subscriber_backfills SET last_key = $2, done_rows = done_rows + $3, failed_rows = failed_rows + $4,
-    updated_at = now(), finished_at = CASE WHEN $5 THEN now() END
+	advanceSegmentSQL = `UPDATE subscriber_backfill_segments SET last_key = $3 WHERE subscriber = $1 AND segment = $2`
+
+	// countBackfillSQL runs last in a chunk's transaction: the row lock it
+	// takes is held only to the commit.
+	countBackfillSQL = `
+UPDATE subscriber_backfills SET done_rows = done_rows + $2, failed_rows = failed_rows + $3, updated_at = now()
 WHERE subscriber = $1`
+
+	finishBackfillSQL = `
+UPDATE subscriber_backfills SET finished_at = now(), updated_at = now()
+WHERE subscriber = $1 AND started_at = $2 AND finished_at IS NULL
+  AND NOT EXISTS (SELECT FROM subscriber_backfill_segments s WHERE s.subscriber = $1 AND s.last_key < s.to_key)`
 
 	recordBackfillFailureSQL = `
 INSERT INTO subscriber_backfill_failures (subscriber, row_key, reason) VALUES ($1, $2, $3)
@@ -111,7 +141,7 @@ ON CONFLICT (subscriber, row_key) DO UPDATE SET reason = excluded.reason, failed
 func Backfills(ctx context.Context, q interface {
 	Query(context.Context, string, ...any) (pgx.Rows, error)
 }) ([]BackfillStatus, error) {
-	rows, err := q.Query(ctx, backfillStatusSQL+` ORDER BY subscriber`)
+	rows, err := q.Query(ctx, backfillStatusSQL+` ORDER BY b.subscriber`)
 	if err != nil {
 		return nil, fmt.Errorf("read subscriber_backfills: %w", err)
 	}
@@ -120,16 +150,15 @@ func Backfills(ctx context.Context, q interface {
 
 func scanBackfill(row pgx.CollectableRow) (BackfillStatus, error) {
 	var s BackfillStatus
-	err := row.Scan(&s.Subscriber, &s.Where, &s.HighKey, &s.LastKey, &s.Total, &s.Done, &s.Failed, &s.Paused,
-		&s.StartedAt, &s.UpdatedAt, &s.FinishedAt)
-	s.initialized = err == nil
+	err := row.Scan(&s.Subscriber, &s.Where, &s.HighKey, &s.Total, &s.Done, &s.Failed, &s.Paused,
+		&s.StartedAt, &s.UpdatedAt, &s.FinishedAt, &s.Segments, &s.SegmentsDone)
 	return s, err
 }
 
 // BackfillState returns subscriber's backfill; ok is false if it never had
 // one.
 func BackfillState(ctx context.Context, pool *pgxpool.Pool, subscriber string) (s BackfillStatus, ok bool, err error) {
-	rows, err := pool.Query(ctx, backfillStatusSQL+` WHERE subscriber = $1`, subscriber)
+	rows, err := pool.Query(ctx, backfillStatusSQL+` WHERE b.subscriber = $1`, subscriber)
 	if err != nil {
 		return s, false, fmt.Errorf("read subscriber_backfills: %w", err)
 	}
@@ -178,14 +207,23 @@ type backfiller struct {
 	health  *health
 	limiter *rate.Limiter
 	chunk   int
+	where   string // the backfill's --where, as it started
+
+	mu sync.Mutex
 	// failures counts the handler's own failures per row key, for
 	// max_failures (in memory: a restart gives a row its tries again).
 	failures map[int64]int
 	status   BackfillStatus
 }
 
+// segment is one worker's part of the key range.
+type segment struct {
+	n        int
+	to, last int64
+}
+
 // RunBackfill runs the declaration's backfill until it has handled every
-// row it has to, or ctx ends (it resumes from its last chunk when run
+// row it has to, or ctx ends (it resumes from its last chunks when run
 // again). While a dependency is down it waits; only the handler's verdict
 // on a row makes it a failure (subscriber_backfill_failures).
 func RunBackfill(ctx context.Context, opts BackfillOptions) (BackfillStatus, error) {
@@ -199,6 +237,9 @@ func RunBackfill(ctx context.Context, opts BackfillOptions) (BackfillStatus, err
 	b := &backfiller{opts: opts, bf: d.Backfill, name: d.Name, chunk: opts.Chunk, failures: map[int64]int{}}
 	if b.chunk <= 0 {
 		b.chunk = 500
+	}
+	if b.opts.Workers <= 0 {
+		b.opts.Workers = 2
 	}
 	b.logger = opts.Logger.With("subscriber", d.Name, "backfill", d.Backfill.Table)
 	if opts.Rate > 0 {
@@ -216,60 +257,114 @@ func RunBackfill(ctx context.Context, opts BackfillOptions) (BackfillStatus, err
 		stopProbes()
 		b.health.wait()
 	}()
-	if err := b.begin(ctx); err != nil {
+	segments, err := b.begin(ctx)
+	if err != nil {
 		return b.status, err
 	}
-	return b.status, b.run(ctx)
+	b.where = b.status.Where
+	return b.run(ctx, segments)
 }
 
-// begin resumes the subscriber's unfinished backfill, or starts one.
-func (b *backfiller) begin(ctx context.Context) error {
+// begin resumes the subscriber's unfinished backfill, or starts one, and
+// returns its segments.
+func (b *backfiller) begin(ctx context.Context) ([]*segment, error) {
 	for {
-		err := b.tryBegin(ctx)
+		segments, err := b.tryBegin(ctx)
 		if err == nil || !b.outage(ctx, err) {
-			return err
+			return segments, err
 		}
 	}
 }
 
-func (b *backfiller) tryBegin(ctx context.Context) error {
+func (b *backfiller) tryBegin(ctx context.Context) ([]*segment, error) {
 	s, ok, err := BackfillState(ctx, b.opts.Pool, b.name)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if ok && !s.Finished() && !b.opts.Restart {
 		if b.opts.Where != "" && b.opts.Where != s.Where {
-			return fmt.Errorf("subscriber %s: %w (%q, started %s): run without --where to resume it, or with --restart to start over",
+			return nil, fmt.Errorf("subscriber %s: %w (%q, started %s): run without --where to resume it, or with --restart to start over",
 				b.name, ErrBackfillWhere, s.Where, s.StartedAt.Format(time.RFC3339))
 		}
 		b.status = s
-		b.logger.Info("resuming backfill", "where", s.Where, "last_key", s.LastKey, "done", s.Done, "total", s.Total)
-		return nil
+		b.logger.Info("resuming backfill", "where", s.Where, "done", s.Done, "total", s.Total, "segments", s.Segments)
+		return b.segments(ctx)
 	}
-	var high, total int64
+	var low, high, total int64
 	if err := b.readOnly(ctx, func(tx pgx.Tx) error {
-		return tx.QueryRow(ctx, b.bf.boundsSQL(b.opts.Where)).Scan(&high, &total)
+		return tx.QueryRow(ctx, b.bf.boundsSQL(b.opts.Where)).Scan(&low, &high, &total)
 	}); err != nil {
-		return err
+		return nil, err
 	}
 	tx, err := b.opts.Pool.Begin(ctx)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
-	if _, err := tx.Exec(ctx, startBackfillSQL, b.name, b.opts.Where, high, int64(math.MinInt64), total); err != nil {
-		return fmt.Errorf("record the backfill in subscriber_backfills: %w", err)
+	if _, err := tx.Exec(ctx, startBackfillSQL, b.name, b.opts.Where, high, total); err != nil {
+		return nil, fmt.Errorf("record the backfill in subscriber_backfills: %w", err)
 	}
-	if _, err := tx.Exec(ctx, clearBackfillFailuresSQL, b.name); err != nil {
-		return fmt.Errorf("clear the last backfill's failures: %w", err)
+	for _, sql := range []string{clearSegmentsSQL, clearBackfillFailuresSQL} {
+		if _, err := tx.Exec(ctx, sql, b.name); err != nil {
+			return nil, fmt.Errorf("clear the last backfill: %w", err)
+		}
+	}
+	for i, r := range split(low, high, b.opts.Workers) {
+		if _, err := tx.Exec(ctx, addSegmentSQL, b.name, i, r[0], r[1]); err != nil {
+			return nil, fmt.Errorf("record the backfill's segments: %w", err)
+		}
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return err
+		return nil, err
 	}
-	s, _, err = BackfillState(ctx, b.opts.Pool, b.name)
-	b.status = s
-	b.logger.Info("backfill started", "where", b.opts.Where, "rows", total, "through_key", high)
-	return err
+	if b.status, _, err = BackfillState(ctx, b.opts.Pool, b.name); err != nil {
+		return nil, err
+	}
+	b.logger.Info("backfill started", "where", b.opts.Where, "rows", total, "through_key", high, "segments", b.status.Segments)
+	return b.segments(ctx)
+}
+
+// split divides the keys after low-1, up to high, into n ranges (from,
+// to] of equal width; one range when there is nothing to split.
+func split(low, high int64, n int) [][2]int64 {
+	from := low
+	if low > math.MinInt64 {
+		from = low - 1
+	}
+	if high <= from || n <= 1 {
+		return [][2]int64{{from, max(high, from)}}
+	}
+	width := uint64(high-from) / uint64(n) // the difference fits in a uint64 even when it overflows an int64
+	if width == 0 {
+		return [][2]int64{{from, high}}
+	}
+	var out [][2]int64
+	for i := range n {
+		to := int64(uint64(from) + width*uint64(i+1))
+		if i == n-1 {
+			to = high
+		}
+		out = append(out, [2]int64{int64(uint64(from) + width*uint64(i)), to})
+	}
+	return out
+}
+
+func (b *backfiller) segments(ctx context.Context) ([]*segment, error) {
+	rows, err := b.opts.Pool.Query(ctx, segmentsSQL, b.name)
+	if err != nil {
+		return nil, err
+	}
+	var out []*segment
+	var sg segment
+	_, err = pgx.ForEachRow(rows, []any{&sg.n, &sg.to, &sg.last}, func() error {
+		c := sg
+		out = append(out, &c)
+		return nil
+	})
+	if err == nil && len(out) == 0 {
+		err = fmt.Errorf("subscriber %s: its backfill has no segments (subscriber_backfill_segments): run it with --restart", b.name)
+	}
+	return out, err
 }
 
 // readOnly runs f in a read-only transaction: the operator's --where can
@@ -332,18 +427,56 @@ type backfillRow struct {
 	payload []byte
 }
 
-// run handles chunks until the last.
-func (b *backfiller) run(ctx context.Context) error {
-	for {
-		if b.status.Finished() {
-			b.report()
-			return nil
+// run runs a worker per unfinished segment, then marks the backfill
+// finished once every segment is.
+func (b *backfiller) run(ctx context.Context, segments []*segment) (BackfillStatus, error) {
+	g, gctx := errgroup.WithContext(ctx)
+	for _, sg := range segments {
+		g.Go(func() error { return b.runSegment(gctx, sg) })
+	}
+	if err := g.Wait(); err != nil {
+		if ctx.Err() != nil {
+			err = ctx.Err()
 		}
+		return b.snapshot(), err
+	}
+	for {
+		_, err := b.opts.Pool.Exec(ctx, finishBackfillSQL, b.name, b.snapshot().StartedAt)
+		if err == nil {
+			break
+		}
+		if !b.outage(ctx, err) {
+			return b.snapshot(), err
+		}
+	}
+	s, _, err := BackfillState(ctx, b.opts.Pool, b.name)
+	if err != nil {
+		return b.snapshot(), err
+	}
+	if !s.Finished() {
+		return s, fmt.Errorf("subscriber %s: its backfill was restarted elsewhere", b.name)
+	}
+	b.mu.Lock()
+	b.status = s
+	b.mu.Unlock()
+	b.logger.Info("backfill finished", "done", s.Done, "failed", s.Failed)
+	b.report()
+	return s, nil
+}
+
+func (b *backfiller) snapshot() BackfillStatus {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.status
+}
+
+// runSegment handles a segment's chunks until its last.
+func (b *backfiller) runSegment(ctx context.Context, sg *segment) error {
+	for sg.last < sg.to {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		if b.status.Paused {
-			b.report()
+		if b.snapshot().Paused {
 			if err := b.waitPaused(ctx); err != nil {
 				return err
 			}
@@ -352,7 +485,9 @@ func (b *backfiller) run(ctx context.Context) error {
 		if !b.health.waitUp(ctx) {
 			return ctx.Err()
 		}
-		rows, err := b.read(ctx)
+		readStart := time.Now()
+		rows, err := b.read(ctx, sg)
+		readTook := time.Since(readStart)
 		if err != nil {
 			if b.outage(ctx, err) {
 				continue
@@ -371,26 +506,33 @@ func (b *backfiller) run(ctx context.Context) error {
 				return ctx.Err()
 			}
 		}
-		if err := b.apply(ctx, rows); err != nil {
+		applyStart := time.Now()
+		if err := b.apply(ctx, sg, rows); err != nil {
 			if errors.Is(err, errChunkAgain) || b.outage(ctx, err) {
 				continue
 			}
 			return err
 		}
+		b.logger.Debug("backfill chunk", "segment", sg.n, "rows", len(rows), "last_key", sg.last, "read", readTook, "apply", time.Since(applyStart))
 		b.report()
 	}
+	return nil
 }
 
 func (b *backfiller) report() {
-	if b.opts.Progress != nil {
-		b.opts.Progress(b.status)
+	if b.opts.Progress == nil {
+		return
 	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.opts.Progress(b.status)
 }
 
 // waitPaused polls the backfill's row until it is resumed (or restarted,
 // or finished, elsewhere).
 func (b *backfiller) waitPaused(ctx context.Context) error {
-	b.logger.Info("backfill paused", "done", b.status.Done, "total", b.status.Total)
+	b.logger.Info("backfill paused", "done", b.snapshot().Done, "total", b.snapshot().Total)
+	b.report()
 	for {
 		select {
 		case <-ctx.Done():
@@ -404,10 +546,13 @@ func (b *backfiller) waitPaused(ctx context.Context) error {
 			}
 			return err
 		}
-		if s.StartedAt != b.status.StartedAt {
+		b.mu.Lock()
+		if !s.StartedAt.Equal(b.status.StartedAt) {
+			b.mu.Unlock()
 			return fmt.Errorf("subscriber %s: its backfill was restarted elsewhere while paused here", b.name)
 		}
 		b.status = s
+		b.mu.Unlock()
 		if !s.Paused {
 			b.logger.Info("backfill resumed")
 			return nil
@@ -415,11 +560,11 @@ func (b *backfiller) waitPaused(ctx context.Context) error {
 	}
 }
 
-// read reads the next chunk in its own snapshot.
-func (b *backfiller) read(ctx context.Context) ([]backfillRow, error) {
+// read reads the segment's next chunk.
+func (b *backfiller) read(ctx context.Context, sg *segment) ([]backfillRow, error) {
 	var rows []backfillRow
 	err := b.readOnly(ctx, func(tx pgx.Tx) error {
-		rs, err := tx.Query(ctx, b.bf.chunkSQL(b.status.Where), b.status.LastKey, b.status.HighKey, b.chunk)
+		rs, err := tx.Query(ctx, b.bf.chunkSQL(b.where), sg.last, sg.to, b.chunk)
 		if err != nil {
 			return err
 		}
@@ -447,8 +592,14 @@ func (b *backfiller) event(r backfillRow) Event {
 		Type: b.bf.EventType, AggregateType: b.bf.AggregateType, AggregateID: r.id,
 		Payload:   r.payload,
 		Headers:   nats.Header{BackfillHeader: []string{b.bf.Table + ":" + strconv.FormatInt(r.key, 10)}},
-		CreatedAt: time.Now(), Delivery: uint64(b.failures[r.key]) + 1,
+		CreatedAt: time.Now(), Delivery: uint64(b.failureCount(r.key)) + 1,
 	}
+}
+
+func (b *backfiller) failureCount(key int64) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.failures[key]
 }
 
 // verdict is the backfill's judgement of a failed row.
@@ -481,16 +632,20 @@ func (b *backfiller) judge(ctx context.Context, key int64, err error) (verdict, 
 	if connectivity(err) || conflict(err) {
 		return verdictAgain, ""
 	}
+	b.mu.Lock()
 	b.failures[key]++
-	if n := b.failures[key]; n >= b.opts.Config.MaxFailures {
+	n := b.failures[key]
+	b.mu.Unlock()
+	if n >= b.opts.Config.MaxFailures {
 		return verdictDead, fmt.Sprintf("gave up after %d failures (subscribers.max_failures): %v", n, err)
 	}
-	b.logger.Warn("backfill row failed, will retry", "key", key, "failures", b.failures[key], "error", err)
+	b.logger.Warn("backfill row failed, will retry", "key", key, "failures", n, "error", err)
 	return verdictFailed, ""
 }
 
-// apply hands a chunk to the handler and moves the checkpoint past it.
-func (b *backfiller) apply(ctx context.Context, rows []backfillRow) error {
+// apply hands a chunk to the handler and moves the segment's checkpoint
+// past it, in one transaction.
+func (b *backfiller) apply(ctx context.Context, sg *segment, rows []backfillRow) error {
 	actx, cancel := context.WithTimeout(ctx, b.opts.Config.HandlerTimeout+10*time.Second)
 	defer cancel()
 	tx, err := b.opts.Pool.Begin(actx)
@@ -498,14 +653,21 @@ func (b *backfiller) apply(ctx context.Context, rows []backfillRow) error {
 		return fmt.Errorf("begin: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
+	// The chunk's commit need not wait for its WAL to reach the disk: a
+	// crash that loses it loses its checkpoint with it (one transaction),
+	// and the backfill does the chunk again. The live events' commits stop
+	// queueing behind the backfill's.
+	if _, err := tx.Exec(actx, `SET LOCAL synchronous_commit = off`); err != nil {
+		return err
+	}
 	var last int64
 	var started time.Time
 	var paused bool
-	if err := tx.QueryRow(actx, lockBackfillSQL, b.name).Scan(&last, &started, &paused); err != nil {
-		return fmt.Errorf("lock the backfill's row: %w", err)
+	if err := tx.QueryRow(actx, lockSegmentSQL, b.name, sg.n).Scan(&last, &started, &paused); err != nil {
+		return fmt.Errorf("lock the backfill's segment %d: %w", sg.n, err)
 	}
-	if last != b.status.LastKey || !started.Equal(b.status.StartedAt) || paused {
-		return b.reload(ctx, started)
+	if last != sg.last || !started.Equal(b.snapshot().StartedAt) || paused {
+		return b.reload(ctx, sg, last, started, paused)
 	}
 	dead := map[int64]string{}
 	var failed bool
@@ -522,9 +684,11 @@ func (b *backfiller) apply(ctx context.Context, rows []backfillRow) error {
 		// A row the handler failed on, not yet given up: the chunk again,
 		// after the backoff its failures earned.
 		n := 0
-		for _, f := range b.failures {
-			n = max(n, f)
+		b.mu.Lock()
+		for _, r := range rows {
+			n = max(n, b.failures[r.key])
 		}
+		b.mu.Unlock()
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
@@ -538,11 +702,9 @@ func (b *backfiller) apply(ctx context.Context, rows []backfillRow) error {
 		}
 		b.logger.Error("backfill row failed", "key", key, "reason", reason)
 	}
-	newLast := b.status.HighKey
-	finished := len(rows) < b.chunk
-	if len(rows) > 0 {
+	newLast := sg.to
+	if len(rows) == b.chunk {
 		newLast = rows[len(rows)-1].key
-		finished = finished || newLast >= b.status.HighKey
 	}
 	applied := int64(len(rows) - len(dead))
 	if apart := b.opts.Hooks.CheckpointApart; apart > 0 {
@@ -555,38 +717,42 @@ func (b *backfiller) apply(ctx context.Context, rows []backfillRow) error {
 		}
 		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
 	}
-	if _, err := tx.Exec(actx, advanceBackfillSQL, b.name, newLast, applied, int64(len(dead)), finished); err != nil {
+	if _, err := tx.Exec(actx, advanceSegmentSQL, b.name, sg.n, newLast); err != nil {
 		return fmt.Errorf("advance the backfill: %w", err)
+	}
+	if _, err := tx.Exec(actx, countBackfillSQL, b.name, applied, int64(len(dead))); err != nil {
+		return fmt.Errorf("count the backfill's rows: %w", err)
 	}
 	if err := tx.Commit(actx); err != nil {
 		return fmt.Errorf("commit the chunk: %w", err)
 	}
+	sg.last = newLast
+	b.mu.Lock()
 	for _, r := range rows {
 		delete(b.failures, r.key)
 	}
-	b.status.LastKey = newLast
 	b.status.Done += applied
 	b.status.Failed += int64(len(dead))
 	b.status.UpdatedAt = time.Now()
-	if finished {
-		now := time.Now()
-		b.status.FinishedAt = &now
-		b.logger.Info("backfill finished", "done", b.status.Done, "failed", b.status.Failed)
+	if newLast >= sg.to {
+		b.status.SegmentsDone++
 	}
+	b.mu.Unlock()
 	return nil
 }
 
-// reload takes the backfill's row as another process (or an operator's
-// pause) left it.
-func (b *backfiller) reload(ctx context.Context, started time.Time) error {
-	if !started.Equal(b.status.StartedAt) {
+// reload takes the segment as another process (or an operator's pause)
+// left it.
+func (b *backfiller) reload(ctx context.Context, sg *segment, last int64, started time.Time, paused bool) error {
+	if !started.Equal(b.snapshot().StartedAt) {
 		return fmt.Errorf("subscriber %s: its backfill was restarted elsewhere", b.name)
 	}
-	s, _, err := BackfillState(ctx, b.opts.Pool, b.name)
-	if err != nil {
-		return err
+	sg.last = last
+	if paused {
+		b.mu.Lock()
+		b.status.Paused = true
+		b.mu.Unlock()
 	}
-	b.status = s
 	return errChunkAgain
 }
 

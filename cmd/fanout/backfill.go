@@ -19,7 +19,7 @@ func backfillCommand(a *app) *cobra.Command {
 	var (
 		where                  string
 		rate                   float64
-		chunk                  int
+		chunk, workers         int
 		restart, pause, resume bool
 	)
 	cmd := &cobra.Command{
@@ -60,6 +60,9 @@ running elsewhere; --restart starts over.`,
 			if chunk < 1 || chunk > 10000 {
 				return fmt.Errorf("--chunk %d: want 1 to 10000 rows", chunk)
 			}
+			if workers < 1 || workers > 64 {
+				return fmt.Errorf("--workers %d: want 1 to 64", workers)
+			}
 			ctx := cmd.Context()
 			pool, err := a.postgres(ctx, "backfill")
 			if err != nil {
@@ -90,13 +93,13 @@ running elsewhere; --restart starts over.`,
 			s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{
 				Declaration: decl, Handler: sabotagedBackfill(h), Config: a.cfg.Subscriber(decl.Name), Pool: pool,
 				Logger: logging.Component(a.logger, "backfill"),
-				Where:  where, Rate: rate, Chunk: chunk, Restart: restart,
+				Where:  where, Rate: rate, Chunk: chunk, Workers: workers, Restart: restart,
 				Progress: func(s subscribers.BackfillStatus) { m.Observe(s); p.show(s) },
 			})
 			p.end(s)
 			if err != nil {
 				if ctx.Err() != nil {
-					return fmt.Errorf("backfill of %s stopped at key %d (%d of %d rows): run it again to resume", decl.Name, s.LastKey, s.Done, s.Total)
+					return fmt.Errorf("backfill of %s stopped (%d of %d rows done): run it again to resume", decl.Name, s.Done, s.Total)
 				}
 				return err
 			}
@@ -109,6 +112,7 @@ running elsewhere; --restart starts over.`,
 	cmd.Flags().StringVar(&where, "where", "", "SQL condition on the table's rows (alias t), e.g. \"t.created_at < now() - interval '7 days'\"")
 	cmd.Flags().Float64Var(&rate, "rate", 0, "at most this many rows per second (0: no limit)")
 	cmd.Flags().IntVar(&chunk, "chunk", 500, "rows per chunk (one transaction)")
+	cmd.Flags().IntVar(&workers, "workers", 2, "segments of the key range read side by side (a resumed backfill keeps its own)")
 	cmd.Flags().BoolVar(&restart, "restart", false, "start over, even if a backfill is unfinished")
 	cmd.Flags().BoolVar(&pause, "pause", false, "pause the subscriber's running backfill (between chunks)")
 	cmd.Flags().BoolVar(&resume, "resume", false, "resume the subscriber's paused backfill")

@@ -163,8 +163,8 @@ func printBackfill(w io.Writer, b operator.Backfill) {
 	if b.Where != "" {
 		where = "  where " + b.Where
 	}
-	fmt.Fprintf(w, "backfill %s: %s, %d/%d rows, %d failed (subscriber_backfill_failures), started %s ago%s\n",
-		b.Subscriber, state, b.Done, b.Total, b.Failed, time.Since(b.StartedAt).Round(time.Second), where)
+	fmt.Fprintf(w, "backfill %s: %s, %d/%d rows, %d failed (subscriber_backfill_failures), %d of %d segments done, started %s ago%s\n",
+		b.Subscriber, state, b.Done, b.Total, b.Failed, b.SegmentsDone, b.Segments, time.Since(b.StartedAt).Round(time.Second), where)
 }
 
 // stageNames are the stages as status prints them.

@@ -226,7 +226,7 @@ FROM unnest(ARRAY['outbox', 'processed_events', 'subscriber_attempts', 'brands',
                   'invoice_number_seq', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                   'outbox_partitions', 'outbox_default', 'outbox_aggregates', 'subscriber_aggregates',
                   'outbox_epochs', 'event_origins', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
-                  'order_transitions', 'subscriber_backfills', 'subscriber_backfill_failures', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
+                  'order_transitions', 'subscriber_backfills', 'subscriber_backfill_segments', 'subscriber_backfill_failures', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales']) AS t \gset
 
 \if :fanout_migrated
 
@@ -241,7 +241,7 @@ WHERE c.relnamespace = 'public'::regnamespace
                     'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
                     'outbox_epochs', 'event_origins', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
-                    'order_transitions', 'subscriber_backfills', 'subscriber_backfill_failures', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
+                    'order_transitions', 'subscriber_backfills', 'subscriber_backfill_segments', 'subscriber_backfill_failures', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
 -- must own the outbox to do so).
@@ -380,10 +380,15 @@ CREATE POLICY fanout_searchindex_dead_letters ON dead_letters TO fanout_searchin
 -- Subscribers that declare a backfill: where it is, and the rows it could
 -- not apply, restricted to their rows.
 ALTER TABLE subscriber_backfills ENABLE ROW LEVEL SECURITY;
+ALTER TABLE subscriber_backfill_segments ENABLE ROW LEVEL SECURITY;
 ALTER TABLE subscriber_backfill_failures ENABLE ROW LEVEL SECURITY;
 GRANT SELECT, INSERT, UPDATE ON subscriber_backfills TO fanout_invoicing;
 DROP POLICY IF EXISTS fanout_invoicing_backfills ON subscriber_backfills;
 CREATE POLICY fanout_invoicing_backfills ON subscriber_backfills TO fanout_invoicing
+    USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
+GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_backfill_segments TO fanout_invoicing;
+DROP POLICY IF EXISTS fanout_invoicing_backfill_segments ON subscriber_backfill_segments;
+CREATE POLICY fanout_invoicing_backfill_segments ON subscriber_backfill_segments TO fanout_invoicing
     USING (subscriber = 'invoicing') WITH CHECK (subscriber = 'invoicing');
 GRANT SELECT, INSERT, UPDATE, DELETE ON subscriber_backfill_failures TO fanout_invoicing;
 DROP POLICY IF EXISTS fanout_invoicing_backfill_failures ON subscriber_backfill_failures;
@@ -426,7 +431,9 @@ GRANT SELECT ON subscriber_aggregates TO fanout_operator;
 DROP POLICY IF EXISTS fanout_operator_aggregates ON subscriber_aggregates;
 CREATE POLICY fanout_operator_aggregates ON subscriber_aggregates FOR SELECT TO fanout_operator USING (true);
 -- fanout status shows the backfills.
-GRANT SELECT ON subscriber_backfills, subscriber_backfill_failures TO fanout_operator;
+GRANT SELECT ON subscriber_backfills, subscriber_backfill_segments, subscriber_backfill_failures TO fanout_operator;
+DROP POLICY IF EXISTS fanout_operator_backfill_segments ON subscriber_backfill_segments;
+CREATE POLICY fanout_operator_backfill_segments ON subscriber_backfill_segments FOR SELECT TO fanout_operator USING (true);
 DROP POLICY IF EXISTS fanout_operator_backfills ON subscriber_backfills;
 CREATE POLICY fanout_operator_backfills ON subscriber_backfills FOR SELECT TO fanout_operator USING (true);
 DROP POLICY IF EXISTS fanout_operator_backfill_failures ON subscriber_backfill_failures;

@@ -68,6 +68,7 @@ func TestBackfillInvoicesOrdersOlderThanTheStream(t *testing.T) {
 	if !s.Finished() || s.Failed != 0 || s.Done < 500 {
 		t.Fatalf("backfill %+v, want finished, at least the 500 orders written before it done, none failed", s)
 	}
+	env.WaitAllSent()
 	env.WaitIdle(invoicing.Name, 30*time.Second)
 	var orders, twice, wrongTotal int
 	err = env.DB.Pool.QueryRow(ctx, `
@@ -81,7 +82,11 @@ FROM per_order`).Scan(&orders, &uninvoiced, &twice, &wrongTotal)
 		t.Fatal(err)
 	}
 	if uninvoiced != 0 || twice != 0 || wrongTotal != 0 || orders <= 500 {
-		t.Fatalf("%d orders: %d without an invoice, %d with more than one, %d with a wrong total", orders, uninvoiced, twice, wrongTotal)
+		var missing []int64
+		rows, _ := env.DB.Pool.Query(ctx, `SELECT o.id FROM orders o WHERE NOT EXISTS (SELECT FROM invoices i WHERE i.order_id = o.id) ORDER BY 1 LIMIT 10`)
+		missing, _ = pgx.CollectRows(rows, pgx.RowTo[int64])
+		t.Fatalf("%d orders: %d without an invoice %v (the backfill went to %d), %d with more than one, %d with a wrong total",
+			orders, uninvoiced, missing, s.HighKey, twice, wrongTotal)
 	}
 	if n := len(env.DeadLetters(invoicing.Name)); n != 0 {
 		t.Errorf("%d dead letters", n)

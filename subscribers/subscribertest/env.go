@@ -346,6 +346,18 @@ func (e *Env) Republish(id int64) {
 	e.T.Fatalf("event %d not in the stream", id)
 }
 
+// WaitAllSent waits until the relay has published every outbox row.
+func (e *Env) WaitAllSent() {
+	e.T.Helper()
+	WaitFor(e.T, time.Minute, "every event published", func() (bool, string) {
+		var unsent int
+		if err := e.DB.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&unsent); err != nil {
+			return false, err.Error()
+		}
+		return unsent == 0, strconv.Itoa(unsent) + " unsent"
+	})
+}
+
 // WaitSent waits until the relay has published the events (their outbox
 // rows are sent), so that a following WaitIdle means they were handled.
 func (e *Env) WaitSent(ids ...int64) {
