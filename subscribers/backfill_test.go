@@ -107,7 +107,7 @@ func backfillOptions(t testing.TB, pool *pgxpool.Pool, h subscribers.TxHandler) 
 	cfg := subscribers.DefaultConfig()
 	cfg.RetryMin, cfg.RetryMax, cfg.MaxFailures = 50*time.Millisecond, 200*time.Millisecond, 3
 	return subscribers.BackfillOptions{Declaration: tallyDecl, Handler: subscribers.Tx(h), Config: cfg, Pool: pool,
-		Logger: subscribertest.Logger(t.(*testing.T)), Chunk: 100}
+		Logger: subscribertest.Logger(t.(*testing.T)), Chunk: 100, Workers: 2}
 }
 
 // checkTally fails unless every row of backfill_source but the ones in
@@ -243,7 +243,7 @@ func backfillChild(url string) int {
 	cfg := subscribers.DefaultConfig()
 	opts := subscribers.BackfillOptions{
 		Declaration: tallyDecl, Handler: subscribers.Tx(tallyBatch{&tally{}}), Config: cfg, Pool: pool,
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, nil)), Chunk: 100,
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, nil)), Chunk: 100, Workers: 2,
 		Rate: 20000, // slow enough to be killed mid-run, many times
 	}
 	if os.Getenv(backfillApartEnv) != "" {

@@ -1,9 +1,10 @@
 package subscribers
 
-// The backfill's runtime: chunks read in key order, handed to the handler
-// with the verdicts, outages and dead letters of the live runtime, and a
-// checkpoint (subscriber_backfills.last_key) that commits with a
-// TxHandler's effects.
+// The backfill's runtime: chunks read in key order, segments of the key
+// range side by side, handed to the handler with the verdicts, outages and
+// dead letters of the live runtime, and a checkpoint per segment
+// (subscriber_backfill_segments.last_key) that commits with a TxHandler's
+// effects.
 
 import (
 	"context"
@@ -41,8 +42,10 @@ type BackfillOptions struct {
 	// Chunk is the rows per chunk (one transaction): 500 when 0.
 	Chunk int
 	// Workers is how many segments of the key range are read side by
-	// side, each by its own worker: 2 when 0. A backfill resumed keeps the
-	// segments it started with.
+	// side, each by its own worker: 1 when 0. More go faster on a machine
+	// with cores to spare, and take them from the live events on one
+	// without (docs/benchmarks.md, "Backfill"). A backfill resumed keeps
+	// the segments it started with.
 	Workers int
 	// Restart starts over even if a backfill is unfinished.
 	Restart bool
@@ -160,6 +163,10 @@ func scanBackfill(row pgx.CollectableRow) (BackfillStatus, error) {
 func BackfillState(ctx context.Context, pool *pgxpool.Pool, subscriber string) (s BackfillStatus, ok bool, err error) {
 	rows, err := pool.Query(ctx, backfillStatusSQL+` WHERE b.subscriber = $1`, subscriber)
 	if err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42P01" {
+			return s, false, &badBackfillQuery{fmt.Errorf("read subscriber_backfills: %w (run `fanout migrate`)", err)}
+		}
 		return s, false, fmt.Errorf("read subscriber_backfills: %w", err)
 	}
 	s, err = pgx.CollectExactlyOneRow(rows, scanBackfill)
@@ -239,7 +246,7 @@ func RunBackfill(ctx context.Context, opts BackfillOptions) (BackfillStatus, err
 		b.chunk = 500
 	}
 	if b.opts.Workers <= 0 {
-		b.opts.Workers = 2
+		b.opts.Workers = 1
 	}
 	b.logger = opts.Logger.With("subscriber", d.Name, "backfill", d.Backfill.Table)
 	if opts.Rate > 0 {
@@ -508,7 +515,9 @@ func (b *backfiller) runSegment(ctx context.Context, sg *segment) error {
 		}
 		applyStart := time.Now()
 		if err := b.apply(ctx, sg, rows); err != nil {
-			if errors.Is(err, errChunkAgain) || b.outage(ctx, err) {
+			// A deadlock or serialization failure is the company the
+			// chunk met, not the chunk: again.
+			if errors.Is(err, errChunkAgain) || conflict(err) || b.outage(ctx, err) {
 				continue
 			}
 			return err

@@ -44,7 +44,7 @@ var (
 	rate     = flag.Int("rate", 500, "orders the live writers create per second")
 	quietFor = flag.Duration("quiet", 15*time.Second, "how long the live freshness is measured before the backfill")
 	chunk    = flag.Int("chunk", 500, "the backfill's rows per chunk (fanout backfill --chunk)")
-	workers  = flag.Int("workers", 2, "the backfill's workers (fanout backfill --workers)")
+	workers  = flag.Int("workers", 1, "the backfill's workers (fanout backfill --workers)")
 	bfRate   = flag.Float64("backfill-rate", 0, "the backfill's rows per second (fanout backfill --rate; 0: no limit)")
 	natsURL  = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")

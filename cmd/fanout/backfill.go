@@ -112,7 +112,7 @@ running elsewhere; --restart starts over.`,
 	cmd.Flags().StringVar(&where, "where", "", "SQL condition on the table's rows (alias t), e.g. \"t.created_at < now() - interval '7 days'\"")
 	cmd.Flags().Float64Var(&rate, "rate", 0, "at most this many rows per second (0: no limit)")
 	cmd.Flags().IntVar(&chunk, "chunk", 500, "rows per chunk (one transaction)")
-	cmd.Flags().IntVar(&workers, "workers", 2, "segments of the key range read side by side (a resumed backfill keeps its own)")
+	cmd.Flags().IntVar(&workers, "workers", 1, "segments of the key range read side by side, each in its own transactions (a resumed backfill keeps its own)")
 	cmd.Flags().BoolVar(&restart, "restart", false, "start over, even if a backfill is unfinished")
 	cmd.Flags().BoolVar(&pause, "pause", false, "pause the subscriber's running backfill (between chunks)")
 	cmd.Flags().BoolVar(&resume, "resume", false, "resume the subscriber's paused backfill")
@@ -146,7 +146,7 @@ func (p *backfillProgress) show(s subscribers.BackfillStatus) {
 	if p.tty {
 		every = 500 * time.Millisecond
 	}
-	if time.Since(p.last) < every && !s.Finished() {
+	if time.Since(p.last) < every || s.Finished() { // end prints the last line
 		return
 	}
 	p.last = time.Now()
