@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -84,6 +85,12 @@ func (r *run) joinLate(ctx context.Context) {
 	if info.Config.DeliverPolicy != jetstream.DeliverNewPolicy {
 		r.late.firstSeq = 0
 	}
+	// Its consumer exists: a process that has to make it again (the
+	// stores' rollback can take it away) makes it from the first event, as
+	// an operator would once the subscriber has joined.
+	for _, role := range subscribers {
+		role.SetArgs("subscribe", r.o.Backfill)
+	}
 	r.o.Logf("chaos: %s joined; its consumer starts at stream sequence %d; backfill started", r.o.Backfill, r.late.firstSeq)
 	r.startLate(backfill)
 	// Killed and restarted until it finishes, beside the run's faults.
@@ -97,6 +104,28 @@ func (r *run) joinLate(ctx context.Context) {
 		time.Sleep(r.late.rand.between(100*time.Millisecond, time.Second))
 		if err := backfill.Start(); err != nil {
 			r.o.Logf("chaos: restart %s: %v", backfill.Name, err)
+		}
+	}
+}
+
+// rejoinLate restarts the late subscriber's processes after the stores'
+// rollback, if it had joined: a rollback to a copy from before it joined
+// takes its consumer away, and a running subscriber does not make its
+// consumer again (an orchestrator restarts it when its readiness names the
+// missing consumer; here, this).
+func (r *run) rejoinLate() {
+	subscribers := r.late.roles[:len(r.late.roles)-1] // the last is the backfill
+	r.rolesMu.Lock()
+	var late []*Role
+	for _, role := range r.roles {
+		if slices.Contains(subscribers, role) {
+			late = append(late, role) // joined
+		}
+	}
+	r.rolesMu.Unlock()
+	for _, role := range late {
+		if err := role.Restart(); err != nil {
+			r.o.Logf("chaos: restart %s: %v", role.Name, err)
 		}
 	}
 }

@@ -37,7 +37,7 @@ func newRole(name, bin, logDir string, env []string, args ...string) (*Role, err
 func (r *Role) Start() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	cmd := exec.Command(r.bin, r.Args...)
+	cmd := exec.Command(r.bin, r.Args...) // r.mu is held
 	cmd.Env = r.env
 	cmd.Stdout, cmd.Stderr = r.log, r.log
 	fmt.Fprintf(r.log, "{\"msg\":\"chaos: starting %s\",\"time\":%q}\n", r.Name, time.Now().Format(time.RFC3339Nano))
@@ -77,6 +77,13 @@ func (r *Role) signal(sig syscall.Signal, wait time.Duration) {
 		_ = cmd.Process.Kill()
 		<-exited
 	}
+}
+
+// SetArgs changes the arguments of the process's next start.
+func (r *Role) SetArgs(args ...string) {
+	r.mu.Lock()
+	r.Args = args
+	r.mu.Unlock()
 }
 
 // Alive reports whether the process runs.
