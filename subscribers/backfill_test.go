@@ -504,3 +504,20 @@ func TestBackfillSegmentsCoverTheKeys(t *testing.T) {
 		}
 	}
 }
+
+// A finished backfill run again does nothing: a job done stays done.
+func TestAFinishedBackfillIsNotRunAgain(t *testing.T) {
+	t.Parallel()
+	db := tallyDB(t, 300, nil)
+	h := &tally{}
+	first, err := subscribers.RunBackfill(context.Background(), backfillOptions(t, db.Pool, h))
+	if err != nil || !first.Finished() {
+		t.Fatalf("first run: %+v, %v", first, err)
+	}
+	calls := h.calls.Load()
+	again, err := subscribers.RunBackfill(context.Background(), backfillOptions(t, db.Pool, h))
+	if err != nil || !again.Finished() || !again.StartedAt.Equal(first.StartedAt) || h.calls.Load() != calls {
+		t.Fatalf("second run: %+v, %v, %d handler calls after %d", again, err, h.calls.Load(), calls)
+	}
+	checkTally(t, db.Pool)
+}

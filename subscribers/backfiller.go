@@ -47,7 +47,8 @@ type BackfillOptions struct {
 	// without (docs/benchmarks.md, "Backfill"). A backfill resumed keeps
 	// the segments it started with.
 	Workers int
-	// Restart starts over even if a backfill is unfinished.
+	// Restart starts over, whether the last backfill is unfinished or
+	// finished (which is otherwise not run again).
 	Restart bool
 	// Progress, if set, is called after every chunk and while paused,
 	// from one worker at a time.
@@ -268,6 +269,9 @@ func RunBackfill(ctx context.Context, opts BackfillOptions) (BackfillStatus, err
 	if err != nil {
 		return b.status, err
 	}
+	if b.status.Finished() {
+		return b.status, nil
+	}
 	b.where = b.status.Where
 	return b.run(ctx, segments)
 }
@@ -287,6 +291,13 @@ func (b *backfiller) tryBegin(ctx context.Context) ([]*segment, error) {
 	s, ok, err := BackfillState(ctx, b.opts.Pool, b.name)
 	if err != nil {
 		return nil, err
+	}
+	if ok && s.Finished() && !b.opts.Restart {
+		// A job that is done stays done: run again (by hand, or by a
+		// supervisor), it does nothing.
+		b.status = s
+		b.logger.Info("backfill already finished; --restart runs it again", "finished_at", s.FinishedAt, "done", s.Done, "failed", s.Failed)
+		return nil, nil
 	}
 	if ok && !s.Finished() && !b.opts.Restart {
 		if b.opts.Where != "" && b.opts.Where != s.Where {

@@ -32,7 +32,8 @@ events keep flowing meanwhile; its handler reads each row's state when it applie
 it, so the two merge without regressions.
 
 It resumes where it stopped (a chunk's effects commit with the backfill's
-checkpoint), waits through outages, and records a row the handler refuses in
+checkpoint), does nothing once finished (--restart runs it again), waits
+through outages, and records a row the handler refuses in
 subscriber_backfill_failures with the reason, going on with the rest. Progress
 goes to stderr; ` + "`fanout status`" + ` shows a running backfill.
 
@@ -113,7 +114,7 @@ running elsewhere; --restart starts over.`,
 	cmd.Flags().Float64Var(&rate, "rate", 0, "at most this many rows per second (0: no limit)")
 	cmd.Flags().IntVar(&chunk, "chunk", 500, "rows per chunk (one transaction)")
 	cmd.Flags().IntVar(&workers, "workers", 1, "segments of the key range read side by side, each in its own transactions (a resumed backfill keeps its own)")
-	cmd.Flags().BoolVar(&restart, "restart", false, "start over, even if a backfill is unfinished")
+	cmd.Flags().BoolVar(&restart, "restart", false, "start over, whether the last backfill is unfinished or finished (a finished one is otherwise not run again)")
 	cmd.Flags().BoolVar(&pause, "pause", false, "pause the subscriber's running backfill (between chunks)")
 	cmd.Flags().BoolVar(&resume, "resume", false, "resume the subscriber's paused backfill")
 	return cmd
