@@ -89,8 +89,8 @@ func (b *Backfill) validate(eventTypes []string, ordered bool) error {
 	return errors.Join(errs...)
 }
 
-// chunkSQL reads one chunk: the rows after a key, up to the key the
-// backfill stopped at when it started, in key order.
+// chunkSQL reads one chunk of a segment: the rows after a key ($1), up to
+// the segment's last key ($2), at most $3 of them, in key order.
 func (b *Backfill) chunkSQL(where string) string {
 	id := b.AggregateID
 	if strings.TrimSpace(id) == "" {
