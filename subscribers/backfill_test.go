@@ -447,6 +447,17 @@ func TestBackfillWhere(t *testing.T) {
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM backfill_tally`).Scan(&even); err != nil || even != 500 {
 		t.Fatalf("backfill_tally after a --where that deletes: %d rows (%v), want 500", even, err)
 	}
+	// Nor through a function that writes as its owner (SECURITY DEFINER,
+	// which a subscriber's role may call): the transaction is read-only
+	// whoever runs the write.
+	opts.Where = "fanout_origin_number('7000000000000000001/forged/1') IS NOT NULL"
+	if _, err := subscribers.RunBackfill(ctx, opts); err == nil || !strings.Contains(err.Error(), "read-only transaction") {
+		t.Fatalf("a --where that writes through a SECURITY DEFINER function: %v, want a read-only refusal", err)
+	}
+	var forged int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM event_origins WHERE origin LIKE '%/forged/%'`).Scan(&forged); err != nil || forged != 0 {
+		t.Fatalf("event_origins after a --where that writes through a function: %d forged rows (%v), want 0", forged, err)
+	}
 	opts.Where = ""
 	if s, err := subscribers.RunBackfill(ctx, opts); err != nil || s.Total != 1000 {
 		t.Fatalf("restart: %+v, %v; want a new backfill of 1000 rows", s, err)
