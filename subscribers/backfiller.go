@@ -633,23 +633,12 @@ const (
 )
 
 func (b *backfiller) judge(ctx context.Context, key int64, err error) (verdict, string) {
-	if ctx.Err() != nil {
+	switch res := judgeError(ctx, b.health, err); res.kind {
+	case resultAbandoned, resultOutage:
 		return verdictOutage, ""
-	}
-	if IsPermanent(err) {
+	case resultPermanent:
 		return verdictDead, err.Error()
-	}
-	if dep, ok := IsUnavailable(err); ok {
-		b.health.markDown(dep, err)
-		return verdictOutage, ""
-	}
-	if _, ok := retryDelay(err); ok {
-		return verdictAgain, ""
-	}
-	if b.health.probeAll(ctx) {
-		return verdictOutage, ""
-	}
-	if connectivity(err) || conflict(err) {
+	case resultSnooze, resultRetry:
 		return verdictAgain, ""
 	}
 	b.mu.Lock()
@@ -712,7 +701,7 @@ func (b *backfiller) apply(ctx context.Context, sg *segment, rows []backfillRow)
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case <-time.After(b.backoff(n)):
+		case <-time.After(retryBackoff(b.opts.Config, uint64(n))):
 		}
 		return errChunkAgain
 	}
@@ -886,16 +875,6 @@ func (b *backfiller) wrapOutage(ctx context.Context, err error) error {
 		return ctx.Err()
 	}
 	return errChunkAgain
-}
-
-// backoff is retry_min doubled per failure after the first, capped at
-// retry_max.
-func (b *backfiller) backoff(n int) time.Duration {
-	d := b.opts.Config.RetryMin
-	for i := 1; i < n && d < b.opts.Config.RetryMax; i++ {
-		d *= 2
-	}
-	return min(d, b.opts.Config.RetryMax)
 }
 
 // inSavepoint runs f in a savepoint of tx, rolled back if f fails.

@@ -18,10 +18,14 @@ func (r *Runner) handle(ctx context.Context, ds []*delivery) []result {
 	return r.handleEach(ctx, ds)
 }
 
-// judge classifies a failed attempt. A dependency that is down is never
-// the event's fault: if the handler did not name one (Unavailable), the
-// dependencies are probed before the failure is charged to the event.
-func (r *Runner) judge(ctx context.Context, err error) result {
+// judge classifies a failed attempt (judgeError).
+func (r *Runner) judge(ctx context.Context, err error) result { return judgeError(ctx, r.health, err) }
+
+// judgeError classifies a failed attempt of a handler, for the live runtime
+// and the backfill alike. A dependency that is down is never the event's
+// fault: if the handler did not name one (Unavailable), the dependencies
+// are probed (h) before the failure is charged to the event.
+func judgeError(ctx context.Context, h *health, err error) result {
 	if ctx.Err() != nil {
 		return result{kind: resultAbandoned, err: err}
 	}
@@ -29,7 +33,7 @@ func (r *Runner) judge(ctx context.Context, err error) result {
 		return result{kind: resultPermanent, err: err}
 	}
 	if dep, ok := IsUnavailable(err); ok {
-		r.health.markDown(dep, err)
+		h.markDown(dep, err)
 		return result{kind: resultOutage, err: err}
 	}
 	if delay, ok := retryDelay(err); ok {
@@ -38,7 +42,7 @@ func (r *Runner) judge(ctx context.Context, err error) result {
 	if errors.Is(err, errOutOfTurn) {
 		return result{kind: resultRetry, err: err}
 	}
-	if r.health.probeAll(ctx) {
+	if h.probeAll(ctx) {
 		return result{kind: resultOutage, err: err}
 	}
 	if connectivity(err) || conflict(err) {
@@ -127,12 +131,15 @@ func (r *Runner) nak(d *delivery, delay time.Duration) {
 	r.obs.Retried(r.name, 1)
 }
 
-// backoff is retry_min doubled per failure (or delivery) after the first,
-// capped at retry_max.
-func (r *Runner) backoff(n uint64) time.Duration {
-	d := r.cfg.RetryMin
-	for i := uint64(1); i < n && d < r.cfg.RetryMax; i++ {
+// backoff is retryBackoff with the runner's settings.
+func (r *Runner) backoff(n uint64) time.Duration { return retryBackoff(r.cfg, n) }
+
+// retryBackoff is retry_min doubled per failure (or delivery) after the
+// first, capped at retry_max.
+func retryBackoff(cfg Config, n uint64) time.Duration {
+	d := cfg.RetryMin
+	for i := uint64(1); i < n && d < cfg.RetryMax; i++ {
 		d *= 2
 	}
-	return min(d, r.cfg.RetryMax)
+	return min(d, cfg.RetryMax)
 }
