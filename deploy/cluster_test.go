@@ -30,17 +30,25 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 	for _, u := range natsUsers {
 		passwords[u] = "p" + randomHex(t, 16)
 	}
-	routePorts := []int{freePort(t), freePort(t), freePort(t)}
 	type node struct {
-		cmd  *exec.Cmd
-		log  *syncbuf.Buffer
-		port int
+		cmd    *exec.Cmd
+		log    *syncbuf.Buffer
+		port   int
+		exited chan struct{}
 	}
-	// cluster starts the three nodes, each soliciting routes to all with
-	// the credentials creds ("user:password@" or "").
-	cluster := func(creds string) []*node {
+	stop := func(nodes []*node) {
+		for _, n := range nodes {
+			_ = n.cmd.Process.Signal(syscall.SIGTERM)
+			<-n.exited
+		}
+	}
+	// start starts the three nodes on fresh ports, each soliciting routes
+	// to all with the credentials creds ("user:password@" or ""), and
+	// reports whether one found a port taken (tests in other packages
+	// start servers at the same time) once each is ready or gone.
+	start := func(creds string) (nodes []*node, taken bool) {
 		t.Helper()
-		var nodes []*node
+		routePorts := []int{freePort(t), freePort(t), freePort(t)}
 		for i := range 3 {
 			env := append(os.Environ(), "FANOUT_NATS_NODE=n"+strconv.Itoa(i+1), "FANOUT_NATS_CLUSTER_PORT="+strconv.Itoa(routePorts[i]),
 				"FANOUT_NATS_ROUTE_PASSWORD="+passwords["route"])
@@ -50,7 +58,7 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 			for u, pw := range passwords {
 				env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+pw)
 			}
-			n := &node{log: &syncbuf.Buffer{}, port: freePort(t)}
+			n := &node{log: &syncbuf.Buffer{}, port: freePort(t), exited: make(chan struct{})}
 			n.cmd = exec.Command(bin, "-c", conf, "-a", "127.0.0.1", "-p", strconv.Itoa(n.port),
 				"-js", "-sd", filepath.Join(t.TempDir(), "jetstream"))
 			n.cmd.Env = env
@@ -58,10 +66,34 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 			if err := n.cmd.Start(); err != nil {
 				t.Fatal(err)
 			}
-			t.Cleanup(func() { _ = n.cmd.Process.Kill(); _ = n.cmd.Wait() })
+			go func() { _ = n.cmd.Wait(); close(n.exited) }()
+			t.Cleanup(func() { _ = n.cmd.Process.Kill(); <-n.exited })
 			nodes = append(nodes, n)
 		}
-		return nodes
+		for _, n := range nodes {
+			waitFor(t, "a node to be ready or gone", func() bool {
+				select {
+				case <-n.exited:
+					taken = taken || strings.Contains(n.log.String(), "address already in use")
+					return true
+				default:
+					return strings.Contains(n.log.String(), "Server is ready")
+				}
+			})
+		}
+		return nodes, taken
+	}
+	cluster := func(creds string) []*node {
+		t.Helper()
+		for range 5 {
+			nodes, taken := start(creds)
+			if !taken {
+				return nodes
+			}
+			stop(nodes)
+		}
+		t.Fatal("the cluster's nodes found their ports taken 5 times")
+		return nil
 	}
 	// crosses reports whether a message published on node from reaches a
 	// subscriber on node to (the same account, EVENTS, as admin): only a
@@ -98,13 +130,6 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 		}
 		return false
 	}
-	stop := func(nodes []*node) {
-		for _, n := range nodes {
-			_ = n.cmd.Process.Signal(syscall.SIGTERM)
-			_ = n.cmd.Wait()
-		}
-	}
-
 	for _, creds := range []string{"", "route:wrong" + passwords["route"] + "@"} {
 		nodes := cluster(creds)
 		// Each node refuses the others' routes, naming the violation.

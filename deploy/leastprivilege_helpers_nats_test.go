@@ -63,8 +63,26 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A port found free may be taken before the server binds it (tests in
+	// other packages start servers at the same time): try others.
+	for attempt := 1; ; attempt++ {
+		s, taken := tryStartNATS(t, bin, conf, users)
+		if !taken {
+			return s
+		}
+		if attempt == 5 {
+			t.Fatalf("nats-server found its ports taken %d times:\n%s", attempt, s.log.String())
+		}
+	}
+}
+
+// tryStartNATS starts nats-server on two free ports and waits until it
+// serves JetStream; taken reports that it exited because another process
+// bound one of its ports first.
+func tryStartNATS(t *testing.T, bin, conf string, users []string) (s *natsServer, taken bool) {
+	t.Helper()
 	port, mport := freePort(t), freePort(t)
-	s := &natsServer{
+	s = &natsServer{
 		url:       fmt.Sprintf("nats://127.0.0.1:%d", port),
 		monitor:   fmt.Sprintf("http://127.0.0.1:%d", mport),
 		passwords: make(map[string]string),
@@ -106,7 +124,7 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 			}
 			nc.Close()
 			if jerr == nil {
-				return s
+				return s, false
 			}
 			err = jerr
 		}
@@ -115,6 +133,9 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 		}
 		select {
 		case <-s.exited:
+			if strings.Contains(s.log.String(), "address already in use") {
+				return s, true
+			}
 			t.Fatalf("nats-server exited at start:\n%s", s.log.String())
 		case <-time.After(50 * time.Millisecond):
 		}

@@ -393,6 +393,14 @@ SELECT id FROM p`).Scan(&productID)
 		asRole(t, db.Pool, "fanout_writer", func(tx pgx.Tx) {
 			denied(t, tx, "fanout_writer", `SELECT fanout_outbox_analyze(0)`)
 		})
+		// Turning numbering off would take ordered subscribers' order away:
+		// only the outbox's owner may (fanout outbox numbering).
+		denied(t, pool, "fanout_relay", `SELECT fanout_outbox_numbering('{order.paid}')`)
+		for _, role := range []string{"fanout_writer", "fanout_operator", "fanout_fulfilment"} {
+			asRole(t, db.Pool, role, func(tx pgx.Tx) {
+				denied(t, tx, role, `SELECT fanout_outbox_numbering('{order.paid}')`)
+			})
+		}
 	})
 }
 

@@ -3,6 +3,7 @@ package operator_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -44,6 +45,9 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	}
 	if i := indexOf(st, "later"); i < 0 || !st.Subscribers[i].ConsumerGone {
 		t.Errorf("a known subscriber without a consumer: %+v", st.Subscribers)
+	}
+	if len(st.Outbox.Unnumbered) != 0 {
+		t.Errorf("a new database's outbox skips numbering %q", st.Outbox.Unnumbered)
 	}
 
 	// Three orders invoicing does not find: three dead letters.
@@ -159,13 +163,16 @@ func TestDeadLettersAndStatus(t *testing.T) {
 		t.Errorf("audit trail: %d actions by %s saying ada (%v), want a discard and two redrives", actions, role, err)
 	}
 
+	if err := outbox.NewStore(env.DB.Pool).SetNumbering(ctx, []string{"product.updated"}); err != nil {
+		t.Fatal(err)
+	}
 	st, err = operator.ReadStatus(ctx, operator.Sources{Pool: env.DB.Pool, JS: env.JS, Stream: cfg.Stream, Subscribers: cfg.Subscribers, Known: []string{invoicing.Name}})
 	if err != nil {
 		t.Fatal(err)
 	}
 	i := indexOf(st, invoicing.Name)
 	if st.Stream.Missing || st.Stream.Messages != 3 || i < 0 || st.Subscribers[i].DeadLetters != 0 || st.Subscribers[i].Checkpoint != 2 ||
-		st.Subscribers[i].ConsumerGone || st.Outbox.Sent != 3 {
+		st.Subscribers[i].ConsumerGone || st.Outbox.Sent != 3 || !slices.Equal(st.Outbox.Unnumbered, []string{"product.updated"}) {
 		t.Errorf("status: %+v", st)
 	}
 }

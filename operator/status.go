@@ -50,6 +50,9 @@ type Status struct {
 		// aggregate (relay.on_failed hold), in HeldAggregates aggregates.
 		HeldRows       int64 `json:"held_rows"`
 		HeldAggregates int64 `json:"held_aggregates"`
+		// Unnumbered are the event types the outbox does not number in
+		// their aggregate (fanout outbox numbering).
+		Unnumbered []string `json:"unnumbered_event_types"`
 	} `json:"outbox"`
 	// Audits are the newest audit of the stream against the outbox, and
 	// the newest that found events missing, if another (newest first).
@@ -162,6 +165,9 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 		if st.Outbox.HeldRows, st.Outbox.HeldAggregates, err = store.Held(ctx); err != nil {
 			return st, fmt.Errorf("outbox: events held behind failed ones: %w", err)
 		}
+	}
+	if st.Outbox.Unnumbered, err = store.Unnumbered(ctx); err != nil {
+		return st, fmt.Errorf("outbox: %w", err)
 	}
 	if st.Outbox.Ranges, st.Outbox.SealedRanges, st.Outbox.DefaultRows, err = store.RangeCounts(ctx); err != nil {
 		return st, fmt.Errorf("outbox ranges: %w", err)

@@ -39,12 +39,21 @@ func TestValidationDoesNotAllocate(t *testing.T) {
 		"tracestate":  "vendor=opaque-value",
 	}
 	payload := []byte(`{"product_id": 42, "name": "C:\\u0000 is a path, not a NUL"}`)
-	allocs := testing.AllocsPerRun(100, func() {
-		if ValidEventType("product.updated") != nil || ValidateAggregate("product", "42") != nil ||
-			ValidateHeaders(headers) != nil || ValidateHeaders(nil) != nil || hasNULEscape(payload) {
-			t.Fatal("a valid event was refused")
+	// AllocsPerRun counts the whole process's allocations, and the
+	// package's relay runs in the background (TestMain): the fewest of a
+	// few measurements is validation's own.
+	allocs := -1.0
+	for range 5 {
+		a := testing.AllocsPerRun(100, func() {
+			if ValidEventType("product.updated") != nil || ValidateAggregate("product", "42") != nil ||
+				ValidateHeaders(headers) != nil || ValidateHeaders(nil) != nil || hasNULEscape(payload) {
+				t.Fatal("a valid event was refused")
+			}
+		})
+		if allocs < 0 || a < allocs {
+			allocs = a
 		}
-	})
+	}
 	if allocs != 0 {
 		t.Errorf("validating a valid event allocates %.0f times, want 0", allocs)
 	}

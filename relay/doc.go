@@ -60,9 +60,12 @@
 //
 // A burst (a bulk import committing 300,000 rows at once) lands in a
 // range whose statistics say it is empty, and the claim's plan, made with
-// them, sorts every pending row of the range for each window. A claim
-// that finds more rows than its window asks for the ranges above the
-// floor to be analyzed (analyzeBurst), at most once a minute.
+// them, sorts every pending row of the range for each window. A new
+// database's first events land in outbox_default (its first ids lie below
+// the first range), analyzed while nearly empty, and the claim's plan
+// scans it once per row. A claim that finds a backlog asks for the ranges
+// above the floor and outbox_default to be analyzed (analyzeBurst), at
+// most once a minute.
 //
 // # Per-aggregate order
 //

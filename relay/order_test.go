@@ -297,3 +297,69 @@ func TestAggregateOrderWhenARelayStallsMidBatch(t *testing.T) {
 		})
 	}
 }
+
+// Events of a type the outbox does not number (outbox numbering) are
+// published beside their aggregate's numbered events, with flaky
+// publishes and three relays, in both captures: every one of them once,
+// without a number, and the numbered ones still as 1, 2, 3, ...
+func TestUnnumberedEventsGoBesideNumberedOnes(t *testing.T) {
+	forEachCapture(t, func(t *testing.T, h *harness) {
+		ctx := context.Background()
+		if err := outbox.NewStore(h.db.Pool).SetNumbering(ctx, []string{"order.noted"}); err != nil {
+			t.Fatal(err)
+		}
+		var relays []*Relay
+		fail := flakyPublish()
+		for range 3 {
+			r := h.newRelay(func(c *Config) { c.BatchSize = 5; c.MaxInFlight = 50 }, nil)
+			r.hooks.FailPublish = fail
+			relays = append(relays, r)
+		}
+		const n = 240
+		h.launch(relays[0], func() {
+			for i := range n {
+				typ := "order.updated"
+				if i%3 == 0 {
+					typ = "order.noted"
+				}
+				write(t, h.db.Pool, outbox.Event{AggregateType: "order", AggregateID: strconv.Itoa(i % 8), Type: typ, Payload: map[string]int{"n": i}})
+			}
+		})
+		for _, r := range relays[1:] {
+			h.start(r)
+		}
+		h.waitAllSent(n, 60*time.Second)
+
+		last := map[string]int64{}
+		seen := map[string]bool{}
+		var unnumbered int
+		var bad []string
+		for _, m := range h.streamMessages() {
+			id, typ := m.Header.Get(outbox.EventIDHeader), m.Header.Get(outbox.EventTypeHeader)
+			if seen[id] {
+				continue
+			}
+			seen[id] = true
+			agg := m.Header.Get(outbox.AggregateIDHeader)
+			number := m.Header.Get(outbox.AggregateSeqHeader)
+			if typ == "order.noted" {
+				unnumbered++
+				if number != "" {
+					bad = append(bad, fmt.Sprintf("unnumbered event %s carries number %s", id, number))
+				}
+				continue
+			}
+			seq, err := strconv.ParseInt(number, 10, 64)
+			if err != nil || seq != last[agg]+1 {
+				bad = append(bad, fmt.Sprintf("order %s: event %s (number %q) after number %d", agg, id, number, last[agg]))
+			}
+			last[agg] = max(last[agg], seq)
+		}
+		if len(seen) != n || unnumbered != n/3 {
+			t.Errorf("the stream holds %d events, %d of them unnumbered; want %d and %d", len(seen), unnumbered, n, n/3)
+		}
+		if len(bad) > 0 {
+			t.Errorf("%d wrong, first: %s", len(bad), strings.Join(bad[:min(5, len(bad))], "; "))
+		}
+	})
+}

@@ -2,7 +2,6 @@ package subscribers_test
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -15,61 +14,11 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/orderstatus"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
-
-// orderStatus is a subscriber added to a running shop: a copy of each
-// order's status. An event only names its order; the handler reads the
-// order's status and version (its number of transitions) from Postgres and
-// writes them only over an older version, so a backfill event and a live
-// event of one order may apply in either order.
-type orderStatus struct {
-	// unguarded writes over a newer version (the flaw the check must see).
-	unguarded bool
-	// beforeWrite runs between the read and the write.
-	beforeWrite func(ev subscribers.Event, orderID int64)
-}
-
-func (*orderStatus) Name() string         { return "orderstatus" }
-func (*orderStatus) EventTypes() []string { return []string{"order.>"} }
-
-func (h *orderStatus) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
-	var p struct {
-		OrderID int64 `json:"order_id"`
-	}
-	if err := json.Unmarshal(ev.Payload, &p); err != nil || p.OrderID <= 0 {
-		return subscribers.Permanent(fmt.Errorf("malformed order event %.100q", ev.Payload))
-	}
-	var status string
-	var version int
-	err := tx.QueryRow(ctx, `SELECT o.status, (SELECT max(n) FROM order_transitions t WHERE t.order_id = o.id) FROM orders o WHERE o.id = $1`, p.OrderID).Scan(&status, &version)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return subscribers.Permanent(fmt.Errorf("order %d does not exist", p.OrderID))
-	}
-	if err != nil {
-		return err
-	}
-	if h.beforeWrite != nil {
-		h.beforeWrite(ev, p.OrderID)
-	}
-	guard := "WHERE c.version < excluded.version"
-	if h.unguarded {
-		guard = ""
-	}
-	_, err = tx.Exec(ctx, `INSERT INTO order_status_copy AS c (order_id, status, version) VALUES ($1, $2, $3)
-ON CONFLICT (order_id) DO UPDATE SET status = excluded.status, version = excluded.version `+guard, p.OrderID, status, version)
-	return err
-}
-
-func orderStatusDecl(h *orderStatus) subscribers.Declaration {
-	return subscribers.Declaration{Name: "orderstatus", EventTypes: []string{"order.>"},
-		Backfill: &subscribers.Backfill{Table: "orders", Key: "id", EventType: shop.OrderCreated, AggregateType: shop.AggregateOrder,
-			Payload: "jsonb_build_object('order_id', t.id)"},
-		New: func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Tx(h), nil },
-	}
-}
 
 // shopWithOrders seeds a catalog and n orders, some of them moved on, all
 // published; then the stream drops every event, as its max age does.
@@ -84,7 +33,7 @@ func shopWithOrders(t *testing.T, env *subscribertest.Env, n int) (products []in
 	if err != nil || len(products) == 0 {
 		t.Fatalf("products: %v %v", products, err)
 	}
-	if _, err := env.DB.Pool.Exec(ctx, `CREATE TABLE order_status_copy (order_id bigint PRIMARY KEY, status text NOT NULL, version int NOT NULL)`); err != nil {
+	if err := orderstatus.CreateTable(ctx, env.DB.Pool); err != nil {
 		t.Fatal(err)
 	}
 	for i := range n {
@@ -105,14 +54,15 @@ func shopWithOrders(t *testing.T, env *subscribertest.Env, n int) (products []in
 	return products
 }
 
-// moveOrders advances or creates orders, with their events, until stop.
-func moveOrders(ctx context.Context, t *testing.T, env *subscribertest.Env, products []int64, stop *atomic.Bool) (moves int) {
+// moveOrders advances or creates orders, with their events, until stop,
+// counting its commits in moves.
+func moveOrders(ctx context.Context, t *testing.T, env *subscribertest.Env, products []int64, stop *atomic.Bool, moves *atomic.Int64) {
 	r := rand.New(rand.NewPCG(5, 6))
 	for !stop.Load() {
 		tx, err := env.DB.Pool.Begin(ctx)
 		if err != nil {
 			t.Error(err)
-			return moves
+			return
 		}
 		var id int64
 		_ = tx.QueryRow(ctx, `SELECT id FROM orders WHERE status NOT IN ('delivered', 'cancelled') ORDER BY random() LIMIT 1`).Scan(&id)
@@ -132,47 +82,26 @@ func moveOrders(ctx context.Context, t *testing.T, env *subscribertest.Env, prod
 		}
 		if err == nil {
 			err = tx.Commit(ctx)
-			moves++
+			moves.Add(1)
 		}
 		_ = tx.Rollback(ctx)
 		if err != nil && !errors.Is(err, shop.ErrTransition) {
 			t.Error(err)
-			return moves
+			return
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
-	return moves
 }
 
 // orderStatusErrors compares the copy with Postgres: every order, at its
 // current status and version.
 func orderStatusErrors(ctx context.Context, pool *pgxpool.Pool) error {
-	rows, err := pool.Query(ctx, `
-SELECT o.id, o.status, (SELECT max(n) FROM order_transitions t WHERE t.order_id = o.id), c.status, c.version
-FROM orders o LEFT JOIN order_status_copy c ON c.order_id = o.id
-WHERE c.order_id IS NULL OR c.status <> o.status OR c.version <> (SELECT max(n) FROM order_transitions t WHERE t.order_id = o.id)
-ORDER BY o.id LIMIT 5`)
+	diffs, err := orderstatus.Compare(ctx, pool, 5)
 	if err != nil {
 		return err
 	}
-	var bad []string
-	var id int64
-	var status string
-	var version int
-	var copyStatus *string
-	var copyVersion *int
-	if _, err := pgx.ForEachRow(rows, []any{&id, &status, &version, &copyStatus, &copyVersion}, func() error {
-		if copyStatus == nil {
-			bad = append(bad, fmt.Sprintf("order %d (%s, version %d) missing from the copy", id, status, version))
-		} else {
-			bad = append(bad, fmt.Sprintf("order %d is %s (version %d), its copy %s (version %d)", id, status, version, *copyStatus, *copyVersion))
-		}
-		return nil
-	}); err != nil {
-		return err
-	}
-	if len(bad) > 0 {
-		return errors.New(strings.Join(bad, "; "))
+	if len(diffs) > 0 {
+		return errors.New(strings.Join(diffs, "; "))
 	}
 	return nil
 }
@@ -186,15 +115,21 @@ func TestANewSubscriberStartsFromTheTruth(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	products := shopWithOrders(t, env, 600)
 	ctx := context.Background()
-	h := &orderStatus{}
-	decl := orderStatusDecl(h)
-	env.StartRunner(subscribers.Tx(h), nil)
+	env.StartRunner(subscribers.Tx(&orderstatus.Handler{}), nil)
 
 	var stop atomic.Bool
-	var moves int
+	var moves, backfilled atomic.Int64
 	var wg sync.WaitGroup
-	wg.Go(func() { moves = moveOrders(ctx, t, env, products, &stop) })
-	s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: decl, Handler: subscribers.Tx(h),
+	wg.Go(func() { moveOrders(ctx, t, env, products, &stop, &moves) })
+	// The live writers keep pace with the backfill, whatever the machine's
+	// load: a live write for every 4 rows backfilled, at least.
+	paced := &orderstatus.Handler{BeforeWrite: func(ev subscribers.Event, _ int64) {
+		n := backfilled.Add(1)
+		for moves.Load() < n/4 && !stop.Load() && !t.Failed() {
+			time.Sleep(time.Millisecond)
+		}
+	}}
+	s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: orderstatus.Subscriber, Handler: subscribers.Tx(paced),
 		Config: env.Config.Subscribers, Pool: env.DB.Pool, Logger: env.Logger, Chunk: 20, Rate: 400})
 	stop.Store(true)
 	wg.Wait()
@@ -205,14 +140,14 @@ func TestANewSubscriberStartsFromTheTruth(t *testing.T) {
 		t.Fatalf("backfill %+v, want finished with at least the 600 orders, none failed", s)
 	}
 	env.WaitAllSent()
-	env.WaitIdle("orderstatus", 30*time.Second)
+	env.WaitIdle(orderstatus.Name, 30*time.Second)
 	if err := orderStatusErrors(ctx, env.DB.Pool); err != nil {
-		t.Fatalf("after a backfill beside %d live writes: %v", moves, err)
+		t.Fatalf("after a backfill beside %d live writes: %v", moves.Load(), err)
 	}
-	if moves < 100 {
-		t.Fatalf("only %d live writes during the backfill", moves)
+	if moves.Load() < 100 {
+		t.Fatalf("only %d live writes during the backfill", moves.Load())
 	}
-	t.Logf("backfill of %d orders beside %d live writes", s.Done, moves)
+	t.Logf("backfill of %d orders beside %d live writes", s.Done, moves.Load())
 }
 
 // The order in which a backfill event and a live event of one order apply
@@ -231,10 +166,10 @@ func TestBackfillAndALiveEventApplyInEitherOrder(t *testing.T) {
 			if err := env.DB.Pool.QueryRow(ctx, `SELECT min(id) FROM orders WHERE status = 'created'`).Scan(&first); err != nil {
 				t.Fatal(err)
 			}
-			live := &orderStatus{unguarded: unguarded}
+			live := &orderstatus.Handler{Unguarded: unguarded}
 			env.StartRunner(subscribers.Tx(live), nil)
 			var once sync.Once
-			backfilled := &orderStatus{unguarded: unguarded, beforeWrite: func(ev subscribers.Event, orderID int64) {
+			backfilled := &orderstatus.Handler{Unguarded: unguarded, BeforeWrite: func(ev subscribers.Event, orderID int64) {
 				if orderID != first || ev.Headers.Get(subscribers.BackfillHeader) == "" {
 					return
 				}
@@ -250,13 +185,13 @@ func TestBackfillAndALiveEventApplyInEitherOrder(t *testing.T) {
 					})
 				})
 			}}
-			s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: orderStatusDecl(backfilled),
+			s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: orderstatus.Subscriber,
 				Handler: subscribers.Tx(backfilled), Config: env.Config.Subscribers, Pool: env.DB.Pool, Logger: env.Logger})
 			if err != nil || !s.Finished() {
 				t.Fatalf("backfill %+v: %v", s, err)
 			}
 			env.WaitAllSent()
-			env.WaitIdle("orderstatus", 30*time.Second)
+			env.WaitIdle(orderstatus.Name, 30*time.Second)
 			err = orderStatusErrors(ctx, env.DB.Pool)
 			switch want := fmt.Sprintf("order %d is paid (version 2), its copy created (version 1)", first); {
 			case !unguarded && err != nil:

@@ -57,6 +57,21 @@ func (h *tally) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) e
 // tallyBatch is tally as a BatchTxHandler.
 type tallyBatch struct{ *tally }
 
+// slowBatch holds each chunk's transaction open a while after handling it,
+// so that a chunk is in flight whenever something else happens.
+type slowBatch struct {
+	tallyBatch
+	hold time.Duration
+}
+
+func (h slowBatch) HandleBatchTx(ctx context.Context, tx pgx.Tx, evs []subscribers.Event) error {
+	if err := h.tallyBatch.HandleBatchTx(ctx, tx, evs); err != nil {
+		return err
+	}
+	time.Sleep(h.hold)
+	return nil
+}
+
 func (h tallyBatch) HandleBatchTx(ctx context.Context, tx pgx.Tx, evs []subscribers.Event) error {
 	ids := make([]int64, 0, len(evs))
 	for _, ev := range evs {
@@ -247,7 +262,11 @@ func backfillChild(url string) int {
 		Rate: 20000, // slow enough to be killed mid-run, many times
 	}
 	if os.Getenv(backfillApartEnv) != "" {
-		opts.Hooks.CheckpointApart = 20 * time.Millisecond
+		// Most of each chunk's time between its two commits, so that
+		// every kill lands in a window (at 20 ms, the four kills of a CI
+		// run once all missed them: a kill follows a checkpoint's commit,
+		// and the other worker could be between chunks).
+		opts.Hooks.CheckpointApart = 200 * time.Millisecond
 	}
 	_, err = subscribers.RunBackfill(context.Background(), opts)
 	if err != nil {
@@ -347,8 +366,7 @@ func TestBackfillWaitsThroughPostgresOutages(t *testing.T) {
 func TestBackfillPausesAndResumes(t *testing.T) {
 	t.Parallel()
 	db := tallyDB(t, 3000, nil)
-	opts := backfillOptions(t, db.Pool, tallyBatch{&tally{}})
-	opts.Rate = 2000
+	opts := backfillOptions(t, db.Pool, slowBatch{tallyBatch{&tally{}}, 100 * time.Millisecond})
 	sawPaused := make(chan struct{})
 	var once sync.Once
 	opts.Progress = func(s subscribers.BackfillStatus) {
@@ -368,6 +386,9 @@ func TestBackfillPausesAndResumes(t *testing.T) {
 	if err := subscribers.PauseBackfill(context.Background(), db.Pool, "tally", true); err != nil {
 		t.Fatal(err)
 	}
+	// Once the pause returns, nothing more is applied, not even a chunk
+	// that one of the two workers had in flight.
+	at := backfillDone(t, db.Pool)
 	select {
 	case <-sawPaused:
 	case err := <-result:
@@ -375,7 +396,6 @@ func TestBackfillPausesAndResumes(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the backfill did not report its pause")
 	}
-	at := backfillDone(t, db.Pool)
 	var applied int64
 	time.Sleep(1500 * time.Millisecond)
 	if err := db.Pool.QueryRow(context.Background(), `SELECT count(*) FROM backfill_tally`).Scan(&applied); err != nil {

@@ -39,13 +39,14 @@ type BackfillOptions struct {
 	// Rate limits the rows handled per second, all workers together; 0
 	// is no limit.
 	Rate float64
-	// Chunk is the rows per chunk (one transaction): 500 when 0.
+	// Chunk is the rows per chunk (one transaction):
+	// DefaultBackfillChunk when 0.
 	Chunk int
 	// Workers is how many segments of the key range are read side by
-	// side, each by its own worker: 1 when 0. More go faster on a machine
-	// with cores to spare, and take them from the live events on one
-	// without (docs/benchmarks.md, "Backfill"). A backfill resumed keeps
-	// the segments it started with.
+	// side, each by its own worker: DefaultBackfillWorkers when 0. More
+	// go faster on a machine with cores to spare, and take them from the
+	// live events on one without (docs/benchmarks.md, "Backfill"). A
+	// backfill resumed keeps the segments it started with.
 	Workers int
 	// Restart starts over, whether the last backfill is unfinished or
 	// finished (which is otherwise not run again).
@@ -86,6 +87,15 @@ type BackfillStatus struct {
 // Finished reports whether the backfill has done its last chunk.
 func (s BackfillStatus) Finished() bool { return s.FinishedAt != nil }
 
+// The defaults of BackfillOptions.Workers and Chunk, and of `fanout
+// backfill --workers` and `--chunk`: the fastest measured beside live
+// writers on two cores, with their freshness p99 within 2x on the medians
+// (docs/benchmarks.md, "Backfill").
+const (
+	DefaultBackfillWorkers = 2
+	DefaultBackfillChunk   = 1000
+)
+
 // ErrBackfillWhere is wrapped by the error of a backfill whose --where
 // differs from the one its unfinished backfill started with.
 var ErrBackfillWhere = errors.New("an unfinished backfill has another --where")
@@ -121,13 +131,19 @@ FROM subscriber_backfill_segments s JOIN subscriber_backfills b USING (subscribe
 WHERE s.subscriber = $1 AND s.segment = $2
 FOR UPDATE OF s`
 
-	advanceSegmentSQL = `UPDATE subscriber_backfill_segments SET last_key = $3 WHERE subscriber = $1 AND segment = $2`
-
-	// countBackfillSQL runs last in a chunk's transaction: the row lock it
-	// takes is held only to the commit.
-	countBackfillSQL = `
-UPDATE subscriber_backfills SET done_rows = done_rows + $2, failed_rows = failed_rows + $3, updated_at = now()
-WHERE subscriber = $1`
+	// advanceSegmentSQL moves the segment's checkpoint and counts the
+	// chunk's rows, last in a chunk's transaction: the lock on the
+	// backfill's row, which every worker's chunk takes, is held only to
+	// the commit. It matches no row once the backfill is paused, even by a
+	// pause committed after the chunk began (the row is read again after
+	// its lock): the chunk is then rolled back, so no chunk commits after
+	// a pause has.
+	advanceSegmentSQL = `
+WITH segment AS (
+    UPDATE subscriber_backfill_segments SET last_key = $3 WHERE subscriber = $1 AND segment = $2
+)
+UPDATE subscriber_backfills SET done_rows = done_rows + $4, failed_rows = failed_rows + $5, updated_at = now()
+WHERE subscriber = $1 AND NOT paused`
 
 	finishBackfillSQL = `
 UPDATE subscriber_backfills SET finished_at = now(), updated_at = now()
@@ -178,7 +194,9 @@ func BackfillState(ctx context.Context, pool *pgxpool.Pool, subscriber string) (
 }
 
 // PauseBackfill pauses (or resumes) subscriber's unfinished backfill: the
-// process running it stops between chunks until it is resumed.
+// process running it stops between chunks until it is resumed. Once a
+// pause returns, no chunk is applied: a chunk in flight is rolled back
+// and done again on resume.
 func PauseBackfill(ctx context.Context, pool *pgxpool.Pool, subscriber string, paused bool) error {
 	ct, err := pool.Exec(ctx, pauseBackfillSQL, subscriber, paused)
 	if err != nil {
@@ -244,10 +262,10 @@ func RunBackfill(ctx context.Context, opts BackfillOptions) (BackfillStatus, err
 	}
 	b := &backfiller{opts: opts, bf: d.Backfill, name: d.Name, chunk: opts.Chunk, failures: map[int64]int{}}
 	if b.chunk <= 0 {
-		b.chunk = 500
+		b.chunk = DefaultBackfillChunk
 	}
 	if b.opts.Workers <= 0 {
-		b.opts.Workers = 1
+		b.opts.Workers = DefaultBackfillWorkers
 	}
 	b.logger = opts.Logger.With("subscriber", d.Name, "backfill", d.Backfill.Table)
 	if opts.Rate > 0 {
@@ -490,11 +508,18 @@ func (b *backfiller) snapshot() BackfillStatus {
 
 // runSegment handles a segment's chunks until its last.
 func (b *backfiller) runSegment(ctx context.Context, sg *segment) error {
+	// The next chunk is read while this one is applied: the read's round
+	// trips and the apply's overlap, on two connections.
+	var ahead *readAhead
+	defer func() { ahead.discard() }()
 	for sg.last < sg.to {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
 		if b.snapshot().Paused {
+			// What was read before the pause is not applied after it.
+			ahead.discard()
+			ahead = nil
 			if err := b.waitPaused(ctx); err != nil {
 				return err
 			}
@@ -504,7 +529,15 @@ func (b *backfiller) runSegment(ctx context.Context, sg *segment) error {
 			return ctx.Err()
 		}
 		readStart := time.Now()
-		rows, err := b.read(ctx, sg)
+		var rows []backfillRow
+		var err error
+		if ahead != nil && ahead.from == sg.last {
+			rows, err = ahead.wait()
+		} else {
+			ahead.discard()
+			rows, err = b.read(ctx, sg.last, sg.to)
+		}
+		ahead = nil
 		readTook := time.Since(readStart)
 		if err != nil {
 			if b.outage(ctx, err) {
@@ -523,6 +556,9 @@ func (b *backfiller) runSegment(ctx context.Context, sg *segment) error {
 			if err := b.limiter.WaitN(ctx, len(rows)); err != nil {
 				return ctx.Err()
 			}
+		}
+		if len(rows) == b.chunk {
+			ahead = b.readAhead(ctx, rows[len(rows)-1].key, sg.to)
 		}
 		applyStart := time.Now()
 		if err := b.apply(ctx, sg, rows); err != nil {
@@ -580,11 +616,45 @@ func (b *backfiller) waitPaused(ctx context.Context) error {
 	}
 }
 
-// read reads the segment's next chunk.
-func (b *backfiller) read(ctx context.Context, sg *segment) ([]backfillRow, error) {
+// readAhead is a chunk's read running while the chunk before it applies.
+type readAhead struct {
+	from   int64 // the key the chunk starts after
+	cancel context.CancelFunc
+	done   chan struct{}
+	rows   []backfillRow
+	err    error
+}
+
+func (b *backfiller) readAhead(ctx context.Context, from, to int64) *readAhead {
+	ctx, cancel := context.WithCancel(ctx)
+	ra := &readAhead{from: from, cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(ra.done)
+		ra.rows, ra.err = b.read(ctx, from, to)
+	}()
+	return ra
+}
+
+func (ra *readAhead) wait() ([]backfillRow, error) {
+	<-ra.done
+	ra.cancel()
+	return ra.rows, ra.err
+}
+
+// discard stops a read no longer wanted (the chunk before it was not
+// applied, or the backfill paused or stopped) and waits for it to end.
+func (ra *readAhead) discard() {
+	if ra != nil {
+		ra.cancel()
+		<-ra.done
+	}
+}
+
+// read reads the chunk after key from, up to key to.
+func (b *backfiller) read(ctx context.Context, from, to int64) ([]backfillRow, error) {
 	var rows []backfillRow
 	err := b.readOnly(ctx, func(tx pgx.Tx) error {
-		rs, err := tx.Query(ctx, b.bf.chunkSQL(b.where), sg.last, sg.to, b.chunk)
+		rs, err := tx.Query(ctx, b.bf.chunkSQL(b.where), from, to, b.chunk)
 		if err != nil {
 			return err
 		}
@@ -657,18 +727,16 @@ func (b *backfiller) judge(ctx context.Context, key int64, err error) (verdict, 
 func (b *backfiller) apply(ctx context.Context, sg *segment, rows []backfillRow) error {
 	actx, cancel := context.WithTimeout(ctx, b.opts.Config.HandlerTimeout+10*time.Second)
 	defer cancel()
-	tx, err := b.opts.Pool.Begin(actx)
+	// The chunk's commit need not wait for its WAL to reach the disk: a
+	// crash that loses it loses its checkpoint with it (one transaction),
+	// and the backfill does the chunk again. The live events' commits stop
+	// queueing behind the backfill's. (Sent with the BEGIN: a round trip
+	// less per chunk.)
+	tx, err := b.opts.Pool.BeginTx(actx, pgx.TxOptions{BeginQuery: `BEGIN; SET LOCAL synchronous_commit = off`})
 	if err != nil {
 		return fmt.Errorf("begin: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
-	// The chunk's commit need not wait for its WAL to reach the disk: a
-	// crash that loses it loses its checkpoint with it (one transaction),
-	// and the backfill does the chunk again. The live events' commits stop
-	// queueing behind the backfill's.
-	if _, err := tx.Exec(actx, `SET LOCAL synchronous_commit = off`); err != nil {
-		return err
-	}
 	var last int64
 	var started time.Time
 	var paused bool
@@ -726,11 +794,13 @@ func (b *backfiller) apply(ctx context.Context, sg *segment, rows []backfillRow)
 		}
 		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
 	}
-	if _, err := tx.Exec(actx, advanceSegmentSQL, b.name, sg.n, newLast); err != nil {
+	ct, err := tx.Exec(actx, advanceSegmentSQL, b.name, sg.n, newLast, applied, int64(len(dead)))
+	if err != nil {
 		return fmt.Errorf("advance the backfill: %w", err)
 	}
-	if _, err := tx.Exec(actx, countBackfillSQL, b.name, applied, int64(len(dead))); err != nil {
-		return fmt.Errorf("count the backfill's rows: %w", err)
+	if ct.RowsAffected() == 0 {
+		// Paused while the chunk applied: undone, and done on resume.
+		return b.reload(ctx, sg, sg.last, b.snapshot().StartedAt, true)
 	}
 	if err := tx.Commit(actx); err != nil {
 		return fmt.Errorf("commit the chunk: %w", err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
@@ -89,4 +90,29 @@ func TestOrderedBatchKnowsEventsByTheirKeys(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "the checkpoint is at number 0") {
 		t.Fatalf("the other database's number 2 without its number 1, beside this one's event 42: want refused as out of turn, got %v", err)
 	}
+}
+
+// An ordered subscriber refuses to start, at once and saying why, while
+// the outbox does not number an event type it reads; numbered again, it
+// starts.
+func TestOrderedSubscriberRefusesUnnumberedEventTypes(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	store := outbox.NewStore(env.DB.Pool)
+	if err := store.SetNumbering(ctx, []string{"order.paid", "product.updated"}); err != nil {
+		t.Fatal(err)
+	}
+	err := env.NewRunner(subscribers.OrderedTx(fulfilment.New()), nil).Start(ctx)
+	if err == nil || !strings.Contains(err.Error(), "the outbox does not number order.paid, which it reads") {
+		t.Fatalf("an ordered subscriber reading an unnumbered type started: %v", err)
+	}
+	if ctx.Err() != nil {
+		t.Fatal("the refusal waited for the start's deadline")
+	}
+	if err := store.SetNumbering(ctx, []string{"product.updated"}); err != nil {
+		t.Fatal(err)
+	}
+	env.Start(env.NewRunner(subscribers.OrderedTx(fulfilment.New()), nil))
 }

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -340,6 +341,11 @@ func (r *Runner) checkStore(ctx context.Context) error {
 				return err
 			}
 			r.origins = newOriginKeys(r.opts.Pool, db)
+			if r.ordered {
+				if err := r.checkNumbered(ctx, tx); err != nil {
+					return err
+				}
+			}
 			b := &pgx.Batch{}
 			b.Queue(`SELECT num FROM event_origins LIMIT 0`)
 			b.Queue(`SELECT has_function_privilege('fanout_origin_number(text)', 'EXECUTE')`).QueryRow(func(row pgx.Row) error {
@@ -364,6 +370,9 @@ func (r *Runner) checkStore(ctx context.Context) error {
 		if errors.Is(err, errRollBack) {
 			return nil
 		}
+		if refused := (refusedStart{}); errors.As(err, &refused) {
+			return refused.error
+		}
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01" || pgErr.Code == "42883") {
 			return fmt.Errorf("subscriber %s cannot use its rows of processed_events, subscriber_attempts and dead_letters, or event_origins: %w "+
@@ -380,6 +389,32 @@ func (r *Runner) checkStore(ctx context.Context) error {
 		wait = min(2*wait, 2*time.Second)
 	}
 }
+
+// checkNumbered refuses an ordered subscriber that reads an event type
+// the outbox does not number (outbox.Store.SetNumbering): its events would
+// come with no number and in no order.
+func (r *Runner) checkNumbered(ctx context.Context, tx pgx.Tx) error {
+	skipped, err := outbox.Unnumbered(ctx, tx)
+	if err != nil {
+		return err
+	}
+	var read []string
+	for _, t := range r.opts.Handler.EventTypes() {
+		if slices.Contains(skipped, t) {
+			read = append(read, t)
+		}
+	}
+	if len(read) > 0 {
+		return refusedStart{fmt.Errorf("subscriber %s is ordered, but the outbox does not number %s, which it reads: "+
+			"number them again (fanout outbox numbering, with --skip not naming them)", r.name, strings.Join(read, ", "))}
+	}
+	return nil
+}
+
+// refusedStart is a start's error that waiting does not mend.
+type refusedStart struct{ error }
+
+func (e refusedStart) Unwrap() error { return e.error }
 
 // errRollBack ends a transaction that only checked what it may do.
 var errRollBack = errors.New("roll back")

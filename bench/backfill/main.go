@@ -43,8 +43,8 @@ var (
 	orders   = flag.Int("orders", 1_000_000, "orders without an invoice when the backfill starts")
 	rate     = flag.Int("rate", 500, "orders the live writers create per second")
 	quietFor = flag.Duration("quiet", 15*time.Second, "how long the live freshness is measured before the backfill")
-	chunk    = flag.Int("chunk", 500, "the backfill's rows per chunk (fanout backfill --chunk)")
-	workers  = flag.Int("workers", 1, "the backfill's workers (fanout backfill --workers)")
+	chunk    = flag.Int("chunk", subscribers.DefaultBackfillChunk, "the backfill's rows per chunk (fanout backfill --chunk)")
+	workers  = flag.Int("workers", subscribers.DefaultBackfillWorkers, "the backfill's workers (fanout backfill --workers)")
 	bfRate   = flag.Float64("backfill-rate", 0, "the backfill's rows per second (fanout backfill --rate; 0: no limit)")
 	natsURL  = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
@@ -337,7 +337,10 @@ func (l *liveOrders) watch(ctx context.Context) {
 		if len(ids) == 0 {
 			continue
 		}
-		rows, err := l.b.pool.Query(ctx, `SELECT order_id FROM invoices WHERE order_id = ANY($1)`, ids)
+		// Planned at each poll (not a prepared statement's plan, made
+		// while invoices was empty: a scan of the whole table at every
+		// poll once the backfill filled it).
+		rows, err := l.b.pool.Query(ctx, `SELECT order_id FROM invoices WHERE order_id = ANY($1)`, pgx.QueryExecModeExec, ids)
 		if err != nil {
 			continue
 		}

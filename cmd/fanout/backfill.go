@@ -112,8 +112,8 @@ running elsewhere; --restart starts over.`,
 	}
 	cmd.Flags().StringVar(&where, "where", "", "SQL condition on the table's rows (alias t), e.g. \"t.created_at < now() - interval '7 days'\"")
 	cmd.Flags().Float64Var(&rate, "rate", 0, "at most this many rows per second (0: no limit)")
-	cmd.Flags().IntVar(&chunk, "chunk", 500, "rows per chunk (one transaction)")
-	cmd.Flags().IntVar(&workers, "workers", 1, "segments of the key range read side by side, each in its own transactions (a resumed backfill keeps its own)")
+	cmd.Flags().IntVar(&chunk, "chunk", subscribers.DefaultBackfillChunk, "rows per chunk (one transaction)")
+	cmd.Flags().IntVar(&workers, "workers", subscribers.DefaultBackfillWorkers, "segments of the key range read side by side, each in its own transactions (a resumed backfill keeps its own)")
 	cmd.Flags().BoolVar(&restart, "restart", false, "start over, whether the last backfill is unfinished or finished (a finished one is otherwise not run again)")
 	cmd.Flags().BoolVar(&pause, "pause", false, "pause the subscriber's running backfill (between chunks)")
 	cmd.Flags().BoolVar(&resume, "resume", false, "resume the subscriber's paused backfill")

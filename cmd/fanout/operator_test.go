@@ -117,7 +117,10 @@ func TestOperatorCommands(t *testing.T) {
 		st = status(t, env)
 		si, ci := subscriberStatus(st, "searchindex"), subscriberStatus(st, "cacheinval")
 		return st.Outbox.Pending == 0 && st.Outbox.Sending == 0 && st.Outbox.Failed == 1 && si.DeadLetters == 1 &&
-			si.Pending == 0 && si.AckPending == 0 && ci.Pending == 0 && ci.AckPending == 0 && invoices() == 3, fmt.Sprintf("%+v", st)
+			si.Pending == 0 && si.AckPending == 0 && ci.Pending == 0 && ci.AckPending == 0 && invoices() == 3 &&
+			// The search indexer's checkpoints follow its bulk write and
+			// refresh, after the acks a loaded machine may outrun.
+			si.Checkpoint >= 5, fmt.Sprintf("%+v", st)
 	})
 	if st.Stream.Messages != 9 || subscriberStatus(st, "invoicing").Checkpoint != 3 || subscriberStatus(st, "cacheinval").Checkpoint != 6 ||
 		subscriberStatus(st, "searchindex").Checkpoint != 5 {

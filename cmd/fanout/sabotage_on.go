@@ -11,7 +11,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/orderstatus"
 	"github.com/fanout/fanout/subscribers/salesledger"
 	"github.com/jackc/pgx/v5"
 )
@@ -77,6 +79,17 @@ func init() {
 		sabotage.backfill = func(h subscribers.Handler) subscribers.Handler {
 			if th, ok := h.TxHandler(); ok {
 				return subscribers.Tx(skipRows{th})
+			}
+			return h
+		}
+	case "backfill-regresses":
+		// The order status copy's backfill applies each order as its
+		// creation, over whatever the copy holds (a handler that takes the
+		// backfill's order.created at its word): every order the live
+		// events had moved on regresses to created.
+		sabotage.backfill = func(h subscribers.Handler) subscribers.Handler {
+			if _, ok := h.Unwrap().(*orderstatus.Handler); ok {
+				return subscribers.Tx(asCreated{&orderstatus.Handler{}})
 			}
 			return h
 		}
@@ -151,4 +164,15 @@ func (s skipRows) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event)
 		return nil
 	}
 	return s.TxHandler.HandleTx(ctx, tx, ev)
+}
+
+// asCreated writes every order it is handed as just created.
+type asCreated struct{ *orderstatus.Handler }
+
+func (asCreated) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
+	id, err := orderstatus.OrderID(ev)
+	if err != nil {
+		return err
+	}
+	return orderstatus.Overwrite(ctx, tx, id, shop.StatusCreated, 1)
 }

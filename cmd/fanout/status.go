@@ -94,6 +94,9 @@ func printStatus(w io.Writer, st operator.Status) {
 		fmt.Fprintf(w, "held     %d events of %d aggregates wait behind a failed earlier event (relay.on_failed hold): fanout outbox retry-failed or fanout outbox skip ID releases them\n",
 			o.HeldRows, o.HeldAggregates)
 	}
+	if len(o.Unnumbered) > 0 {
+		fmt.Fprintf(w, "numbers  every event is numbered in its aggregate except those of type %s (fanout outbox numbering)\n", strings.Join(o.Unnumbered, ", "))
+	}
 	fmt.Fprintf(w, "ranges   %d (%d full, waiting for relay.sent_retention and an audit)  outbox_default %d rows (no range holds them)\n",
 		o.Ranges, o.SealedRanges, o.DefaultRows)
 	if len(st.Audits) == 0 {

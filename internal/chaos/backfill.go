@@ -1,11 +1,13 @@
 package chaos
 
-// A subscriber that joins the run late (Options.Backfill): its consumer
-// takes only the events published after it exists, and `fanout backfill`
-// hands it the rest from Postgres, under the same kills and outages as
-// every role. The checks then hold it to everything committed, as if it
-// had been there from the start: its state (for invoicing, exactly one
-// invoice per order) equals what Postgres says.
+// Subscribers that join the run late (Options.Backfill): each one's
+// consumer takes only the events published after it exists, and `fanout
+// backfill` hands it the rest from Postgres, under the same kills and
+// outages as every role. The checks then hold it to everything committed,
+// as if it had been there from the start: its state equals what Postgres
+// says (for invoicing, exactly one invoice per order: nothing lost or
+// applied twice; for orderstatus, every order at its latest status and
+// version: nothing lost or regressed).
 
 import (
 	"context"
@@ -14,6 +16,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/fanout/fanout/subscribers/invoicing"
@@ -21,8 +24,9 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// lateSubscriber is Options.Backfill's state.
+// lateSubscriber is the state of one of Options.Backfill.
 type lateSubscriber struct {
+	name  string
 	roles []*Role // its subscribe processes, then its backfill
 	// joinedAt is when its processes started; zero if they never did.
 	joinedAt time.Time
@@ -34,9 +38,9 @@ type lateSubscriber struct {
 
 // prepareLate makes the late subscriber's n subscribe processes (taking
 // only new events) and its backfill process, not started yet.
-func (r *run) prepareLate(env []string, n int) {
-	name := r.o.Backfill
-	r.late.rand = newSeeded(r.o.Seed, 7)
+func (r *run) prepareLate(env []string, name string, n int) {
+	late := &lateSubscriber{name: name, rand: newSeeded(r.o.Seed, 7+uint64(len(r.late)))}
+	r.late = append(r.late, late)
 	var specs [][]string
 	for i := range n {
 		specs = append(specs, []string{name + "-" + strconv.Itoa(i+1), "subscribe", name, "--start", "new"})
@@ -49,22 +53,32 @@ func (r *run) prepareLate(env []string, n int) {
 		if err != nil {
 			r.t.Fatal(err)
 		}
-		r.late.roles = append(r.late.roles, role)
+		late.roles = append(late.roles, role)
 	}
 }
 
-// joinLate starts the late subscriber at a third of the load, then its
-// backfill once its consumer exists.
+// joinLate starts the late subscribers at a third of the load, each
+// one's backfill once its consumer exists.
 func (r *run) joinLate(ctx context.Context) {
-	if r.o.Backfill == "" {
+	if len(r.late) == 0 {
 		return
 	}
 	sleepCtx(ctx, r.o.Duration/3)
 	if ctx.Err() != nil {
 		return
 	}
-	subscribers, backfill := r.late.roles[:len(r.late.roles)-1], r.late.roles[len(r.late.roles)-1]
-	r.late.joinedAt = time.Now()
+	var wg sync.WaitGroup
+	for _, late := range r.late {
+		wg.Go(func() { r.join(ctx, late) })
+	}
+	wg.Wait()
+}
+
+// join starts late's processes, then its backfill, and kills the backfill
+// again and again until it finishes.
+func (r *run) join(ctx context.Context, late *lateSubscriber) {
+	subscribers, backfill := late.roles[:len(late.roles)-1], late.roles[len(late.roles)-1]
+	late.joinedAt = time.Now()
 	r.startLate(subscribers...)
 	// Its processes make its consumer once they reach NATS and Postgres;
 	// one that found either down at its start exits, and is started again
@@ -72,7 +86,7 @@ func (r *run) joinLate(ctx context.Context) {
 	var info *jetstream.ConsumerInfo
 	for info == nil {
 		ictx, cancel := context.WithTimeout(ctx, 3*time.Second)
-		c, err := r.js.Consumer(ictx, "EVENTS", r.o.Backfill)
+		c, err := r.js.Consumer(ictx, "EVENTS", late.name)
 		if err == nil {
 			info, err = c.Info(ictx)
 		}
@@ -83,9 +97,9 @@ func (r *run) joinLate(ctx context.Context) {
 		if ctx.Err() != nil {
 			// Joined after the load: its processes make the consumer from
 			// the first event, and the checks hold it to every event.
-			r.o.Logf("chaos: %s did not make its consumer before the load ended (%v): it joins now, from the first event", r.o.Backfill, err)
+			r.o.Logf("chaos: %s did not make its consumer before the load ended (%v): it joins now, from the first event", late.name, err)
 			for _, role := range subscribers {
-				role.SetArgs("subscribe", r.o.Backfill)
+				role.SetArgs("subscribe", late.name)
 				role.Kill()
 			}
 			r.startLate(backfill)
@@ -103,49 +117,52 @@ func (r *run) joinLate(ctx context.Context) {
 	// A consumer that takes new events starts after the stream's last
 	// sequence when it was made; one provisioned earlier (a cluster run's
 	// provisioner makes every consumer up front) takes them all.
-	r.late.firstSeq = info.Delivered.Stream + 1
+	late.firstSeq = info.Delivered.Stream + 1
 	if info.Config.DeliverPolicy != jetstream.DeliverNewPolicy {
-		r.late.firstSeq = 0
+		late.firstSeq = 0
 	}
 	// Its consumer exists: a process that has to make it again (the
 	// stores' rollback can take it away) makes it from the first event, as
 	// an operator would once the subscriber has joined.
 	for _, role := range subscribers {
-		role.SetArgs("subscribe", r.o.Backfill)
+		role.SetArgs("subscribe", late.name)
 	}
-	r.o.Logf("chaos: %s joined; its consumer starts at stream sequence %d; backfill started", r.o.Backfill, r.late.firstSeq)
+	r.o.Logf("chaos: %s joined; its consumer starts at stream sequence %d; backfill started", late.name, late.firstSeq)
 	r.startLate(backfill)
 	// Killed and restarted until it finishes, beside the run's faults.
 	for ctx.Err() == nil {
-		sleepCtx(ctx, r.late.rand.between(500*time.Millisecond, 2*time.Second))
-		if done, _ := r.backfillDone(ctx); done || ctx.Err() != nil {
+		sleepCtx(ctx, late.rand.between(500*time.Millisecond, 2*time.Second))
+		if done, _ := r.backfillDone(ctx, late); done || ctx.Err() != nil {
 			return
 		}
 		backfill.Kill()
 		r.countFault("backfill process killed (kill -9) and restarted")
-		time.Sleep(r.late.rand.between(100*time.Millisecond, time.Second))
+		time.Sleep(late.rand.between(100*time.Millisecond, time.Second))
 		if err := backfill.Start(); err != nil {
 			r.o.Logf("chaos: restart %s: %v", backfill.Name, err)
 		}
 	}
 }
 
-// rejoinLate restarts the late subscriber's processes after the stores'
-// rollback, if it had joined: a rollback to a copy from before it joined
-// takes its consumer away, and a running subscriber does not make its
-// consumer again (an orchestrator restarts it when its readiness names the
-// missing consumer; here, this).
+// rejoinLate restarts the late subscribers' processes after the stores'
+// rollback, those that had joined: a rollback to a copy from before one
+// joined takes its consumer away, and a running subscriber does not make
+// its consumer again (an orchestrator restarts it when its readiness names
+// the missing consumer; here, this).
 func (r *run) rejoinLate() {
-	subscribers := r.late.roles[:len(r.late.roles)-1] // the last is the backfill
+	var subscribers []*Role
+	for _, late := range r.late {
+		subscribers = append(subscribers, late.roles[:len(late.roles)-1]...) // the last is the backfill
+	}
 	r.rolesMu.Lock()
-	var late []*Role
+	var joined []*Role
 	for _, role := range r.roles {
 		if slices.Contains(subscribers, role) {
-			late = append(late, role) // joined
+			joined = append(joined, role)
 		}
 	}
 	r.rolesMu.Unlock()
-	for _, role := range late {
+	for _, role := range joined {
 		if err := role.Restart(); err != nil {
 			r.o.Logf("chaos: restart %s: %v", role.Name, err)
 		}
@@ -163,58 +180,80 @@ func (r *run) startLate(roles ...*Role) {
 	r.rolesMu.Unlock()
 }
 
-// missedByLate reports whether the late subscriber's consumer never
-// delivers the event at stream sequence seq.
+// missedByLate reports whether subscriber joined late and its consumer
+// never delivers the event at stream sequence seq.
 func (r *run) missedByLate(subscriber string, seq uint64) bool {
-	return subscriber == r.o.Backfill && seq < r.late.firstSeq
+	for _, late := range r.late {
+		if late.name == subscriber {
+			return seq < late.firstSeq
+		}
+	}
+	return false
 }
 
-// backfillDone reports whether the late subscriber's backfill has finished
-// (the drain waits for it), and if not, why.
-func (r *run) backfillDone(ctx context.Context) (bool, string) {
-	if r.late.joinedAt.IsZero() {
-		return true, ""
-	}
-	var finished bool
-	err := r.pool().QueryRow(ctx, `SELECT finished_at IS NOT NULL FROM subscriber_backfills WHERE subscriber = $1`, r.o.Backfill).Scan(&finished)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-		return false, "backfill not started"
-	case err != nil:
-		return false, "backfill: " + err.Error()
-	case !finished:
-		return false, "backfill running"
+// backfillsDone reports whether every late subscriber's backfill has
+// finished (the drain waits for them), and if not, why.
+func (r *run) backfillsDone(ctx context.Context) (bool, string) {
+	for _, late := range r.late {
+		if done, why := r.backfillDone(ctx, late); !done {
+			return false, why
+		}
 	}
 	return true, ""
 }
 
-// checkBackfill: the late subscriber joined and its backfill finished;
-// the rows it could not apply are exactly planted bad input (for
-// invoicing, orders whose line names a missing product), each with the
-// handler's reason.
-func (r *run) checkBackfill(ctx context.Context) {
-	if r.o.Backfill == "" {
-		return
+// backfillDone reports whether late's backfill has finished, and if not,
+// why.
+func (r *run) backfillDone(ctx context.Context, late *lateSubscriber) (bool, string) {
+	if late.joinedAt.IsZero() {
+		return true, ""
 	}
+	var finished bool
+	err := r.pool().QueryRow(ctx, `SELECT finished_at IS NOT NULL FROM subscriber_backfills WHERE subscriber = $1`, late.name).Scan(&finished)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return false, late.name + "'s backfill not started"
+	case err != nil:
+		return false, late.name + "'s backfill: " + err.Error()
+	case !finished:
+		return false, late.name + "'s backfill running"
+	}
+	return true, ""
+}
+
+// checkBackfill: each late subscriber joined and its backfill finished;
+// the rows it could not apply are exactly planted bad input (for
+// invoicing, orders whose line names a missing product; for the others,
+// none), each with the handler's reason.
+func (r *run) checkBackfill(ctx context.Context) {
+	for _, late := range r.late {
+		r.checkLate(ctx, late)
+	}
+}
+
+func (r *run) checkLate(ctx context.Context, late *lateSubscriber) {
 	rep := r.report
-	if r.late.joinedAt.IsZero() {
-		rep.violate("12 (a late subscriber)", "it never joined: the check proves nothing")
+	if late.joinedAt.IsZero() {
+		rep.violate("12 (a late subscriber)", late.name+" never joined: the check proves nothing")
 		return
 	}
 	var done, failed int64
 	var finished bool
 	if err := r.pool().QueryRow(ctx, `SELECT done_rows, failed_rows, finished_at IS NOT NULL FROM subscriber_backfills WHERE subscriber = $1`,
-		r.o.Backfill).Scan(&done, &failed, &finished); err != nil {
-		rep.violate("12 (read the backfill)", err.Error())
+		late.name).Scan(&done, &failed, &finished); err != nil {
+		rep.violate("12 (read the backfill of "+late.name+")", err.Error())
 		return
 	}
-	rep.Backfilled = done
+	if rep.Backfilled == nil {
+		rep.Backfilled = map[string]int64{}
+	}
+	rep.Backfilled[late.name] = done
 	if !finished || done == 0 {
-		rep.violate("12 (the backfill finishes)", fmt.Sprintf("%d rows done, finished %t", done, finished))
+		rep.violate("12 (the backfill finishes)", fmt.Sprintf("%s: %d rows done, finished %t", late.name, done, finished))
 	}
 	rows, err := r.pool().Query(ctx, `
 SELECT f.row_key, f.reason, EXISTS (SELECT FROM order_lines l WHERE l.order_id = f.row_key AND l.product_id = $2 AND l.sku IS NULL)
-FROM subscriber_backfill_failures f WHERE f.subscriber = $1 ORDER BY f.row_key`, r.o.Backfill, missingProduct)
+FROM subscriber_backfill_failures f WHERE f.subscriber = $1 ORDER BY f.row_key`, late.name, missingProduct)
 	if err != nil {
 		rep.violate("12 (read the backfill's failures)", err.Error())
 		return
@@ -224,8 +263,8 @@ FROM subscriber_backfill_failures f WHERE f.subscriber = $1 ORDER BY f.row_key`,
 	var reason string
 	var planted bool
 	if _, err := pgx.ForEachRow(rows, []any{&key, &reason, &planted}, func() error {
-		if r.o.Backfill != invoicing.Name || !planted || !strings.Contains(reason, invoicing.ErrMissingProduct.Error()) {
-			wrong = append(wrong, fmt.Sprintf("row %d: %s", key, reason))
+		if late.name != invoicing.Name || !planted || !strings.Contains(reason, invoicing.ErrMissingProduct.Error()) {
+			wrong = append(wrong, fmt.Sprintf("%s: row %d: %s", late.name, key, reason))
 		}
 		return nil
 	}); err != nil {

@@ -40,6 +40,7 @@ func (r *run) check() {
 	r.checkInvoices(ctx)
 	r.checkLedger(ctx)
 	r.checkFulfilment(ctx)
+	r.checkOrderStatus(ctx)
 	r.checkSearch(ctx)
 	r.checkCache(ctx)
 }

@@ -12,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/fanout/fanout/subscribers/fulfilment"
+	"github.com/fanout/fanout/subscribers/orderstatus"
 	"github.com/fanout/fanout/subscribers/salesledger"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5"
@@ -102,6 +103,29 @@ func (r *run) checkFulfilment(ctx context.Context) {
 		rep.violate("8 ("+fulfilment.Name+")", fmt.Sprintf("no order moved past created (%v): the check proves nothing", err))
 	}
 	rep.Transitions = moved
+}
+
+// checkOrderStatus: the order status copy (a late subscriber, its state
+// partly from its backfill) holds every order at its latest status and
+// version: none lost, none regressed by a backfill event applied after a
+// live one.
+func (r *run) checkOrderStatus(ctx context.Context) {
+	if !slices.Contains(r.subscriberNames(), orderstatus.Name) {
+		return
+	}
+	rep := r.report
+	diffs, err := orderstatus.Compare(ctx, r.pool(), 10)
+	if err != nil {
+		rep.violate("12 (read "+orderstatus.Name+")", err.Error())
+		return
+	}
+	if len(diffs) > 0 {
+		rep.violate("12 (every order's copy at its latest status and version: none lost, none regressed)", head(diffs))
+	}
+	var moved int
+	if err := r.pool().QueryRow(ctx, `SELECT count(*) FROM order_status_copy WHERE version > 1`).Scan(&moved); err != nil || moved == 0 {
+		rep.violate("12 ("+orderstatus.Name+")", fmt.Sprintf("no copy of an order past created (%v): the check proves nothing", err))
+	}
 }
 
 // checkSearch: every search document equals its SQL join; no deleted

@@ -160,7 +160,7 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 		rep.violate("1 (read the outbox's ranges)", err.Error())
 		return
 	}
-	rows, err := r.pool().Query(ctx, `SELECT id, status, coalesce(last_error, ''), aggregate_type || '/' || aggregate_id, aggregate_seq FROM outbox ORDER BY id`)
+	rows, err := r.pool().Query(ctx, `SELECT id, status, coalesce(last_error, ''), aggregate_type || '/' || aggregate_id, aggregate_seq, event_type FROM outbox ORDER BY id`)
 	if err != nil {
 		rep.violate("1 (read the outbox)", err.Error())
 		return
@@ -168,12 +168,20 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 	var notSent, unexpectedFailed, missing, twice, failedPublished []string
 	sent := map[int64]bool{}
 	numbered := map[int64]aggregateEvent{}
+	skipped := map[int64]bool{} // of a type the outbox does not number
+	var wronglyNumbered []string
 	var id int64
-	var status, reason, aggregate string
+	var status, reason, aggregate, eventType string
 	var number *int64
-	_, err = pgx.ForEachRow(rows, []any{&id, &status, &reason, &aggregate, &number}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&id, &status, &reason, &aggregate, &number, &eventType}, func() error {
 		rep.OutboxRows++
-		if number != nil {
+		if slices.Contains(r.o.Unnumbered, eventType) {
+			skipped[id] = true
+			rep.Unnumbered++
+			if number != nil {
+				wronglyNumbered = append(wronglyNumbered, fmt.Sprintf("%d (%s, number %d)", id, eventType, *number))
+			}
+		} else if number != nil {
 			numbered[id] = aggregateEvent{aggregate, *number}
 		}
 		want, isPlanted := p.failedRows[id]
@@ -236,7 +244,10 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 		rep.violate("5 (planted rows failed)", fmt.Sprintf("%d rows failed, %d were planted to; planted but sent: %s",
 			rep.FailedRows, len(p.failedRows), head(plantedNotFailed)))
 	}
-	r.checkAggregateOrder(stream, sent, numbered)
+	if len(wronglyNumbered) > 0 {
+		rep.violate("8 (an event of a type the outbox does not number has no number)", "rows "+head(wronglyNumbered))
+	}
+	r.checkAggregateOrder(stream, sent, numbered, skipped)
 	if r.o.Atomic == relay.AtomicTransaction {
 		r.checkTransactions(ctx, stream)
 	}
@@ -259,7 +270,8 @@ type aggregateEvent struct {
 }
 
 // checkAggregateOrder: invariant 8 at the stream, where the relays must
-// keep it. Every aggregate's published events are in the stream as 1, 2,
+// keep it. Events of a type the outbox does not number (skipped) have no
+// place to keep. Every aggregate's published events are in the stream as 1, 2,
 // 3, ... (the first copy of each; a second is invariant 2's). No poison
 // row shares an aggregate with another event (plant.go), so no number is
 // missing. An event the stream lost and the auditor published again comes
@@ -270,7 +282,7 @@ type aggregateEvent struct {
 // excused (its Fanout-Repaired-From says which: the auditor's repairs, and
 // a wal relay's events decoded again after a rollback): a relay that
 // skipped an event is not.
-func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, numbered map[int64]aggregateEvent) {
+func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, numbered map[int64]aggregateEvent, skipped map[int64]bool) {
 	repairedNumber := map[aggregateEvent]bool{}
 	for _, ev := range stream.bySeq {
 		if a, ok := numbered[ev.id]; ok && r.lostToRollback(ev.repairedFrom) && len(stream.byID[ev.id]) == 1 {
@@ -289,7 +301,9 @@ func (r *run) checkAggregateOrder(stream *streamContents, sent map[int64]bool, n
 		seen[ev.id] = true
 		a, ok := numbered[ev.id]
 		if !ok {
-			unnumbered++
+			if !skipped[ev.id] {
+				unnumbered++
+			}
 			continue
 		}
 		if repairedNumber[a] {

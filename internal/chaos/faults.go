@@ -433,9 +433,7 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 	r.lostMu.Unlock()
 	r.o.Logf("chaos: JetStream's stores rolled back %s: the stream held %d messages (last sequence %d) when its store was copied, %d after the rollback, and has lost what it acknowledged through sequence %d",
 		d, before, fromSeq, rolledTo, toSeq)
-	if r.o.Backfill != "" {
-		r.rejoinLate()
-	}
+	r.rejoinLate()
 }
 
 // streamState is how many messages stream EVENTS holds and its last

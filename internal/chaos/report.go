@@ -30,6 +30,9 @@ type Report struct {
 	// Aggregates whose events the stream holds, each checked to be in
 	// commit order (invariant 8).
 	Aggregates int
+	// Unnumbered: outbox rows of a type the outbox does not number
+	// (Options.Unnumbered), each checked to carry no number.
+	Unnumbered int
 	// Transactions (relay.atomic transaction) checked to be in the stream
 	// whole, each as one batch.
 	Transactions int
@@ -40,9 +43,9 @@ type Report struct {
 	// Order transitions (after created) the ordered subscriber applied,
 	// its history checked against the committed one (invariant 8).
 	Transitions int
-	// Backfilled: rows the late subscriber's backfill applied
+	// Backfilled: rows each late subscriber's backfill applied
 	// (Options.Backfill).
-	Backfilled  int64
+	Backfilled  map[string]int64
 	DeadLetters map[string]map[string]int // subscriber -> planted kind (or NOT PLANTED: reason) -> letters
 	// PlantedDeleted counts rejected products the load deleted before the
 	// indexer reached their event: indexed as gone, no letter expected.
@@ -84,7 +87,7 @@ func (r *Report) String() string {
 	for _, k := range sortedKeys(r.Faults) {
 		fmt.Fprintf(&b, "    %-48s %d\n", k, r.Faults[k])
 	}
-	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows; %d aggregates, each one's events checked in commit order\n", r.OutboxRows, r.Events, r.FailedRows, r.Aggregates)
+	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows; %d aggregates, each one's events checked in commit order; %d events of types not numbered\n", r.OutboxRows, r.Events, r.FailedRows, r.Aggregates, r.Unnumbered)
 	if r.Transactions > 0 {
 		fmt.Fprintf(&b, "  transactions (relay.atomic transaction): %d checked to be in the stream as one batch each\n", r.Transactions)
 	}
@@ -92,8 +95,8 @@ func (r *Report) String() string {
 		fmt.Fprintf(&b, "  lost by JetStream after their PubAck and published again (by the auditor, or by a wal relay decoding them again): %d events\n", r.Repaired)
 	}
 	fmt.Fprintf(&b, "  orders: %d transitions after created applied by the ordered subscriber, its history checked against the committed one\n", r.Transitions)
-	if r.Backfilled > 0 {
-		fmt.Fprintf(&b, "  backfill: %d rows from Postgres for the subscriber that joined late, its state checked against Postgres\n", r.Backfilled)
+	for _, name := range sortedKeys(r.Backfilled) {
+		fmt.Fprintf(&b, "  backfill: %d rows from Postgres for %s, which joined late, its state checked against Postgres\n", r.Backfilled[name], name)
 	}
 	fmt.Fprintf(&b, "  outbox ranges at the end: %d (%d sealed), %d rows in outbox_default\n", r.Ranges, r.SealedRanges, r.DefaultRows)
 	letters := 0

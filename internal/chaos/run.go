@@ -24,6 +24,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testenv/redistest"
 	"github.com/fanout/fanout/internal/testenv/repo"
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
@@ -31,6 +32,7 @@ import (
 	"github.com/fanout/fanout/shop/demo"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
+	"github.com/fanout/fanout/subscribers/orderstatus"
 	"github.com/fanout/fanout/subscribers/registry"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -68,11 +70,15 @@ type Options struct {
 	// Atomic is the relays' relay.atomic: event (the default) or
 	// transaction (wal capture), which the checker then holds them to.
 	Atomic string
-	// Backfill names a subscriber that joins the run late (backfill.go):
-	// at a third of the load, its processes start with a consumer that
+	// Backfill names subscribers that join the run late (backfill.go): at
+	// a third of the load, each one's processes start with a consumer that
 	// takes only new events, and `fanout backfill` (killed like every
 	// role) hands it what came before, from Postgres.
-	Backfill string
+	Backfill []string
+	// Unnumbered are event types the outbox does not number (outbox
+	// numbering): their events must reach every subscriber as the others
+	// do, and carry no number.
+	Unnumbered []string
 }
 
 // wal reports whether the run's relays capture from the WAL: they leave
@@ -121,9 +127,9 @@ type run struct {
 	rdb       *redis.Client
 	search    *search.Client
 	alias     string
-	rolesMu   sync.Mutex // roles grows when the late subscriber joins
+	rolesMu   sync.Mutex // roles grows when the late subscribers join
 	roles     []*Role
-	late      lateSubscriber // Options.Backfill's (backfill.go)
+	late      []*lateSubscriber // Options.Backfill's (backfill.go)
 	admin     *nats.Conn
 	js        jetstream.JetStream // stream EVENTS, as its administrator
 	adminDL   *nats.Conn
@@ -218,6 +224,17 @@ func (r *run) setup() {
 	t := r.t
 	r.pg = pgtest.StartServer(t)
 	r.db = r.pg.NewDB(t)
+	if len(r.o.Unnumbered) > 0 {
+		if err := outbox.NewStore(r.db.Pool).SetNumbering(context.Background(), r.o.Unnumbered); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if slices.Contains(r.subscriberNames(), orderstatus.Name) {
+		// A test subscriber's table: no migration makes it.
+		if err := orderstatus.CreateTable(context.Background(), r.db.Pool); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if r.o.Cluster {
 		r.passwords = clusterPasswords(t)
 		r.nats = startCluster(t, r.passwords)
@@ -311,8 +328,8 @@ func (r *run) setup() {
 		if !ok {
 			n = 2
 		}
-		if name == r.o.Backfill {
-			r.prepareLate(env, n)
+		if slices.Contains(r.o.Backfill, name) {
+			r.prepareLate(env, name, n)
 			continue
 		}
 		for i := range n {
@@ -428,7 +445,7 @@ func (r *run) waitConsumers() {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 		missing := ""
 		for _, name := range r.subscriberNames() {
-			if name == r.o.Backfill {
+			if slices.Contains(r.o.Backfill, name) {
 				continue // it joins later
 			}
 			if _, err := r.js.Consumer(ctx, "EVENTS", name); err != nil {
@@ -588,10 +605,8 @@ func (r *run) drain() {
 		if idle && !r.lookedBack(ctx) && time.Since(drainStart) < auditWait {
 			idle, state = false, state+"; no lookback audit finished since the stores' rollback"
 		}
-		if r.o.Backfill != "" {
-			if done, why := r.backfillDone(ctx); !done {
-				idle, state = false, state+"; "+why
-			}
+		if done, why := r.backfillsDone(ctx); !done {
+			idle, state = false, state+"; "+why
 		}
 		for _, name := range r.subscriberNames() {
 			c, err := r.js.Consumer(ctx, "EVENTS", name)

@@ -33,7 +33,7 @@ var declared = []subscribers.Declaration{
 type Registry struct{ decls []subscribers.Declaration }
 
 // Default is the registry of the subscribers fanout ships.
-var Default = MustNew(append(declared, tagged...)...)
+var Default = MustNew(append(append(declared, tagged...), taggedOrderStatus...)...)
 
 // New returns a registry of decls, refusing an invalid declaration or a
 // name declared twice.

@@ -377,13 +377,7 @@ func (e *Env) WaitSent(ids ...int64) {
 // handled everything published: the pipeline is quiet.
 func (e *Env) Settle(name string) {
 	e.T.Helper()
-	WaitFor(e.T, time.Minute, "every outbox row published", func() (bool, string) {
-		var unsent int
-		if err := e.DB.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&unsent); err != nil {
-			return false, err.Error()
-		}
-		return unsent == 0, strconv.Itoa(unsent) + " unsent"
-	})
+	e.WaitAllSent()
 	e.WaitIdle(name, time.Minute)
 }
 

@@ -169,10 +169,16 @@ func Run(t *testing.T, c Case) {
 			reason = r
 			return []outbox.Event{ev}, err
 		})[0]
-		// An event behind the bad one flows on.
+		// An event behind the bad one flows on. Whether it took effect
+		// once is HandledOnceAndCheckpointed's to say: a case whose effect
+		// is seen outside its transaction (the example's log line) may
+		// show an attempt a loaded machine rolled back and redid.
 		ev, id := writeValid(env, c)
 		waitCheckpointed(env, h.Name(), id)
-		waitEffect(env, c, ev, id, 1)
+		WaitFor(t, 15*time.Second, "the event's effect", func() (bool, string) {
+			n := c.Effects(env, ev, id)
+			return n >= 1, "effects " + itoa(int64(n))
+		})
 		WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) { return len(env.DeadLetters(h.Name())) > 0, "" })
 		env.WaitIdle(h.Name(), 15*time.Second)
 		dead := env.DeadLetters(h.Name())
@@ -249,13 +255,5 @@ func waitCheckpointed(env *Env, name string, id int64) {
 	env.T.Helper()
 	WaitFor(env.T, 15*time.Second, "event "+itoa(id)+" in the checkpoint", func() (bool, string) {
 		return env.Checkpointed(name, id), ""
-	})
-}
-
-func waitEffect(env *Env, c Case, ev outbox.Event, id int64, want int) {
-	env.T.Helper()
-	WaitFor(env.T, 15*time.Second, "the event's effect", func() (bool, string) {
-		n := c.Effects(env, ev, id)
-		return n == want, "effects " + itoa(int64(n))
 	})
 }

@@ -1,0 +1,7 @@
+//go:build !fanout_orderstatus
+
+package registry
+
+import "github.com/fanout/fanout/subscribers"
+
+var taggedOrderStatus []subscribers.Declaration
