@@ -146,6 +146,9 @@ func TestChaosSelfTest(t *testing.T) {
 		// A backfill that applies each order as its creation, over what
 		// the live events brought: orders that had moved on regress.
 		{"backfill-regresses", relay.CapturePoll, []string{"backfill"}, "none lost, none regressed", false, "", orderstatus.Name},
+		// Product updates expected unnumbered, the outbox numbering them
+		// all the same (the harness skips `fanout outbox numbering`).
+		{"numbering-not-skipped", relay.CapturePoll, []string{"relay"}, "does not number has no number", false, "", ""},
 	} {
 		t.Run(tc.sabotage+"/"+tc.capture, func(t *testing.T) {
 			t.Parallel()
@@ -156,6 +159,9 @@ func TestChaosSelfTest(t *testing.T) {
 			}
 			if tc.backfill == orderstatus.Name {
 				o.Subscribers = withOrderStatus.All()
+			}
+			if tc.sabotage == "numbering-not-skipped" {
+				o.Unnumbered = []string{shop.ProductUpdated}
 			}
 			rep := Run(t, o)
 			t.Log("\n" + rep.String())
