@@ -148,7 +148,7 @@ func TestChaosSelfTest(t *testing.T) {
 		{"backfill-regresses", relay.CapturePoll, []string{"backfill"}, "none lost, none regressed", false, "", orderstatus.Name},
 		// Product updates expected unnumbered, the outbox numbering them
 		// all the same (the harness skips `fanout outbox numbering`).
-		{"numbering-not-skipped", relay.CapturePoll, []string{"relay"}, "does not number has no number", false, "", ""},
+		{sabotageNumberingNotSkipped, relay.CapturePoll, []string{"relay"}, "does not number has no number", false, "", ""},
 	} {
 		t.Run(tc.sabotage+"/"+tc.capture, func(t *testing.T) {
 			t.Parallel()
@@ -160,7 +160,7 @@ func TestChaosSelfTest(t *testing.T) {
 			if tc.backfill == orderstatus.Name {
 				o.Subscribers = withOrderStatus.All()
 			}
-			if tc.sabotage == "numbering-not-skipped" {
+			if tc.sabotage == sabotageNumberingNotSkipped {
 				o.Unnumbered = []string{shop.ProductUpdated}
 			}
 			rep := Run(t, o)
