@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -20,6 +21,9 @@ import (
 // which every role may read: an ordered subscriber checks it with no grant.
 func (s *Store) Unnumbered(ctx context.Context) ([]string, error) { return Unnumbered(ctx, s.pool) }
 
+// ErrNoNumbering: the outbox has no numbering trigger.
+var ErrNoNumbering = errors.New("the outbox has no numbering trigger (outbox_sequence, migration 00009): run fanout migrate")
+
 // Unnumbered is Store.Unnumbered on q (a pool, a connection or a
 // transaction).
 func Unnumbered(ctx context.Context, q interface {
@@ -31,7 +35,7 @@ func Unnumbered(ctx context.Context, q interface {
 SELECT tgnargs, tgargs FROM pg_trigger
 WHERE tgrelid = 'outbox'::regclass AND tgname = 'outbox_sequence'`).Scan(&n, &args)
 	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, errors.New("the outbox has no numbering trigger (outbox_sequence, migration 00009): run fanout migrate")
+		return nil, ErrNoNumbering
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read the outbox's numbering: %w", err)
@@ -68,25 +72,60 @@ func (s *Store) SetNumbering(ctx context.Context, skip []string) error {
 	if skip == nil {
 		skip = []string{}
 	}
-	// The function locks the outbox and its ranges for its DDL, for at
-	// most a second: against writers and relays at work it may deadlock
-	// or time out, and tries again.
+	// The function locks the outbox and its ranges for its DDL, each lock
+	// waited for at most 200 ms (writers queue behind the wait): against
+	// writers and relays at work it may deadlock or time out, and tries
+	// again, for about half a minute.
 	wait := 100 * time.Millisecond
 	for attempt := 1; ; attempt++ {
 		_, err := s.pool.Exec(ctx, `SELECT fanout_outbox_numbering($1)`, skip)
 		var pgErr *pgconn.PgError
 		busy := errors.As(err, &pgErr) && (pgErr.Code == "40P01" || pgErr.Code == "55P03") // deadlock_detected, lock_not_available
-		if err == nil || !busy || attempt == 10 {
-			if err != nil {
-				return fmt.Errorf("set the outbox's numbering: %w", err)
-			}
+		switch {
+		case err == nil:
 			return nil
+		case !busy:
+			return fmt.Errorf("set the outbox's numbering: %w", err)
+		case attempt == numberingAttempts:
+			return fmt.Errorf("set the outbox's numbering: the outbox stayed locked through %d tries (%w); %s",
+				attempt, err, s.outboxLockHolders(ctx))
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("set the outbox's numbering: %w", err)
+			return fmt.Errorf("set the outbox's numbering: %w (last try: %w)", ctx.Err(), err)
 		case <-time.After(wait):
 		}
-		wait = min(2*wait, 2*time.Second)
+		wait = min(2*wait, time.Second)
 	}
+}
+
+// numberingAttempts is how often SetNumbering tries before it gives up.
+const numberingAttempts = 30
+
+// outboxLockHolders says which other sessions hold locks on the outbox or
+// its ranges, for an error: the transactions to end first.
+func (s *Store) outboxLockHolders(ctx context.Context) string {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	rows, err := s.pool.Query(ctx, `
+SELECT DISTINCT a.pid, coalesce(a.usename, ''), coalesce(a.application_name, ''),
+       coalesce(extract(epoch FROM now() - a.xact_start), 0)::int
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.granted AND a.pid <> pg_backend_pid()
+  AND l.relation IN (SELECT 'outbox'::regclass UNION ALL SELECT inhrelid FROM pg_inherits WHERE inhparent = 'outbox'::regclass)
+ORDER BY 4 DESC LIMIT 5`)
+	if err != nil {
+		return "the sessions holding it could not be read: " + err.Error()
+	}
+	var holders []string
+	var pid, secs int
+	var user, app string
+	_, err = pgx.ForEachRow(rows, []any{&pid, &user, &app, &secs}, func() error {
+		holders = append(holders, fmt.Sprintf("pid %d (role %s, application %q, in a transaction for %d s)", pid, user, app, secs))
+		return nil
+	})
+	if err != nil || len(holders) == 0 {
+		return "no session holds it now: try again"
+	}
+	return "held by " + strings.Join(holders, ", ") + ": end those transactions, or try when writers are fewer"
 }

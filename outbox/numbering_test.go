@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -102,6 +103,26 @@ func TestSkippedEventTypesAreNotNumbered(t *testing.T) {
 	}
 	if n := write("product", "product.updated"); n != 3 {
 		t.Errorf("product.updated numbered again got %d, want 3", n)
+	}
+
+	// A row moved back into the outbox by the relays' retention (a
+	// dropped range's failed row, status failed) keeps its number, or
+	// none: a failed event written while its type was skipped is not
+	// numbered after the events written since.
+	var moved *int64
+	if err := db.Pool.QueryRow(ctx, `
+INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status)
+VALUES ('product', '1', 'product.updated', '{}', 'failed') RETURNING aggregate_seq`).Scan(&moved); err != nil {
+		t.Fatal(err)
+	}
+	if moved != nil {
+		t.Errorf("a failed row without a number, moved back into the outbox, numbered %d", *moved)
+	}
+	if n := write("product", "product.updated"); n != 4 {
+		t.Errorf("product.updated after the move numbered %d, want 4 (the move takes no number)", n)
+	}
+	if _, err := db.Pool.Exec(ctx, `SELECT fanout_outbox_numbering(NULL)`); err == nil || !strings.Contains(err.Error(), "skip is NULL") {
+		t.Errorf("fanout_outbox_numbering(NULL): %v, want refused", err)
 	}
 
 	for _, bad := range [][]string{{"product updated"}, {""}, {"product.>"}} {

@@ -111,8 +111,45 @@ func TestOrderedSubscriberRefusesUnnumberedEventTypes(t *testing.T) {
 	if ctx.Err() != nil {
 		t.Fatal("the refusal waited for the start's deadline")
 	}
+	// Read through a pattern (thing.>) as well.
+	if err := store.SetNumbering(ctx, []string{"product.updated", "thing.moved"}); err != nil {
+		t.Fatal(err)
+	}
+	err = env.NewRunner(subscribers.OrderedTx(&orderedByDatabase{applied: map[string][]int64{}}), nil).Start(ctx)
+	if err == nil || !strings.Contains(err.Error(), "the outbox does not number thing.moved, which it reads") {
+		t.Fatalf("an ordered subscriber reading an unnumbered type through thing.> started: %v", err)
+	}
+
 	if err := store.SetNumbering(ctx, []string{"product.updated"}); err != nil {
 		t.Fatal(err)
 	}
-	env.Start(env.NewRunner(subscribers.OrderedTx(fulfilment.New()), nil))
+	// Running, it looks again every stream.check_interval: a type it reads
+	// skipped since makes it not ready, saying why, until numbered again.
+	r := env.NewRunner(subscribers.OrderedTx(fulfilment.New()), func(o *subscribers.Options) { o.Stream.CheckInterval = 100 * time.Millisecond })
+	env.Start(r)
+	if err := r.Ready(); err != nil {
+		t.Fatalf("started with every type it reads numbered, not ready: %v", err)
+	}
+	if err := store.SetNumbering(ctx, []string{"order.paid"}); err != nil {
+		t.Fatal(err)
+	}
+	waitReady := func(want string) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			err := r.Ready()
+			if (want == "" && err == nil) || (want != "" && err != nil && strings.Contains(err.Error(), want)) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("readiness: %v, want %q", err, want)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	waitReady("the outbox does not number order.paid, which it reads")
+	if err := store.SetNumbering(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	waitReady("")
 }

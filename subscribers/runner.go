@@ -57,6 +57,9 @@ type Runner struct {
 	// drift is what the live streams and the consumer differ in from the
 	// configuration, as of the last check (readiness reads it).
 	drift   *stream.Drift
+	// unnumberedRead lists, as of watchNumbering's last look, the event
+	// types an ordered subscriber reads that the outbox does not number.
+	unnumberedRead atomic.Pointer[string]
 	workers sync.WaitGroup
 	loops   sync.WaitGroup
 	// exclusive: a suspect (an event whose earlier attempt died with its
@@ -178,6 +181,13 @@ func (r *Runner) start(ctx context.Context) error {
 			stream.Watch(softCtx, r.opts.Stream.CheckInterval, r.checkConfig)
 		}()
 	}
+	if r.ordered {
+		r.loops.Add(1)
+		go func() {
+			defer r.loops.Done()
+			stream.Watch(softCtx, r.opts.Stream.CheckInterval, r.watchNumbering)
+		}()
+	}
 	r.stall.finished() // the clock starts now
 	if r.cfg.StallAfter > 0 {
 		r.obs.Stalled(r.name, false)
@@ -253,6 +263,9 @@ func (r *Runner) Ready() error {
 	}
 	if err := r.drift.Err(); err != nil {
 		return fmt.Errorf("subscriber %s: %w", r.name, err)
+	}
+	if p := r.unnumberedRead.Load(); p != nil && *p != "" {
+		return fmt.Errorf("subscriber %s is ordered, and the outbox does not number %s, which it reads (fanout outbox numbering)", r.name, *p)
 	}
 	return r.stall.err()
 }
@@ -395,20 +408,54 @@ func (r *Runner) checkStore(ctx context.Context) error {
 // come with no number and in no order.
 func (r *Runner) checkNumbered(ctx context.Context, tx pgx.Tx) error {
 	skipped, err := outbox.Unnumbered(ctx, tx)
+	if errors.Is(err, outbox.ErrNoNumbering) {
+		return refusedStart{fmt.Errorf("subscriber %s is ordered: %w", r.name, err)}
+	}
 	if err != nil {
-		return err
+		return err // checkStore judges it: Postgres unreachable is waited out
 	}
-	var read []string
-	for _, t := range r.opts.Handler.EventTypes() {
-		if slices.Contains(skipped, t) {
-			read = append(read, t)
-		}
-	}
-	if len(read) > 0 {
+	if read := r.readUnnumbered(skipped); len(read) > 0 {
 		return refusedStart{fmt.Errorf("subscriber %s is ordered, but the outbox does not number %s, which it reads: "+
 			"number them again (fanout outbox numbering, with --skip not naming them)", r.name, strings.Join(read, ", "))}
 	}
 	return nil
+}
+
+// readUnnumbered returns the types of skipped (the outbox does not number
+// them) that the subscriber reads, by name or by a pattern.
+func (r *Runner) readUnnumbered(skipped []string) []string {
+	var read []string
+	for _, t := range skipped {
+		if slices.ContainsFunc(r.opts.Handler.EventTypes(), func(p string) bool { return SubjectMatches(p, t) }) {
+			read = append(read, t)
+		}
+	}
+	return read
+}
+
+// watchNumbering looks again, while an ordered subscriber runs, at the
+// event types the outbox does not number (checkNumbered looked at start):
+// one it reads, skipped since (by a fanout binary that does not know this
+// subscriber), comes with no number and in no order. The subscriber then
+// reports not ready and logs an error, until the type is numbered again.
+func (r *Runner) watchNumbering(ctx context.Context) {
+	skipped, err := outbox.Unnumbered(ctx, r.opts.Pool)
+	if err != nil {
+		r.logger.Debug("numbering check: no answer", "error", err)
+		return
+	}
+	read := strings.Join(r.readUnnumbered(skipped), ", ")
+	var was string
+	if p := r.unnumberedRead.Swap(&read); p != nil {
+		was = *p
+	}
+	switch {
+	case read != "" && read != was:
+		r.logger.Error("the outbox no longer numbers event types this ordered subscriber reads: their events come with no number, in no order; this subscriber reports not ready until they are numbered again (fanout outbox numbering)",
+			"event_types", read)
+	case read == "" && was != "":
+		r.logger.Info("the outbox numbers every event type this ordered subscriber reads again", "event_types", was)
+	}
 }
 
 // refusedStart is a start's error that waiting does not mend.

@@ -3,12 +3,12 @@ package main
 import (
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers"
 	"github.com/spf13/cobra"
 )
 
@@ -222,9 +222,14 @@ func readByOrderedSubscriber(skip []string) error {
 		if !d.Ordered {
 			continue
 		}
-		for _, t := range d.EventTypes {
-			if slices.Contains(skip, t) {
-				reads = append(reads, fmt.Sprintf("%s (read by %s, an ordered subscriber)", t, d.Name))
+		for _, p := range d.EventTypes {
+			for _, t := range skip {
+				switch {
+				case p == t:
+					reads = append(reads, fmt.Sprintf("%s (read by %s, an ordered subscriber)", t, d.Name))
+				case subscribers.SubjectMatches(p, t):
+					reads = append(reads, fmt.Sprintf("%s (read by %s, an ordered subscriber, through %s)", t, d.Name, p))
+				}
 			}
 		}
 	}
