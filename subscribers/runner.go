@@ -56,12 +56,12 @@ type Runner struct {
 	stall   stallWatch
 	// drift is what the live streams and the consumer differ in from the
 	// configuration, as of the last check (readiness reads it).
-	drift   *stream.Drift
+	drift *stream.Drift
 	// unnumberedRead lists, as of watchNumbering's last look, the event
 	// types an ordered subscriber reads that the outbox does not number.
 	unnumberedRead atomic.Pointer[string]
-	workers sync.WaitGroup
-	loops   sync.WaitGroup
+	workers        sync.WaitGroup
+	loops          sync.WaitGroup
 	// exclusive: a suspect (an event whose earlier attempt died with its
 	// process) is handled with every other worker paused, so that a crash
 	// it causes is charged to it alone.
