@@ -158,7 +158,8 @@ func numberingCommand(a *app) *cobra.Command {
 subscribers need and which costs every insert a trigger call and a counter
 update: about 8 points of a writer's transactions per second. --skip lists the
 event types that need no number: none of the known ordered subscribers may read
-one (an ordered subscriber that does refuses to start). Their events are
+one, by name or through a pattern (an ordered subscriber that does refuses to
+start, or, running, reports not ready). Their events are
 published without Fanout-Aggregate-Seq, outside their aggregate's order, and
 relay.on_failed hold does not hold behind them. --all numbers every event
 again, as a new database does. The list replaces the last one, from the next
