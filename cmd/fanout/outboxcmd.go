@@ -210,7 +210,7 @@ Without a flag, it shows the list.`,
 			return nil
 		},
 	}
-	cmd.Flags().StringSliceVar(&skip, "skip", nil, "event types not to number (comma-separated); replaces the list")
+	cmd.Flags().StringSliceVar(&skip, "skip", nil, "event types not to number, comma-separated (as CSV: quote a type that holds a comma, --skip '\"a,b\",c'); replaces the list")
 	cmd.Flags().BoolVar(&all, "all", false, "number every event again")
 	return cmd
 }
