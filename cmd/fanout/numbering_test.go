@@ -8,6 +8,7 @@ import (
 
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers"
 )
 
 // fanout outbox numbering sets, shows and clears the event types the
@@ -60,5 +61,32 @@ func TestOutboxNumberingCommand(t *testing.T) {
 	}
 	if got := unnumbered(); len(got) != 0 {
 		t.Fatalf("after --all the outbox skips %q", got)
+	}
+}
+
+// The refusal matches a type read through a pattern as well as by name,
+// and lets through what no ordered subscriber reads.
+func TestNumberingRefusesTypesOrderedSubscribersRead(t *testing.T) {
+	t.Parallel()
+	decls := []subscribers.Declaration{
+		{Name: "shipping", EventTypes: []string{"order.>"}, Ordered: true},
+		{Name: "audit", EventTypes: []string{"*.deleted", "product.updated"}},
+		{Name: "ledger", EventTypes: []string{"invoice.*"}, Ordered: true},
+	}
+	for _, tc := range []struct {
+		skip []string
+		want string // in the refusal; "" for none
+	}{
+		{[]string{"order.refunded"}, "order.refunded (read by shipping, an ordered subscriber, through order.>)"},
+		{[]string{"product.updated", "invoice.paid"}, "invoice.paid (read by ledger, an ordered subscriber, through invoice.*)"},
+		{[]string{"product.updated", "product.deleted", "invoice.paid.late", "order"}, ""},
+	} {
+		err := readByOrderedSubscriber(decls, tc.skip)
+		switch {
+		case tc.want == "" && err != nil:
+			t.Errorf("skip %q: refused (%v), want allowed: no ordered subscriber reads them", tc.skip, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("skip %q: %v, want refused naming %q", tc.skip, err, tc.want)
+		}
 	}
 }

@@ -180,7 +180,7 @@ Without a flag, it shows the list.`,
 						return fmt.Errorf("outbox numbering: %w", err)
 					}
 				}
-				if err := readByOrderedSubscriber(skip); err != nil {
+				if err := readByOrderedSubscriber(subscriberRegistry.All(), skip); err != nil {
 					return err
 				}
 			}
@@ -216,10 +216,11 @@ Without a flag, it shows the list.`,
 }
 
 // readByOrderedSubscriber refuses a list of event types not to number
-// that an ordered subscriber this binary knows reads.
-func readByOrderedSubscriber(skip []string) error {
+// that an ordered subscriber of decls (those this binary knows) reads, by
+// name or through a pattern.
+func readByOrderedSubscriber(decls []subscribers.Declaration, skip []string) error {
 	var reads []string
-	for _, d := range subscriberRegistry.All() {
+	for _, d := range decls {
 		if !d.Ordered {
 			continue
 		}
