@@ -222,7 +222,7 @@ func TestAtomicBatchesFallBack(t *testing.T) {
 }
 
 // txCheck reads the stream against the outbox's transactions (their rows'
-// xmin: a wal relay leaves published rows as inserted) and returns how
+// writer_xid, Postgres's word, not the relay's) and returns how
 // many transactions it checked and what is wrong: every transaction's
 // events once each, in chunks of at most 1000 that are each one run of
 // consecutive sequences, numbered from 1 with the last one marked.
@@ -240,7 +240,7 @@ func txCheck(t *testing.T, h *harness) (txs int, bad []string) {
 		}
 		byID[id] = m
 	}
-	rows, err := h.db.Pool.Query(context.Background(), `SELECT xmin::text, array_agg(id ORDER BY id) FROM outbox WHERE status = 'pending' GROUP BY xmin::text`)
+	rows, err := h.db.Pool.Query(context.Background(), `SELECT writer_xid::text, array_agg(id ORDER BY id) FROM outbox WHERE status IN ('pending', 'sent') GROUP BY writer_xid`)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -324,15 +324,19 @@ func writeSmallTxs(h *harness, stop <-chan struct{}) (written int, err error) {
 // finds other events between a transaction's.
 func TestTransactionsEnterTheStreamWhole(t *testing.T) {
 	t.Parallel()
-	for _, sabotage := range []bool{false, true} {
-		name := "whole"
+	for _, tc := range []struct {
+		capture  string
+		sabotage bool
+	}{{CaptureWAL, false}, {CaptureWAL, true}, {CapturePoll, false}, {CapturePoll, true}} {
+		sabotage := tc.sabotage
+		name := tc.capture + "/whole"
 		if sabotage {
-			name = "split-hook"
+			name = tc.capture + "/split-hook"
 		}
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			h := newHarness(t)
-			h.cfg.Relay.Capture = CaptureWAL
+			h.cfg.Relay.Capture = tc.capture
 			h.cfg.Relay.Atomic = AtomicTransaction
 			r := h.newRelay(nil, nil)
 			r.hooks.SplitTransactions = sabotage
@@ -415,8 +419,17 @@ VALUES ('product', '8', 'product.updated', '{}', '{"x-count": 1}') RETURNING id`
 // transaction, once.
 func TestATransactionHalfSentIsNotInTheStream(t *testing.T) {
 	t.Parallel()
+	for _, capture := range []string{CaptureWAL, CapturePoll} {
+		t.Run(capture, func(t *testing.T) {
+			t.Parallel()
+			testATransactionHalfSent(t, capture)
+		})
+	}
+}
+
+func testATransactionHalfSent(t *testing.T, capture string) {
 	h := newHarness(t)
-	h.cfg.Relay.Capture = CaptureWAL
+	h.cfg.Relay.Capture = capture
 	h.cfg.Relay.Atomic = AtomicTransaction
 	first := h.newRelay(nil, nil)
 	halfway := make(chan struct{})
@@ -470,8 +483,17 @@ func TestATransactionHalfSentIsNotInTheStream(t *testing.T) {
 // each transaction whole once the stream allows them.
 func TestTransactionsWaitForAStreamThatAllowsThem(t *testing.T) {
 	t.Parallel()
+	for _, capture := range []string{CaptureWAL, CapturePoll} {
+		t.Run(capture, func(t *testing.T) {
+			t.Parallel()
+			testTransactionsWaitForAtomic(t, capture)
+		})
+	}
+}
+
+func testTransactionsWaitForAtomic(t *testing.T, capture string) {
 	h := newHarness(t)
-	h.cfg.Relay.Capture = CaptureWAL
+	h.cfg.Relay.Capture = capture
 	h.cfg.Relay.Atomic = AtomicTransaction
 	h.cfg.Stream.Provision = "verify"
 	h.cfg.Stream.CheckInterval = 200 * time.Millisecond

@@ -94,9 +94,10 @@ type Config struct {
 	// Atomic is what enters the stream at once: event (each event as it is
 	// published; the default) or transaction (a writer transaction's
 	// events together or not at all, as one atomic batch, a transaction of
-	// more than 1000 events in chunks of 1000: see atomic.go). transaction
-	// needs wal capture, max_in_flight of at least 1000 and a stream that
-	// allows atomic batches (allow_atomic, NATS 2.12).
+	// more than 1000 events in chunks of 1000: see atomic.go, and
+	// txclaim.go for poll capture). transaction needs max_in_flight of at
+	// least 1000 and a stream that allows atomic batches (allow_atomic,
+	// NATS 2.12).
 	Atomic string `koanf:"atomic"`
 }
 
@@ -168,11 +169,6 @@ func (c Config) Validate() error {
 	v.OneOf("relay.on_failed", c.OnFailed, string(outbox.HoldFailed), string(outbox.SkipFailed))
 	v.OneOf("relay.atomic", c.Atomic, AtomicEvent, AtomicTransaction)
 	if c.Atomic == AtomicTransaction {
-		// A poll relay claims rows, not transactions: a transaction's rows
-		// may wait behind different events of their aggregates.
-		if c.Capture != CaptureWAL {
-			v.Bad("relay.atomic", "transaction needs relay.capture wal, which reads each transaction whole from the write-ahead log (got relay.capture %s)", c.Capture)
-		}
 		if c.MaxInFlight < atomicMax {
 			v.Bad("relay.max_in_flight", "must be at least %d with relay.atomic transaction, a chunk of a transaction being in flight at once (got %d)", atomicMax, c.MaxInFlight)
 		}

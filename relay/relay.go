@@ -127,6 +127,7 @@ type Relay struct {
 	heads        heads               // the claim loop's walk round the aggregates (claim.go)
 	analyzedAt   time.Time           // when the claim loop last asked for the ranges' statistics (analyzeBurst)
 	sweptHeads   outbox.AggregateKey // where the sweeper's walk round the aggregates goes on (sweepHeads)
+	txChunks     txChunks            // the big transactions' chunks published (relay.atomic transaction, txclaim.go)
 
 	// wal capture (see walstream.go).
 	captureState   atomic.Int32  // captureConnecting, captureStandby, captureStreaming
@@ -305,6 +306,10 @@ func (r *Relay) start(ctx context.Context) error {
 		r.loops.Add(1)
 		go func() {
 			defer r.loops.Done()
+			if r.cfg.Atomic == AtomicTransaction {
+				r.txClaimLoop(softCtx, hardCtx)
+				return
+			}
 			r.claimLoop(softCtx, hardCtx)
 		}()
 	}

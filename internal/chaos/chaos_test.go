@@ -44,16 +44,19 @@ func TestChaos(t *testing.T) {
 		if m := os.Getenv("FANOUT_TEST_CHAOS_MODE"); m != "" && m != mode {
 			continue
 		}
-		// wal-transaction: wal capture with relay.atomic transaction.
-		for _, capture := range []string{relay.CapturePoll, relay.CaptureWAL, walTransaction} {
+		// wal-transaction, poll-transaction: with relay.atomic transaction.
+		for _, capture := range []string{relay.CapturePoll, relay.CaptureWAL, walTransaction, pollTransaction} {
 			if c := os.Getenv("FANOUT_TEST_CHAOS_CAPTURE"); c != "" && c != capture {
 				continue
 			}
 			t.Run(mode+"/"+capture, func(t *testing.T) {
 				t.Parallel()
 				atomic := ""
-				if capture == walTransaction {
+				switch capture {
+				case walTransaction:
 					capture, atomic = relay.CaptureWAL, relay.AtomicTransaction
+				case pollTransaction:
+					capture, atomic = relay.CapturePoll, relay.AtomicTransaction
 				}
 				o := Options{Duration: duration, Seed: seed, Cluster: mode == "cluster", Rate: 40, Binary: bin, Logf: t.Logf, Capture: capture, Atomic: atomic}
 				if (mode == "single" && capture == relay.CapturePoll) || (mode == "cluster" && capture == relay.CaptureWAL) {
@@ -73,9 +76,12 @@ func TestChaos(t *testing.T) {
 	}
 }
 
-// walTransaction names the fault run's wal capture with relay.atomic
-// transaction (FANOUT_TEST_CHAOS_CAPTURE=wal-transaction).
-const walTransaction = "wal-transaction"
+// walTransaction and pollTransaction name the fault run's captures with
+// relay.atomic transaction (FANOUT_TEST_CHAOS_CAPTURE=wal-transaction).
+const (
+	walTransaction  = "wal-transaction"
+	pollTransaction = "poll-transaction"
+)
 
 // build compiles the fanout binary, with extra build flags, into the
 // test's temporary directory.
@@ -141,6 +147,7 @@ func TestChaosSelfTest(t *testing.T) {
 		// relay.atomic transaction, with each transaction's events
 		// published in two halves: others land between them.
 		{"relay-splits-transactions", relay.CaptureWAL, []string{"relay"}, "a transaction's events enter the stream together", false, relay.AtomicTransaction, ""},
+		{"relay-splits-transactions", relay.CapturePoll, []string{"relay"}, "a transaction's events enter the stream together", false, relay.AtomicTransaction, ""},
 		// A backfill that moves past rows it never handed to the handler:
 		// orders from before the late subscriber joined lack invoices.
 		{"backfill-skips-rows", relay.CapturePoll, []string{"backfill"}, "exactly one invoice per order", false, "", invoicing.Name},

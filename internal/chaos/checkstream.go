@@ -380,12 +380,12 @@ func txOf(h nats.Header) string {
 // atomic batch: the first copies of its events at consecutive sequences,
 // nothing of another transaction between them, each marked as its one
 // and last chunk. What makes a transaction is Postgres's word, not the
-// relay's: the rows' xmin (a wal relay leaves the rows it publishes as
-// their transaction inserted them). A transaction an event of which the
+// relay's: the transaction that inserted the rows (writer_xid, which
+// neither a relay nor a writer can set). A transaction an event of which the
 // stream lost and the auditor published again on its own is not
 // checked; nor one with an event missing (invariant 1 reports it).
 func (r *run) checkTransactions(ctx context.Context, stream *streamContents) {
-	rows, err := r.pool().Query(ctx, `SELECT xmin::text, array_agg(id ORDER BY id) FROM outbox WHERE status = 'pending' GROUP BY xmin::text`)
+	rows, err := r.pool().Query(ctx, `SELECT writer_xid::text, array_agg(id ORDER BY id) FROM outbox WHERE status IN ('pending', 'sent') GROUP BY writer_xid`)
 	if err != nil {
 		r.report.violate("atomic (read the outbox's transactions)", err.Error())
 		return
@@ -394,10 +394,10 @@ func (r *run) checkTransactions(ctx context.Context, stream *streamContents) {
 	for _, ev := range stream.bySeq {
 		atSeq[ev.seq] = ev
 	}
-	var xmin string
+	var xid string
 	var ids []int64
 	var split []string
-	_, err = pgx.ForEachRow(rows, []any{&xmin, &ids}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&xid, &ids}, func() error {
 		if len(ids) > 1000 {
 			return nil
 		}
@@ -427,7 +427,7 @@ func (r *run) checkTransactions(ctx context.Context, stream *streamContents) {
 			}
 		}
 		if len(problems) > 0 {
-			split = append(split, fmt.Sprintf("transaction %s (%d events, sequences %d..%d): %s", xmin, len(ids), first, last, strings.Join(problems, "; ")))
+			split = append(split, fmt.Sprintf("transaction %s (%d events, sequences %d..%d): %s", xid, len(ids), first, last, strings.Join(problems, "; ")))
 		}
 		return nil
 	})

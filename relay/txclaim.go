@@ -1,0 +1,333 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/fanout/fanout/outbox"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/nats-io/nats.go"
+	"github.com/synadia-io/orbit.go/jetstreamext"
+	"golang.org/x/sync/errgroup"
+)
+
+// A poll relay with relay.atomic transaction claims writer transactions,
+// not rows (outbox.ClaimTransactions): each claimed chunk of a
+// transaction (all of it, up to atomicMax events) goes as one atomic
+// batch, so a subscriber sees all of it or none. Transactions claimed
+// together depend on none of each other (their events' previous ones are
+// published), so their batches go side by side.
+//
+// The claim's window starts at the lowest unpublished id: every row still
+// to publish of a transaction found there below the window's end is in
+// it. When nothing in a full window is ready (its transactions wait
+// behind events further up), the next claim looks at the window after
+// it, checking each transaction's rows below, and so on round the
+// backlog: the first transaction committed among the unpublished is
+// always ready (outbox/transactions.go).
+
+// txCandidatesMax bounds the transactions one claim looks at.
+const txCandidatesMax = 512
+
+// txClaimLoop is claimLoop for relay.atomic transaction.
+func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
+	if !r.waitHandover(softCtx, hardCtx) {
+		return
+	}
+	idle := eagerPollMin
+	errWait := eagerPollMin
+	batch := int64(max(r.cfg.BatchSize, atomicMax))
+	after := int64(math.MinInt64)
+	for {
+		select {
+		case <-r.stopping:
+			return
+		default:
+		}
+		if !r.nc.IsConnected() {
+			if !r.sleep(softCtx, r.cfg.PollInterval) {
+				return
+			}
+			continue
+		}
+		if err := r.slots.Acquire(softCtx, batch); err != nil {
+			return
+		}
+		start := time.Now()
+		token := newLeaseToken()
+		// On hardCtx, as claimLoop's: cancelled after the server
+		// committed, the claimed rows would wait for their lease.
+		chunks, w, err := r.claimTransactions(hardCtx, after, token, int(batch))
+		if err != nil {
+			msg := err.Error()
+			r.lastClaimErr.Store(&msg)
+			r.markOriginStale()
+			r.slots.Release(batch)
+			r.logger.Error("claim outbox transactions", "error", err, "retry_in", errWait)
+			if !r.sleep(softCtx, errWait) {
+				return
+			}
+			errWait = min(errWait*2, max(r.cfg.PollInterval, time.Second))
+			continue
+		}
+		errWait = eagerPollMin
+		r.lastClaimed.Store(time.Now().UnixNano())
+		n := 0
+		for _, c := range chunks {
+			n += len(c.Rows)
+		}
+		r.slots.Release(batch - int64(n))
+		switch {
+		case n > 0:
+			after = math.MinInt64
+		case w.Full:
+			after = w.Last // round the backlog: see above
+			continue
+		default:
+			after = math.MinInt64
+		}
+		if n == 0 {
+			if !r.sleep(softCtx, idle) {
+				return
+			}
+			idle = min(idle*2, r.cfg.PollInterval)
+			continue
+		}
+		r.obs.Claimed(n, time.Since(start))
+		idle = eagerPollMin
+		r.deliverTransactionsAsync(hardCtx, chunks, token, n)
+	}
+}
+
+// claimTransactions finds the transactions ready in the window above
+// after and claims up to n of their rows.
+func (r *Relay) claimTransactions(ctx context.Context, after int64, token pgtype.UUID, n int) ([]outbox.TxChunk, outbox.TxWindow, error) {
+	w, err := r.store.TransactionCandidates(ctx, after, r.claimWindow(), txCandidatesMax)
+	if err != nil || len(w.Candidates) == 0 {
+		return nil, w, err
+	}
+	// Enough candidates for a batch, if each is as large as its rows in
+	// the window: a transaction's first chunk is often all of it.
+	cands := w.Candidates
+	for i, sum := 0, 0; i < len(cands); i++ {
+		if sum += cands[i].Rows; sum >= n {
+			cands = cands[:i+1]
+			break
+		}
+	}
+	chunks, err := r.store.ClaimTransactions(ctx, cands, token, atomicMax, n, after != math.MinInt64)
+	return chunks, w, err
+}
+
+// deliverTransactionsAsync publishes and records claimed chunks in the
+// background, holding their n slots until done.
+func (r *Relay) deliverTransactionsAsync(hardCtx context.Context, chunks []outbox.TxChunk, token pgtype.UUID, n int) {
+	r.batches.Add(1)
+	go func() {
+		defer r.batches.Done()
+		defer r.slots.Release(int64(n))
+		r.deliverTransactions(hardCtx, chunks, token, n)
+	}()
+}
+
+// deliverTransactions publishes each chunk as one atomic batch, side by
+// side (at most atomicInFlight at once, as publishAtomic allows), then
+// records every row's outcome in one statement. A batch the stream did
+// not store leaves its rows to back off and come back together.
+func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk, token pgtype.UUID, n int) {
+	r.unrecorded.Add(int64(n))
+	defer r.unrecorded.Add(-int64(n))
+	results := make([][]outcome, len(chunks))
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(atomicInFlight)
+	for i := range chunks {
+		g.Go(func() error {
+			res, ok := r.publishTxChunk(gctx, &chunks[i])
+			if !ok {
+				return gctx.Err()
+			}
+			results[i] = res
+			return nil
+		})
+	}
+	if err := g.Wait(); err != nil || ctx.Err() != nil {
+		return // a hard stop: the rows stay `sending`, the reaper returns them
+	}
+	rows := make([]row, 0, n)
+	all := make([]outcome, 0, n)
+	for i, c := range chunks {
+		rows = append(rows, c.Rows...)
+		all = append(all, results[i]...)
+	}
+	if r.testHookBeforeRecord != nil {
+		ids := make([]int64, len(rows))
+		for i := range rows {
+			ids[i] = rows[i].ID
+		}
+		r.testHookBeforeRecord(ctx, ids)
+	}
+	r.record(ctx, rows, token, all, nil)
+}
+
+// publishTxChunk publishes c's rows as one atomic batch, but for those
+// that can never be published (marked failed, and under relay.on_failed
+// hold the events behind them in their aggregates too) and those held
+// behind an earlier failed event. It returns each row's outcome, or false
+// if ctx ended first.
+func (r *Relay) publishTxChunk(ctx context.Context, c *outbox.TxChunk) ([]outcome, bool) {
+	results := make([]outcome, len(c.Rows))
+	part, err := r.txPartOf(ctx, c)
+	if err != nil {
+		for i := range results {
+			results[i] = outcome{err: err.Error()}
+		}
+		return results, ctx.Err() == nil
+	}
+	hold := r.store.OnFailed != outbox.SkipFailed
+	maxPayload := r.nc.MaxPayload()
+	stoppedBy := map[aggregateKey]int64{}
+	var publish []int
+	var msgs []*nats.Msg
+	for i, rw := range c.Rows {
+		numbered := hold && rw.AggregateSeq.Valid
+		if numbered {
+			by := c.HeldBy[i]
+			if b, ok := stoppedBy[keyOf(rw)]; ok {
+				by = b
+			}
+			if by != 0 {
+				results[i] = outcome{permanent: true, err: outbox.HeldBehindReason(by)}
+				stoppedBy[keyOf(rw)] = by
+				continue
+			}
+		}
+		msg, err := r.message(rw, maxPayload)
+		if err != nil {
+			results[i] = outcome{permanent: true, err: rowReason(rw.ID, err)}
+			if numbered {
+				stoppedBy[keyOf(rw)] = rw.ID
+			}
+			continue
+		}
+		part.setHeaders(msg)
+		publish, msgs = append(publish, i), append(msgs, msg)
+	}
+	if len(publish) == 0 {
+		return results, true
+	}
+	err = r.guardOrigin(ctx)
+	var seqs []uint64
+	switch {
+	case err != nil:
+	case !r.atomicOK.Load():
+		err = fmt.Errorf("the stream %s does not allow atomic batches: set allow_atomic (`fanout provision --update-stream %s`)", r.stream.Name, r.stream.Name)
+	default:
+		seqs, err = r.sendTransaction(ctx, ctx, msgs)
+	}
+	switch {
+	case err == nil:
+		now := time.Now()
+		for j, i := range publish {
+			results[i] = outcome{acked: true, seq: seqs[j], ackedAt: now}
+		}
+		r.txPublished(c, part)
+	case errors.Is(err, jetstreamext.ErrBatchPublishDuplicateMsgID):
+		// Stored before (a relay stopped before it recorded the batch,
+		// or a commit's answer was lost): published again one by one,
+		// each is dropped as the duplicate it is and says where it
+		// landed; with the batch's headers, in case the stream lost
+		// them since (a store rolled back).
+		r.logger.Info("a transaction's atomic batch holds events the stream already has: publishing them again one by one, as duplicates",
+			"transaction", part.tx, "chunk", part.chunk, "events", len(publish))
+		again := make([]row, len(publish))
+		for j, i := range publish {
+			again[j] = c.Rows[i]
+		}
+		res, ok := r.publishAll(ctx, again, part.setHeaders)
+		if !ok {
+			return nil, false
+		}
+		for j, i := range publish {
+			results[i] = res[j]
+		}
+		r.txPublished(c, part)
+	default:
+		if ctx.Err() != nil {
+			return nil, false
+		}
+		for _, i := range publish {
+			results[i] = outcome{err: fmt.Sprintf("atomic batch of transaction %s: %v", part.tx, err)}
+		}
+	}
+	return results, true
+}
+
+// txChunks remembers, for the transactions of more than atomicMax events
+// whose chunks this relay is publishing, the last chunk published, so
+// that the next is numbered without counting the rows before it.
+type txChunks struct {
+	mu   sync.Mutex
+	last map[string]txChunkSeen
+}
+
+type txChunkSeen struct {
+	chunk  int
+	lastID int64
+}
+
+// txChunksMax bounds the transactions remembered: a relay that stops
+// seeing one (another relay took its chunks) forgets it, eventually.
+const txChunksMax = 1024
+
+// txPartOf says what c's batch carries: its transaction and the chunk
+// number. A chunk after the first is the one after the chunk this relay
+// last published of the transaction if that one ends just below it, and
+// otherwise is counted from the rows below it.
+func (r *Relay) txPartOf(ctx context.Context, c *outbox.TxChunk) (txPart, error) {
+	p := txPart{tx: c.XID, chunk: 1, last: !c.More}
+	if c.XID == "" {
+		// Written before the outbox kept transactions: one of its own.
+		p.tx = "row:" + strconv.FormatInt(c.Rows[0].ID, 10)
+		return p, nil
+	}
+	if c.Prev == 0 {
+		return p, nil
+	}
+	r.txChunks.mu.Lock()
+	seen, ok := r.txChunks.last[c.XID]
+	r.txChunks.mu.Unlock()
+	if ok && seen.lastID == c.Prev {
+		p.chunk = seen.chunk + 1
+		return p, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	defer cancel()
+	below, err := r.store.TransactionRowsBelow(ctx, c.XID, c.Rows[0].ID)
+	if err != nil {
+		return p, err
+	}
+	p.chunk = int((below+atomicMax-1)/atomicMax) + 1
+	return p, nil
+}
+
+// txPublished remembers a chunk published (txPartOf).
+func (r *Relay) txPublished(c *outbox.TxChunk, p txPart) {
+	if c.XID == "" {
+		return
+	}
+	r.txChunks.mu.Lock()
+	defer r.txChunks.mu.Unlock()
+	if !c.More {
+		delete(r.txChunks.last, c.XID)
+		return
+	}
+	if r.txChunks.last == nil || len(r.txChunks.last) >= txChunksMax {
+		r.txChunks.last = map[string]txChunkSeen{}
+	}
+	r.txChunks.last[c.XID] = txChunkSeen{chunk: p.chunk, lastID: c.Rows[len(c.Rows)-1].ID}
+}
