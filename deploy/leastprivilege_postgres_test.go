@@ -140,6 +140,9 @@ SELECT id FROM p`).Scan(&productID)
 			`UPDATE outbox SET status = 'sent'`,
 			`DELETE FROM outbox`,
 			`INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, status) VALUES ('x', '1', 'x.y', '{}', 'sent')`,
+			// The transaction a row belongs to is Postgres's word: a
+			// writer cannot join another's (relay.atomic transaction).
+			`INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, writer_xid) VALUES ('x', '1', 'x.y', '{}', '5')`,
 			`INSERT INTO orders (customer) VALUES ('eve')`,
 		} {
 			asRole(t, db.Pool, "fanout_writer", func(tx pgx.Tx) { denied(t, tx, "fanout_writer", sql) })
@@ -361,6 +364,7 @@ SELECT id FROM p`).Scan(&productID)
 		denied(t, pool, "fanout_relay", `SELECT * FROM products`)
 		denied(t, pool, "fanout_relay", `UPDATE products SET price = 0`)
 		denied(t, pool, "fanout_relay", `UPDATE outbox SET event_type = 'x.y'`)
+		denied(t, pool, "fanout_relay", `UPDATE outbox SET writer_xid = '5'`)
 		denied(t, pool, "fanout_relay", `DELETE FROM processed_events`)
 		// The outbox's ranges: only through the functions, which run as
 		// their owner.
