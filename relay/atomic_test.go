@@ -527,3 +527,59 @@ func testTransactionsWaitForAtomic(t *testing.T, capture string) {
 		t.Fatalf("%d transactions, problems: %v", txs, bad)
 	}
 }
+
+// A poll relay with relay.atomic transaction whose claim window holds
+// only transactions waiting behind an event further up goes on to the
+// windows after it, finds that event's transaction, and then the rest:
+// nothing waits for ever. Here the window holds two rows, both of a
+// transaction x that waits for e (committed first, its row after them).
+// Claimed from the lowest id every time, nothing would ever be published.
+func TestPollTransactionsGoRoundABacklog(t *testing.T) {
+	t.Parallel()
+	h := newHarness(t)
+	h.cfg.Relay.Capture = CapturePoll
+	h.cfg.Relay.Atomic = AtomicTransaction
+	r := h.newRelay(nil, nil)
+	r.testTxWindow = 2
+	ctx := context.Background()
+	var xIDs []int64
+	var eID int64
+	h.launch(r, func() {
+		x, err := h.db.Pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer x.Rollback(ctx) //nolint:errcheck // committed below
+		for _, n := range []int{1, 2} {
+			id, err := outbox.Write(ctx, x, productEvent(n))
+			if err != nil {
+				t.Fatal(err)
+			}
+			xIDs = append(xIDs, id)
+		}
+		eID = write(t, h.db.Pool, productEvent(3))[0]
+		id, err := outbox.Write(ctx, x, productEvent(3))
+		if err != nil {
+			t.Fatal(err)
+		}
+		xIDs = append(xIDs, id)
+		if err := x.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	})
+	waitFor(t, 30*time.Second, "both transactions in the stream", func() (bool, string) {
+		n := h.streamCount()
+		return n == 4, fmt.Sprint(n)
+	})
+	var order []int64
+	for _, m := range h.streamMessages() {
+		id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+		order = append(order, id)
+	}
+	if order[0] != eID {
+		t.Fatalf("stream order %v, want e (%d) first, then x %v", order, eID, xIDs)
+	}
+	if txs, bad := txCheck(t, h); txs != 2 || len(bad) > 0 {
+		t.Fatalf("%d transactions, problems: %v", txs, bad)
+	}
+}

@@ -177,6 +177,8 @@ type Relay struct {
 	// testHookBeforeRecord, when set, runs after the PubAcks of a batch
 	// arrived and before the batch is recorded in Postgres.
 	testHookBeforeRecord func(ctx context.Context, ids []int64)
+	// testTxWindow, when set, is the transaction claim's window (claimWindow).
+	testTxWindow int
 	// testSweepWindow, when set, replaces sweepWindow (tests walk a
 	// backlog below the floor in windows of a few rows).
 	testSweepWindow int

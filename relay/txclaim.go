@@ -107,7 +107,11 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 // claimTransactions finds the transactions ready in the window above
 // after and claims up to n of their rows.
 func (r *Relay) claimTransactions(ctx context.Context, after int64, token pgtype.UUID, n int) ([]outbox.TxChunk, outbox.TxWindow, error) {
-	w, err := r.store.TransactionCandidates(ctx, after, r.claimWindow(), txCandidatesMax)
+	window := r.claimWindow()
+	if r.testTxWindow > 0 {
+		window = r.testTxWindow
+	}
+	w, err := r.store.TransactionCandidates(ctx, after, window, txCandidatesMax)
 	if err != nil || len(w.Candidates) == 0 {
 		return nil, w, err
 	}

@@ -28,7 +28,7 @@ var (
 	bigTxShapes  = flag.String("bigtx-shapes", "1,5000,each", "the bigtx part's aggregates: a count, or each (an aggregate per event)")
 	bigTxCapture = flag.String("bigtx-capture", "poll,wal", "the bigtx part's capture modes")
 	bigTxProfile = flag.String("bigtx-cpuprofile", "", "write CPU profiles of the big transactions' publishing to PREFIX.<capture>.<aggregates>")
-	bigTxAtomic  = flag.String("bigtx-atomic", "event,transaction", "the bigtx part's relay.atomic settings (transaction: wal capture only)")
+	bigTxAtomic  = flag.String("bigtx-atomic", "event,transaction", "the bigtx part's relay.atomic settings")
 )
 
 // aggregateShape is how a bigtx run spreads its events over aggregates.
@@ -63,12 +63,7 @@ func benchBigTx(ctx context.Context, nc *nats.Conn) error {
 		if mode != relay.CapturePoll && mode != relay.CaptureWAL {
 			return fmt.Errorf("-bigtx-capture: %q is neither poll nor wal", capture)
 		}
-		var atomics []string
-		for _, atomic := range strings.Split(*bigTxAtomic, ",") {
-			if atomic != relay.AtomicTransaction || mode == relay.CaptureWAL {
-				atomics = append(atomics, atomic)
-			}
-		}
+		atomics := strings.Split(*bigTxAtomic, ",")
 		for _, shape := range shapes {
 			// The settings alternate within each round, so that their
 			// ratio is measured side by side.
