@@ -150,25 +150,29 @@ WITH cand AS (
 ), capped AS (
     SELECT ord FROM (SELECT ord, sum(n) OVER (ORDER BY ord) AS upto FROM ready) x
     WHERE upto <= $6 OR ord = (SELECT min(ord) FROM ready)
+), pick AS MATERIALIZED (
+    SELECT c.id, c.ord FROM chunk c WHERE c.ord IN (SELECT ord FROM capped)
 ), locked AS (
-    SELECT o.id, c.ord FROM outbox o JOIN chunk c ON o.id = c.id
-    WHERE c.ord IN (SELECT ord FROM capped) AND o.published_at IS NULL AND o.status = 'pending'
+    SELECT o.id FROM outbox o
+    WHERE o.id = ANY (ARRAY(SELECT id FROM pick)) AND o.published_at IS NULL AND o.status = 'pending'
     FOR UPDATE OF o SKIP LOCKED
 ), whole AS (
-    SELECT l.ord FROM locked l GROUP BY l.ord
-    HAVING count(*) = (SELECT r.n FROM ready r WHERE r.ord = l.ord)
+    SELECT p.id FROM (
+        SELECT p.id, p.ord, count(*) OVER (PARTITION BY p.ord) AS got FROM locked l JOIN pick p ON p.id = l.id
+    ) p JOIN ready r ON r.ord = p.ord
+    WHERE p.got = r.n
 ), claimed AS (
     UPDATE outbox o
     SET status = 'sending', claimed_at = now(), lease_token = $3
-    FROM locked l
-    WHERE o.id = l.id AND l.ord IN (SELECT ord FROM whole)
-    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.created_at, o.aggregate_seq, l.ord
+    FROM whole l
+    WHERE o.id = l.id
+    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.created_at, o.aggregate_seq
 )
 SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.headers, c.created_at, c.aggregate_seq,
-       c.ord, k.held_by, k.xid::text, k.n > $5,
+       k.ord, k.held_by, k.xid::text, k.n > $5,
        (SELECT max(e.id) FROM outbox e WHERE k.xid IS NOT NULL AND e.writer_xid = k.xid AND e.id < k.first)
 FROM claimed c JOIN chunk k ON k.id = c.id
-ORDER BY c.ord, c.id`
+ORDER BY k.ord, c.id`
 
 // TxChunk is a chunk of a writer transaction a relay claimed.
 type TxChunk struct {

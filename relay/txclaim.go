@@ -82,6 +82,11 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 			n += len(c.Rows)
 		}
 		r.slots.Release(batch - int64(n))
+		if w.Full || n >= int(batch) {
+			// A backlog: as claimLoop's, fresh statistics of the ranges
+			// holding it keep the claim on its indexes (analyzeBurst).
+			r.analyzeBurst(hardCtx)
+		}
 		switch {
 		case n > 0:
 			after = math.MinInt64
