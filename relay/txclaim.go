@@ -103,7 +103,9 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 			idle = min(idle*2, r.cfg.PollInterval)
 			continue
 		}
-		r.obs.Claimed(n, time.Since(start))
+		took := time.Since(start)
+		r.obs.Claimed(n, took)
+		r.logger.Debug("claimed transactions", "chunks", len(chunks), "rows", n, "took", took)
 		idle = eagerPollMin
 		r.deliverTransactionsAsync(hardCtx, chunks, token, n)
 	}
