@@ -121,8 +121,8 @@
 //
 // # A transaction's events together
 //
-// With relay.atomic transaction (wal capture), a writer transaction is a
-// unit: the decoder cuts it into chunks of atomicMax rows (a full chunk
+// With relay.atomic transaction, a writer transaction is a unit. In wal
+// capture the decoder cuts it into chunks of atomicMax rows (a full chunk
 // goes once a row follows it, so the commit's chunk is never empty and
 // says it is the last), and each chunk goes as one atomic batch once the
 // events before its rows in their aggregates are done
@@ -130,8 +130,12 @@
 // until it is: going another way would let a subscriber see part of the
 // transaction. One holding an event the stream has (the slot replayed a
 // transaction whose batch was stored) goes again one by one, as the
-// duplicates they are. A poll relay claims rows, not transactions, so
-// the setting needs wal capture.
+// duplicates they are. In poll capture the relay claims transactions,
+// not rows, by the writer's transaction each row records (txclaim.go):
+// a chunk of atomicMax rows at a time, once the events before them in
+// their aggregates are published, each chunk one atomic batch. A batch
+// the stream does not store sends its rows back to wait and come back
+// together.
 //
 // # Retention
 //
