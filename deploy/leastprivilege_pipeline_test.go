@@ -112,7 +112,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	cfg.Subscribers.DeadLetterProvision = "verify"
 
 	// The relay.
-	relayPool := rolePool(t, cfg, db.URL, "fanout_relay", connect.AsyncCommit())
+	relayPool := rolePool(t, cfg, db.URL, "fanout_relay", connect.AsyncCommit(), connect.NoJIT())
 	relayNC := natsConn(t, cfg, ns, "relay", logger)
 	rl, err := relay.New(relay.Options{Relay: cfg.Relay, Stream: cfg.Stream, Pool: relayPool, Conn: relayNC, Logger: logger})
 	if err != nil {

@@ -310,7 +310,7 @@ func waitFor(ctx context.Context, timeout time.Duration, cond func() (bool, erro
 func relayPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
 	cfg := connect.DefaultPostgres()
 	cfg.URL = url
-	return connect.Postgres(ctx, cfg, "relay", connect.AsyncCommit())
+	return connect.Postgres(ctx, cfg, "relay", connect.AsyncCommit(), connect.NoJIT())
 }
 
 func poolWithConns(ctx context.Context, url string, n int32) (*pgxpool.Pool, error) {

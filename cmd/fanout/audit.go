@@ -43,7 +43,7 @@ by sequence and publishes events.`,
 				}
 				from = t
 			}
-			pool, err := a.postgres(cmd.Context(), "relay", connect.AsyncCommit())
+			pool, err := a.postgres(cmd.Context(), "relay", connect.AsyncCommit(), connect.NoJIT())
 			if err != nil {
 				return err
 			}

@@ -59,7 +59,7 @@ func (d relayDeps) close() {
 
 // startRelay connects and starts a relay.
 func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, relayDeps, error) {
-	pool, err := a.postgres(ctx, "relay", connect.AsyncCommit())
+	pool, err := a.postgres(ctx, "relay", connect.AsyncCommit(), connect.NoJIT())
 	if err != nil {
 		return nil, relayDeps{}, err
 	}
