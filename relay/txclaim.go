@@ -106,6 +106,12 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 		took := time.Since(start)
 		r.obs.Claimed(n, took)
 		r.logger.Debug("claimed transactions", "chunks", len(chunks), "rows", n, "took", took)
+		if took > r.cfg.Lease/4 {
+			// The lease runs from the claim's start: a claim this slow
+			// leaves its deliveries little of it (is JIT on for the
+			// relay's sessions? connect.NoJIT).
+			r.logger.Warn("a claim of transactions took a quarter of the lease or more", "took", took, "lease", r.cfg.Lease, "rows", n)
+		}
 		idle = eagerPollMin
 		r.deliverTransactionsAsync(hardCtx, chunks, token, n)
 	}
