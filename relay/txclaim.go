@@ -189,6 +189,9 @@ func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk
 		r.testHookBeforeRecord(ctx, ids)
 	}
 	r.record(ctx, rows, token, all, nil)
+	// The transactions waiting behind these are ready now: the claim
+	// loop, backing off after claims that found none, claims them at once.
+	r.Nudge()
 }
 
 // publishTxChunk publishes c's rows as one atomic batch, but for those
