@@ -282,15 +282,7 @@ func (r *Relay) publishTransactionBatch(softCtx, hardCtx context.Context, p txPa
 	}
 	wait := min(r.cfg.RetryMin, r.outageRetryMax())
 	for {
-		err := r.guardOrigin(hardCtx)
-		var seqs []uint64
-		switch {
-		case err != nil:
-		case !r.atomicOK.Load():
-			err = fmt.Errorf("the stream %s does not allow atomic batches: set allow_atomic (`fanout provision --update-stream %s`)", r.stream.Name, r.stream.Name)
-		default:
-			seqs, err = r.sendTransaction(softCtx, hardCtx, msgs)
-		}
+		seqs, err := r.sendWhole(softCtx, hardCtx, msgs)
 		if err == nil {
 			now := time.Now()
 			published := make([]Published, len(rows))
@@ -372,6 +364,19 @@ func (r *Relay) stillInStream(ctx context.Context, rows []row) bool {
 		}
 	}
 	return found == len(rows)
+}
+
+// sendWhole is sendTransaction once the relay may publish (guardOrigin)
+// into a stream that allows atomic batches: relay.atomic transaction has
+// no other way to publish a transaction.
+func (r *Relay) sendWhole(softCtx, hardCtx context.Context, msgs []*nats.Msg) ([]uint64, error) {
+	if err := r.guardOrigin(hardCtx); err != nil {
+		return nil, err
+	}
+	if !r.atomicOK.Load() {
+		return nil, fmt.Errorf("the stream %s does not allow atomic batches: set allow_atomic (`fanout provision --update-stream %s`)", r.stream.Name, r.stream.Name)
+	}
+	return r.sendTransaction(softCtx, hardCtx, msgs)
 }
 
 // sendTransaction publishes msgs as one atomic batch and returns each

@@ -62,15 +62,10 @@ func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
 		start := time.Now()
 		rows, token, backlog, err := r.claim(hardCtx)
 		if err != nil {
-			msg := err.Error()
-			r.lastClaimErr.Store(&msg)
-			r.markOriginStale() // Postgres may be back from a restore
 			r.slots.Release(batch)
-			r.logger.Error("claim outbox batch", "error", err, "retry_in", errWait)
-			if !r.sleep(softCtx, errWait) {
+			if !r.claimFailed(softCtx, "claim outbox batch", err, &errWait) {
 				return
 			}
-			errWait = min(errWait*2, max(r.cfg.PollInterval, time.Second))
 			continue
 		}
 		errWait = eagerPollMin
@@ -87,6 +82,21 @@ func (r *Relay) claimLoop(softCtx, hardCtx context.Context) {
 		idle = eagerPollMin
 		r.deliverAsync(hardCtx, rows, token, backlog)
 	}
+}
+
+// claimFailed records and logs a claim's error and waits errWait before
+// the next claim, doubling it for the time after; it returns false if
+// the relay stopped meanwhile.
+func (r *Relay) claimFailed(softCtx context.Context, what string, err error, errWait *time.Duration) bool {
+	msg := err.Error()
+	r.lastClaimErr.Store(&msg)
+	r.markOriginStale() // Postgres may be back from a restore
+	r.logger.Error(what, "error", err, "retry_in", *errWait)
+	if !r.sleep(softCtx, *errWait) {
+		return false
+	}
+	*errWait = min(*errWait*2, max(r.cfg.PollInterval, time.Second))
+	return true
 }
 
 // row is one claimed outbox row.

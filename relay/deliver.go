@@ -46,13 +46,7 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, clai
 			r.unrecorded.Add(-int64(len(rows)))
 			return
 		}
-		if r.testHookBeforeRecord != nil {
-			ids := make([]int64, len(rows))
-			for i := range rows {
-				ids[i] = rows[i].ID
-			}
-			r.testHookBeforeRecord(ctx, ids)
-		}
+		r.beforeRecord(ctx, rows)
 		next, rest := r.nextClaim(rows, results, claimNext, held)
 		start := time.Now()
 		claimed, ok := r.record(ctx, rows, token, results, next)
@@ -73,6 +67,19 @@ func (r *Relay) deliver(ctx context.Context, rows []row, token pgtype.UUID, clai
 		}
 		rows, token = claimed, next.Token
 	}
+}
+
+// beforeRecord runs the test hook testHookBeforeRecord, if set, on the
+// rows about to be recorded.
+func (r *Relay) beforeRecord(ctx context.Context, rows []row) {
+	if r.testHookBeforeRecord == nil {
+		return
+	}
+	ids := make([]int64, len(rows))
+	for i := range rows {
+		ids[i] = rows[i].ID
+	}
+	r.testHookBeforeRecord(ctx, ids)
 }
 
 // nextClaim is the claim of the next events of the aggregates a delivery

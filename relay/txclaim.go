@@ -64,15 +64,10 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 		// committed, the claimed rows would wait for their lease.
 		chunks, w, err := r.claimTransactions(hardCtx, after, token, int(batch))
 		if err != nil {
-			msg := err.Error()
-			r.lastClaimErr.Store(&msg)
-			r.markOriginStale()
 			r.slots.Release(batch)
-			r.logger.Error("claim outbox transactions", "error", err, "retry_in", errWait)
-			if !r.sleep(softCtx, errWait) {
+			if !r.claimFailed(softCtx, "claim outbox transactions", err, &errWait) {
 				return
 			}
-			errWait = min(errWait*2, max(r.cfg.PollInterval, time.Second))
 			continue
 		}
 		errWait = eagerPollMin
@@ -181,13 +176,7 @@ func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk
 		rows = append(rows, c.Rows...)
 		all = append(all, results[i]...)
 	}
-	if r.testHookBeforeRecord != nil {
-		ids := make([]int64, len(rows))
-		for i := range rows {
-			ids[i] = rows[i].ID
-		}
-		r.testHookBeforeRecord(ctx, ids)
-	}
+	r.beforeRecord(ctx, rows)
 	r.record(ctx, rows, token, all, nil)
 	// The transactions waiting behind these are ready now: the claim
 	// loop, backing off after claims that found none, claims them at once.
@@ -240,15 +229,7 @@ func (r *Relay) publishTxChunk(ctx context.Context, c *outbox.TxChunk) ([]outcom
 	if len(publish) == 0 {
 		return results, true
 	}
-	err = r.guardOrigin(ctx)
-	var seqs []uint64
-	switch {
-	case err != nil:
-	case !r.atomicOK.Load():
-		err = fmt.Errorf("the stream %s does not allow atomic batches: set allow_atomic (`fanout provision --update-stream %s`)", r.stream.Name, r.stream.Name)
-	default:
-		seqs, err = r.sendTransaction(ctx, ctx, msgs)
-	}
+	seqs, err := r.sendWhole(ctx, ctx, msgs)
 	switch {
 	case err == nil:
 		now := time.Now()
