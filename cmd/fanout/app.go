@@ -59,6 +59,13 @@ func (a *app) postgres(ctx context.Context, role string, opts ...connect.Postgre
 	return connect.Postgres(ctx, a.cfg.Postgres, role, opts...)
 }
 
+// relayPostgres opens the relay's pool: its sessions commit without
+// waiting for the WAL flush and plan without JIT (connect.AsyncCommit,
+// connect.NoJIT).
+func (a *app) relayPostgres(ctx context.Context) (*pgxpool.Pool, error) {
+	return a.postgres(ctx, "relay", connect.AsyncCommit(), connect.NoJIT())
+}
+
 func (a *app) nats(role string) (*nats.Conn, error) {
 	return connect.NATS(a.cfg.NATS, role, logging.Component(a.logger, "nats"))
 }

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/relay"
 	"github.com/spf13/cobra"
@@ -43,7 +42,7 @@ by sequence and publishes events.`,
 				}
 				from = t
 			}
-			pool, err := a.postgres(cmd.Context(), "relay", connect.AsyncCommit(), connect.NoJIT())
+			pool, err := a.relayPostgres(cmd.Context())
 			if err != nil {
 				return err
 			}

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/opsserver"
@@ -59,7 +58,7 @@ func (d relayDeps) close() {
 
 // startRelay connects and starts a relay.
 func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, relayDeps, error) {
-	pool, err := a.postgres(ctx, "relay", connect.AsyncCommit(), connect.NoJIT())
+	pool, err := a.relayPostgres(ctx)
 	if err != nil {
 		return nil, relayDeps{}, err
 	}
