@@ -97,7 +97,9 @@ func (s *Store) TransactionCandidates(ctx context.Context, after int64, window, 
 // least the first ready chunk's), chunks of at most $5 rows. $4 is
 // whether failed rows hold the events behind them. With $7, a candidate
 // whose rows below its first are not all done is not ready (a window
-// that did not start from the lowest id may have missed them).
+// that did not start from the lowest id may have missed them), but for
+// those sending under one of the lease tokens $8 (the chunks before,
+// which this relay is publishing: ClaimTransactionNext).
 //
 // A chunk is claimed only if every row of it is locked by this claim:
 // another relay claiming at once locks some (SKIP LOCKED), and both leave
@@ -113,7 +115,8 @@ WITH cand AS (
     FROM unnest($1::text[], $2::bigint[]) WITH ORDINALITY AS c(xid, first, ord)
     WHERE NOT $7 OR c.xid IS NULL OR NOT EXISTS (
         SELECT FROM outbox e
-        WHERE e.writer_xid = c.xid::xid8 AND e.id < c.first AND e.published_at IS NULL AND e.status IN ('pending', 'sending'))
+        WHERE e.writer_xid = c.xid::xid8 AND e.id < c.first AND e.published_at IS NULL AND e.status IN ('pending', 'sending')
+          AND NOT (e.status = 'sending' AND coalesce(e.lease_token = ANY ($8::uuid[]), false)))
 ), txrows AS MATERIALIZED (
     SELECT c.ord, c.xid, c.first, r.id, r.status, r.due, r.aggregate_type, r.aggregate_id, r.aggregate_seq
     FROM cand c CROSS JOIN LATERAL (
@@ -190,6 +193,28 @@ type TxChunk struct {
 // under the lease token. checkBelow: cands come from a window that did
 // not start at the lowest unpublished id.
 func (s *Store) ClaimTransactions(ctx context.Context, cands []TxCandidate, token pgtype.UUID, chunk, n int, checkBelow bool) ([]TxChunk, error) {
+	return s.claimTransactions(ctx, cands, token, chunk, n, checkBelow, []pgtype.UUID{})
+}
+
+// ClaimTransactionNext claims, under the lease token, the chunk (at most
+// chunk rows) of the writer transaction xid that follows its row after,
+// while the chunks before it are still sending under the leases below: a
+// relay claims a big transaction's next chunks while it publishes the
+// ones before, and publishes each only once those are in the stream. It
+// claims nothing (false) if the chunk is not ready, or if any row of the
+// transaction below it is still to publish other than under below.
+func (s *Store) ClaimTransactionNext(ctx context.Context, xid string, after int64, below []pgtype.UUID, token pgtype.UUID, chunk int) (TxChunk, bool, error) {
+	if xid == "" || len(below) == 0 {
+		return TxChunk{}, false, fmt.Errorf("claim the next chunk of a transaction: no transaction or lease (%q)", xid)
+	}
+	chunks, err := s.claimTransactions(ctx, []TxCandidate{{XID: xid, First: after + 1}}, token, chunk, chunk, true, below)
+	if err != nil || len(chunks) == 0 {
+		return TxChunk{}, false, err
+	}
+	return chunks[0], true, nil
+}
+
+func (s *Store) claimTransactions(ctx context.Context, cands []TxCandidate, token pgtype.UUID, chunk, n int, checkBelow bool, below []pgtype.UUID) ([]TxChunk, error) {
 	if len(cands) == 0 {
 		return nil, nil
 	}
@@ -199,7 +224,7 @@ func (s *Store) ClaimTransactions(ctx context.Context, cands []TxCandidate, toke
 		xids[i] = pgtype.Text{String: c.XID, Valid: c.XID != ""}
 		firsts[i] = c.First
 	}
-	rows, err := s.pool.Query(ctx, claimTransactionsSQL, xids, firsts, token, s.OnFailed != SkipFailed, max(chunk, 1), max(n, 1), checkBelow)
+	rows, err := s.pool.Query(ctx, claimTransactionsSQL, xids, firsts, token, s.OnFailed != SkipFailed, max(chunk, 1), max(n, 1), checkBelow, below)
 	if err != nil {
 		return nil, fmt.Errorf("claim the outbox's transactions: %w", err)
 	}

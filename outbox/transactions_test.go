@@ -180,3 +180,58 @@ func writeTx(t *testing.T, db *pgtest.DB, orders ...string) []int64 {
 	}
 	return ids
 }
+
+// A relay claims a big transaction's next chunks while it publishes the
+// ones before (ClaimTransactionNext): only while every row below the
+// chunk still to publish is sending under one of the leases it names,
+// never while one is under another lease or back to pending.
+func TestClaimTransactionNext(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	store := outbox.NewStore(db.Pool)
+	first := pgtype.UUID{Bytes: [16]byte{1}, Valid: true}
+	stream := pgtype.UUID{Bytes: [16]byte{2}, Valid: true}
+	other := pgtype.UUID{Bytes: [16]byte{3}, Valid: true}
+	big := writeTx(t, db, slices.Repeat([]string{"1", "2", "3", "4", "5"}, 700)...)
+	w, err := store.TransactionCandidates(ctx, math.MinInt64, 5000, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := store.ClaimTransactions(ctx, w.Candidates, first, 1000, 1000, false)
+	if err != nil || len(got) != 1 || len(got[0].Rows) != 1000 || !got[0].More {
+		t.Fatalf("first chunk: %+v (%v), want 1000 rows and more", got, err)
+	}
+	xid := got[0].XID
+	next := func(after int64, below ...pgtype.UUID) (outbox.TxChunk, bool) {
+		t.Helper()
+		c, ok, err := store.ClaimTransactionNext(ctx, xid, after, below, stream, 1000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c, ok
+	}
+	if c, ok := next(big[999], other); ok {
+		t.Fatalf("claimed rows %d.. while the chunk below is sending under another lease", c.Rows[0].ID)
+	}
+	for i, want := range [][]int64{big[1000:2000], big[2000:3000]} {
+		c, ok := next(want[0]-1, first, stream)
+		if !ok || len(c.Rows) != len(want) || c.Rows[0].ID != want[0] || c.Rows[len(c.Rows)-1].ID != want[len(want)-1] || c.Prev != want[0]-1 || !c.More {
+			t.Fatalf("chunk %d: %v %+v, want rows %d..%d after %d, more", i+2, ok, c.Prev, want[0], want[len(want)-1], want[0]-1)
+		}
+	}
+	// The first chunk published, the second sent back to wait: the
+	// chunk after them is not claimed.
+	if _, _, err := store.Record(ctx, first, outbox.Outcomes{Sent: big[:1000]}); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := store.Record(ctx, stream, outbox.Outcomes{Returned: big[1000:2000]}); err != nil {
+		t.Fatal(err)
+	}
+	if c, ok := next(big[2999], first, stream); ok {
+		t.Fatalf("claimed rows %d.. while rows below are pending again", c.Rows[0].ID)
+	}
+	if _, _, err := store.ClaimTransactionNext(ctx, xid, big[2999], nil, stream, 1000); err == nil {
+		t.Fatal("claimed the next chunk with no lease named for the rows below")
+	}
+}

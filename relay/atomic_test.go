@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -583,4 +584,115 @@ func TestPollTransactionsGoRoundABacklog(t *testing.T) {
 	if txs, bad := txCheck(t, h); txs != 2 || len(bad) > 0 {
 		t.Fatalf("%d transactions, problems: %v", txs, bad)
 	}
+}
+
+// A poll relay claims a big transaction's next chunks while one
+// publishes, and publishes each only once the chunks before it are in the
+// stream: when the stream does not store the second chunk (the test hook
+// FailAtomic, once), the chunks after it go back to wait with it, no
+// attempt counted, and the transaction lands whole and in order. A row
+// that can never be published holds its aggregate's events in the chunks
+// after it too, claimed before it was marked failed.
+func TestPollTransactionChunksFollowInOrder(t *testing.T) {
+	t.Parallel()
+	t.Run("refused-chunk", func(t *testing.T) {
+		t.Parallel()
+		h := newHarness(t)
+		h.cfg.Relay.Capture = CapturePoll
+		h.cfg.Relay.Atomic = AtomicTransaction
+		r := h.newRelay(nil, nil)
+		var calls atomic.Int32
+		r.hooks.FailAtomic = func([]int64) bool { return calls.Add(1) == 2 } // the second chunk, the first time
+		const n = 3500
+		events := make([]outbox.Event, n)
+		for i := range events {
+			events[i] = productEvent(i % 50)
+		}
+		h.launch(r, func() { write(t, h.db.Pool, events...) })
+		h.waitAllSent(n, 90*time.Second)
+		if calls.Load() < 5 {
+			t.Fatalf("%d atomic batches, want the transaction's 4 chunks and the refused one again", calls.Load())
+		}
+		if _, bad := atomicCheck(t, h, n); len(bad) > 0 {
+			t.Fatalf("%d problems, first: %s", len(bad), strings.Join(bad[:min(5, len(bad))], "; "))
+		}
+		if txs, bad := txCheck(t, h); txs != 1 || len(bad) > 0 {
+			t.Fatalf("%d transactions, problems: %v", txs, bad[:min(5, len(bad))])
+		}
+		var tried, attempts int
+		if err := h.db.Pool.QueryRow(context.Background(), `SELECT count(*), coalesce(sum(attempts), 0) FROM outbox WHERE attempts > 0`).Scan(&tried, &attempts); err != nil {
+			t.Fatal(err)
+		}
+		if tried != 1000 || attempts != 1000 {
+			t.Fatalf("%d rows with %d failed attempts, want the refused chunk's 1000 with one each", tried, attempts)
+		}
+	})
+	t.Run("held-across-chunks", func(t *testing.T) {
+		t.Parallel()
+		h := newHarness(t)
+		h.cfg.Relay.Capture = CapturePoll
+		h.cfg.Relay.Atomic = AtomicTransaction
+		r := h.newRelay(nil, nil)
+		ctx := context.Background()
+		var poison int64
+		var behind []int64
+		h.launch(r, func() {
+			if err := pgx.BeginFunc(ctx, h.db.Pool, func(tx pgx.Tx) error {
+				for i := range 1500 {
+					e := productEvent(100 + i%50)
+					switch {
+					case i == 999: // the first chunk's last row
+						if err := tx.QueryRow(ctx, `INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+VALUES ('product', '8', 'product.updated', '{}', '{"x-count": 1}') RETURNING id`).Scan(&poison); err != nil {
+							return err
+						}
+						continue
+					case i >= 1000 && i < 1010: // its aggregate's next events, in the second chunk
+						e = productEvent(8)
+					}
+					id, err := outbox.Write(ctx, tx, e)
+					if err != nil {
+						return err
+					}
+					if e.AggregateID == "8" {
+						behind = append(behind, id)
+					}
+				}
+				return nil
+			}); err != nil {
+				t.Fatal(err)
+			}
+		})
+		const want = 1500 - 1 - 10
+		waitFor(t, 60*time.Second, "every publishable event in the stream", func() (bool, string) {
+			n := h.streamCount()
+			return n >= want, fmt.Sprintf("%d of %d", n, want)
+		})
+		waitFor(t, 10*time.Second, "the transaction's rows all recorded", func() (bool, string) {
+			var open int
+			if err := h.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status IN ('pending', 'sending')`).Scan(&open); err != nil {
+				t.Fatal(err)
+			}
+			return open == 0, fmt.Sprintf("%d rows still pending or sending", open)
+		})
+		for _, id := range append([]int64{poison}, behind...) {
+			var status, reason string
+			if err := h.db.Pool.QueryRow(ctx, `SELECT status, coalesce(last_error, '') FROM outbox WHERE id = $1`, id).Scan(&status, &reason); err != nil {
+				t.Fatal(err)
+			}
+			wantReason := outbox.HeldBehindReason(poison)
+			if id == poison {
+				wantReason = "headers"
+			}
+			if status != "failed" || !strings.Contains(reason, wantReason) {
+				t.Fatalf("row %d (aggregate 8) is %s (%q), want failed: %s", id, status, reason, wantReason)
+			}
+		}
+		if n := h.streamCount(); n != want {
+			t.Fatalf("the stream holds %d events, want %d", n, want)
+		}
+		if bad := outOfOrder(t, h); len(bad) > 0 {
+			t.Fatalf("%d problems, first: %s", len(bad), strings.Join(bad[:min(5, len(bad))], "; "))
+		}
+	})
 }

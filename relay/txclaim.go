@@ -159,7 +159,13 @@ func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk
 	g.SetLimit(atomicInFlight)
 	for i := range chunks {
 		g.Go(func() error {
-			res, ok := r.publishTxChunk(gctx, &chunks[i])
+			c := &chunks[i]
+			follow := r.followTransaction(ctx, c, token)
+			stoppedBy := map[aggregateKey]int64{}
+			res, ok := r.publishTxChunk(gctx, c, stoppedBy)
+			if follow != nil {
+				follow(ok && publishedWhole(res), ok, stoppedBy)
+			}
 			if !ok {
 				return gctx.Err()
 			}
@@ -183,12 +189,166 @@ func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk
 	r.Nudge()
 }
 
+// A big transaction's chunks go one after the other, each once the ones
+// before are in the stream (a chunk's events may follow events of their
+// aggregates in the chunks before). While a chunk publishes, the relay
+// claims the next ones (outbox.ClaimTransactionNext: the rows below them
+// may be sending under this relay's leases), up to txClaimAhead, and
+// records each chunk while the next publishes: a chunk costs its claim or
+// its batch, whichever is longer, rather than a claim, a batch and a
+// record. Wherever this stops (a chunk not ready, no free slots, a batch
+// the stream did not store, a stop), the claim loop takes the transaction
+// up again.
+
+// txClaimAhead bounds the chunks of a transaction claimed and not yet
+// published.
+const txClaimAhead = 2
+
+// followTransaction starts claiming the chunks of c's transaction after
+// c, which was claimed under token, and returns what to call once c's
+// batch is done (published: all of c that can be is in the stream; ok
+// false: a hard stop), which publishes and records them in the
+// background. It returns nil if c is its transaction's last chunk or the
+// relay is stopping.
+func (r *Relay) followTransaction(ctx context.Context, c *outbox.TxChunk, token pgtype.UUID) func(published, ok bool, stoppedBy map[aggregateKey]int64) {
+	if !c.More || c.XID == "" || len(c.Rows) == 0 {
+		return nil
+	}
+	select {
+	case <-r.stopping:
+		return nil
+	default:
+	}
+	claimed := make(chan outbox.TxChunk, txClaimAhead-1)
+	quit := make(chan struct{})
+	lease := newLeaseToken()
+	r.batches.Add(1)
+	go func() {
+		defer r.batches.Done()
+		defer close(claimed)
+		r.claimChunks(ctx, c, []pgtype.UUID{token, lease}, claimed, quit)
+	}()
+	return func(published, ok bool, stoppedBy map[aggregateKey]int64) {
+		r.batches.Add(1)
+		go func() {
+			defer r.batches.Done()
+			r.publishChunks(ctx, claimed, quit, lease, published, ok, stoppedBy)
+		}()
+	}
+}
+
+// claimChunks claims the chunks of c's transaction after c, one after the
+// other, under leases[1], and hands each on, with its slots and counted
+// as unrecorded; until one is not ready, the last is claimed, quit is
+// closed, or the relay is stopping or has no slots free.
+func (r *Relay) claimChunks(ctx context.Context, c *outbox.TxChunk, leases []pgtype.UUID, claimed chan<- outbox.TxChunk, quit <-chan struct{}) {
+	after := c.Rows[len(c.Rows)-1].ID
+	for {
+		select {
+		case <-quit:
+			return
+		case <-r.stopping:
+			return
+		default:
+		}
+		if !r.slots.TryAcquire(atomicMax) {
+			r.logger.Debug("a transaction's next chunk waits for the claim loop: no slots free", "transaction", c.XID)
+			return
+		}
+		// On the hard context, as the claim loop's: cancelled after the
+		// server committed, the claimed rows would wait for their lease.
+		next, ok, err := r.store.ClaimTransactionNext(ctx, c.XID, after, leases, leases[1], atomicMax)
+		if err != nil && ctx.Err() == nil {
+			r.logger.Warn("claim a transaction's next chunk: the claim loop takes it up", "transaction", c.XID, "error", err)
+		}
+		if err != nil || !ok {
+			r.slots.Release(atomicMax)
+			return
+		}
+		n := len(next.Rows)
+		r.slots.Release(int64(atomicMax - n))
+		r.unrecorded.Add(int64(n))
+		r.lastClaimed.Store(time.Now().UnixNano())
+		claimed <- next // publishChunks takes every chunk until claimed closes
+		if !next.More {
+			return
+		}
+		after = next.Rows[n-1].ID
+	}
+}
+
+// publishChunks publishes the chunks claimChunks hands on, each once the
+// one before it went whole into the stream (published), and records each
+// while the next publishes. After one that did not, the rest go back to
+// wait with it, to follow it again (no attempt counted); after a hard
+// stop (ok false), they stay sending for the reaper. stoppedBy holds the
+// aggregates stopped by a failed event in the chunks before.
+func (r *Relay) publishChunks(ctx context.Context, claimed <-chan outbox.TxChunk, quit chan struct{}, lease pgtype.UUID, published, ok bool, stoppedBy map[aggregateKey]int64) {
+	var records sync.WaitGroup
+	var quitOnce sync.Once
+	stop := func() { quitOnce.Do(func() { close(quit) }) }
+	defer func() {
+		stop()
+		records.Wait()
+		// Whatever is left, the claim loop takes up at once. Not after
+		// each chunk: it would walk the transaction's backlog in vain
+		// while the next chunk is on its way.
+		r.Nudge()
+	}()
+	for c := range claimed {
+		n := len(c.Rows)
+		var res []outcome
+		switch {
+		case !ok:
+			stop()
+			r.unrecorded.Add(-int64(n))
+			r.slots.Release(int64(n))
+			continue
+		case published:
+			if res, ok = r.publishTxChunk(ctx, &c, stoppedBy); !ok {
+				stop()
+				r.unrecorded.Add(-int64(n))
+				r.slots.Release(int64(n))
+				continue
+			}
+			published = publishedWhole(res)
+		default:
+			stop()
+			res = make([]outcome, n)
+			for i := range res {
+				res[i] = outcome{returned: true}
+			}
+		}
+		records.Add(1)
+		go func() {
+			defer records.Done()
+			defer r.slots.Release(int64(n))
+			defer r.unrecorded.Add(-int64(n))
+			r.beforeRecord(ctx, c.Rows)
+			r.record(ctx, c.Rows, lease, res, nil)
+		}()
+	}
+}
+
+// publishedWhole says whether a chunk's events are all in the stream but
+// those that never will be (failed, or held behind a failed event): the
+// chunk after it may go.
+func publishedWhole(res []outcome) bool {
+	for _, o := range res {
+		if !o.acked && !o.permanent {
+			return false
+		}
+	}
+	return true
+}
+
 // publishTxChunk publishes c's rows as one atomic batch, but for those
 // that can never be published (marked failed, and under relay.on_failed
 // hold the events behind them in their aggregates too) and those held
-// behind an earlier failed event. It returns each row's outcome, or false
-// if ctx ended first.
-func (r *Relay) publishTxChunk(ctx context.Context, c *outbox.TxChunk) ([]outcome, bool) {
+// behind an earlier failed event, of this chunk or of the chunks of its
+// transaction before it (stoppedBy, which it adds to). It returns each
+// row's outcome, or false if ctx ended first.
+func (r *Relay) publishTxChunk(ctx context.Context, c *outbox.TxChunk, stoppedBy map[aggregateKey]int64) ([]outcome, bool) {
 	results := make([]outcome, len(c.Rows))
 	part, err := r.txPartOf(ctx, c)
 	if err != nil {
@@ -199,7 +359,6 @@ func (r *Relay) publishTxChunk(ctx context.Context, c *outbox.TxChunk) ([]outcom
 	}
 	hold := r.store.OnFailed != outbox.SkipFailed
 	maxPayload := r.nc.MaxPayload()
-	stoppedBy := map[aggregateKey]int64{}
 	var publish []int
 	var msgs []*nats.Msg
 	for i, rw := range c.Rows {
@@ -229,7 +388,12 @@ func (r *Relay) publishTxChunk(ctx context.Context, c *outbox.TxChunk) ([]outcom
 	if len(publish) == 0 {
 		return results, true
 	}
-	seqs, err := r.sendWhole(ctx, ctx, msgs)
+	var seqs []uint64
+	if r.hooks.FailAtomic != nil && r.hooks.FailAtomic(rowIDs(c.Rows, publish)) {
+		err = errors.New("nats: timeout (injected by a test hook)")
+	} else {
+		seqs, err = r.sendWhole(ctx, ctx, msgs)
+	}
 	switch {
 	case err == nil:
 		now := time.Now()
@@ -331,4 +495,13 @@ func (r *Relay) txPublished(c *outbox.TxChunk, p txPart) {
 		r.txChunks.last = map[string]txChunkSeen{}
 	}
 	r.txChunks.last[c.XID] = txChunkSeen{chunk: p.chunk, lastID: c.Rows[len(c.Rows)-1].ID}
+}
+
+// rowIDs returns the ids of rows[i] for each i of which.
+func rowIDs(rows []outbox.Claimed, which []int) []int64 {
+	ids := make([]int64, len(which))
+	for j, i := range which {
+		ids[j] = rows[i].ID
+	}
+	return ids
 }

@@ -67,12 +67,19 @@ var (
 	maxInFlight = flag.Int("inflight", 0, "override relay.max_in_flight")
 	only        = flag.String("only", "", "run only these parts (a comma-separated list): a, w, b, c, m, writer, latency, horizon, audit, fsync, retention; only when asked: accounts (the production NATS layout's cost), auditfull, bigtx")
 	cpuProfile  = flag.String("cpuprofile", "", "write a CPU profile of this process")
+	relayLog    = flag.String("relaylog", "", "log the relays at this level (debug, info, warn) to stderr")
 	adminURL    = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
 )
 
 func main() {
 	flag.Parse()
 	ctx := context.Background()
+	l, err := relayLogger(*relayLog)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
+	}
+	quiet = l
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
 		if err != nil {
@@ -235,7 +242,20 @@ type result struct {
 	claimMs float64 // the drain's mean claim time
 }
 
+// quiet is the relays' logger: nothing, unless -relaylog names a level
+// (their logs then go to stderr: a claim's time is logged at debug).
 var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+func relayLogger(level string) (*slog.Logger, error) {
+	if level == "" {
+		return quiet, nil
+	}
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("-relaylog: %w", err)
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: l})), nil
+}
 
 // freshStream returns a stream config with a name and subject prefix of its
 // own, and deletes the stream when done is called.

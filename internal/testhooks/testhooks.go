@@ -38,7 +38,8 @@ type Relay struct {
 	// would.
 	FailLookback func() bool
 	// FailAtomic, if set, names atomic batches (by their rows' ids) that
-	// fail as if the commit got no answer, before anything is sent.
+	// fail as if the commit got no answer, before anything is sent: an
+	// aggregate's chain, or a transaction's chunk.
 	FailAtomic func(ids []int64) bool
 	// AtomicReversed (sabotage) sends each atomic batch's events in the
 	// reverse order: an aggregate's chain lands backwards.
