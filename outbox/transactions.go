@@ -134,19 +134,16 @@ WITH cand AS (
     SELECT t.*, row_number() OVER (PARTITION BY t.ord ORDER BY t.id) AS rn, count(*) OVER (PARTITION BY t.ord) AS n
     FROM txrows t
 ), chunk AS MATERIALIZED (
-    SELECT k.*,
-           k.aggregate_seq IS NOT NULL AND EXISTS (
-               SELECT FROM outbox e
-               WHERE e.aggregate_type = k.aggregate_type AND e.aggregate_id = k.aggregate_id
-                 AND e.aggregate_seq = k.aggregate_seq - 1 AND num_nulls(e.published_at) = 1
-                 AND e.status IN ('pending', 'sending') AND (k.xid IS NULL OR e.writer_xid IS DISTINCT FROM k.xid)
-               OFFSET 0) AS blocked,
-           CASE WHEN k.aggregate_seq IS NOT NULL AND $4 THEN (
-               SELECT e.id FROM outbox e
-               WHERE e.aggregate_type = k.aggregate_type AND e.aggregate_id = k.aggregate_id
-                 AND e.aggregate_seq = k.aggregate_seq - 1 AND num_nulls(e.published_at) = 1 AND e.status = 'failed'
-               LIMIT 1) END AS held_by
-    FROM ranked k WHERE k.rn <= $5
+    SELECT k.*, coalesce(p.blocked, false) AS blocked, p.held_by
+    FROM ranked k CROSS JOIN LATERAL (
+        -- The previous event of the row's aggregate, one probe for both.
+        SELECT bool_or(e.status IN ('pending', 'sending') AND (k.xid IS NULL OR e.writer_xid IS DISTINCT FROM k.xid)) AS blocked,
+               max(e.id) FILTER (WHERE $4 AND e.status = 'failed') AS held_by
+        FROM outbox e
+        WHERE k.aggregate_seq IS NOT NULL AND e.aggregate_type = k.aggregate_type AND e.aggregate_id = k.aggregate_id
+          AND e.aggregate_seq = k.aggregate_seq - 1 AND num_nulls(e.published_at) = 1
+    ) p
+    WHERE k.rn <= $5
 ), ready AS (
     SELECT ord, count(*) AS n FROM chunk GROUP BY ord
     HAVING bool_and(status = 'pending' AND due AND NOT blocked)
@@ -164,6 +161,9 @@ WITH cand AS (
         SELECT p.id, p.ord, count(*) OVER (PARTITION BY p.ord) AS got FROM locked l JOIN pick p ON p.id = l.id
     ) p JOIN ready r ON r.ord = p.ord
     WHERE p.got = r.n
+), prev AS (
+    SELECT c.ord, (SELECT max(e.id) FROM outbox e WHERE e.writer_xid = c.xid AND e.id < c.first) AS id
+    FROM cand c WHERE c.xid IS NOT NULL AND c.ord IN (SELECT ord FROM capped)
 ), claimed AS (
     UPDATE outbox o
     SET status = 'sending', claimed_at = now(), lease_token = $3
@@ -172,9 +172,8 @@ WITH cand AS (
     RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.headers, o.created_at, o.aggregate_seq
 )
 SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.headers, c.created_at, c.aggregate_seq,
-       k.ord, k.held_by, k.xid::text, k.n > $5,
-       (SELECT max(e.id) FROM outbox e WHERE k.xid IS NOT NULL AND e.writer_xid = k.xid AND e.id < k.first)
-FROM claimed c JOIN chunk k ON k.id = c.id
+       k.ord, k.held_by, k.xid::text, k.n > $5, p.id
+FROM claimed c JOIN chunk k ON k.id = c.id LEFT JOIN prev p ON p.ord = k.ord
 ORDER BY k.ord, c.id`
 
 // TxChunk is a chunk of a writer transaction a relay claimed.

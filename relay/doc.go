@@ -133,9 +133,11 @@
 // duplicates they are. In poll capture the relay claims transactions,
 // not rows, by the writer's transaction each row records (txclaim.go):
 // a chunk of atomicMax rows at a time, once the events before them in
-// their aggregates are published, each chunk one atomic batch. A batch
-// the stream does not store sends its rows back to wait and come back
-// together.
+// their aggregates are published, each chunk one atomic batch. The relay
+// claims a big transaction's next chunks while one publishes, and
+// publishes each once the ones before it are in the stream. A batch the
+// stream does not store sends its rows, and the chunks claimed after it,
+// back to wait and come back together.
 //
 // # Retention
 //

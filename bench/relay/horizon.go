@@ -89,6 +89,9 @@ func benchHorizon(ctx context.Context, nc *nats.Conn) error {
 	settle := 30 * time.Second
 	fmt.Printf("held horizon: %d writes/s; after %s a REPEATABLE READ transaction holds its snapshot for %s, then %s more; %d runs of each\n",
 		*latencyRate, settle, *horizonFor, settle, *benchkit.Runs)
+	if *horizonAtomic != "" {
+		fmt.Printf("    relay.atomic=%s\n", *horizonAtomic)
+	}
 	variants := []struct{ name, capture string }{
 		{"relay.capture=poll (claim, mark sent)", relay.CapturePoll},
 		{"relay.capture=wal (decoded from the replication slot)", relay.CaptureWAL},
@@ -159,7 +162,12 @@ func benchHorizon(ctx context.Context, nc *nats.Conn) error {
 func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle time.Duration) (horizonRun, error) {
 	var hr horizonRun
 	obs := &horizonObserver{acked: map[int64]time.Time{}}
-	env, err := startSteadyEnv(ctx, nc, func(c *relay.Config) { c.Capture = capture }, obs)
+	env, err := startSteadyEnv(ctx, nc, func(c *relay.Config) {
+		c.Capture = capture
+		if *horizonAtomic != "" {
+			c.Atomic = *horizonAtomic
+		}
+	}, obs)
 	if err != nil {
 		return hr, err
 	}
