@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -123,9 +124,15 @@ func (r *Relay) claimTransactions(ctx context.Context, after int64, token pgtype
 	if err != nil || len(w.Candidates) == 0 {
 		return nil, w, err
 	}
+	// A transaction this relay is publishing chunk by chunk is its
+	// stream's to claim (followTransaction): claimed here, it could only
+	// wait for the chunks before it.
+	cands := slices.DeleteFunc(slices.Clone(w.Candidates), func(c outbox.TxCandidate) bool { return r.txChunks.streaming(c.XID) })
+	if len(cands) == 0 {
+		return nil, w, nil
+	}
 	// Enough candidates for a batch, if each is as large as its rows in
 	// the window: a transaction's first chunk is often all of it.
-	cands := w.Candidates
 	for i, sum := 0, 0; i < len(cands); i++ {
 		if sum += cands[i].Rows; sum >= n {
 			cands = cands[:i+1]
@@ -196,9 +203,8 @@ func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk
 // may be sending under this relay's leases), up to txClaimAhead, and
 // records each chunk while the next publishes: a chunk costs its claim or
 // its batch, whichever is longer, rather than a claim, a batch and a
-// record. Wherever this stops (a chunk not ready, no free slots, a batch
-// the stream did not store, a stop), the claim loop takes the transaction
-// up again.
+// record. Wherever this stops (a chunk not ready, a batch the stream did
+// not store, a stop), the claim loop takes the transaction up again.
 
 // txClaimAhead bounds the chunks of a transaction claimed and not yet
 // published.
@@ -222,6 +228,7 @@ func (r *Relay) followTransaction(ctx context.Context, c *outbox.TxChunk, token 
 	claimed := make(chan outbox.TxChunk, txClaimAhead-1)
 	quit := make(chan struct{})
 	lease := newLeaseToken()
+	r.txChunks.stream(c.XID, true)
 	r.batches.Add(1)
 	go func() {
 		defer r.batches.Done()
@@ -233,6 +240,11 @@ func (r *Relay) followTransaction(ctx context.Context, c *outbox.TxChunk, token 
 		go func() {
 			defer r.batches.Done()
 			r.publishChunks(ctx, claimed, quit, lease, published, ok, stoppedBy)
+			r.txChunks.stream(c.XID, false)
+			// Whatever is left, the claim loop takes up at once. Not
+			// after each chunk: it would walk the transaction's
+			// backlog in vain while the next chunk is on its way.
+			r.Nudge()
 		}()
 	}
 }
@@ -240,23 +252,28 @@ func (r *Relay) followTransaction(ctx context.Context, c *outbox.TxChunk, token 
 // claimChunks claims the chunks of c's transaction after c, one after the
 // other, under leases[1], and hands each on, with its slots and counted
 // as unrecorded; until one is not ready, the last is claimed, quit is
-// closed, or the relay is stopping or has no slots free.
+// closed, or the relay is stopping.
 func (r *Relay) claimChunks(ctx context.Context, c *outbox.TxChunk, leases []pgtype.UUID, claimed chan<- outbox.TxChunk, quit <-chan struct{}) {
-	after := c.Rows[len(c.Rows)-1].ID
-	for {
+	// Slots free up as the chunks before are recorded, which waits on
+	// nothing here; the wait ends with a stop or quit.
+	waitCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
 		select {
 		case <-quit:
-			return
 		case <-r.stopping:
-			return
-		default:
+		case <-waitCtx.Done():
 		}
-		if !r.slots.TryAcquire(atomicMax) {
-			r.logger.Debug("a transaction's next chunk waits for the claim loop: no slots free", "transaction", c.XID)
+		cancel()
+	}()
+	after := c.Rows[len(c.Rows)-1].ID
+	for {
+		if err := r.slots.Acquire(waitCtx, atomicMax); err != nil {
 			return
 		}
 		// On the hard context, as the claim loop's: cancelled after the
 		// server committed, the claimed rows would wait for their lease.
+		start := time.Now()
 		next, ok, err := r.store.ClaimTransactionNext(ctx, c.XID, after, leases, leases[1], atomicMax)
 		if err != nil && ctx.Err() == nil {
 			r.logger.Warn("claim a transaction's next chunk: the claim loop takes it up", "transaction", c.XID, "error", err)
@@ -269,6 +286,7 @@ func (r *Relay) claimChunks(ctx context.Context, c *outbox.TxChunk, leases []pgt
 		r.slots.Release(int64(atomicMax - n))
 		r.unrecorded.Add(int64(n))
 		r.lastClaimed.Store(time.Now().UnixNano())
+		r.logger.Debug("claimed a transaction's next chunk", "transaction", c.XID, "rows", n, "took", time.Since(start))
 		claimed <- next // publishChunks takes every chunk until claimed closes
 		if !next.More {
 			return
@@ -290,10 +308,6 @@ func (r *Relay) publishChunks(ctx context.Context, claimed <-chan outbox.TxChunk
 	defer func() {
 		stop()
 		records.Wait()
-		// Whatever is left, the claim loop takes up at once. Not after
-		// each chunk: it would walk the transaction's backlog in vain
-		// while the next chunk is on its way.
-		r.Nudge()
 	}()
 	for c := range claimed {
 		n := len(c.Rows)
@@ -434,10 +448,33 @@ func (r *Relay) publishTxChunk(ctx context.Context, c *outbox.TxChunk, stoppedBy
 
 // txChunks remembers, for the transactions of more than atomicMax events
 // whose chunks this relay is publishing, the last chunk published, so
-// that the next is numbered without counting the rows before it.
+// that the next is numbered without counting the rows before it, and
+// which of them a stream of chunks is publishing (followTransaction).
 type txChunks struct {
-	mu   sync.Mutex
-	last map[string]txChunkSeen
+	mu      sync.Mutex
+	last    map[string]txChunkSeen
+	streams map[string]int
+}
+
+// stream notes a stream of xid's chunks starting (on) or ending.
+func (t *txChunks) stream(xid string, on bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.streams == nil {
+		t.streams = map[string]int{}
+	}
+	if on {
+		t.streams[xid]++
+	} else if t.streams[xid]--; t.streams[xid] <= 0 {
+		delete(t.streams, xid)
+	}
+}
+
+// streaming says whether a stream of xid's chunks is publishing.
+func (t *txChunks) streaming(xid string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.streams[xid] > 0
 }
 
 type txChunkSeen struct {
