@@ -398,9 +398,6 @@ func (r *run) checkTransactions(ctx context.Context, stream *streamContents) {
 	var ids []int64
 	var split []string
 	_, err = pgx.ForEachRow(rows, []any{&xid, &ids}, func() error {
-		if len(ids) > 1000 {
-			return nil
-		}
 		seqs := make([]uint64, 0, len(ids))
 		for _, id := range ids {
 			copies := stream.byID[id]
@@ -411,6 +408,13 @@ func (r *run) checkTransactions(ctx context.Context, stream *streamContents) {
 		}
 		slices.Sort(seqs)
 		r.report.Transactions++
+		if len(ids) > atomicChunk {
+			r.report.BigTransactions++
+			if problems := chunkProblems(seqs, atSeq); len(problems) > 0 {
+				split = append(split, fmt.Sprintf("transaction %s (%d events, sequences %d..%d): %s", xid, len(ids), seqs[0], seqs[len(seqs)-1], strings.Join(problems, "; ")))
+			}
+			return nil
+		}
 		first, last := seqs[0], seqs[len(seqs)-1]
 		tx := atSeq[first].tx
 		var problems []string
@@ -440,6 +444,58 @@ func (r *run) checkTransactions(ctx context.Context, stream *streamContents) {
 		r.report.violate("atomic (a transaction's events enter the stream together)", fmt.Sprintf("%d transactions not in one batch: %s", len(split), head(split)))
 	}
 }
+
+// chunkProblems checks a transaction of over 1000 events, the first
+// copies of its events at seqs (sorted): all marked as one transaction, in
+// chunks numbered 1, 2, ... in the stream's order, each of at most 1000
+// events at consecutive sequences, the last chunk, and no other, marked
+// last.
+func chunkProblems(seqs []uint64, atSeq map[uint64]event) []string {
+	type mark struct {
+		tx    string
+		chunk int
+		last  bool
+	}
+	parse := func(h string) (m mark, ok bool) {
+		tx, rest, ok1 := strings.Cut(h, " chunk ")
+		n, last, ok2 := strings.Cut(rest, " last ")
+		k, err := strconv.Atoi(n)
+		return mark{tx, k, last == "true"}, ok1 && ok2 && err == nil && tx != ""
+	}
+	var prev mark
+	size := 0
+	for i, seq := range seqs {
+		ev := atSeq[seq]
+		m, ok := parse(ev.tx)
+		switch {
+		case !ok:
+			return []string{fmt.Sprintf("event %d (sequence %d) marked %q, not as a transaction's chunk", ev.id, seq, ev.tx)}
+		case i == 0 && m.chunk != 1:
+			return []string{fmt.Sprintf("its first event in the stream, %d, in chunk %d", ev.id, m.chunk)}
+		case i == 0:
+		case m.tx != prev.tx:
+			return []string{fmt.Sprintf("event %d marked transaction %q, the one before it %q", ev.id, m.tx, prev.tx)}
+		case m.chunk == prev.chunk && (m.last != prev.last || seq != seqs[i-1]+1):
+			return []string{fmt.Sprintf("chunk %d: %d other messages between sequences %d and %d", m.chunk, seq-seqs[i-1]-1, seqs[i-1], seq)}
+		case m.chunk == prev.chunk+1 && !prev.last:
+			size = 0
+		case m.chunk != prev.chunk:
+			return []string{fmt.Sprintf("event %d (sequence %d) in chunk %d after chunk %d (marked last: %v)", ev.id, seq, m.chunk, prev.chunk, prev.last)}
+		}
+		if size++; size > atomicChunk {
+			return []string{fmt.Sprintf("chunk %d holds over %d events", m.chunk, atomicChunk)}
+		}
+		prev = m
+	}
+	if !prev.last {
+		return []string{fmt.Sprintf("its last chunk, %d, not marked last", prev.chunk)}
+	}
+	return nil
+}
+
+// atomicChunk is the most events a transaction's chunk holds (NATS's
+// atomic batch limit).
+const atomicChunk = 1000
 
 // seqOf returns the last stream sequence holding the event of this run's
 // database with that id.

@@ -234,3 +234,38 @@ func (r *run) rolledBackOrder(ctx context.Context) error {
 	r.planted.note(plantedRolledBack)
 	return nil
 }
+
+// bulkEvents is the least a bulk repricing writes: over the 1000 events
+// of an atomic batch, so relays publish it in chunks.
+const bulkEvents = 2500
+
+// bulkReprice changes every product's price, several times each, in one
+// transaction of at least bulkEvents events (a backfill done in SQL): a
+// relay publishes it in chunks, each product's events spread over them.
+func (r *run) bulkReprice(ctx context.Context) (events int, err error) {
+	err = pgx.BeginFunc(ctx, r.db.Pool, func(tx pgx.Tx) error {
+		// Locked first, in id order: no product goes from under it.
+		rows, err := tx.Query(ctx, `SELECT id FROM products ORDER BY id FOR UPDATE`)
+		if err != nil {
+			return err
+		}
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil || len(ids) == 0 {
+			return err
+		}
+		events = 0
+		for events < bulkEvents {
+			for _, id := range ids {
+				if _, err := shop.UpdatePrice(ctx, tx, id, int64(100+r.plantRand.intn(100_000))); err != nil {
+					return err
+				}
+				events++
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, err
+	}
+	return events, nil
+}

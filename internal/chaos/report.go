@@ -18,11 +18,14 @@ type Report struct {
 	Duration     time.Duration
 	Writes       int64 // committed writer transactions
 	FailedWrites int64 // failed ones (Postgres restarts)
-	Planted      map[string]int
-	Faults       map[string]int
-	Events       uint64 // in the stream
-	OutboxRows   int64
-	FailedRows   int64
+	// Bulk repricings committed (transactions of every product's price,
+	// over 1000 events each), and their events.
+	Bulk, BulkEvents int64
+	Planted          map[string]int
+	Faults           map[string]int
+	Events           uint64 // in the stream
+	OutboxRows       int64
+	FailedRows       int64
 	// The outbox's ranges at the end (added and sealed under the faults),
 	// and the rows no range holds.
 	Ranges, SealedRanges int
@@ -36,6 +39,9 @@ type Report struct {
 	// Transactions (relay.atomic transaction) checked to be in the stream
 	// whole, each as one batch.
 	Transactions int
+	// BigTransactions: those of them over 1000 events, checked to be in
+	// the stream in chunks, each one batch, in order.
+	BigTransactions int
 	// Repaired: events the stream lost after their PubAck that the
 	// auditor, or a wal relay decoding them again, published again (a
 	// rolled-back store).
@@ -74,7 +80,7 @@ func (r *Report) Pass() bool { return len(r.Violations) == 0 }
 func (r *Report) String() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "fanout fault-injection run: %s, %s, seed %d (replay with FANOUT_TEST_CHAOS_SEED=%d)\n", r.Mode, r.Duration, r.Seed, r.Seed)
-	fmt.Fprintf(&b, "  writes: %d committed, %d failed (during faults)\n", r.Writes, r.FailedWrites)
+	fmt.Fprintf(&b, "  writes: %d committed, %d failed (during faults); %d bulk repricings, %d events in all\n", r.Writes, r.FailedWrites, r.Bulk, r.BulkEvents)
 	fmt.Fprintf(&b, "  planted bad input:\n")
 	for _, k := range sortedKeys(r.Planted) {
 		fmt.Fprintf(&b, "    %-48s %d\n", k, r.Planted[k])
@@ -89,7 +95,7 @@ func (r *Report) String() string {
 	}
 	fmt.Fprintf(&b, "  events: %d outbox rows, %d in the stream, %d failed rows; %d aggregates, each one's events checked in commit order; %d events of types not numbered\n", r.OutboxRows, r.Events, r.FailedRows, r.Aggregates, r.Unnumbered)
 	if r.Transactions > 0 {
-		fmt.Fprintf(&b, "  transactions (relay.atomic transaction): %d checked to be in the stream as one batch each\n", r.Transactions)
+		fmt.Fprintf(&b, "  transactions (relay.atomic transaction): %d checked to be in the stream as one batch each (%d over 1000 events: in chunks of 1000, each one batch, in order)\n", r.Transactions, r.BigTransactions)
 	}
 	if r.Repaired > 0 {
 		fmt.Fprintf(&b, "  lost by JetStream after their PubAck and published again (by the auditor, or by a wal relay decoding them again): %d events\n", r.Repaired)

@@ -478,10 +478,33 @@ func (r *run) load(ctx context.Context) {
 	d := &demo.Driver{Pool: r.db.Pool, Rate: r.o.Rate, Rand: rand.New(rand.NewPCG(r.o.Seed, 2)), Logger: quietLogger(),
 		Mix: demo.Mix{Price: 30, Sale: 4, Stock: 25, Order: 15, Lifecycle: 10, Create: 6, Delete: 4, RenameBrand: 4, RenameCategory: 2}}
 	var wg sync.WaitGroup
-	wg.Add(2)
+	var bulk, bulkEvents atomic.Int64
+	wg.Add(3)
 	go func() {
 		defer wg.Done()
 		_ = d.Run(ctx)
+	}()
+	go func() {
+		defer wg.Done()
+		// A transaction of over 1000 events now and then: relays
+		// publish it in chunks.
+		every := max(r.o.Duration/4, 10*time.Second)
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(every):
+			}
+			n, err := r.bulkReprice(ctx)
+			if err != nil {
+				if ctx.Err() == nil {
+					r.o.Logf("chaos: bulk repricing: %v (Postgres may be restarting; tried again later)", err)
+				}
+				continue
+			}
+			bulk.Add(1)
+			bulkEvents.Add(int64(n))
+		}
 	}()
 	go func() {
 		defer wg.Done()
@@ -503,6 +526,7 @@ func (r *run) load(ctx context.Context) {
 	wg.Wait()
 	r.report.Writes = d.Written()
 	r.report.FailedWrites = d.Failed()
+	r.report.Bulk, r.report.BulkEvents = bulk.Load(), bulkEvents.Load()
 }
 
 // readCache reads products through the cache, so fills race the
