@@ -534,8 +534,9 @@ func testTransactionsWaitForAtomic(t *testing.T, capture string) {
 // only transactions waiting behind an event further up goes on to the
 // windows after it, finds that event's transaction, and then the rest:
 // nothing waits for ever. Here the window holds two rows, both of a
-// transaction x that waits for e (committed first, its row after them).
-// Claimed from the lowest id every time, nothing would ever be published.
+// transaction x that waits for e (committed first, its row after x's
+// first 20), ten windows up. Claimed from the lowest id every time,
+// nothing would ever be published.
 func TestPollTransactionsGoRoundABacklog(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t)
@@ -552,8 +553,8 @@ func TestPollTransactionsGoRoundABacklog(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer x.Rollback(ctx) //nolint:errcheck // committed below
-		for _, n := range []int{1, 2} {
-			id, err := outbox.Write(ctx, x, productEvent(n))
+		for n := range 20 {
+			id, err := outbox.Write(ctx, x, productEvent(100+n))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -571,7 +572,7 @@ func TestPollTransactionsGoRoundABacklog(t *testing.T) {
 	})
 	waitFor(t, 30*time.Second, "both transactions in the stream", func() (bool, string) {
 		n := h.streamCount()
-		return n == 4, fmt.Sprint(n)
+		return n == 22, fmt.Sprint(n)
 	})
 	var order []int64
 	for _, m := range h.streamMessages() {

@@ -44,6 +44,7 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 	errWait := eagerPollMin
 	batch := int64(max(r.cfg.BatchSize, atomicMax))
 	after := int64(math.MinInt64)
+	probed := false
 	for {
 		select {
 		case <-r.stopping:
@@ -61,9 +62,24 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 		}
 		start := time.Now()
 		token := newLeaseToken()
+		// Going round the backlog, a wake-up (new rows, or a delivery
+		// recorded: the transactions waiting behind it are ready) is
+		// answered from the lowest id at once, and the walk then goes
+		// on where it was: a transaction waiting for one in flight
+		// does not wait for the walk's end, and wake-ups, however
+		// many, never keep the walk from its end.
+		from, probe := after, false
+		if after != math.MinInt64 && !probed {
+			select {
+			case <-r.wake:
+				from, probe = math.MinInt64, true
+			default:
+			}
+		}
+		probed = probe // the walk's next window comes before another probe
 		// On hardCtx, as claimLoop's: cancelled after the server
 		// committed, the claimed rows would wait for their lease.
-		chunks, w, err := r.claimTransactions(hardCtx, after, token, int(batch))
+		chunks, w, err := r.claimTransactions(hardCtx, from, token, int(batch))
 		if err != nil {
 			r.slots.Release(batch)
 			if !r.claimFailed(softCtx, "claim outbox transactions", err, &errWait) {
@@ -84,6 +100,9 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 			r.analyzeBurst(hardCtx)
 		}
 		switch {
+		case probe && n == 0:
+			continue // the walk goes on
+		case probe:
 		case n > 0:
 			after = math.MinInt64
 		case w.Full:
