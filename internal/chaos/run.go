@@ -352,6 +352,7 @@ func (r *run) setup() {
 		r.roles = append(r.roles, role)
 	}
 	r.waitConsumers()
+	r.waitSlot()
 
 	ctx := context.Background()
 	if _, err := shop.Seed(ctx, r.db.Pool, 150, rand.New(rand.NewPCG(r.o.Seed, 1))); err != nil {
@@ -444,6 +445,32 @@ func tryCluster(t *testing.T, root string, passwords map[string]string) ([]*nats
 }
 
 // waitConsumers waits until the stream and every subscriber's consumer exist.
+// waitSlot waits, in wal capture, for a relay to create the replication
+// slot. Rows committed before the slot existed are a backlog the relay
+// publishes by claiming them, one by one whatever relay.atomic says (a
+// limit of the switch from poll capture, docs/design.md), which the
+// transaction check would report.
+func (r *run) waitSlot() {
+	if !r.wal() {
+		return
+	}
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		var made bool
+		err := r.db.Pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT FROM relay_capture)`).Scan(&made)
+		if err == nil && made {
+			return
+		}
+		if time.Now().After(deadline) {
+			for _, role := range r.roles {
+				r.t.Logf("%s's last log lines:\n%s", role.Name, tailFile(filepath.Join(r.logDir, role.Name+".log"), 12))
+			}
+			r.t.Fatalf("no wal relay made its replication slot within 90 s (%v)", err)
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+}
+
 func (r *run) waitConsumers() {
 	deadline := time.Now().Add(90 * time.Second)
 	for {
