@@ -84,9 +84,13 @@ func TestIndexerRefreshMakesWritesSearchable(t *testing.T) {
 				if len(r.took) != len(ids) {
 					t.Errorf("%d waits reported for %d events", len(r.took), len(ids))
 				}
+				// No upper bound: a loaded host (CI's, beside eight fault
+				// runs) once took 2.3 s past a refresh_after of 100 ms;
+				// with the index's own refresh off, a refresh that never
+				// came fails below (no refresh reported).
 				for _, d := range r.took {
-					if d < after || d > after+2*time.Second {
-						t.Errorf("write → searchable %s with refresh_after %s, want at least that and not much more", d, after)
+					if d < after {
+						t.Errorf("write → searchable %s with refresh_after %s, want at least that", d, after)
 					}
 				}
 				t.Logf("refresh_after %s: reported %v, %s after the handler was called", after, r.took, time.Since(written).Round(time.Millisecond))
