@@ -331,19 +331,16 @@ func (r *Relay) publishChunks(ctx context.Context, claimed <-chan outbox.TxChunk
 	for c := range claimed {
 		n := len(c.Rows)
 		var res []outcome
+		if ok && published {
+			res, ok = r.publishTxChunk(ctx, &c, stoppedBy)
+		}
 		switch {
-		case !ok:
+		case !ok: // a hard stop: the rows stay sending, for the reaper
 			stop()
 			r.unrecorded.Add(-int64(n))
 			r.slots.Release(int64(n))
 			continue
 		case published:
-			if res, ok = r.publishTxChunk(ctx, &c, stoppedBy); !ok {
-				stop()
-				r.unrecorded.Add(-int64(n))
-				r.slots.Release(int64(n))
-				continue
-			}
 			published = publishedWhole(res)
 		default:
 			stop()

@@ -454,47 +454,46 @@ func (r *run) waitSlot() {
 	if !r.wal() {
 		return
 	}
-	deadline := time.Now().Add(90 * time.Second)
-	for {
+	r.waitRoles("a wal relay to make its replication slot", func() (bool, string) {
+		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer cancel()
 		var made bool
-		err := r.db.Pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT FROM relay_capture)`).Scan(&made)
-		if err == nil && made {
-			return
-		}
-		if time.Now().After(deadline) {
-			for _, role := range r.roles {
-				r.t.Logf("%s's last log lines:\n%s", role.Name, tailFile(filepath.Join(r.logDir, role.Name+".log"), 12))
-			}
-			r.t.Fatalf("no wal relay made its replication slot within 90 s (%v)", err)
-		}
-		time.Sleep(300 * time.Millisecond)
-	}
+		err := r.db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM relay_capture)`).Scan(&made)
+		return err == nil && made, fmt.Sprint(err)
+	})
 }
 
 func (r *run) waitConsumers() {
-	deadline := time.Now().Add(90 * time.Second)
-	for {
+	r.waitRoles("the roles to come up", func() (bool, string) {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-		missing := ""
+		defer cancel()
 		for _, name := range r.subscriberNames() {
 			if slices.Contains(r.o.Backfill, name) {
 				continue // it joins later
 			}
 			if _, err := r.js.Consumer(ctx, "EVENTS", name); err != nil {
-				missing = name + ": " + err.Error()
-				break
+				return false, name + ": " + err.Error()
 			}
 		}
-		cancel()
-		if missing == "" {
+		return true, ""
+	})
+}
+
+// waitRoles waits up to 90 s for ready, and otherwise fails the run with
+// the roles' last log lines (the log directory goes with the test: show
+// why here).
+func (r *run) waitRoles(what string, ready func() (bool, string)) {
+	deadline := time.Now().Add(90 * time.Second)
+	for {
+		ok, why := ready()
+		if ok {
 			return
 		}
 		if time.Now().After(deadline) {
-			// The log directory goes with the test: show why here.
 			for _, role := range r.roles {
 				r.t.Logf("%s's last log lines:\n%s", role.Name, tailFile(filepath.Join(r.logDir, role.Name+".log"), 12))
 			}
-			r.t.Fatalf("the roles did not come up: %s", missing)
+			r.t.Fatalf("waited 90 s for %s: %s", what, why)
 		}
 		time.Sleep(300 * time.Millisecond)
 	}
