@@ -20,30 +20,50 @@ import (
 // StartCapture records the backlog bound of the replication slot just
 // created: every row committed before the slot's consistent point has an
 // id at most the highest id visible now; a row with a higher id was
-// inserted later, so the slot decodes it. An earlier record of a slot of
-// that name is replaced, its backlog not done.
+// inserted later, so the slot decodes it. The snapshot the bound is read
+// in is recorded with it (SlotBacklog.Snapshot). An earlier record of a slot
+// of that name is replaced, its backlog not done.
 func (s *Store) StartCapture(ctx context.Context, slot string) error {
 	_, err := s.pool.Exec(ctx, `
-INSERT INTO relay_capture (slot_name, backlog_through)
-VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox))
-ON CONFLICT (slot_name) DO UPDATE SET backlog_through = EXCLUDED.backlog_through, created_at = now(), backlog_done_at = NULL`,
+INSERT INTO relay_capture (slot_name, backlog_through, backlog_snapshot)
+VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox), pg_current_snapshot())
+ON CONFLICT (slot_name) DO UPDATE SET backlog_through = EXCLUDED.backlog_through, backlog_snapshot = EXCLUDED.backlog_snapshot,
+    created_at = now(), backlog_done_at = NULL`,
 		slot)
 	return err
 }
 
-// CaptureBacklog returns the slot's backlog bound (the rows it does not
-// capture have ids up to through) and whether those rows were all
-// published. A relay that died between creating the slot and recording
-// its backlog left no record: the bound recorded now is higher, which
-// only claims more rows (JetStream drops those the slot also published).
-func (s *Store) CaptureBacklog(ctx context.Context, slot string) (through int64, done bool, err error) {
+// SlotBacklog is a replication slot's backlog: the rows committed before the
+// slot existed, which it never decodes.
+type SlotBacklog struct {
+	// Through bounds the backlog's ids: a row with a higher id was
+	// inserted after the slot existed. A row at or below it may be the
+	// slot's too (its transaction was in flight when the bound was read).
+	Through int64
+	// Snapshot is the snapshot the bound was read in (pg_snapshot's text
+	// form), or "" for a record made before migration 00023. A writer
+	// transaction visible in it committed before the record, so all its
+	// rows are at or below Through; one that is not commits later, and
+	// the slot decodes it whole.
+	Snapshot string
+	Done     bool // every row of the backlog was published
+}
+
+// CaptureBacklog returns the slot's backlog. A relay that died between
+// creating the slot and recording its backlog left no record: the bound
+// recorded now is higher, which only claims more rows (JetStream drops
+// those the slot also published).
+func (s *Store) CaptureBacklog(ctx context.Context, slot string) (SlotBacklog, error) {
+	var b SlotBacklog
+	var snap pgtype.Text
 	var doneAt pgtype.Timestamptz
-	err = s.pool.QueryRow(ctx, `
-INSERT INTO relay_capture (slot_name, backlog_through)
-VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox))
+	err := s.pool.QueryRow(ctx, `
+INSERT INTO relay_capture (slot_name, backlog_through, backlog_snapshot)
+VALUES ($1, (SELECT coalesce(max(id), 0) FROM outbox), pg_current_snapshot())
 ON CONFLICT (slot_name) DO UPDATE SET slot_name = EXCLUDED.slot_name
-RETURNING backlog_through, backlog_done_at`, slot).Scan(&through, &doneAt)
-	return through, doneAt.Valid, err
+RETURNING backlog_through, backlog_snapshot::text, backlog_done_at`, slot).Scan(&b.Through, &snap, &doneAt)
+	b.Snapshot, b.Done = snap.String, doneAt.Valid
+	return b, err
 }
 
 // CaptureBacklogDone records that the rows up to through, the slot's
@@ -181,41 +201,48 @@ ORDER BY id`, ids)
 	return found, nil
 }
 
-// UnsentThrough counts the rows with ids up to maxID that are still to be
-// published (pending or sending; failed rows wait for an operator).
+// inBacklogSQL is the condition on an outbox row o that it is in a
+// slot's backlog: its id at most $1 and, if $2 (a snapshot's text) is not
+// empty, its writer transaction visible in that snapshot (a row without
+// one is from before migration 00022, committed long before).
+const inBacklogSQL = `o.id <= $1 AND ($2 = '' OR o.writer_xid IS NULL OR pg_visible_in_snapshot(o.writer_xid, nullif($2, '')::pg_snapshot))`
+
+// UnsentThrough counts the rows of a slot's backlog (ids up to maxID, of
+// transactions visible in snapshot if it is not empty) that are still to
+// be published (pending or sending; failed rows wait for an operator).
 //
 // With failed rows holding their aggregates (OnFailed hold), the rows held
 // behind one are not counted: MarkHeldThrough marks them.
-func (s *Store) UnsentThrough(ctx context.Context, maxID int64) (int64, error) {
+func (s *Store) UnsentThrough(ctx context.Context, maxID int64, snapshot string) (int64, error) {
 	var n int64
 	err := s.pool.QueryRow(ctx, `
 SELECT count(*) FROM outbox o
-WHERE published_at IS NULL AND status IN ('pending', 'sending') AND id <= $1
-  AND NOT ($2 AND EXISTS (
+WHERE published_at IS NULL AND status IN ('pending', 'sending') AND `+inBacklogSQL+`
+  AND NOT ($3 AND EXISTS (
       SELECT FROM outbox f
       WHERE f.aggregate_type = o.aggregate_type AND f.aggregate_id = o.aggregate_id
         AND f.aggregate_seq < o.aggregate_seq AND num_nulls(f.published_at) = 1 AND f.status = 'failed'))`,
-		maxID, s.OnFailed != SkipFailed).Scan(&n)
+		maxID, snapshot, s.OnFailed != SkipFailed).Scan(&n)
 	return n, err
 }
 
-// MarkHeldThrough marks failed (HeldBehindReason) the pending rows with ids
-// up to maxID held behind a failed row of their aggregate: a wal relay's
-// backlog leaves them so, and an operator's retry-failed or skip then
-// returns them through the slot, in order.
-func (s *Store) MarkHeldThrough(ctx context.Context, maxID int64) (int64, error) {
+// MarkHeldThrough marks failed (HeldBehindReason) the pending rows of a
+// slot's backlog (as UnsentThrough's) held behind a failed row of their
+// aggregate: a wal relay's backlog leaves them so, and an operator's
+// retry-failed or skip then returns them through the slot, in order.
+func (s *Store) MarkHeldThrough(ctx context.Context, maxID int64, snapshot string) (int64, error) {
 	ct, err := s.pool.Exec(ctx, `
 UPDATE outbox o
-SET status = 'failed', last_error = $2 || h.failed_id || $3
+SET status = 'failed', last_error = $3 || h.failed_id || $4
 FROM (
-    SELECT p.id, (SELECT min(f.id) FROM outbox f
-                  WHERE f.aggregate_type = p.aggregate_type AND f.aggregate_id = p.aggregate_id
-                    AND f.aggregate_seq < p.aggregate_seq AND num_nulls(f.published_at) = 1 AND f.status = 'failed') AS failed_id
-    FROM outbox p
-    WHERE p.published_at IS NULL AND p.status = 'pending' AND p.id <= $1
+    SELECT o.id, (SELECT min(f.id) FROM outbox f
+                  WHERE f.aggregate_type = o.aggregate_type AND f.aggregate_id = o.aggregate_id
+                    AND f.aggregate_seq < o.aggregate_seq AND num_nulls(f.published_at) = 1 AND f.status = 'failed') AS failed_id
+    FROM outbox o
+    WHERE o.published_at IS NULL AND o.status = 'pending' AND `+inBacklogSQL+`
 ) h
 WHERE o.id = h.id AND h.failed_id IS NOT NULL AND o.status = 'pending' AND o.published_at IS NULL`,
-		maxID, HeldBehindPrefix, strings.TrimPrefix(HeldBehindReason(0), HeldBehindPrefix+"0"))
+		maxID, snapshot, HeldBehindPrefix, strings.TrimPrefix(HeldBehindReason(0), HeldBehindPrefix+"0"))
 	return ct.RowsAffected(), err
 }
 

@@ -2,7 +2,9 @@ package outbox_test
 
 import (
 	"context"
+	"encoding/json"
 	"math"
+	"slices"
 	"testing"
 
 	"github.com/fanout/fanout/internal/testenv/pgtest"
@@ -26,13 +28,13 @@ func TestCaptureRecord(t *testing.T) {
 		t.Fatalf("read a record never made: ok %t (%v)", ok, err)
 	}
 	ids := writeOrders(t, db.Pool, 3, "1")
-	through, done, err := store.CaptureBacklog(ctx, slot)
-	if err != nil || through != ids[2] || done {
-		t.Fatalf("first CaptureBacklog: through %d, done %t (%v); want %d, not done", through, done, err, ids[2])
+	b, err := store.CaptureBacklog(ctx, slot)
+	if err != nil || b.Through != ids[2] || b.Done || b.Snapshot == "" {
+		t.Fatalf("first CaptureBacklog: %+v (%v); want through %d, not done, with its snapshot", b, err, ids[2])
 	}
 	more := writeOrders(t, db.Pool, 1, "2")
-	if through, _, err := store.CaptureBacklog(ctx, slot); err != nil || through != ids[2] {
-		t.Fatalf("CaptureBacklog again: through %d (%v); want the bound recorded first, %d", through, err, ids[2])
+	if again, err := store.CaptureBacklog(ctx, slot); err != nil || again != b {
+		t.Fatalf("CaptureBacklog again: %+v (%v); want the record made first, %+v", again, err, b)
 	}
 	if err := store.StartCapture(ctx, slot); err != nil {
 		t.Fatal(err)
@@ -69,5 +71,74 @@ func TestCaptureRecord(t *testing.T) {
 	}
 	if b, err := store.Backlog(ctx); err != nil || b.Pending != 1 {
 		t.Fatalf("backlog: %+v (%v); want the row written after the snapshot (%d) pending", b, err, after[0])
+	}
+}
+
+// A slot's backlog by writer transactions: a transaction in flight when
+// the bound was read has rows below it, yet commits after the slot
+// existed, so the slot decodes it whole. The backlog's snapshot leaves it
+// out of the transactions a wal relay claims from the backlog and of the
+// rows it waits for; the id bound alone would take it in.
+func TestSlotBacklogByTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	store := outbox.NewStore(db.Pool)
+	const slot = "fanout_test_slot"
+
+	inFlight, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer inFlight.Rollback(ctx)
+	var late []int64
+	for range 2 {
+		id, err := outbox.Write(ctx, inFlight, outbox.Event{AggregateType: "order", AggregateID: "7", Type: "order.created", Payload: json.RawMessage(`{}`)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		late = append(late, id)
+	}
+	committed := writeOrders(t, db.Pool, 2, "8")
+	b, err := store.CaptureBacklog(ctx, slot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := inFlight.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	after := writeOrders(t, db.Pool, 1, "9")
+	if b.Through != committed[1] || late[1] >= b.Through {
+		t.Fatalf("backlog through %d; want %d, above the in-flight transaction's rows %v", b.Through, committed[1], late)
+	}
+
+	firsts := func(in *outbox.SlotBacklog) []int64 {
+		t.Helper()
+		w, err := store.TransactionCandidates(ctx, math.MinInt64, in, 100, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got []int64
+		for _, c := range w.Candidates {
+			got = append(got, c.First)
+		}
+		return got
+	}
+	if got, want := firsts(&b), []int64{committed[0]}; !slices.Equal(got, want) {
+		t.Errorf("the backlog's transactions start at %v, want %v: only the one committed before the bound was read", got, want)
+	}
+	if got, want := firsts(&outbox.SlotBacklog{Through: b.Through}), []int64{late[0], committed[0]}; !slices.Equal(got, want) {
+		t.Errorf("up to the bound without the snapshot, transactions start at %v, want %v", got, want)
+	}
+	if got, want := firsts(nil), []int64{late[0], committed[0], after[0]}; !slices.Equal(got, want) {
+		t.Errorf("the outbox's transactions start at %v, want %v", got, want)
+	}
+	for _, tc := range []struct {
+		snapshot string
+		want     int64
+	}{{b.Snapshot, 2}, {"", 4}} {
+		if n, err := store.UnsentThrough(ctx, b.Through, tc.snapshot); err != nil || n != tc.want {
+			t.Errorf("unsent through %d in snapshot %q: %d (%v), want %d", b.Through, tc.snapshot, n, err, tc.want)
+		}
 	}
 }

@@ -35,24 +35,27 @@ type TxCandidate struct {
 	Rows  int // its rows in the window
 }
 
-// txCandidatesSQL walks the first $2 unpublished rows above $1 (failed
-// ones too: they are in outbox_unsent_idx) and returns the transactions
-// whose rows there are all pending and due, by their first row, up to
-// $3 of them, and on every row whether the window was full (more
-// unpublished rows lie beyond it) and its last id. A window from the
-// lowest id holds every row still to publish of each transaction it
-// returns that lies below the last of them; a window from further up may
-// not, which the claim then checks (claimTransactionsSQL's $7).
+// txCandidatesSQL walks the first $2 unpublished rows above $1 and up to
+// $4 (failed ones too: they are in outbox_unsent_idx) and returns the
+// transactions whose rows there are all pending and due, by their first
+// row, up to $3 of them, and on every row whether the window was full
+// (more unpublished rows lie beyond it) and its last id. With $5 (a
+// snapshot's text, empty for none), only transactions visible in it are
+// returned (a slot's backlog: SlotBacklog). A window from the lowest id
+// holds every row still to publish of each transaction it returns that
+// lies below the last of them; a window from further up may not, which
+// the claim then checks (claimTransactionsSQL's $7).
 const txCandidatesSQL = `
 WITH win AS MATERIALIZED (
     SELECT id, writer_xid, status, available_at <= now() AS due
-    FROM outbox WHERE published_at IS NULL AND id > $1
+    FROM outbox WHERE published_at IS NULL AND id > $1 AND id <= $4
     ORDER BY id LIMIT $2
 ), bounds AS (
     SELECT count(*) >= $2 AS full, max(id) AS last FROM win
 ), txs AS (
     SELECT writer_xid::text AS xid, min(id) AS first, count(*) AS n
     FROM win WHERE status IN ('pending', 'sending')
+      AND ($5 = '' OR writer_xid IS NULL OR pg_visible_in_snapshot(writer_xid, nullif($5, '')::pg_snapshot))
     GROUP BY writer_xid, CASE WHEN writer_xid IS NULL THEN id END
     HAVING bool_and(status = 'pending' AND due)
     ORDER BY first
@@ -69,9 +72,14 @@ type TxWindow struct {
 
 // TransactionCandidates returns the transactions ready to claim, as far
 // as the first window unpublished rows above after show, up to most of
-// them, oldest first.
-func (s *Store) TransactionCandidates(ctx context.Context, after int64, window, most int) (TxWindow, error) {
-	rows, err := s.pool.Query(ctx, txCandidatesSQL, after, max(window, 1), max(most, 1))
+// them, oldest first; with in, only those of a slot's backlog (ids up to
+// its bound, visible in its snapshot).
+func (s *Store) TransactionCandidates(ctx context.Context, after int64, in *SlotBacklog, window, most int) (TxWindow, error) {
+	through, snapshot := int64(math.MaxInt64), ""
+	if in != nil {
+		through, snapshot = in.Through, in.Snapshot
+	}
+	rows, err := s.pool.Query(ctx, txCandidatesSQL, after, max(window, 1), max(most, 1), through, snapshot)
 	if err != nil {
 		return TxWindow{}, fmt.Errorf("find the outbox's transactions to claim: %w", err)
 	}

@@ -34,7 +34,7 @@ func TestClaimTransactions(t *testing.T) {
 	t3 := writeTx(t, db, "3")
 	claim := func(after int64, n int) []outbox.TxChunk {
 		t.Helper()
-		w, err := store.TransactionCandidates(ctx, after, 100, 100)
+		w, err := store.TransactionCandidates(ctx, after, nil, 100, 100)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -194,7 +194,7 @@ func TestClaimTransactionNext(t *testing.T) {
 	stream := pgtype.UUID{Bytes: [16]byte{2}, Valid: true}
 	other := pgtype.UUID{Bytes: [16]byte{3}, Valid: true}
 	big := writeTx(t, db, slices.Repeat([]string{"1", "2", "3", "4", "5"}, 700)...)
-	w, err := store.TransactionCandidates(ctx, math.MinInt64, 5000, 10)
+	w, err := store.TransactionCandidates(ctx, math.MinInt64, nil, 5000, 10)
 	if err != nil {
 		t.Fatal(err)
 	}

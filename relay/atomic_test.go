@@ -416,6 +416,62 @@ VALUES ('product', '8', 'product.updated', '{}', '{"x-count": 1}') RETURNING id`
 	}
 }
 
+// With relay.atomic transaction, a wal relay publishes its slot's backlog
+// (the transactions committed before the slot existed, which it claims
+// as a poll relay does) by transactions too: each one batch, a larger
+// one in ordered chunks, and then the transactions the slot decodes.
+// Published event by event (the hook BacklogByEvent: as before the
+// backlog's snapshot was kept, migration 00023), the same check finds
+// the backlog's transactions without their batches.
+func TestWALBacklogEntersTheStreamByTransactions(t *testing.T) {
+	t.Parallel()
+	for _, byEvent := range []bool{false, true} {
+		name := "by-transaction"
+		if byEvent {
+			name = "by-event-hook"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			h := newWALHarness(t)
+			h.cfg.Relay.Atomic = AtomicTransaction
+			written := 0
+			for i := range 20 { // a poll relay's backlog: nobody published these
+				written += len(write(t, h.db.Pool, productEvent(1+i%5), productEvent(6+i%5), productEvent(11)))
+			}
+			big := make([]outbox.Event, 1500)
+			for i := range big {
+				big[i] = productEvent(1 + i%40)
+			}
+			written += len(write(t, h.db.Pool, big...))
+			r := h.newRelay(nil, nil)
+			r.hooks.BacklogByEvent = byEvent
+			h.start(r)
+			h.waitStreaming(r)
+			for i := range 10 { // the slot's
+				written += len(write(t, h.db.Pool, productEvent(1+i%5), productEvent(11)))
+			}
+			h.waitAllSent(written, 60*time.Second)
+			var done bool
+			if err := h.db.Pool.QueryRow(context.Background(),
+				`SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, h.db.Name).Scan(&done); err != nil || !done {
+				t.Fatalf("the slot's backlog recorded done: %t (%v)", done, err)
+			}
+			txs, bad := txCheck(t, h)
+			if txs != 31 {
+				t.Fatalf("%d transactions checked, want 31", txs)
+			}
+			switch {
+			case byEvent && len(bad) == 0:
+				t.Fatal("the backlog published event by event, and every transaction found whole: the check proves nothing")
+			case !byEvent && len(bad) > 0:
+				t.Fatalf("%d problems, first: %s", len(bad), strings.Join(bad[:min(5, len(bad))], "; "))
+			}
+			assertEachOnce(t, h, written)
+			t.Logf("%d transactions, %d problems", txs, len(bad))
+		})
+	}
+}
+
 // A relay killed in the middle of an atomic batch leaves none of the
 // batch's events in the stream; the next relay publishes the whole
 // transaction, once.

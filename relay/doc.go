@@ -229,7 +229,9 @@
 // claims and publishes the pending rows up to it as the poll relay would,
 // before it starts the stream (the slot keeps the WAL meanwhile), marks
 // the rows held behind a failed one failed behind it, and records when
-// none is left.
+// none is left. With relay.atomic transaction it claims the backlog by
+// writer transactions: those visible in the snapshot the bound was read
+// in (outbox.SlotBacklog); one in flight then is the slot's, whole.
 //
 // Switching back to poll: a poll relay that finds the slot takes over from
 // the wal relays before its first claim (handover.go), so the rows they

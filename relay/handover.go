@@ -159,32 +159,37 @@ func (r *Relay) waitHandover(softCtx, hardCtx context.Context) bool {
 // (streamSlot, drainBacklog).
 
 // drainBacklog claims and publishes the rows committed before the slot
-// existed (ids up to through), then records that they are done. A relay
-// that stops first leaves the record open; the next one drains again.
-func (r *Relay) drainBacklog(ctx, hardCtx context.Context, through int64) {
+// existed (b), then records that they are done. A relay that stops first
+// leaves the record open; the next one drains again.
+//
+// With relay.atomic transaction the backlog goes by writer transactions,
+// as a poll relay's claims take them (claimTransactionsIn), and holds
+// the transactions visible in the snapshot the bound was read in: one
+// that was not commits after the slot existed, and the slot decodes it
+// whole, so claiming its rows below the bound would publish it in parts.
+// A record made before that snapshot was kept (migration 00023) has
+// none: that backlog goes event by event.
+func (r *Relay) drainBacklog(ctx, hardCtx context.Context, b outbox.SlotBacklog) {
+	if r.cfg.Atomic == AtomicTransaction && !r.hooks.BacklogByEvent {
+		if b.Snapshot != "" {
+			r.claimTransactionsIn(ctx, hardCtx, &b, func() bool { return r.backlogFinished(ctx, b) })
+			return
+		}
+		r.logger.Warn("the slot's backlog was recorded before its snapshot was kept (migration 00023): its rows are published event by event, not as transactions",
+			"slot", r.cfg.Slot, "through_id", b.Through)
+	}
+	b.Snapshot = "" // every row up to the bound, as the claim below takes them
 	batch := int64(r.cfg.BatchSize)
 	wait := r.cfg.PollInterval
 	for ctx.Err() == nil {
-		left, err := r.store.UnsentThrough(ctx, through)
-		if err == nil && left == 0 && r.store.OnFailed != outbox.SkipFailed {
-			_, err = r.store.MarkHeldThrough(ctx, through)
-		}
-		if err == nil && left == 0 {
-			err = r.store.CaptureBacklogDone(ctx, r.cfg.Slot, through)
-			if err == nil {
-				r.backlogDone.Store(true)
-				r.logger.Info("published the rows committed before the slot existed", "through_id", through)
-				return
-			}
-		}
-		if err != nil {
-			r.logger.Warn("drain the rows committed before the slot", "error", err)
+		if r.backlogFinished(ctx, b) {
+			return
 		}
 		if err := r.slots.Acquire(ctx, batch); err != nil {
 			return
 		}
 		token := newLeaseToken()
-		rows, err := r.store.ClaimThrough(hardCtx, r.cfg.BatchSize, token, through)
+		rows, err := r.store.ClaimThrough(hardCtx, r.cfg.BatchSize, token, b.Through)
 		r.slots.Release(batch - int64(len(rows)))
 		if err != nil || len(rows) == 0 {
 			if err != nil {
@@ -208,4 +213,26 @@ func (r *Relay) drainBacklog(ctx, hardCtx context.Context, through int64) {
 			r.deliver(hardCtx, rows, token, false, &held)
 		}()
 	}
+}
+
+// backlogFinished records the slot's backlog b done if none of its rows is
+// still to publish (marking those held behind a failed event first), and
+// says whether it did.
+func (r *Relay) backlogFinished(ctx context.Context, b outbox.SlotBacklog) bool {
+	left, err := r.store.UnsentThrough(ctx, b.Through, b.Snapshot)
+	if err == nil && left == 0 && r.store.OnFailed != outbox.SkipFailed {
+		_, err = r.store.MarkHeldThrough(ctx, b.Through, b.Snapshot)
+	}
+	if err == nil && left == 0 {
+		err = r.store.CaptureBacklogDone(ctx, r.cfg.Slot, b.Through)
+		if err == nil {
+			r.backlogDone.Store(true)
+			r.logger.Info("published the rows committed before the slot existed", "through_id", b.Through, "by_transaction", b.Snapshot != "")
+			return true
+		}
+	}
+	if err != nil && ctx.Err() == nil {
+		r.logger.Warn("drain the rows committed before the slot", "error", err)
+	}
+	return false
 }

@@ -40,6 +40,14 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 	if !r.waitHandover(softCtx, hardCtx) {
 		return
 	}
+	r.claimTransactionsIn(softCtx, hardCtx, nil, nil)
+}
+
+// claimTransactionsIn claims and publishes writer transactions until the
+// relay stops: all of the outbox's (in nil), or those of a wal slot's
+// backlog (drainBacklog), until finished, asked whenever a claim finds
+// nothing, says they are all done.
+func (r *Relay) claimTransactionsIn(softCtx, hardCtx context.Context, in *outbox.SlotBacklog, finished func() bool) {
 	idle := eagerPollMin
 	errWait := eagerPollMin
 	batch := int64(max(r.cfg.BatchSize, atomicMax))
@@ -79,7 +87,7 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 		probed = probe // the walk's next window comes before another probe
 		// On hardCtx, as claimLoop's: cancelled after the server
 		// committed, the claimed rows would wait for their lease.
-		chunks, w, err := r.claimTransactions(hardCtx, from, token, int(batch))
+		chunks, w, err := r.claimTransactions(hardCtx, from, in, token, int(batch))
 		if err != nil {
 			r.slots.Release(batch)
 			if !r.claimFailed(softCtx, "claim outbox transactions", err, &errWait) {
@@ -112,6 +120,9 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 			after = math.MinInt64
 		}
 		if n == 0 {
+			if finished != nil && finished() {
+				return
+			}
 			if !r.sleep(softCtx, idle) {
 				return
 			}
@@ -133,13 +144,13 @@ func (r *Relay) txClaimLoop(softCtx, hardCtx context.Context) {
 }
 
 // claimTransactions finds the transactions ready in the window above
-// after and claims up to n of their rows.
-func (r *Relay) claimTransactions(ctx context.Context, after int64, token pgtype.UUID, n int) ([]outbox.TxChunk, outbox.TxWindow, error) {
+// after (of the backlog in, if not nil) and claims up to n of their rows.
+func (r *Relay) claimTransactions(ctx context.Context, after int64, in *outbox.SlotBacklog, token pgtype.UUID, n int) ([]outbox.TxChunk, outbox.TxWindow, error) {
 	window := r.claimWindow()
 	if r.testTxWindow > 0 {
 		window = r.testTxWindow
 	}
-	w, err := r.store.TransactionCandidates(ctx, after, window, txCandidatesMax)
+	w, err := r.store.TransactionCandidates(ctx, after, in, window, txCandidatesMax)
 	if err != nil || len(w.Candidates) == 0 {
 		return nil, w, err
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -140,7 +141,7 @@ var errSlotLost = errors.New("replication slot invalidated")
 // ensureSlot creates the slot if it does not exist and returns the bound of
 // the rows it does not capture (those committed before it), and whether
 // they have all been published.
-func (r *Relay) ensureSlot(ctx context.Context, conn *pgconn.PgConn, create bool) (backlogThrough int64, backlogDone bool, err error) {
+func (r *Relay) ensureSlot(ctx context.Context, conn *pgconn.PgConn, create bool) (backlog outbox.SlotBacklog, err error) {
 	var (
 		plugin, walStatus string
 		database          string
@@ -152,30 +153,30 @@ SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replicat
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 	case err != nil:
-		return 0, false, fmt.Errorf("look up replication slot %s: %w", r.cfg.Slot, err)
+		return backlog, fmt.Errorf("look up replication slot %s: %w", r.cfg.Slot, err)
 	default:
 		found = true
 	}
 	if found {
 		var current string
 		if err := r.pool.QueryRow(ctx, `SELECT current_database()`).Scan(&current); err != nil {
-			return 0, false, err
+			return backlog, err
 		}
 		if plugin != "pgoutput" || database != current {
-			return 0, false, fmt.Errorf("replication slot %s exists but is not fanout's (plugin %q, database %q; want pgoutput on %q): set relay.slot to another name", r.cfg.Slot, plugin, database, current)
+			return backlog, fmt.Errorf("replication slot %s exists but is not fanout's (plugin %q, database %q; want pgoutput on %q): set relay.slot to another name", r.cfg.Slot, plugin, database, current)
 		}
 		if walStatus == "lost" {
 			if !create {
-				return 0, false, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, r.cfg.Slot)
+				return backlog, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, r.cfg.Slot)
 			}
 			if err := r.recoverLostSlot(ctx); err != nil {
-				return 0, false, err
+				return backlog, err
 			}
 			found = false
 		}
 	}
 	if !found && !create {
-		return 0, false, fmt.Errorf("replication slot %s is gone", r.cfg.Slot)
+		return backlog, fmt.Errorf("replication slot %s is gone", r.cfg.Slot)
 	}
 	if !found {
 		createCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
@@ -185,23 +186,23 @@ SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replicat
 		if err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && pgErr.Code == "42710" { // another relay created it a moment ago
-				return 0, false, fmt.Errorf("%w: %s", errSlotInUse, pgErr.Message)
+				return backlog, fmt.Errorf("%w: %s", errSlotInUse, pgErr.Message)
 			}
-			return 0, false, fmt.Errorf("create replication slot %s: %w", r.cfg.Slot, err)
+			return backlog, fmt.Errorf("create replication slot %s: %w", r.cfg.Slot, err)
 		}
 		r.logger.Info("created the replication slot", "slot", res.SlotName, "consistent_point", res.ConsistentPoint)
 		if err := r.store.StartCapture(ctx, r.cfg.Slot); err != nil {
-			return 0, false, fmt.Errorf("record the slot's backlog: %w", err)
+			return backlog, fmt.Errorf("record the slot's backlog: %w", err)
 		}
 	}
 	// Recorded now if the relay that created the slot died first.
-	backlogThrough, backlogDone, err = r.store.CaptureBacklog(ctx, r.cfg.Slot)
+	backlog, err = r.store.CaptureBacklog(ctx, r.cfg.Slot)
 	if err != nil {
-		return 0, false, fmt.Errorf("read the slot's backlog: %w", err)
+		return backlog, fmt.Errorf("read the slot's backlog: %w", err)
 	}
-	r.backlogThrough.Store(backlogThrough)
-	r.backlogDone.Store(backlogDone)
-	return backlogThrough, backlogDone, nil
+	r.backlogThrough.Store(backlog.Through)
+	r.backlogDone.Store(backlog.Done)
+	return backlog, nil
 }
 
 // recoverLostSlot drops a slot the server invalidated (it removed WAL the

@@ -106,12 +106,12 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 		_ = conn.Close(closeCtx)
 	}()
 
-	backlogThrough, backlogDone, err := r.ensureSlot(softCtx, conn, until == 0)
+	backlog, err := r.ensureSlot(softCtx, conn, until == 0)
 	if err != nil {
 		return err
 	}
 	if until != 0 {
-		backlogDone = true // claimed by the poll relay that asked
+		backlog.Done = true // claimed by the poll relay that asked
 	}
 	// Rows committed before the slot existed are not in its stream: they
 	// are published by claiming them, as the poll relay does, and all of
@@ -119,12 +119,11 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 	// from the backlog would otherwise enter the stream after its newer
 	// one decoded from the slot (the fault run caught one). The slot
 	// keeps the WAL meanwhile.
-	if !backlogDone {
-		r.drainBacklog(softCtx, hardCtx, backlogThrough)
+	if !backlog.Done {
+		r.drainBacklog(softCtx, hardCtx, backlog)
 		if softCtx.Err() != nil {
 			return softCtx.Err()
 		}
-		backlogDone = true
 	}
 	startCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
 	err = pglogrepl.StartReplication(startCtx, conn, r.cfg.Slot, 0, pglogrepl.StartReplicationOptions{

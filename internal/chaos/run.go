@@ -341,6 +341,17 @@ func (r *run) setup() {
 			specs = append(specs, []string{name + "-" + strconv.Itoa(i+1), "subscribe", name})
 		}
 	}
+	seed := func() {
+		if _, err := shop.Seed(context.Background(), r.db.Pool, 150, rand.New(rand.NewPCG(r.o.Seed, 1))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r.wal() {
+		// Before any relay makes the slot: the seed is its backlog, which
+		// the relay that makes it publishes by claims (by transactions
+		// with relay.atomic transaction) before it streams the rest.
+		seed()
+	}
 	for _, spec := range specs {
 		role, err := newRole(spec[0], r.o.Binary, r.logDir, r.asUser(env, spec), spec[1:]...)
 		if err != nil {
@@ -352,11 +363,8 @@ func (r *run) setup() {
 		r.roles = append(r.roles, role)
 	}
 	r.waitConsumers()
-	r.waitSlot()
-
-	ctx := context.Background()
-	if _, err := shop.Seed(ctx, r.db.Pool, 150, rand.New(rand.NewPCG(r.o.Seed, 1))); err != nil {
-		t.Fatal(err)
+	if !r.wal() {
+		seed()
 	}
 }
 
@@ -445,24 +453,6 @@ func tryCluster(t *testing.T, root string, passwords map[string]string) ([]*nats
 }
 
 // waitConsumers waits until the stream and every subscriber's consumer exist.
-// waitSlot waits, in wal capture, for a relay to create the replication
-// slot. Rows committed before the slot existed are a backlog the relay
-// publishes by claiming them, one by one whatever relay.atomic says (a
-// limit of the switch from poll capture, docs/design.md), which the
-// transaction check would report.
-func (r *run) waitSlot() {
-	if !r.wal() {
-		return
-	}
-	r.waitRoles("a wal relay to make its replication slot", func() (bool, string) {
-		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
-		defer cancel()
-		var made bool
-		err := r.db.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM relay_capture)`).Scan(&made)
-		return err == nil && made, fmt.Sprint(err)
-	})
-}
-
 func (r *run) waitConsumers() {
 	r.waitRoles("the roles to come up", func() (bool, string) {
 		ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)

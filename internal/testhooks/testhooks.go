@@ -48,6 +48,11 @@ type Relay struct {
 	// publishes each transaction's events as two atomic batches, a moment
 	// apart, instead of one.
 	SplitTransactions bool
+	// BacklogByEvent (sabotage), with relay.atomic transaction, has a wal
+	// relay publish its slot's backlog event by event, as it did before
+	// the backlog's snapshot was kept: its transactions enter the stream
+	// without their batches.
+	BacklogByEvent bool
 	// MidBatch, if set, runs in each atomic batch after the first half of
 	// its messages were sent and before the rest and the commit: a test
 	// kills the relay there.
