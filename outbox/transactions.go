@@ -25,6 +25,14 @@ import (
 // held behind it, as a wal relay does). The numbers are given in commit
 // order, so the transactions' dependencies follow their commits and the
 // first transaction committed among the unpublished is always ready.
+//
+// A transaction's rows are found by their (writer_xid, id), bounded by a
+// row comparison on both: the outbox's primary key (id alone) can serve
+// no such bound, and with statistics of a range analyzed while it was
+// nearly empty (a new range, a fresh install), a bound on id alone made
+// the planner walk the key from the bound to the end of the range for
+// each candidate, filtering on writer_xid (a claim of 70 transactions
+// took 2 s at 1000 writes/s).
 
 // TxCandidate is a writer transaction whose first row still to publish
 // lies in a claim's window: its id, with the transaction's (empty for a
@@ -99,6 +107,60 @@ func (s *Store) TransactionCandidates(ctx context.Context, after int64, in *Slot
 	return w, nil
 }
 
+// nextTransactionsSQL finds the transactions holding the next event (by
+// number) of each aggregate ($1 types, $2 ids, $3 numbers) whose event
+// was just published, still pending, with the first row of each still to
+// publish: a chain of transactions over the same aggregates (a backlog
+// of busy aggregates) goes on at the pace of its publishes, not of the
+// claim loop's walks.
+const nextTransactionsSQL = `
+WITH nxt AS (
+    SELECT DISTINCT n.writer_xid, CASE WHEN n.writer_xid IS NULL THEN n.id END AS solo
+    FROM unnest($1::text[], $2::text[], $3::bigint[]) AS p(typ, agg, seq)
+    JOIN outbox n ON n.aggregate_type = p.typ AND n.aggregate_id = p.agg AND n.aggregate_seq = p.seq + 1
+    WHERE num_nulls(n.published_at) = 1 AND n.status = 'pending'
+)
+SELECT x.writer_xid::text,
+       coalesce(x.solo, (SELECT e.id FROM outbox e
+                         WHERE e.writer_xid = x.writer_xid AND (e.writer_xid, e.id) > (x.writer_xid, '-9223372036854775808'::bigint)
+                           AND e.published_at IS NULL AND e.status IN ('pending', 'sending')
+                         ORDER BY e.writer_xid, e.id LIMIT 1)) AS first
+FROM nxt x ORDER BY first`
+
+// NextTransactions returns the transactions that hold the next events of
+// the aggregates of published (rows just recorded sent), oldest first,
+// as candidates for ClaimTransactions (whose checks they go through like
+// any other: a window did not find them, so with checkBelow).
+func (s *Store) NextTransactions(ctx context.Context, published []Claimed) ([]TxCandidate, error) {
+	var types, ids []string
+	var seqs []int64
+	for _, c := range published {
+		if c.AggregateSeq.Valid {
+			types, ids, seqs = append(types, c.AggregateType), append(ids, c.AggregateID), append(seqs, c.AggregateSeq.Int64)
+		}
+	}
+	if len(seqs) == 0 {
+		return nil, nil
+	}
+	rows, err := s.pool.Query(ctx, nextTransactionsSQL, types, ids, seqs)
+	if err != nil {
+		return nil, fmt.Errorf("find the transactions of the published aggregates' next events: %w", err)
+	}
+	var cands []TxCandidate
+	var xid pgtype.Text
+	var first pgtype.Int8
+	_, err = pgx.ForEachRow(rows, []any{&xid, &first}, func() error {
+		if first.Valid {
+			cands = append(cands, TxCandidate{XID: xid.String, First: first.Int64})
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("find the transactions of the published aggregates' next events: %w", err)
+	}
+	return cands, nil
+}
+
 // claimTransactionsSQL claims, under lease token $3, the next chunk of
 // each candidate transaction ($1 its writer_xid or NULL, $2 its first row
 // still to publish) that is ready (see above), up to $6 rows in all (at
@@ -123,14 +185,14 @@ WITH cand AS (
     FROM unnest($1::text[], $2::bigint[]) WITH ORDINALITY AS c(xid, first, ord)
     WHERE NOT $7 OR c.xid IS NULL OR NOT EXISTS (
         SELECT FROM outbox e
-        WHERE e.writer_xid = c.xid::xid8 AND e.id < c.first AND e.published_at IS NULL AND e.status IN ('pending', 'sending')
+        WHERE e.writer_xid = c.xid::xid8 AND (e.writer_xid, e.id) < (c.xid::xid8, c.first) AND e.published_at IS NULL AND e.status IN ('pending', 'sending')
           AND NOT (e.status = 'sending' AND coalesce(e.lease_token = ANY ($8::uuid[]), false)))
 ), txrows AS MATERIALIZED (
     SELECT c.ord, c.xid, c.first, r.id, r.status, r.due, r.aggregate_type, r.aggregate_id, r.aggregate_seq
     FROM cand c CROSS JOIN LATERAL (
         SELECT e.id, e.status, e.available_at <= now() AS due, e.aggregate_type, e.aggregate_id, e.aggregate_seq
         FROM outbox e
-        WHERE e.writer_xid = c.xid AND e.id >= c.first AND e.published_at IS NULL AND e.status IN ('pending', 'sending')
+        WHERE e.writer_xid = c.xid AND (e.writer_xid, e.id) >= (c.xid, c.first) AND e.published_at IS NULL AND e.status IN ('pending', 'sending')
         ORDER BY e.writer_xid, e.id
         LIMIT $5 + 1
     ) r
@@ -170,7 +232,8 @@ WITH cand AS (
     ) p JOIN ready r ON r.ord = p.ord
     WHERE p.got = r.n
 ), prev AS (
-    SELECT c.ord, (SELECT max(e.id) FROM outbox e WHERE e.writer_xid = c.xid AND e.id < c.first) AS id
+    SELECT c.ord, (SELECT e.id FROM outbox e WHERE e.writer_xid = c.xid AND (e.writer_xid, e.id) < (c.xid, c.first)
+                   ORDER BY e.writer_xid DESC, e.id DESC LIMIT 1) AS id
     FROM cand c WHERE c.xid IS NOT NULL AND c.ord IN (SELECT ord FROM capped)
 ), claimed AS (
     UPDATE outbox o
@@ -266,7 +329,7 @@ func (s *Store) claimTransactions(ctx context.Context, cands []TxCandidate, toke
 // in its transaction, for a relay that did not publish the chunks before.
 func (s *Store) TransactionRowsBelow(ctx context.Context, xid string, id int64) (int64, error) {
 	var n int64
-	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE writer_xid = $1::xid8 AND id < $2`, xid, id).Scan(&n)
+	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE writer_xid = $1::xid8 AND (writer_xid, id) < ($1::xid8, $2)`, xid, id).Scan(&n)
 	if err != nil {
 		return 0, fmt.Errorf("count the rows of transaction %s below %d: %w", xid, id, err)
 	}

@@ -235,3 +235,54 @@ func TestClaimTransactionNext(t *testing.T) {
 		t.Fatal("claimed the next chunk with no lease named for the rows below")
 	}
 }
+
+// A delivery goes on with the transactions holding the next events of the
+// aggregates it published (NextTransactions): each named once, by its
+// first row still to publish, oldest first; a next event already claimed
+// (sending) names none, nor does an aggregate with no next event.
+func TestNextTransactions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	store := outbox.NewStore(db.Pool)
+	token := pgtype.UUID{Bytes: [16]byte{9}, Valid: true}
+
+	// t1 publishes orders 1, 2, 3 and 4; t2 holds order 1's next event
+	// (and order 5's first, below it); t3 order 2's next and order 1's
+	// third; t4 order 3's next, claimed already.
+	t1 := writeTx(t, db, "1", "2", "3", "4")
+	t2 := writeTx(t, db, "5", "1")
+	t3 := writeTx(t, db, "2", "1")
+	t4 := writeTx(t, db, "3")
+	claimed, err := store.ClaimTransactions(ctx, []outbox.TxCandidate{{XID: xidOf(t, db, t1[0]), First: t1[0]}}, token, 1000, 1000, false)
+	if err != nil || len(claimed) != 1 || len(claimed[0].Rows) != 4 {
+		t.Fatalf("claim t1: %+v (%v)", claimed, err)
+	}
+	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Sent: t1}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `UPDATE outbox SET status = 'sending', lease_token = gen_random_uuid(), claimed_at = now() WHERE id = $1`, t4[0]); err != nil {
+		t.Fatal(err)
+	}
+	cands, err := store.NextTransactions(ctx, claimed[0].Rows)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []outbox.TxCandidate{{XID: xidOf(t, db, t2[0]), First: t2[0]}, {XID: xidOf(t, db, t3[0]), First: t3[0]}}
+	if !slices.Equal(cands, want) {
+		t.Fatalf("next transactions: %+v, want t2 and t3 by their first rows: %+v", cands, want)
+	}
+	if cands, err := store.NextTransactions(ctx, nil); err != nil || len(cands) != 0 {
+		t.Fatalf("next transactions of nothing published: %+v (%v)", cands, err)
+	}
+}
+
+// xidOf returns the writer transaction of the outbox row id.
+func xidOf(t *testing.T, db *pgtest.DB, id int64) string {
+	t.Helper()
+	var xid string
+	if err := db.Pool.QueryRow(context.Background(), `SELECT writer_xid::text FROM outbox WHERE id = $1`, id).Scan(&xid); err != nil {
+		t.Fatal(err)
+	}
+	return xid
+}

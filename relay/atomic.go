@@ -280,6 +280,15 @@ func (r *Relay) publishTransactionBatch(softCtx, hardCtx context.Context, p txPa
 		r.reportPublished(published, 0, 0)
 		return true
 	}
+	if len(msgs) == 1 {
+		// One event needs no atomic batch (see publishTxChunk): one
+		// publish, tried again until stored, its landing recorded.
+		failed, ok := r.publishCaptured(softCtx, hardCtx, rows, p.setHeaders)
+		if rw := rows[0]; ok && failed[rw.ID] && r.store.OnFailed != outbox.SkipFailed && rw.AggregateSeq.Valid {
+			r.order.hold(rw) // marked failed: its aggregate's next events wait behind it
+		}
+		return ok
+	}
 	wait := min(r.cfg.RetryMin, r.outageRetryMax())
 	for {
 		seqs, err := r.sendWhole(softCtx, hardCtx, msgs)

@@ -107,6 +107,9 @@ func (r *Relay) claimTransactionsIn(softCtx, hardCtx context.Context, in *outbox
 			// holding it keep the claim on its indexes (analyzeBurst).
 			r.analyzeBurst(hardCtx)
 		}
+		if time.Since(start) > slowTxClaim {
+			r.analyzeRanges(hardCtx, analyzeSlowEvery)
+		}
 		switch {
 		case probe && n == 0:
 			continue // the walk goes on
@@ -139,7 +142,10 @@ func (r *Relay) claimTransactionsIn(softCtx, hardCtx context.Context, in *outbox
 			r.logger.Warn("a claim of transactions took a quarter of the lease or more", "took", took, "lease", r.cfg.Lease, "rows", n)
 		}
 		idle = eagerPollMin
-		r.deliverTransactionsAsync(hardCtx, chunks, token, n)
+		// In a backlog, each delivery goes on with the transactions of the
+		// next events of the aggregates it published (see
+		// deliverTransactionsAsync).
+		r.deliverTransactionsAsync(hardCtx, chunks, token, n, w.Full || n >= int(batch))
 	}
 }
 
@@ -174,21 +180,68 @@ func (r *Relay) claimTransactions(ctx context.Context, after int64, in *outbox.S
 }
 
 // deliverTransactionsAsync publishes and records claimed chunks in the
-// background, holding their n slots until done.
-func (r *Relay) deliverTransactionsAsync(hardCtx context.Context, chunks []outbox.TxChunk, token pgtype.UUID, n int) {
+// background, holding their n slots until done. With claimNext (the claim
+// loop found a backlog), it then claims, in the same slots, the ready
+// transactions holding the next events of the aggregates it published,
+// and delivers those the same way, until none is ready: in a backlog of
+// busy aggregates most transactions wait for the one before them, and
+// the claim loop, walking the backlog a window at a time, would find the
+// ready ones only as its walk came round (under a snapshot held open,
+// where each walk steps over every row published since, it fell behind
+// 1000 writes/s for good).
+func (r *Relay) deliverTransactionsAsync(hardCtx context.Context, chunks []outbox.TxChunk, token pgtype.UUID, n int, claimNext bool) {
 	r.batches.Add(1)
 	go func() {
 		defer r.batches.Done()
 		defer r.slots.Release(int64(n))
-		r.deliverTransactions(hardCtx, chunks, token, n)
+		for len(chunks) > 0 {
+			published := r.deliverTransactions(hardCtx, chunks, token, n)
+			if !claimNext || len(published) == 0 {
+				return
+			}
+			select {
+			case <-r.stopping:
+				return
+			default:
+			}
+			chunks, token = r.claimNextTransactions(hardCtx, published, n)
+		}
 	}()
+}
+
+// claimNextTransactions claims, under a new lease, up to n rows of the
+// ready transactions that hold the next events of the aggregates of
+// published.
+func (r *Relay) claimNextTransactions(ctx context.Context, published []row, n int) ([]outbox.TxChunk, pgtype.UUID) {
+	token := newLeaseToken()
+	start := time.Now()
+	cands, err := r.store.NextTransactions(ctx, published)
+	cands = slices.DeleteFunc(cands, func(c outbox.TxCandidate) bool { return r.txChunks.streaming(c.XID) })
+	var chunks []outbox.TxChunk
+	if err == nil && len(cands) > 0 {
+		chunks, err = r.store.ClaimTransactions(ctx, cands, token, atomicMax, n, true)
+	}
+	if err != nil {
+		if ctx.Err() == nil {
+			r.logger.Warn("claim the transactions of the next events of the aggregates published; the claim loop will find them", "error", err)
+		}
+		return nil, token
+	}
+	claimed := 0
+	for _, c := range chunks {
+		claimed += len(c.Rows)
+	}
+	if claimed > 0 {
+		r.obs.Claimed(claimed, time.Since(start))
+	}
+	return chunks, token
 }
 
 // deliverTransactions publishes each chunk as one atomic batch, side by
 // side (at most atomicInFlight at once, as publishAtomic allows), then
 // records every row's outcome in one statement. A batch the stream did
 // not store leaves its rows to back off and come back together.
-func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk, token pgtype.UUID, n int) {
+func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk, token pgtype.UUID, n int) (published []row) {
 	r.unrecorded.Add(int64(n))
 	defer r.unrecorded.Add(-int64(n))
 	results := make([][]outcome, len(chunks))
@@ -211,7 +264,7 @@ func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk
 		})
 	}
 	if err := g.Wait(); err != nil || ctx.Err() != nil {
-		return // a hard stop: the rows stay `sending`, the reaper returns them
+		return nil // a hard stop: the rows stay `sending`, the reaper returns them
 	}
 	rows := make([]row, 0, n)
 	all := make([]outcome, 0, n)
@@ -220,10 +273,18 @@ func (r *Relay) deliverTransactions(ctx context.Context, chunks []outbox.TxChunk
 		all = append(all, results[i]...)
 	}
 	r.beforeRecord(ctx, rows)
-	r.record(ctx, rows, token, all, nil)
+	if _, ok := r.record(ctx, rows, token, all, nil); !ok {
+		return nil
+	}
 	// The transactions waiting behind these are ready now: the claim
 	// loop, backing off after claims that found none, claims them at once.
 	r.Nudge()
+	for i, res := range all {
+		if res.acked {
+			published = append(published, rows[i])
+		}
+	}
+	return published
 }
 
 // A big transaction's chunks go one after the other, each once the ones
@@ -432,6 +493,22 @@ func (r *Relay) publishTxChunk(ctx context.Context, c *outbox.TxChunk, stoppedBy
 	var seqs []uint64
 	if r.hooks.FailAtomic != nil && r.hooks.FailAtomic(rowIDs(c.Rows, publish)) {
 		err = errors.New("nats: timeout (injected by a test hook)")
+	} else if len(msgs) == 1 && !c.More && c.Prev == 0 {
+		// A transaction of one event needs no atomic batch: one publish
+		// is stored whole or not at all, and costs a PubAck where an
+		// atomic batch of one cost the stream's batch commit (about 30
+		// ms here, and at most atomicInFlight open at once: a poll relay
+		// fell behind 1000 writes/s of one event each).
+		i := publish[0]
+		res, ok := r.publishAll(ctx, []row{c.Rows[i]}, part.setHeaders)
+		if !ok {
+			return nil, false
+		}
+		results[i] = res[0]
+		if res[0].acked {
+			r.txPublished(c, part)
+		}
+		return results, true
 	} else {
 		seqs, err = r.sendWhole(ctx, ctx, msgs)
 	}

@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -121,8 +122,8 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 	// keeps the WAL meanwhile.
 	if !backlog.Done {
 		r.drainBacklog(softCtx, hardCtx, backlog)
-		if softCtx.Err() != nil {
-			return softCtx.Err()
+		if !r.backlogDone.Load() { // the relay is stopping
+			return cmp.Or(softCtx.Err(), errors.New("relay stopping before the slot's backlog was published"))
 		}
 	}
 	startCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
