@@ -93,8 +93,9 @@ type Config struct {
 	AuditLookback time.Duration `koanf:"audit_lookback"`
 	// Atomic is what enters the stream at once: event (each event as it is
 	// published; the default) or transaction (a writer transaction's
-	// events together or not at all, as one atomic batch, a transaction of
-	// more than 1000 events in chunks of 1000: see atomic.go, and
+	// events together or not at all, as one atomic batch (one of a single
+	// event as one publish), a transaction of more than 1000 events in
+	// chunks of 1000: see atomic.go, and
 	// txclaim.go for poll capture). transaction needs max_in_flight of at
 	// least 1000 and a stream that allows atomic batches (allow_atomic,
 	// NATS 2.12).
