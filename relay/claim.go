@@ -268,7 +268,7 @@ func (r *Relay) analyzeBurst(ctx context.Context) { r.analyzeRanges(ctx, analyze
 // before the next analyze, and the relay published 20 events/s of 1000).
 const (
 	slowTxClaim      = 200 * time.Millisecond
-	analyzeSlowEvery = 3 * time.Second
+	analyzeSlowEvery = 10 * time.Second
 )
 
 // analyzeRanges asks for the statistics of the outbox's ranges holding the
