@@ -416,6 +416,42 @@ VALUES ('product', '8', 'product.updated', '{}', '{"x-count": 1}') RETURNING id`
 	}
 }
 
+// With relay.atomic transaction, a transaction of one event is one
+// publish, not an atomic batch (a single message is stored whole or not
+// at all; a batch of one cost the stream's batch commit), still marked as
+// its transaction's one and last chunk; a larger one is one batch.
+func TestOneEventTransactionsNeedNoBatch(t *testing.T) {
+	t.Parallel()
+	for _, capture := range []string{CapturePoll, CaptureWAL} {
+		t.Run(capture, func(t *testing.T) {
+			t.Parallel()
+			h := newHarness(t)
+			h.cfg.Relay.Capture = capture
+			h.cfg.Relay.Atomic = AtomicTransaction
+			rec := &atomicRecorder{}
+			r := h.newRelay(nil, rec)
+			h.launch(r, func() {
+				for i := range 20 {
+					write(t, h.db.Pool, productEvent(1+i%4))
+				}
+				write(t, h.db.Pool, productEvent(1), productEvent(2), productEvent(3))
+			})
+			// Reported once recorded: the batch's report came before.
+			waitFor(t, 30*time.Second, "every event published and recorded", func() (bool, string) {
+				published, _ := rec.snapshot()
+				return len(published) >= 23, fmt.Sprintf("%d of 23", len(published))
+			})
+			if sent, refused := rec.batches(); sent != 1 || refused != 0 {
+				t.Errorf("%d atomic batches sent (%d refused), want 1: the transaction of three events", sent, refused)
+			}
+			txs, bad := txCheck(t, h)
+			if txs != 21 || len(bad) > 0 {
+				t.Fatalf("%d transactions checked, want 21; %d problems: %v", txs, len(bad), bad[:min(5, len(bad))])
+			}
+		})
+	}
+}
+
 // With relay.atomic transaction, a wal relay publishes its slot's backlog
 // (the transactions committed before the slot existed, which it claims
 // as a poll relay does) by transactions too: each one batch, a larger
