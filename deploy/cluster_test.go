@@ -101,13 +101,25 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 	crosses := func(from, to *node, within time.Duration) bool {
 		t.Helper()
 		conn := func(n *node) *nats.Conn {
-			var nc *nats.Conn
-			waitFor(t, "a client connection to a node", func() bool {
-				var err error
-				nc, err = nats.Connect("nats://127.0.0.1:"+strconv.Itoa(n.port), nats.UserInfo("admin", passwords["admin"]))
-				return err == nil
-			})
-			return nc
+			// A loaded CI host once took longer than waitFor's 20 s here
+			// and said nothing more; wait longer and say why it failed.
+			var lastErr error
+			deadline := time.Now().Add(60 * time.Second)
+			for time.Now().Before(deadline) {
+				nc, err := nats.Connect("nats://127.0.0.1:"+strconv.Itoa(n.port),
+					nats.UserInfo("admin", passwords["admin"]), nats.Timeout(5*time.Second))
+				if err == nil {
+					return nc
+				}
+				lastErr = err
+				select {
+				case <-n.exited:
+					t.Fatalf("the node on port %d exited:\n%s", n.port, n.log.String())
+				case <-time.After(100 * time.Millisecond):
+				}
+			}
+			t.Fatalf("no client connection to the node on port %d in 60 s (last error: %v); its log:\n%s", n.port, lastErr, n.log.String())
+			return nil
 		}
 		pub, sub := conn(from), conn(to)
 		defer pub.Close()
