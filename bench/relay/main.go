@@ -66,7 +66,7 @@ var (
 	natsURL       = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	batchSize     = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight   = flag.Int("inflight", 0, "override relay.max_in_flight")
-	only          = flag.String("only", "", "run only these parts (a comma-separated list): a, w, b, c, m, writer, latency, horizon, audit, fsync, retention; only when asked: accounts (the production NATS layout's cost), auditfull, bigtx")
+	only          = flag.String("only", "", "run only these parts (a comma-separated list): a, w, b, c, m, writer, latency, horizon, audit, fsync, retention; only when asked: f (fast-ingest batches), accounts (the production NATS layout's cost), auditfull, bigtx")
 	cpuProfile    = flag.String("cpuprofile", "", "write a CPU profile of this process")
 	relayLog      = flag.String("relaylog", "", "log the relays at this level (debug, info, warn) to stderr")
 	adminURL      = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
@@ -107,17 +107,24 @@ func run(ctx context.Context) error {
 	}
 	defer nc.Close()
 	fmt.Printf("relay benchmark, %s, GOMAXPROCS=%d\n\n", time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0))
+	if cpuClock, err = newCPUClock(ctx); err != nil {
+		fmt.Printf("    (CPU per row not measured: %v)\n", err)
+	}
 
 	want := func(part string) bool { return *only == "" || slices.Contains(strings.Split(*only, ","), part) }
 	var a, w, b, c, claimMs, ac, wa, ab benchkit.Figure
 	var m, mc, am, wm, wc, ac2 benchkit.Figure // part m and the ceilings
+	var f benchkit.Figure                      // part f
+	var cpuA, cpuW, cpuC, cpuM, cpuF cpuFigure
+	var aBound, wBound benchkit.Figure // servedFloor over c
 	for run := range *benchkit.Runs {
-		var ra, rw, rb, rc, rm result
+		var ra, rw, rb, rc, rm, rf result
 		if want("a") {
 			if ra, err = benchDrain(ctx, nc); err != nil {
 				return fmt.Errorf("(a): %w", err)
 			}
 			a.Add(ra.rate)
+			cpuA.add(ra)
 			claimMs.Add(ra.claimMs)
 		}
 		if want("w") {
@@ -125,6 +132,7 @@ func run(ctx context.Context) error {
 				return fmt.Errorf("(w): %w", err)
 			}
 			w.Add(rw.rate)
+			cpuW.add(rw)
 		}
 		if want("b") {
 			if rb, err = benchNaive(ctx, nc); err != nil {
@@ -137,12 +145,21 @@ func run(ctx context.Context) error {
 				return fmt.Errorf("(c): %w", err)
 			}
 			c.Add(rc.rate)
+			cpuC.add(rc)
 		}
 		if want("m") {
 			if rm, err = benchRawRelayMessages(ctx, nc); err != nil {
 				return fmt.Errorf("(m): %w", err)
 			}
 			m.Add(rm.rate)
+			cpuM.add(rm)
+		}
+		if *only != "" && want("f") { // opt in
+			if rf, err = benchFastIngest(ctx, nc); err != nil {
+				return fmt.Errorf("(f): %w", err)
+			}
+			f.Add(rf.rate)
+			cpuF.add(rf)
 		}
 		if want("a") && want("w") && want("c") && want("m") {
 			// The ceilings, within one run: the parts ran minutes apart at most.
@@ -151,6 +168,10 @@ func run(ctx context.Context) error {
 			am.Add(ra.rate / rm.rate)
 			wm.Add(rw.rate / rm.rate)
 			wc.Add(rw.rate / rc.rate)
+			if servedFloor(ra) > 0 && servedFloor(rw) > 0 {
+				aBound.Add(servedFloor(ra) / rc.rate)
+				wBound.Add(servedFloor(rw) / rc.rate)
+			}
 		}
 		if *only == "" {
 			// Ratios within one run: the parts ran minutes apart at most.
@@ -163,23 +184,30 @@ func run(ctx context.Context) error {
 		}
 	}
 	if want("a") {
-		fmt.Printf("(a) fanout relay (relay.capture poll) draining %d rows: %s; a claim took %s on average\n", *rows, a.Format("%.0f rows/s"), claimMs.Format("%.1fms"))
+		fmt.Printf("(a) fanout relay (relay.capture poll) draining %d rows: %s; a claim took %s on average\n    %s\n", *rows, a.Format("%.0f rows/s"), claimMs.Format("%.1fms"), cpuA)
 	}
 	if want("w") {
-		fmt.Printf("(w) fanout relay (relay.capture wal) draining %d rows from its slot (committed in transactions of 1000 while it was stopped): %s\n", *rows, w.Format("%.0f rows/s"))
+		fmt.Printf("(w) fanout relay (relay.capture wal) draining %d rows from its slot (committed in transactions of 1000 while it was stopped): %s\n    %s\n", *rows, w.Format("%.0f rows/s"), cpuW)
 	}
 	if want("b") {
 		fmt.Printf("(b) naive publisher (poll 2s, batch 50, sync publish, then mark) for %s: %s\n", *naiveFor, b.Format("%.1f rows/s"))
 	}
 	if want("c") {
-		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %s\n", *rows, c.Format("%.0f msgs/s"))
+		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %s\n    %s\n", *rows, c.Format("%.0f msgs/s"), cpuC)
 	}
 	if want("m") {
-		fmt.Printf("(m) raw JetStream async publish of the relay's own messages (relay.Message: its headers), %d msgs: %s\n", *rows, m.Format("%.0f msgs/s"))
+		fmt.Printf("(m) raw JetStream async publish of the relay's own messages (relay.Message: its headers), %d msgs: %s\n    %s\n", *rows, m.Format("%.0f msgs/s"), cpuM)
+	}
+	if *only != "" && want("f") {
+		fmt.Printf("(f) the same messages as m in one fast-ingest batch (allow_batched, an acknowledgement per 100): %s\n    %s\n", f.Format("%.0f msgs/s"), cpuF)
 	}
 	if want("a") && want("w") && want("c") && want("m") {
 		fmt.Printf("    ceilings: a/c = %s (target >= 0.5)   w/c = %s (target >= 0.7)   m/c = %s (what the messages' headers leave of c)   a/m = %s   w/m = %s\n\n",
 			ac2.Format("%.2f"), wc.Format("%.2f"), mc.Format("%.2f"), am.Format("%.2f"), wm.Format("%.2f"))
+		if len(aBound.Values) > 0 {
+			fmt.Printf("    what nats-server and Postgres use a row leaves, on %d cores, to a relay using no CPU itself: a/c <= %s, w/c <= %s\n\n",
+				runtime.NumCPU(), aBound.Format("%.2f"), wBound.Format("%.2f"))
+		}
 	}
 	if *only == "" {
 		fmt.Printf("    a/c = %s (target >= 0.35)   a/b = %s (target >= 1000)   w/a = %s (target for wal: >= 1)\n\n", ac.Format("%.2f"), ab.Format("%.0f"), wa.Format("%.2f"))
@@ -240,7 +268,70 @@ type result struct {
 	n       int
 	secs    float64
 	rate    float64
-	claimMs float64 // the drain's mean claim time
+	claimMs float64           // the drain's mean claim time
+	cpu     benchkit.CPUTimes // used while timed; zero without a CPU clock
+}
+
+// cpuClock reads where a timed part's CPU went (nil where the servers'
+// processes could not be found: the figures are then not printed).
+var cpuClock *benchkit.CPUClock
+
+// startCPU starts counting CPU time; the function it returns gives the
+// time used since (zero without a clock, or if a read failed).
+func startCPU() func() benchkit.CPUTimes {
+	if cpuClock == nil {
+		return func() benchkit.CPUTimes { return benchkit.CPUTimes{} }
+	}
+	start, err := cpuClock.Read()
+	return func() benchkit.CPUTimes {
+		end, err2 := cpuClock.Read()
+		if err != nil || err2 != nil {
+			return benchkit.CPUTimes{}
+		}
+		return end.Sub(start)
+	}
+}
+
+// newCPUClock finds the services' processes (those of -nats and
+// -postgres).
+func newCPUClock(ctx context.Context) (*benchkit.CPUClock, error) {
+	pool, err := pgxpool.New(ctx, *adminURL)
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+	return benchkit.NewCPUClock(ctx, pool, *natsURL)
+}
+
+// servedFloor is the most rows/s a relay using no CPU at all could reach
+// with the CPU nats-server and Postgres used a row in r, on this
+// machine's cores: the ceiling the machine sets (0 if not measured).
+func servedFloor(r result) float64 {
+	servers := (r.cpu.NATS + r.cpu.Postgres).Seconds() / float64(r.n)
+	if servers <= 0 {
+		return 0
+	}
+	return float64(runtime.NumCPU()) / servers
+}
+
+// cpuFigure is a part's CPU per row over the runs.
+type cpuFigure struct{ self, nats, postgres benchkit.Figure }
+
+func (f *cpuFigure) add(r result) {
+	us := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(r.n) }
+	if r.cpu != (benchkit.CPUTimes{}) {
+		f.self.Add(us(r.cpu.Self))
+		f.nats.Add(us(r.cpu.NATS))
+		f.postgres.Add(us(r.cpu.Postgres))
+	}
+}
+
+func (f cpuFigure) String() string {
+	if len(f.self.Values) == 0 {
+		return "CPU not measured"
+	}
+	return fmt.Sprintf("CPU a row: this process %s, nats-server %s, Postgres %s",
+		f.self.Format("%.1fµs"), f.nats.Format("%.1fµs"), f.postgres.Format("%.1fµs"))
 }
 
 // quiet is the relays' logger: nothing, unless -relaylog names a level
