@@ -46,6 +46,7 @@ import (
 
 	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/gctune"
 	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
@@ -81,6 +82,9 @@ func main() {
 		os.Exit(2)
 	}
 	quiet = l
+	// The relays here run in this process: give it the collector `fanout
+	// relay` runs with.
+	gctune.Apply()
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
 		if err != nil {

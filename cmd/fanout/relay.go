@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 
+	"github.com/fanout/fanout/internal/gctune"
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/opsserver"
@@ -24,6 +26,12 @@ func relayCommand(a *app) *cobra.Command {
 			if err := a.load(); err != nil {
 				return err
 			}
+			gc := gctune.Apply()
+			gogc := gc.GOGC
+			if gogc == "" {
+				gogc = strconv.Itoa(gctune.Percent)
+			}
+			a.logger.Info("garbage collector", "gogc", gogc, "memory_limit_bytes", gc.MemoryLimit)
 			reg := metrics.NewRegistry()
 			r, deps, err := startRelay(cmd.Context(), a, relay.NewMetrics(reg))
 			if err != nil {
