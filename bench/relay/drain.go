@@ -236,17 +236,21 @@ func benchRawRelayMessages(ctx context.Context, nc *nats.Conn) (result, error) {
 	}
 	created := pgtype.Timestamptz{Time: time.Now(), Valid: true}
 	return rawPublish(ctx, nc, func(sc stream.Config) (func(i int) (*nats.Msg, error), error) {
-		return func(i int) (*nats.Msg, error) {
-			g := i + 1
-			product := g%1000 + 1
-			rw := outbox.Claimed{ID: int64(g), AggregateType: "product", AggregateID: strconv.Itoa(product), EventType: "product.updated",
-				Headers:      []byte(`{}`),
-				Payload:      fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, g, product, 1000+g%90000),
-				CreatedAt:    created,
-				AggregateSeq: pgtype.Int8{Int64: int64(g/1000 + 1), Valid: true}}
-			return relay.Message(sc, ident, rw, nc.MaxPayload())
-		}, nil
+		return func(i int) (*nats.Msg, error) { return relayMessage(sc, ident, created, i, nc.MaxPayload()) }, nil
 	})
+}
+
+// relayMessage is the relay's message for part a's i-th row (from 0):
+// product.updated over 1000 products.
+func relayMessage(sc stream.Config, ident *outbox.Identity, created pgtype.Timestamptz, i int, maxPayload int64) (*nats.Msg, error) {
+	g := i + 1
+	product := g%1000 + 1
+	rw := outbox.Claimed{ID: int64(g), AggregateType: "product", AggregateID: strconv.Itoa(product), EventType: "product.updated",
+		Headers:      []byte(`{}`),
+		Payload:      fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, g, product, 1000+g%90000),
+		CreatedAt:    created,
+		AggregateSeq: pgtype.Int8{Int64: int64(g/1000 + 1), Valid: true}}
+	return relay.Message(sc, ident, rw, maxPayload)
 }
 
 // rawPublish publishes -rows messages, built by the function build returns
@@ -349,13 +353,7 @@ func benchFastIngest(ctx context.Context, nc *nats.Conn) (result, error) {
 	cpu := startCPU()
 	start := time.Now()
 	for i := range *rows {
-		g := i + 1
-		product := g%1000 + 1
-		msg, err := relay.Message(sc, ident, outbox.Claimed{ID: int64(g), AggregateType: "product", AggregateID: strconv.Itoa(product),
-			EventType: "product.updated", Headers: []byte(`{}`),
-			Payload:      fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, g, product, 1000+g%90000),
-			CreatedAt:    created,
-			AggregateSeq: pgtype.Int8{Int64: int64(g/1000 + 1), Valid: true}}, nc.MaxPayload())
+		msg, err := relayMessage(sc, ident, created, i, nc.MaxPayload())
 		if err != nil {
 			return result{}, err
 		}
@@ -365,7 +363,7 @@ func benchFastIngest(ctx context.Context, nc *nats.Conn) (result, error) {
 			_, err = fp.AddMsg(msg)
 		}
 		if err != nil {
-			return result{}, fmt.Errorf("fast-ingest message %d: %w", g, err)
+			return result{}, fmt.Errorf("fast-ingest message %d: %w", i+1, err)
 		}
 	}
 	secs := time.Since(start).Seconds()
