@@ -146,18 +146,11 @@ func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
 		return result{}, err
 	}
 	defer db.Close()
-	sc, done, err := freshStream(nc)
+	sc, js, done, err := ensuredStream(ctx, nc)
 	if err != nil {
 		return result{}, err
 	}
 	defer done()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return result{}, err
-	}
-	if err := stream.Ensure(ctx, js, sc, 0, quiet); err != nil {
-		return result{}, err
-	}
 	if err := fillOutbox(ctx, db.Pool, 10_000); err != nil {
 		return result{}, err
 	}
@@ -229,39 +222,58 @@ func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
 // relay of this contract could reach if reading and marking rows cost
 // nothing: the ceiling its drains are judged against, beside part c.
 func benchRawRelayMessages(ctx context.Context, nc *nats.Conn) (result, error) {
-	db := outbox.Database{System: 7453120005312000531, Name: "bench"}
-	ident, err := outbox.NewIdentity(db, []outbox.Epoch{{N: 1, FirstID: 1}})
+	build, err := relayMessages(nc)
 	if err != nil {
 		return result{}, err
 	}
-	created := pgtype.Timestamptz{Time: time.Now(), Valid: true}
-	return rawPublish(ctx, nc, func(sc stream.Config) (func(i int) (*nats.Msg, error), error) {
-		return func(i int) (*nats.Msg, error) { return relayMessage(sc, ident, created, i, nc.MaxPayload()) }, nil
-	})
+	return rawPublish(ctx, nc, func(sc stream.Config) (func(i int) (*nats.Msg, error), error) { return build(sc), nil })
 }
 
-// relayMessage is the relay's message for part a's i-th row (from 0):
-// product.updated over 1000 products.
-func relayMessage(sc stream.Config, ident *outbox.Identity, created pgtype.Timestamptz, i int, maxPayload int64) (*nats.Msg, error) {
-	g := i + 1
-	product := g%1000 + 1
-	rw := outbox.Claimed{ID: int64(g), AggregateType: "product", AggregateID: strconv.Itoa(product), EventType: "product.updated",
-		Headers:      []byte(`{}`),
-		Payload:      fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, g, product, 1000+g%90000),
-		CreatedAt:    created,
-		AggregateSeq: pgtype.Int8{Int64: int64(g/1000 + 1), Valid: true}}
-	return relay.Message(sc, ident, rw, maxPayload)
+// relayMessages returns, for a stream, the relay's message for part a's
+// i-th row (from 0): product.updated over 1000 products, of one database.
+func relayMessages(nc *nats.Conn) (func(stream.Config) func(i int) (*nats.Msg, error), error) {
+	db := outbox.Database{System: 7453120005312000531, Name: "bench"}
+	ident, err := outbox.NewIdentity(db, []outbox.Epoch{{N: 1, FirstID: 1}})
+	if err != nil {
+		return nil, err
+	}
+	created := pgtype.Timestamptz{Time: time.Now(), Valid: true}
+	return func(sc stream.Config) func(i int) (*nats.Msg, error) {
+		return func(i int) (*nats.Msg, error) {
+			g := i + 1
+			product := g%1000 + 1
+			rw := outbox.Claimed{ID: int64(g), AggregateType: "product", AggregateID: strconv.Itoa(product), EventType: "product.updated",
+				Headers:      []byte(`{}`),
+				Payload:      fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, g, product, 1000+g%90000),
+				CreatedAt:    created,
+				AggregateSeq: pgtype.Int8{Int64: int64(g/1000 + 1), Valid: true}}
+			return relay.Message(sc, ident, rw, nc.MaxPayload())
+		}
+	}, nil
+}
+
+// ensuredStream makes a fresh stream (freshStream) on the server, with a
+// JetStream context made with opts; done deletes it.
+func ensuredStream(ctx context.Context, nc *nats.Conn, opts ...jetstream.JetStreamOpt) (stream.Config, jetstream.JetStream, func(), error) {
+	sc, done, err := freshStream(nc)
+	if err != nil {
+		return sc, nil, nil, err
+	}
+	js, err := jetstream.New(nc, opts...)
+	if err == nil {
+		err = stream.Ensure(ctx, js, sc, 0, quiet)
+	}
+	if err != nil {
+		done()
+		return sc, nil, nil, err
+	}
+	return sc, js, done, nil
 }
 
 // rawPublish publishes -rows messages, built by the function build returns
 // for the fresh stream, asynchronously with max_in_flight in flight, and
 // times them until the last PubAck.
 func rawPublish(ctx context.Context, nc *nats.Conn, build func(stream.Config) (func(i int) (*nats.Msg, error), error)) (result, error) {
-	sc, done, err := freshStream(nc)
-	if err != nil {
-		return result{}, err
-	}
-	defer done()
 	rc := relayConfig()
 	// Failures are counted as they come, not kept as futures: 200,000
 	// futures and their messages held to the end made the heap large
@@ -269,7 +281,7 @@ func rawPublish(ctx context.Context, nc *nats.Conn, build func(stream.Config) (f
 	// part m's publisher used twice the CPU a message).
 	var failed atomic.Int64
 	var firstErr atomic.Pointer[error]
-	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(rc.MaxInFlight),
+	sc, js, done, err := ensuredStream(ctx, nc, jetstream.WithPublishAsyncMaxPending(rc.MaxInFlight),
 		jetstream.WithPublishAsyncErrHandler(func(_ jetstream.JetStream, _ *nats.Msg, err error) {
 			failed.Add(1)
 			firstErr.CompareAndSwap(nil, &err)
@@ -277,9 +289,7 @@ func rawPublish(ctx context.Context, nc *nats.Conn, build func(stream.Config) (f
 	if err != nil {
 		return result{}, err
 	}
-	if err := stream.Ensure(ctx, js, sc, 0, quiet); err != nil {
-		return result{}, err
-	}
+	defer done()
 	next, err := build(sc)
 	if err != nil {
 		return result{}, err
@@ -317,23 +327,16 @@ func rawPublish(ctx context.Context, nc *nats.Conn, build func(stream.Config) (f
 // figures against m's); the relay does not use it: the acknowledgements
 // it drops carry each event's stream sequence, its landing.
 func benchFastIngest(ctx context.Context, nc *nats.Conn) (result, error) {
-	db := outbox.Database{System: 7453120005312000531, Name: "bench"}
-	ident, err := outbox.NewIdentity(db, []outbox.Epoch{{N: 1, FirstID: 1}})
+	build, err := relayMessages(nc)
 	if err != nil {
 		return result{}, err
 	}
-	sc, done, err := freshStream(nc)
+	sc, js, done, err := ensuredStream(ctx, nc)
 	if err != nil {
 		return result{}, err
 	}
 	defer done()
-	js, err := jetstream.New(nc)
-	if err != nil {
-		return result{}, err
-	}
-	if err := stream.Ensure(ctx, js, sc, 0, quiet); err != nil {
-		return result{}, err
-	}
+	next := build(sc)
 	s, err := js.Stream(ctx, sc.Name)
 	if err != nil {
 		return result{}, err
@@ -349,11 +352,10 @@ func benchFastIngest(ctx context.Context, nc *nats.Conn) (result, error) {
 	if err != nil {
 		return result{}, err
 	}
-	created := pgtype.Timestamptz{Time: time.Now(), Valid: true}
 	cpu := startCPU()
 	start := time.Now()
 	for i := range *rows {
-		msg, err := relayMessage(sc, ident, created, i, nc.MaxPayload())
+		msg, err := next(i)
 		if err != nil {
 			return result{}, err
 		}
