@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/testenv/childproc"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/nats-io/nats.go"
@@ -61,6 +62,7 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 			n := &node{log: &syncbuf.Buffer{}, port: freePort(t), exited: make(chan struct{})}
 			n.cmd = exec.Command(bin, "-c", conf, "-a", "127.0.0.1", "-p", strconv.Itoa(n.port),
 				"-js", "-sd", filepath.Join(t.TempDir(), "jetstream"))
+			childproc.Tie(n.cmd)
 			n.cmd.Env = env
 			n.cmd.Stdout, n.cmd.Stderr = n.log, n.log
 			if err := n.cmd.Start(); err != nil {

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/internal/testenv/childproc"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/subscribers/registry"
@@ -101,6 +102,7 @@ func tryStartNATS(t *testing.T, bin, conf string, users []string) (s *natsServer
 	}
 	env = append(env, "FANOUT_NATS_STORE_DIR="+filepath.Join(t.TempDir(), "jetstream"))
 	s.cmd = exec.Command(bin, "-c", conf, "-p", strconv.Itoa(port), "-m", strconv.Itoa(mport))
+	childproc.Tie(s.cmd)
 	s.cmd.Env = env // the last of duplicate keys wins
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	if err := s.cmd.Start(); err != nil {

@@ -19,8 +19,8 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testenv/repo"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"

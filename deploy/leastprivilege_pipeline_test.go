@@ -16,9 +16,9 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"

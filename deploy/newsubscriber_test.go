@@ -14,10 +14,10 @@ import (
 	"time"
 
 	"github.com/compose-spec/compose-go/v2/types"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/example"
@@ -33,7 +33,7 @@ import (
 // a fresh database), its consumer (`fanout provision`), its compose
 // service, its place in `fanout status`; it handles an order as its own
 // identities and dead-letters a malformed one. Its place in the fault run
-// is TestChaosWithANewSubscriber (internal/chaos).
+// is TestChaosWithANewSubscriber (faultrun).
 func TestANewSubscriber(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)

@@ -7,8 +7,8 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/schema/pgtest"
 )
 
 // A wal relay's record of its slot, on a database of its own: read without

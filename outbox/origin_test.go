@@ -5,8 +5,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/schema/pgtest"
 )
 
 // The functions behind the events' origins hold their bounds: the last id

@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/schema/pgtest"
 )
 
 // The relay's claims probe the aggregates' own entries of

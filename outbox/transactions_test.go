@@ -7,8 +7,8 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 )

@@ -10,9 +10,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"

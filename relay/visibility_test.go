@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/schema/pgtest"
 )
 
 func TestSnapshotVisible(t *testing.T) {

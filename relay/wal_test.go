@@ -12,9 +12,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 )

@@ -9,8 +9,8 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/schema"
+	"github.com/fanout/fanout/schema/pgtest"
 )
 
 // emptyDB is a fresh database with no migrations applied.

@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"

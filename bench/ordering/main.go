@@ -22,7 +22,7 @@ import (
 
 	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/fulfilment"

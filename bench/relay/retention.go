@@ -8,9 +8,9 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/schema/pgtest"
 )
 
 var retentionRows = flag.Int64("retention-rows", relay.DefaultPartitionSize, "rows of the range the retention part removes")

@@ -29,8 +29,8 @@ import (
 	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/metrics"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/stream"
@@ -98,7 +98,7 @@ func run(ctx context.Context) error {
 	if b.js, err = jetstream.New(b.nc); err != nil {
 		return err
 	}
-	if b.client, err = connect.Search(ctx, cfg.Search.Client()); err != nil {
+	if b.client, err = search.Connect(ctx, cfg.Search.Client()); err != nil {
 		return err
 	}
 	defer b.client.Close()

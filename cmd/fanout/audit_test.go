@@ -9,9 +9,9 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/testenv/natstest"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"

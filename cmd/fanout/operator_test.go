@@ -13,9 +13,9 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/testenv/natstest"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testenv/redistest"
 	"github.com/fanout/fanout/operator"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"

@@ -18,10 +18,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/testenv/childproc"
 	"github.com/fanout/fanout/internal/testenv/natstest"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testenv/redistest"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
@@ -71,6 +72,7 @@ func start(t *testing.T, env []string, args ...string) *process {
 	t.Helper()
 	p := &process{name: strings.Join(args, " "), done: make(chan error, 1)}
 	p.cmd = exec.Command(binary, args...)
+	childproc.Tie(p.cmd)
 	for _, kv := range os.Environ() {
 		if !strings.HasPrefix(kv, "FANOUT_") {
 			p.cmd.Env = append(p.cmd.Env, kv)

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/testenv/natstest"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/nats-io/nats.go/jetstream"
 )

@@ -8,7 +8,6 @@ import (
 	"os"
 	"time"
 
-	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/subscribers/searchindex"
@@ -34,7 +33,7 @@ func openSQLAndSearch(ctx context.Context, a *app, exclusive bool) (*pgxpool.Poo
 			return nil, nil, nil, err
 		}
 	}
-	client, err := connect.Search(ctx, a.cfg.Search.Client())
+	client, err := search.Connect(ctx, a.cfg.Search.Client())
 	if err != nil {
 		unlock()
 		pool.Close()

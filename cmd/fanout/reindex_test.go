@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/fanout/fanout/internal/testenv/natstest"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"

@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/internal/testenv/pgtest"
+	"github.com/fanout/fanout/schema/pgtest"
 )
 
 // The relay's sessions plan without JIT: a claim by transactions over a

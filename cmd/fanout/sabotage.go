@@ -6,7 +6,7 @@ import (
 )
 
 // sabotage is deliberately broken behaviour for the fault run's self-test
-// (internal/chaos proves its checker catches each kind). It stays empty in
+// (faultrun proves its checker catches each kind). It stays empty in
 // every binary but one built with the fanout_sabotage tag and started with
 // FANOUT_TEST_SABOTAGE naming a kind (sabotage_on.go).
 var sabotage struct {

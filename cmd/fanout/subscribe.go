@@ -37,22 +37,26 @@ type deps struct {
 
 // build connects what d's declaration uses and builds its handler.
 func (d *deps) build(decl subscribers.Declaration) (subscribers.Handler, error) {
+	logger := logging.Component(d.a.logger, decl.Name)
 	if decl.UsesService(subscribers.Redis) && d.rdb == nil {
-		rdb, err := connect.Redis(d.ctx, d.a.cfg.Redis)
+		err := waitForDependency(d.ctx, logger, "redis", "ping", func() (err error) {
+			d.rdb, err = connect.Redis(d.ctx, d.a.cfg.Redis)
+			return err
+		})
 		if err != nil {
 			return subscribers.Handler{}, fmt.Errorf("subscriber %s: %w", decl.Name, err)
 		}
-		d.rdb = rdb
 	}
 	if decl.UsesService(subscribers.Search) && d.search == nil {
-		c, err := connect.Search(d.ctx, d.a.cfg.Search.Client())
+		err := waitForDependency(d.ctx, logger, "search", "info", func() (err error) {
+			d.search, err = search.Connect(d.ctx, d.a.cfg.Search.Client())
+			return err
+		})
 		if err != nil {
 			return subscribers.Handler{}, fmt.Errorf("subscriber %s: %w", decl.Name, err)
 		}
-		d.search = c
 	}
-	deps := subscribers.Deps{Context: d.ctx, Pool: d.pool, Settings: d.a.cfg,
-		Logger: logging.Component(d.a.logger, decl.Name)}
+	deps := subscribers.Deps{Context: d.ctx, Pool: d.pool, Settings: d.a.cfg, Logger: logger}
 	if decl.UsesService(subscribers.Redis) {
 		deps.Redis = d.rdb
 	}
@@ -62,7 +66,14 @@ func (d *deps) build(decl subscribers.Declaration) (subscribers.Handler, error) 
 	if d.reg != nil {
 		deps.Metrics = d.reg
 	}
-	return decl.Build(deps)
+	// Building may call the services too (the search indexer makes its
+	// index): a dependency slow to answer is waited for here as well.
+	var h subscribers.Handler
+	err := waitForDependency(d.ctx, logger, "the services "+decl.Name+" uses", "build "+decl.Name, func() (err error) {
+		h, err = decl.Build(deps)
+		return err
+	})
+	return h, err
 }
 
 func (d *deps) close() {

@@ -1,7 +1,8 @@
-// Package connect opens fanout's connections to Postgres, NATS, Redis and
-// the search engine, with the timeouts, names and credentials every role
-// shares. It owns the settings it dials with: the postgres.*, nats.* and
-// redis.* keys (the search.* keys are package searchindex's).
+// Package connect opens fanout's connections to Postgres, NATS and Redis,
+// with the timeouts, names and credentials every role shares. It owns the
+// settings it dials with: the postgres.*, nats.* and redis.* keys. The
+// search engine's client dials itself (search.Connect): plumbing here
+// imports nothing of the product.
 package connect
 
 import (
@@ -9,11 +10,9 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/fanout/fanout/internal/config"
-	"github.com/fanout/fanout/search"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/redis/go-redis/v9"
@@ -101,12 +100,6 @@ func redisSecrets(cfg RedisConfig) []string {
 	return append(config.URLSecrets(cfg.URL), cfg.Password)
 }
 
-// searchSecrets reads the addresses as the one search.url they came from,
-// so that a password with a ',' (which split it) is still found whole.
-func searchSecrets(cfg search.Config) []string {
-	return append(config.URLSecrets(strings.Join(cfg.Addresses, ",")), cfg.Password)
-}
-
 // NATS connects to the servers in cfg. The connection reconnects forever
 // (a broker restart must not end a role) and never buffers publishes while
 // disconnected: the relay wants an immediate error, not a late surprise.
@@ -180,16 +173,4 @@ func Redis(ctx context.Context, cfg RedisConfig) (*redis.Client, error) {
 		return nil, fmt.Errorf("connect to redis at %s: %w", opts.Addr, config.RedactError(err, redisSecrets(cfg)...))
 	}
 	return rdb, nil
-}
-
-// Search opens a search client and checks that the engine answers.
-func Search(ctx context.Context, cfg search.Config) (*search.Client, error) {
-	c, err := search.New(cfg)
-	if err != nil {
-		return nil, config.RedactError(err, searchSecrets(cfg)...)
-	}
-	if _, err := c.Info(ctx); err != nil {
-		return nil, fmt.Errorf("connect to %s at %s: %w", cfg.Engine, config.RedactURL(strings.Join(cfg.Addresses, ",")), config.RedactError(err, searchSecrets(cfg)...))
-	}
-	return c, nil
 }

@@ -18,10 +18,10 @@ import (
 
 	"github.com/fanout/fanout/internal/testenv/faultproxy"
 	"github.com/fanout/fanout/internal/testenv/natstest"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5"

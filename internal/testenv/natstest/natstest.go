@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/testenv/childproc"
 	"github.com/fanout/fanout/internal/testenv/porthold"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
@@ -117,6 +118,7 @@ var ErrPortTaken = errors.New("port taken")
 func (s *Server) start() error {
 	args := append([]string{"-a", "127.0.0.1", "-p", strconv.Itoa(s.Port), "-js", "-sd", s.StoreDir}, s.args...)
 	s.cmd = exec.Command(s.bin, args...)
+	childproc.Tie(s.cmd)
 	if len(s.env) > 0 {
 		s.cmd.Env = append(os.Environ(), s.env...)
 	}

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fanout/fanout/internal/testenv/childproc"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/redis/go-redis/v9"
 )
@@ -62,6 +63,7 @@ func start(t testing.TB, bin string) (*Server, error) {
 	s.URL = "redis://" + s.Addr + "/0"
 	out := &syncbuf.Buffer{}
 	s.cmd = exec.Command(bin, "--bind", "127.0.0.1", "--port", strconv.Itoa(port), "--save", "", "--appendonly", "no", "--dir", t.TempDir())
+	childproc.Tie(s.cmd)
 	s.cmd.Stdout, s.cmd.Stderr = out, out
 	if err := s.cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start: %w", err)

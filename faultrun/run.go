@@ -1,4 +1,4 @@
-package chaos
+package faultrun
 
 import (
 	"context"
@@ -21,11 +21,11 @@ import (
 
 	"github.com/fanout/fanout/internal/testenv/faultproxy"
 	"github.com/fanout/fanout/internal/testenv/natstest"
-	"github.com/fanout/fanout/internal/testenv/pgtest"
 	"github.com/fanout/fanout/internal/testenv/redistest"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
@@ -193,8 +193,10 @@ func Run(t *testing.T, o Options) *Report {
 			t.Fatal(err)
 		}
 	}
+	// Registered before setup: a setup that fails half-way (a role that
+	// never came up) stops the roles it started all the same.
+	t.Cleanup(r.teardown)
 	r.setup()
-	defer r.teardown()
 
 	start := time.Now()
 	ctx, stop := context.WithTimeout(context.Background(), o.Duration)
@@ -680,10 +682,10 @@ func (r *run) teardown() {
 	for _, role := range r.roles {
 		role.close()
 	}
-	r.sproxy.Close()
-	r.rproxy.Close()
-	for _, p := range r.nproxy {
-		p.Close()
+	for _, p := range slices.Concat(r.nproxy, []*faultproxy.Proxy{r.sproxy, r.rproxy}) {
+		if p != nil {
+			p.Close()
+		}
 	}
 	if r.admin != nil {
 		r.admin.Close()

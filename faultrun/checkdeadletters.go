@@ -1,4 +1,4 @@
-package chaos
+package faultrun
 
 // The dead letters: each names a known subscriber and a planted input,
 // and every planted input reached the dead letters it must.

@@ -1,4 +1,4 @@
-package chaos
+package faultrun
 
 // The effects against Postgres: invoices, the sales ledger, fulfilment's
 // histories, the search documents and the cache.

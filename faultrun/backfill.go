@@ -1,4 +1,4 @@
-package chaos
+package faultrun
 
 // Subscribers that join the run late (Options.Backfill): each one's
 // consumer takes only the events published after it exists, and `fanout

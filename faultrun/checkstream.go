@@ -1,4 +1,4 @@
-package chaos
+package faultrun
 
 // The stream against the outbox: every committed row sent or failed,
 // every sent row in the stream once, each aggregate's events in order.

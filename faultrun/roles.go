@@ -1,4 +1,4 @@
-package chaos
+package faultrun
 
 import (
 	"fmt"
@@ -8,6 +8,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/fanout/fanout/internal/testenv/childproc"
 )
 
 // Role is one fanout process of the pipeline, restartable; its output goes
@@ -38,6 +40,7 @@ func (r *Role) Start() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	cmd := exec.Command(r.bin, r.Args...) // r.mu is held
+	childproc.Tie(cmd)
 	cmd.Env = r.env
 	cmd.Stdout, cmd.Stderr = r.log, r.log
 	fmt.Fprintf(r.log, "{\"msg\":\"chaos: starting %s\",\"time\":%q}\n", r.Name, time.Now().Format(time.RFC3339Nano))

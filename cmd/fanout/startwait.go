@@ -1,0 +1,59 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"syscall"
+	"time"
+
+	"github.com/cenkalti/backoff/v5"
+	"github.com/fanout/fanout/search"
+)
+
+// waitForDependency runs call until it succeeds, fails for a reason that
+// waiting will not mend, or ctx ends. A role starting beside a dependency
+// that is down or slow to answer its first call (a search engine creating
+// its first index under load, a Redis restarting) waits for it, as it
+// would wait through the same outage once running, rather than exit; each
+// failed try is logged naming the dependency and the call, so a role that
+// never comes up says why.
+func waitForDependency(ctx context.Context, logger *slog.Logger, dependency, call string, fn func() error) error {
+	tries := 0
+	_, err := backoff.Retry(ctx, func() (struct{}, error) {
+		tries++
+		err := fn()
+		if err != nil && !outage(err) {
+			return struct{}{}, backoff.Permanent(err)
+		}
+		return struct{}{}, err
+	},
+		backoff.WithBackOff(&backoff.ExponentialBackOff{InitialInterval: 250 * time.Millisecond, RandomizationFactor: 0.2,
+			Multiplier: 2, MaxInterval: 5 * time.Second}),
+		backoff.WithMaxElapsedTime(0), // an outage of any length
+		backoff.WithNotify(func(err error, next time.Duration) {
+			logger.Warn("waiting for "+dependency+" to start", "call", call, "error", err, "tries", tries, "retry_in", next.Round(time.Millisecond))
+		}))
+	if err != nil && tries > 1 && ctx.Err() == nil {
+		logger.Error("gave up waiting for "+dependency, "call", call, "error", err, "tries", tries)
+	}
+	return err
+}
+
+// outage reports an error that a dependency being down or overloaded
+// explains: no connection, a timeout, a connection cut, or the search
+// engine answering 5xx or 429. Anything else (a refused credential, a
+// mapping the engine rejects, a setting that does not parse) is the
+// configuration's to fix, and waiting would only hide it.
+func outage(err error) bool {
+	var se *search.Error
+	if errors.As(err, &se) {
+		return se.Status >= 500 || se.Status == 429
+	}
+	var ne net.Error
+	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, syscall.ECONNREFUSED) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.As(err, &ne)
+}
