@@ -6,14 +6,14 @@
 #   deploy/services.sh up      install what is missing, start what is down, wait
 #   deploy/services.sh down    stop everything this script started
 #   deploy/services.sh status  say what answers where
-#   deploy/services.sh nats-cli build the nats CLI into .bin/ (for people)
+#   deploy/services.sh nats-cli build the nats CLI into .bin/ (for people and the docs test)
 #
 # Idempotent: a service that already answers is left alone. Data lives under
 # .data/ in the repository (override with FANOUT_DEV_DATA_DIR).
 # FANOUT_DEV_SKIP_SEARCH=1 skips OpenSearch. FANOUT_DEV_NATS_CLI says what
 # becomes of the nats CLI: wait (the default: built before `up` returns),
-# background (built without waiting, what `go tool task up` does: no
-# service needs it) or skip (what `go tool task test` does: no test needs it).
+# background (built without waiting, what `go tool task up` and `go tool
+# task test` do: no service needs it, and the docs test waits for it) or skip.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -210,8 +210,9 @@ install_all() {
     "postgresql-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" "postgresql-client-$POSTGRES_MAJOR=$POSTGRES_DEB_VERSION" \
     "redis-server=$REDIS_DEB_VERSION" "redis-tools=$REDIS_DEB_VERSION"
   spawn nats-server go_install nats-server "github.com/nats-io/nats-server/v2@$NATS_SERVER_VERSION"
-  # The nats CLI is for people: no service or test needs it. It builds at
-  # the lowest CPU priority, so on a fresh machine it takes only the CPU the
+  # The nats CLI is for people and the docs test (cmd/fanout), which checks
+  # the docs' nats commands with it: no service needs it. It builds at the
+  # lowest CPU priority, so on a fresh machine it takes only the CPU the
   # builds that are needed leave idle, and `task up` does not wait for it.
   local cli=(nice -n 19 bash "$repo/deploy/services.sh" nats-cli)
   case ${FANOUT_DEV_NATS_CLI:-wait} in
@@ -255,6 +256,10 @@ case $cmd in
     log "all services up"
     ;;
   nats-cli)
+    # One build at a time: the docs test runs this too, and then waits for
+    # the build `up` started in the background instead of starting another.
+    exec 9>"$bin/.nats-cli.lock"
+    flock 9
     go_install nats "github.com/nats-io/natscli/nats@$NATSCLI_VERSION"
     log "nats CLI ready: $bin/nats"
     ;;

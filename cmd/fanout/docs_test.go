@@ -23,7 +23,10 @@ import (
 // parents' persistent flags included) and the arguments it accepts; every
 // `go tool task NAME` must name a task of Taskfile.yml; every
 // `deploy/services.sh X` (or `bash deploy/services.sh X`) must say up, down
-// or status. It runs nothing.
+// or status; every `nats ...` or `.bin/nats ...` must parse in the nats CLI
+// that deploy/versions.env pins (subcommands, flags, arguments: see
+// natsCLI.check), which is built into .bin/ if missing. It runs nothing but
+// that CLI's --help.
 //
 // A fenced block must say what it holds in its info string:
 //
@@ -50,7 +53,7 @@ func TestDocs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := docChecker{root: rootCommand(), tasks: tasks, subscribers: registry.Default.Names()}
+	c := docChecker{root: rootCommand(), tasks: tasks, subscribers: registry.Default.Names(), nats: newNatsCLI(t)}
 	for _, path := range docs {
 		b, err := os.ReadFile(path)
 		if err != nil {
@@ -62,12 +65,12 @@ func TestDocs(t *testing.T) {
 		}
 	}
 	// Guard: a parser that found nothing would pass every doc.
-	if c.fanoutLines < 10 || c.taskLines < 3 || c.servicesLines < 1 {
-		t.Errorf("checked only %d fanout, %d task and %d services.sh commands in %d docs: the parser is missing them, and the test proves less than it claims",
-			c.fanoutLines, c.taskLines, c.servicesLines, len(docs))
+	if c.fanoutLines < 10 || c.taskLines < 3 || c.servicesLines < 1 || c.natsLines < 2 {
+		t.Errorf("checked only %d fanout, %d task, %d services.sh and %d nats commands in %d docs: the parser is missing them, and the test proves less than it claims",
+			c.fanoutLines, c.taskLines, c.servicesLines, c.natsLines, len(docs))
 	}
-	t.Logf("checked %d fanout, %d task and %d services.sh commands in %d docs; %d blocks not runnable here skipped",
-		c.fanoutLines, c.taskLines, c.servicesLines, len(docs), c.skippedBlocks)
+	t.Logf("checked %d fanout, %d task, %d services.sh and %d nats commands in %d docs; %d blocks not runnable here skipped",
+		c.fanoutLines, c.taskLines, c.servicesLines, c.natsLines, len(docs), c.skippedBlocks)
 }
 
 // TestDocsCheckerFindsMistakes feeds the checker a doc with one mistake per
@@ -78,6 +81,7 @@ func TestDocsCheckerFindsMistakes(t *testing.T) {
 		root:        rootCommand(),
 		tasks:       map[string]bool{"up": true, "test": true, "bench:relay": true},
 		subscribers: registry.Default.Names(),
+		nats:        newNatsCLI(t),
 	}
 	doc := "# x\n\n```sh\n" + strings.Join([]string{
 		"go run ./cmd/fanout status --json                 # fine", // line 4
@@ -92,10 +96,17 @@ func TestDocsCheckerFindsMistakes(t *testing.T) {
 		"go run ./cmd/fanout subscribe invoicing nosuch",           // 13: unknown subscriber
 		"go run ./cmd/fanout reindex --check --repair \\",          // fine, continued
 		"  --loaders 2",
-		"go run ./cmd/fanout dlq",                          // 16: a group, not a command
-		"go run ./cmd/fanout replay invoicing --from-time", // 17: a flag without its value
+		"go run ./cmd/fanout dlq",                             // 16: a group, not a command
+		"go run ./cmd/fanout replay invoicing --from-time",    // 17: a flag without its value
+		".bin/nats stream view EVENTS --last 5",               // 18: a flag v0.5.0 does not have
+		"nats stream vew EVENTS",                              // 19: no such subcommand
+		"nats str ls --names",                                 // fine: aliases of stream and list
+		".bin/nats sub --stream EVENTS --last-per-subject -T", // fine: a short flag
+		"nats stream",                       // 22: a group
+		"nats stream info EVENTS --timeout", // 23: a flag without its value
+		"nats-server --version",             // fine: not the CLI
 	}, "\n") + "\n```\n\n```console\n$ fanout config check\nfanout: configuration: relay.batch_size must be ...\n```\n\n" +
-		"```sh docker\ndocker compose run --rm operator dlq lst\n```\n\n```\nfanout up\n```\n" // line 29: no info string
+		"```sh docker\ndocker compose run --rm operator dlq lst\n```\n\n```\nfanout up\n```\n" // line 36: no info string
 	got := c.checkDoc("t.md", doc)
 	want := [][2]string{
 		{"t.md:5: ", `has no subcommand "lst"`},
@@ -106,7 +117,11 @@ func TestDocsCheckerFindsMistakes(t *testing.T) {
 		{"t.md:13: ", `unknown subscriber "nosuch"`},
 		{"t.md:16: ", "name one of its subcommands"},
 		{"t.md:17: ", "--from-time needs a value"},
-		{"t.md:29: ", "no info string"},
+		{"t.md:18: ", "unknown long flag '--last'"},
+		{"t.md:19: ", `expected command but got "vew"`},
+		{"t.md:22: ", `"nats stream" is not a command by itself`},
+		{"t.md:23: ", "expected argument for flag '--timeout'"},
+		{"t.md:36: ", "no info string"},
 	}
 	joined := strings.Join(got, "\n")
 	for _, w := range want {
@@ -124,7 +139,9 @@ type docChecker struct {
 	tasks       map[string]bool
 	subscribers []string
 
-	fanoutLines, taskLines, servicesLines, skippedBlocks int
+	nats *natsCLI
+
+	fanoutLines, taskLines, servicesLines, natsLines, skippedBlocks int
 }
 
 // checkDoc returns one problem per bad command in the fenced blocks of doc,
@@ -158,8 +175,8 @@ func (c *docChecker) checkDoc(name, doc string) []string {
 }
 
 // checkCommand checks one simple command (its words, VAR=value prefixes
-// already removed); commands that are neither fanout, task nor services.sh
-// pass.
+// already removed); commands that are neither fanout, task, services.sh
+// nor the nats CLI pass.
 func (c *docChecker) checkCommand(words []string) error {
 	switch {
 	case len(words) >= 2 && words[0] == "go" && words[1] == "run":
@@ -181,6 +198,9 @@ func (c *docChecker) checkCommand(words []string) error {
 	case len(words) >= 2 && (words[0] == "bash" || words[0] == "sh") && isServicesScript(words[1]):
 		c.servicesLines++
 		return checkServices(words[2:])
+	case isNatsCLI(words[0]):
+		c.natsLines++
+		return c.nats.check(words[1:])
 	}
 	return nil
 }
