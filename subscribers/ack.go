@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"golang.org/x/sync/errgroup"
 )
 
@@ -15,11 +15,7 @@ import (
 func (r *Runner) processed(ctx context.Context, ids []int64) ([]int64, error) {
 	ctx, cancel := r.bookkeeping(ctx)
 	defer cancel()
-	rows, err := r.opts.Pool.Query(ctx, processedSQL, r.name, ids)
-	if err != nil {
-		return nil, fmt.Errorf("read the checkpoint: %w", err)
-	}
-	done, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	done, err := r.store.CheckpointList(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: ids})
 	if err != nil {
 		return nil, fmt.Errorf("read the checkpoint: %w", err)
 	}
@@ -32,18 +28,7 @@ func (r *Runner) processed(ctx context.Context, ids []int64) ([]int64, error) {
 func (r *Runner) checkpoint(ctx context.Context, handled []*delivery, forget []int64) error {
 	ctx, cancel := r.bookkeeping(ctx)
 	defer cancel()
-	ids := eventIDs(handled)
-	b := &pgx.Batch{}
-	if len(ids) > 0 {
-		b.Queue(recordSQL, r.name, ids)
-	}
-	if len(forget) > 0 {
-		b.Queue(forgetAttemptsSQL, r.name, forget)
-	}
-	if b.Len() == 0 {
-		return nil
-	}
-	return r.opts.Pool.SendBatch(ctx, b).Close()
+	return r.store.CheckpointRecord(ctx, bookkeeping.CheckpointRecordParams{Subscriber: r.name, Handled: eventIDs(handled), Forget: forget})
 }
 
 // succeeded acks a committed batch (double ack: the server confirms, so a

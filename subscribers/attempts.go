@@ -6,7 +6,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/jackc/pgx/v5"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 )
 
 // The runtime's memory of events that did not go well the first time
@@ -26,57 +26,8 @@ import (
 //     subscribers.max_crashes open attempts it is dead-lettered unhandled.
 //
 // First deliveries write nothing here, so the common path costs nothing:
-// only failures and redeliveries do.
-const (
-	lookupAttemptsSQL = `
-SELECT q.id, p.event_id IS NOT NULL, a.event_id IS NOT NULL, coalesce(a.failures, 0), coalesce(a.open_attempts, 0),
-       coalesce(a.last_error, '')
-FROM unnest($2::bigint[]) AS q(id)
-LEFT JOIN processed_events p ON p.subscriber = $1 AND p.event_id = q.id
-LEFT JOIN subscriber_attempts a ON a.subscriber = $1 AND a.event_id = q.id`
-
-	// The ids are sorted, so concurrent upserts lock rows in one order.
-	openAttemptsSQL = `
-INSERT INTO subscriber_attempts (subscriber, event_id, open_attempts)
-SELECT $1, id, 1 FROM unnest($2::bigint[]) AS id ORDER BY id
-ON CONFLICT (subscriber, event_id) DO UPDATE
-SET open_attempts = subscriber_attempts.open_attempts + 1, updated_at = now()`
-
-	closeAttemptsSQL = `
-UPDATE subscriber_attempts
-SET open_attempts = greatest(open_attempts - 1, 0), updated_at = now()
-WHERE subscriber = $1 AND event_id = ANY($2)`
-
-	// $4 is 1 when this attempt was opened (it closes here), else 0.
-	recordFailureSQL = `
-INSERT INTO subscriber_attempts (subscriber, event_id, failures, last_error)
-VALUES ($1, $2, 1, $3)
-ON CONFLICT (subscriber, event_id) DO UPDATE
-SET failures = subscriber_attempts.failures + 1,
-    open_attempts = greatest(subscriber_attempts.open_attempts - $4, 0),
-    last_error = excluded.last_error,
-    updated_at = now()
-RETURNING failures`
-
-	forgetAttemptsSQL = `DELETE FROM subscriber_attempts WHERE subscriber = $1 AND event_id = ANY($2)`
-
-	pruneAttemptsSQL = `
-DELETE FROM subscriber_attempts
-WHERE ctid IN (
-    SELECT ctid FROM subscriber_attempts
-    WHERE subscriber = $1 AND updated_at < now() - make_interval(secs => $2::float8)
-    LIMIT 10000
-)`
-)
-
-// attemptState is what the runtime knows of a redelivered event.
-type attemptState struct {
-	done         bool // in the checkpoint
-	hasRow       bool
-	failures     int
-	openAttempts int
-	lastError    string
-}
+// only failures and redeliveries do. The statements are bookkeeping.Store's
+// Attempt* methods.
 
 // bookkeeping bounds a statement of the runtime's own: a Postgres that
 // stops answering mid-statement (a network that drops packets) must become
@@ -85,20 +36,10 @@ func (r *Runner) bookkeeping(ctx context.Context) (context.Context, context.Canc
 	return context.WithTimeout(ctx, r.cfg.HandlerTimeout)
 }
 
-func (r *Runner) lookupAttempts(ctx context.Context, ids []int64) (map[int64]attemptState, error) {
+func (r *Runner) lookupAttempts(ctx context.Context, ids []int64) (map[int64]bookkeeping.AttemptState, error) {
 	ctx, cancel := r.bookkeeping(ctx)
 	defer cancel()
-	rows, err := r.opts.Pool.Query(ctx, lookupAttemptsSQL, r.name, ids)
-	if err != nil {
-		return nil, fmt.Errorf("read the checkpoint and attempts: %w", err)
-	}
-	out := make(map[int64]attemptState, len(ids))
-	var id int64
-	var st attemptState
-	_, err = pgx.ForEachRow(rows, []any{&id, &st.done, &st.hasRow, &st.failures, &st.openAttempts, &st.lastError}, func() error {
-		out[id] = st
-		return nil
-	})
+	out, err := r.store.AttemptList(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: ids})
 	if err != nil {
 		return nil, fmt.Errorf("read the checkpoint and attempts: %w", err)
 	}
@@ -119,7 +60,7 @@ func (r *Runner) openAttempts(ctx context.Context, ds []*delivery) error {
 	}
 	ctx, cancel := r.bookkeeping(ctx)
 	defer cancel()
-	if _, err := r.opts.Pool.Exec(ctx, openAttemptsSQL, r.name, eventIDs(opening)); err != nil {
+	if err := r.store.AttemptOpen(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: eventIDs(opening)}); err != nil {
 		return fmt.Errorf("record attempts: %w", err)
 	}
 	for _, d := range opening {
@@ -148,7 +89,7 @@ func (r *Runner) closeAttempts(ds []*delivery) bool {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	if _, err := r.opts.Pool.Exec(ctx, closeAttemptsSQL, r.name, eventIDs(open)); err != nil {
+	if err := r.store.AttemptClose(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: eventIDs(open)}); err != nil {
 		r.logger.Debug("close attempts (each stays open, and counts as a crash if this process lets its event go)", "error", err)
 		return false
 	}
@@ -161,14 +102,11 @@ func (r *Runner) closeAttempts(ds []*delivery) bool {
 // recordFailure counts a failure of the handler on d's event and returns
 // the failures so far.
 func (r *Runner) recordFailure(ctx context.Context, d *delivery, cause error) (int, error) {
-	closing := 0
-	if d.opened {
-		closing = 1
-	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	var failures int
-	if err := r.opts.Pool.QueryRow(ctx, recordFailureSQL, r.name, d.ev.key(), truncate(cause.Error(), 2000), closing).Scan(&failures); err != nil {
+	failures, err := r.store.AttemptFail(ctx, bookkeeping.AttemptFailParams{
+		Subscriber: r.name, EventID: d.ev.key(), Error: truncate(cause.Error(), 2000), Closing: d.opened})
+	if err != nil {
 		return 0, fmt.Errorf("record the failure: %w", err)
 	}
 	d.opened, d.hasRow = false, true
@@ -184,7 +122,7 @@ func (r *Runner) forgetAttempts(ctx context.Context, ds []*delivery) {
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	if _, err := r.opts.Pool.Exec(ctx, forgetAttemptsSQL, r.name, ids); err != nil {
+	if err := r.store.AttemptDelete(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: ids}); err != nil {
 		r.logger.Debug("forget attempts (pruning will)", "error", err)
 	}
 }

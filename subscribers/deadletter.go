@@ -13,6 +13,7 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -129,14 +130,12 @@ func (r *Runner) vouch(ctx context.Context, d *delivery) error {
 	ctx, cancel := r.bookkeeping(ctx)
 	defer cancel()
 	digest := LetterDigest(d.msg.Data(), d.msg.Headers(), d.msg.Subject())
-	_, err := r.opts.Pool.Exec(ctx, vouchSQL, r.name, int64(d.ev.StreamSeq), d.ev.ID, digest)
+	err := r.store.DeadLetterVouch(ctx, bookkeeping.DeadLetterVouchParams{Subscriber: r.name, StreamSeq: int64(d.ev.StreamSeq), EventID: d.ev.ID, Digest: digest})
 	if err != nil {
 		return fmt.Errorf("record the dead letter in dead_letters: %w", err)
 	}
 	return nil
 }
-
-const vouchSQL = `INSERT INTO dead_letters (subscriber, stream_seq, event_id, digest) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING`
 
 // LetterDigest is what a subscriber's runtime records of an event it
 // dead-letters (dead_letters.digest), and what the operator tools compare a

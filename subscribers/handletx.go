@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -83,11 +84,8 @@ func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh []int64, er
 }
 
 func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forget []int64) (fresh []int64, err error) {
-	rows, err := tx.Query(ctx, checkpointSQL, r.name, ids)
-	if err != nil {
-		return nil, fmt.Errorf("checkpoint: %w", err)
-	}
-	newIDs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	store := bookkeeping.New(tx)
+	newIDs, err := store.CheckpointClaim(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: ids})
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint: %w", err)
 	}
@@ -121,7 +119,7 @@ func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forge
 		}
 	}
 	if len(forget) > 0 {
-		if _, err := tx.Exec(ctx, forgetAttemptsSQL, r.name, forget); err != nil {
+		if err := store.AttemptDelete(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: forget}); err != nil {
 			return nil, fmt.Errorf("forget attempts: %w", err)
 		}
 	}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -38,10 +39,10 @@ type orderInfo struct {
 
 // aggregateKey names an aggregate: its database ("" for the subscriber's
 // own, see originKeys.database), type and id.
-type aggregateKey struct{ db, typ, id string }
+type aggregateKey = bookkeeping.AggregateKey
 
 func (od *orderedDispatch) keyOf(h nats.Header) aggregateKey {
-	return aggregateKey{od.r.origins.database(h.Get(outbox.OriginHeader)), h.Get(outbox.AggregateTypeHeader), h.Get(outbox.AggregateIDHeader)}
+	return aggregateKey{DB: od.r.origins.database(h.Get(outbox.OriginHeader)), Type: h.Get(outbox.AggregateTypeHeader), ID: h.Get(outbox.AggregateIDHeader)}
 }
 
 // orderedDispatch is the dispatcher's state: one goroutine owns it.

@@ -8,6 +8,7 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/fanout/fanout/subscribers/fulfilment"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
@@ -31,16 +32,12 @@ func TestFirstCheckpointOnlyFromTheFirstEvent(t *testing.T) {
 		})
 	}
 	applied := func(aggregate string) int64 {
-		var last int64
-		err := env.DB.Pool.QueryRow(ctx, `SELECT last_seq FROM subscriber_aggregates WHERE subscriber = $1 AND aggregate_type = 'order' AND aggregate_id = $2`,
-			fulfilment.Name, aggregate).Scan(&last)
-		if err == pgx.ErrNoRows {
-			return 0
-		}
+		key := bookkeeping.AggregateKey{Type: "order", ID: aggregate}
+		states, err := bookkeeping.New(env.DB.Pool).AggregateList(ctx, bookkeeping.AggregateListParams{Subscriber: fulfilment.Name, Keys: []bookkeeping.AggregateKey{key}})
 		if err != nil {
 			t.Fatal(err)
 		}
-		return last
+		return states[key].Last
 	}
 
 	// Order 1: number 2 arrives first, taken for the next.

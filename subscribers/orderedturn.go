@@ -85,7 +85,7 @@ func (od *orderedDispatch) evaluate(l *aggregateLine) {
 	// A gap: an earlier event of the aggregate has not arrived.
 	if l.gapSince.IsZero() {
 		l.gapSince = time.Now()
-		od.r.logger.Debug("an aggregate's event waits for an earlier one", "aggregate_type", l.key.typ, "aggregate_id", l.key.id,
+		od.r.logger.Debug("an aggregate's event waits for an earlier one", "aggregate_type", l.key.Type, "aggregate_id", l.key.ID,
 			"number", head.seq, "applied", l.lastSeq)
 	}
 	if !l.gapLoaded {
@@ -102,7 +102,7 @@ func (od *orderedDispatch) evaluate(l *aggregateLine) {
 		return
 	}
 	od.r.logger.Warn("giving up on an aggregate's missing events: applying the next one that arrived (marked AfterGap)",
-		"aggregate_type", l.key.typ, "aggregate_id", l.key.id, "number", head.seq, "applied", l.lastSeq,
+		"aggregate_type", l.key.Type, "aggregate_id", l.key.ID, "number", head.seq, "applied", l.lastSeq,
 		"waited", time.Since(l.gapSince).Round(time.Second), "gap_wait", od.r.cfg.gapWait())
 	l.queued = true
 	od.ready = append(od.ready, l)
@@ -146,7 +146,7 @@ func (od *orderedDispatch) load(ctx context.Context) {
 		keys[i] = l.key
 	}
 	qctx, cancel := od.r.bookkeeping(ctx)
-	states, err := od.r.aggregateStates(qctx, od.r.opts.Pool, keys)
+	states, err := od.r.aggregateStates(qctx, od.r.store, keys)
 	cancel()
 	if err != nil {
 		if ctx.Err() == nil {
@@ -159,8 +159,8 @@ func (od *orderedDispatch) load(ctx context.Context) {
 	for _, l := range lines {
 		st := states[l.key]
 		l.loading, l.loaded = false, true
-		l.lastSeq, l.held, l.firstSeen = st.last, st.heldBy != 0, false
-		if !st.exists && od.r.cfg.Start != "all" && len(l.waiting) > 0 && l.waiting[0].seq > 1 {
+		l.lastSeq, l.held, l.firstSeen = st.Last, st.HeldBy != 0, false
+		if !st.Exists && od.r.cfg.Start != "all" && len(l.waiting) > 0 && l.waiting[0].seq > 1 {
 			// The consumer began after the stream's start: the aggregate's
 			// history begins, for this subscriber, with the first event
 			// seen, which its handler learns is not the aggregate's first.

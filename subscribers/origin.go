@@ -17,9 +17,8 @@ import (
 	"sync"
 
 	"github.com/fanout/fanout/outbox"
-	"github.com/jackc/pgx/v5"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // originShift leaves ids below 2^48 (281 trillion) to every origin.
@@ -27,16 +26,12 @@ const originShift = 48
 
 // originKeys numbers origins, once each per process.
 type originKeys struct {
-	pool  *pgxpool.Pool
+	store bookkeeping.Store
 	own   string // this database's first epoch: keys are plain ids
 	ownDB string // this database, as an origin names it
 	mu    sync.Mutex
 	nums  map[string]int64
 }
-
-// originNumSQL numbers an origin (fanout_origin_number, schema migration
-// 00015): NULL when every number is taken.
-const originNumSQL = `SELECT fanout_origin_number($1)`
 
 // errNoKey is a verdict on one event: no checkpoint key can be made for it
 // (its id is too large for its origin, or every origin number is taken).
@@ -57,18 +52,18 @@ func (k *originKeys) key(ctx context.Context, origin string, id int64) (int64, e
 	num, ok := k.nums[origin]
 	k.mu.Unlock()
 	if !ok {
-		var n *int64
-		if err := k.pool.QueryRow(ctx, originNumSQL, origin).Scan(&n); err != nil {
+		n, ok, err := k.store.OriginNumber(ctx, origin)
+		if err != nil {
 			var pgErr *pgconn.PgError
 			if errors.As(err, &pgErr) && pgErr.Code == "22023" /* invalid_parameter_value: not an origin */ {
 				return 0, &errNoKey{fmt.Sprintf("event %d: %s", id, pgErr.Message)}
 			}
 			return 0, fmt.Errorf("number origin %s in event_origins: %w", origin, err)
 		}
-		if n == nil {
+		if !ok {
 			return 0, &errNoKey{fmt.Sprintf("event %d of origin %s: event_origins has numbered the most origins it can (32767): this one cannot be checkpointed", id, origin)}
 		}
-		num = *n
+		num = n
 		k.mu.Lock()
 		k.nums[origin] = num
 		k.mu.Unlock()
@@ -85,7 +80,7 @@ func (r *Runner) keyEvents(ctx context.Context, ds []*delivery) error {
 		if err != nil {
 			return err
 		}
-		r.origins = newOriginKeys(r.opts.Pool, db)
+		r.origins = newOriginKeys(r.store, db)
 	}
 	for _, d := range ds {
 		if d.ev.ckey != 0 || d.deadReason != "" {
@@ -114,25 +109,22 @@ func (r *Runner) keyEvents(ctx context.Context, ds []*delivery) error {
 // (origin, id) of a database whose own identity is db, as the operator
 // tools look it up; false when no subscriber has checkpointed an event of
 // that origin yet (it has no number).
-func CheckpointKey(ctx context.Context, q interface {
-	QueryRow(context.Context, string, ...any) pgx.Row
-}, db outbox.Database, origin string, id int64) (int64, bool, error) {
+func CheckpointKey(ctx context.Context, q bookkeeping.DB, db outbox.Database, origin string, id int64) (int64, bool, error) {
 	if origin == "" || origin == (outbox.Origin{Database: db, Epoch: 1}).String() {
 		return id, true, nil
 	}
-	var num int64
-	err := q.QueryRow(ctx, `SELECT num FROM event_origins WHERE origin = $1`, origin).Scan(&num)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, false, nil
-	}
+	num, ok, err := bookkeeping.New(q).OriginGet(ctx, origin)
 	if err != nil {
 		return 0, false, fmt.Errorf("look up origin %s in event_origins: %w", origin, err)
+	}
+	if !ok {
+		return 0, false, nil
 	}
 	return num<<originShift | id, true, nil
 }
 
-func newOriginKeys(pool *pgxpool.Pool, db outbox.Database) *originKeys {
-	return &originKeys{pool: pool, own: outbox.Origin{Database: db, Epoch: 1}.String(), ownDB: db.String(), nums: map[string]int64{}}
+func newOriginKeys(store bookkeeping.Store, db outbox.Database) *originKeys {
+	return &originKeys{store: store, own: outbox.Origin{Database: db, Epoch: 1}.String(), ownDB: db.String(), nums: map[string]int64{}}
 }
 
 // database is the database part of an ordered checkpoint's key for an

@@ -2,6 +2,8 @@ package subscribers
 
 import (
 	"context"
+
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 )
 
 // HandleOnce runs the subscriber's handler on one event outside the
@@ -21,8 +23,8 @@ func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err er
 		fresh, err := r.txBatch(ctx, []*delivery{d})
 		return len(fresh) == 1, err
 	}
-	var done bool
-	if err := r.opts.Pool.QueryRow(ctx, isProcessedSQL, r.name, ev.key()).Scan(&done); err != nil {
+	done, err := r.store.CheckpointExists(ctx, bookkeeping.CheckpointKeyParams{Subscriber: r.name, EventID: ev.key()})
+	if err != nil {
 		return false, err
 	}
 	if done {

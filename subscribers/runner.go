@@ -18,6 +18,7 @@ import (
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -39,6 +40,7 @@ type Options struct {
 // Runner runs one subscriber: its consumer, its workers, its dead letters.
 type Runner struct {
 	opts    Options
+	store   bookkeeping.Store    // the subscribers' tables, on opts.Pool
 	origins *originKeys          // checkpoint keys of events' identities (origin.go)
 	hooks   testhooks.Subscriber // zero but in tests (internal/testhooks)
 	name    string
@@ -87,7 +89,7 @@ func New(opts Options) (*Runner, error) {
 	if len(h.EventTypes()) == 0 {
 		return nil, fmt.Errorf("subscriber %s: no event types", h.Name())
 	}
-	r := &Runner{opts: opts, name: h.Name(), cfg: opts.Config, obs: opts.Observer}
+	r := &Runner{opts: opts, store: bookkeeping.New(opts.Pool), name: h.Name(), cfg: opts.Config, obs: opts.Observer}
 	r.logger = opts.Logger.With("subscriber", h.Name())
 	if r.obs == nil {
 		r.obs = NopObserver{}
@@ -319,7 +321,8 @@ func (r *Runner) checkConfig(ctx context.Context) {
 func (r *Runner) startFromFirstIfNotNew(ctx context.Context, want *jetstream.ConsumerConfig) error {
 	var seen bool
 	for wait := 100 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
-		err := r.opts.Pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM processed_events WHERE subscriber = $1 AND event_id >= 0)`, r.name).Scan(&seen)
+		var err error
+		seen, err = r.store.CheckpointAny(ctx, r.name)
 		if err == nil {
 			break
 		}
@@ -353,29 +356,13 @@ func (r *Runner) checkStore(ctx context.Context) error {
 			if err != nil {
 				return err
 			}
-			r.origins = newOriginKeys(r.opts.Pool, db)
+			r.origins = newOriginKeys(r.store, db)
 			if r.ordered {
 				if err := r.checkNumbered(ctx, tx); err != nil {
 					return err
 				}
 			}
-			b := &pgx.Batch{}
-			b.Queue(`SELECT num FROM event_origins LIMIT 0`)
-			b.Queue(`SELECT has_function_privilege('fanout_origin_number(text)', 'EXECUTE')`).QueryRow(func(row pgx.Row) error {
-				var ok bool
-				if err := row.Scan(&ok); err != nil {
-					return err
-				}
-				if !ok {
-					return &pgconn.PgError{Code: "42501", Message: "permission denied for function fanout_origin_number"}
-				}
-				return nil
-			})
-			b.Queue(`INSERT INTO processed_events (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
-			b.Queue(`INSERT INTO subscriber_attempts (subscriber, event_id) VALUES ($1, -1) ON CONFLICT DO NOTHING`, r.name)
-			b.Queue(vouchSQL, r.name, -1, -1, []byte{})
-			b.Queue(lookupAttemptsSQL, r.name, []int64{-1})
-			if err := tx.SendBatch(ctx, b).Close(); err != nil {
+			if err := bookkeeping.New(tx).AccessCheck(ctx, bookkeeping.AccessCheckParams{Subscriber: r.name}); err != nil {
 				return err
 			}
 			return errRollBack

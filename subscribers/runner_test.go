@@ -14,6 +14,7 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
@@ -441,9 +442,8 @@ UNION ALL SELECT 'other', 1, now() - interval '2 hours'`)
 	if err != nil || n != 7000 {
 		t.Fatalf("pruned %d rows (%v), want the 7000 older than the stream's max age", n, err)
 	}
-	var left, other int
-	_ = env.DB.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE subscriber = 'pruned'), count(*) FILTER (WHERE subscriber = 'other') FROM processed_events`).Scan(&left, &other)
-	if left != 10 || other != 1 {
+	counts, _ := bookkeeping.New(env.DB.Pool).CheckpointCount(ctx)
+	if left, other := counts["pruned"], counts["other"]; left != 10 || other != 1 {
 		t.Errorf("left %d of ours and %d of another subscriber's; want 10 and 1", left, other)
 	}
 }

@@ -61,16 +61,16 @@ func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, 
 			continue
 		}
 		st := states[d.ev.key()]
-		d.hasRow, d.mark = st.hasRow, true
-		died := st.openAttempts
+		d.hasRow, d.mark = st.HasRow, true
+		died := st.OpenAttempts
 		if d.opened {
 			died-- // this process's own attempt, held through an outage: not a death
 		}
 		switch {
-		case st.done:
+		case st.Done:
 			skipped = append(skipped, d)
-		case st.failures >= r.cfg.MaxFailures:
-			d.deadReason = fmt.Sprintf("gave up after %d failures (subscribers.max_failures): %s", st.failures, st.lastError)
+		case st.Failures >= r.cfg.MaxFailures:
+			d.deadReason = fmt.Sprintf("gave up after %d failures (subscribers.max_failures): %s", st.Failures, st.LastError)
 		case died >= r.cfg.MaxCrashes:
 			d.deadReason = fmt.Sprintf("its handling never ended %d times: the process died each time (killed, out of memory, or a crash outside the handler), so it was not tried again (subscribers.max_crashes)", died)
 		case died > 0:

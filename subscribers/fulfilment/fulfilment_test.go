@@ -16,6 +16,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/fanout/fanout/subscribers/fulfilment"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
@@ -431,7 +432,7 @@ func TestPoisonEventHoldsOnlyItsOrder(t *testing.T) {
 	if _, err := r.HandleOnce(ctx, held[0]); err == nil || !strings.Contains(err.Error(), "held behind") {
 		t.Errorf("redrive of a held event before the poison is released: %v, want held behind", err)
 	}
-	if ok, err := subscribers.Release(ctx, env.DB.Pool, fulfilment.Name, poison); err != nil || !ok {
+	if ok, err := bookkeeping.New(env.DB.Pool).AggregateRelease(ctx, bookkeeping.CheckpointKeyParams{Subscriber: fulfilment.Name, EventID: poison}); err != nil || !ok {
 		t.Fatalf("release the order held behind the poison: %t, %v", ok, err)
 	}
 	for _, ev := range held {

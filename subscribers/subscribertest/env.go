@@ -24,6 +24,7 @@ import (
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -276,9 +277,7 @@ func (e *Env) WaitIdle(name string, timeout time.Duration) {
 // Checkpointed reports whether the subscriber's checkpoint holds the event.
 func (e *Env) Checkpointed(name string, id int64) bool {
 	e.T.Helper()
-	var ok bool
-	err := e.DB.Pool.QueryRow(context.Background(),
-		`SELECT EXISTS (SELECT FROM processed_events WHERE subscriber = $1 AND event_id = $2)`, name, id).Scan(&ok)
+	ok, err := bookkeeping.New(e.DB.Pool).CheckpointExists(context.Background(), bookkeeping.CheckpointKeyParams{Subscriber: name, EventID: id})
 	if err != nil {
 		e.T.Fatal(err)
 	}

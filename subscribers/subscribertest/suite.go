@@ -11,6 +11,7 @@ import (
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -120,7 +121,7 @@ func Run(t *testing.T, c Case) {
 
 		// Even past the checkpoint (say it was pruned), the handler's own
 		// effect is idempotent.
-		if _, err := env.DB.Pool.Exec(context.Background(), `DELETE FROM processed_events WHERE subscriber = $1 AND event_id = $2`, base.Name(), id); err != nil {
+		if err := bookkeeping.New(env.DB.Pool).CheckpointDelete(context.Background(), bookkeeping.CheckpointKeyParams{Subscriber: base.Name(), EventID: id}); err != nil {
 			t.Fatal(err)
 		}
 		env.Republish(id)
