@@ -21,7 +21,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/testenv/repo"
-	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/stream"
@@ -30,6 +29,7 @@ import (
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/fanout/fanout/subscribers/registry"
 	"github.com/fanout/fanout/subscribers/searchindex"
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -93,7 +93,7 @@ func TestNATSPermissions(t *testing.T) {
 		t.Helper()
 		msg := nats.NewMsg(subject)
 		msg.Data = []byte(`{"order_id": 1, "product_id": 1}`)
-		msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(id))
+		msg.Header.Set(wire.EventIDHeader, strconv.Itoa(id))
 		ack, err := rel.js.PublishMsg(ctx, msg, jetstream.WithMsgID(strconv.Itoa(id)), jetstream.WithExpectStream(cfg.Stream.Name))
 		if err != nil {
 			t.Fatalf("relay publishes %s: %v", subject, err)
@@ -199,7 +199,7 @@ func TestNATSPermissions(t *testing.T) {
 			msg.Data = []byte(`{"order_id": 1, "product_id": 1}`)
 			msg.Header.Set(subscribers.DeadSubscriberHeader, claimed)
 			msg.Header.Set(subscribers.DeadReasonHeader, "forged")
-			msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(id))
+			msg.Header.Set(wire.EventIDHeader, strconv.Itoa(id))
 			msg.Header.Set(subscribers.DeadSubjectHeader, "events."+typ)
 			msg.Header.Set(subscribers.DeadStreamSeqHeader, strconv.FormatUint(seq, 10))
 			ack, err := c.js.PublishMsg(ctx, msg)
@@ -267,7 +267,7 @@ func TestNATSPermissions(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := events.Consumer(ctx, searchindex.ReplayConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		if _, err := events.Consumer(ctx, stream.ReindexConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
 			t.Errorf("replay consumer after the replay: %v, want it deleted", err)
 		}
 		op.checkClean(t)
@@ -278,8 +278,8 @@ func TestNATSPermissions(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			c.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+searchindex.ReplayConsumer, func(ctx context.Context) error {
-				_, err := cEvents.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: searchindex.ReplayConsumer, AckPolicy: jetstream.AckNonePolicy})
+			c.deniedRequest(t, "$JS.API.CONSUMER.CREATE.EVENTS."+stream.ReindexConsumer, func(ctx context.Context) error {
+				_, err := cEvents.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: stream.ReindexConsumer, AckPolicy: jetstream.AckNonePolicy})
 				return err
 			})
 			c.checkClean(t)

@@ -23,6 +23,7 @@ import (
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/invoicing"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -143,7 +144,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 		if err != nil {
 			t.Fatalf("stream %s message %d: %v", cfg.Stream.Name, seq, err)
 		}
-		id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+		id, _ := strconv.ParseInt(m.Header.Get(wire.EventIDHeader), 10, 64)
 		seqOf[id] = seq
 		if m.Subject != "events."+shop.OrderCreated {
 			t.Errorf("message %d subject %s", seq, m.Subject)
@@ -193,7 +194,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 		t.Fatal(err)
 	}
 	if first.Subject != "deadletter.invoicing."+shop.OrderCreated ||
-		first.Header.Get(outbox.EventIDHeader) != strconv.FormatInt(badEvent, 10) ||
+		first.Header.Get(wire.EventIDHeader) != strconv.FormatInt(badEvent, 10) ||
 		!strings.Contains(first.Header.Get(subscribers.DeadReasonHeader), invoicing.ErrUnknownOrder.Error()) {
 		t.Errorf("dead letter: subject %s, headers %v", first.Subject, first.Header)
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/example"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -173,7 +174,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 			return false
 		}
 		m, err := dls.GetLastMsgForSubject(ctx, "deadletter.example.order.created")
-		return err == nil && m.Header.Get(outbox.EventIDHeader) == strconv.FormatInt(badEvent, 10) &&
+		return err == nil && m.Header.Get(wire.EventIDHeader) == strconv.FormatInt(badEvent, 10) &&
 			strings.Contains(m.Header.Get(subscribers.DeadReasonHeader), example.ErrMalformed.Error())
 	})
 	waitFor(t, "the example consumer to have both events settled", func() bool {

@@ -21,7 +21,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/stream"
@@ -29,6 +28,7 @@ import (
 	"github.com/fanout/fanout/subscribers/cacheinval"
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/fanout/fanout/subscribers/registry"
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -59,7 +59,7 @@ func TestRedTeamNATS(t *testing.T) {
 	for i, typ := range []string{shop.OrderCreated, "product.updated"} {
 		msg := nats.NewMsg("events." + typ)
 		msg.Data = []byte(`{"order_id": 1, "product_id": 1}`)
-		msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(i+1))
+		msg.Header.Set(wire.EventIDHeader, strconv.Itoa(i+1))
 		if _, err := rel.js.PublishMsg(ctx, msg, jetstream.WithMsgID(strconv.Itoa(i+1))); err != nil {
 			t.Fatalf("relay publishes: %v", err)
 		}
@@ -123,12 +123,12 @@ func TestRedTeamNATS(t *testing.T) {
 		// The relay may create its audit consumers: as push consumers,
 		// delivering into the dead letters under invoicing's name, and
 		// into EVENTS itself (each message stored again).
-		for name, deliver := range map[string]string{relay.AuditConsumer: "deadletter.invoicing." + shop.OrderCreated, relay.AuditCommandConsumer: "events." + shop.OrderCreated} {
+		for name, deliver := range map[string]string{stream.AuditConsumer: "deadletter.invoicing." + shop.OrderCreated, stream.AuditCommandConsumer: "events." + shop.OrderCreated} {
 			_, err := rel.js.CreateConsumer(ctx, cfg.Stream.Name, jetstream.ConsumerConfig{Name: name, DeliverSubject: deliver, AckPolicy: jetstream.AckNonePolicy})
 			t.Logf("the relay creates its consumer %s pushing to %s: %v", name, deliver, err)
 		}
 		heldThrough(t, "the relay's audit consumer pushing into a stream")
-		for _, name := range []string{relay.AuditConsumer, relay.AuditCommandConsumer} {
+		for _, name := range []string{stream.AuditConsumer, stream.AuditCommandConsumer} {
 			if err := rel.js.DeleteConsumer(ctx, cfg.Stream.Name, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
 				t.Errorf("the relay deletes its consumer %s: %v", name, err)
 			}

@@ -17,9 +17,8 @@ import (
 	"strings"
 	"text/template"
 
-	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
-	"github.com/fanout/fanout/subscribers/searchindex"
 )
 
 //go:embed templates/*.tmpl
@@ -92,8 +91,8 @@ type data struct {
 type hbaConnectionType struct{ Type, Address string }
 
 func newData(decls []subscribers.Declaration) data {
-	d := data{OperatorReindexConsumer: searchindex.ReplayConsumer,
-		RelayAuditConsumers: []string{relay.AuditConsumer, relay.AuditCommandConsumer},
+	d := data{OperatorReindexConsumer: stream.ReindexConsumer,
+		RelayAuditConsumers: []string{stream.AuditConsumer, stream.AuditCommandConsumer},
 		HBAConnectionTypes:  []hbaConnectionType{{"local", "         "}, {"host ", "all      "}}}
 	for _, decl := range decls {
 		s := subscriber{

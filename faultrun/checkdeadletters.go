@@ -13,10 +13,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/searchindex"
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -62,9 +62,9 @@ func (r *run) deadLetters(ctx context.Context) ([]deadLetter, error) {
 		if m == nil {
 			continue // deleted (by an operator; nothing here deletes)
 		}
-		id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+		id, _ := strconv.ParseInt(m.Header.Get(wire.EventIDHeader), 10, 64)
 		out = append(out, deadLetter{seq: seq, subject: m.Subject, subscriber: m.Header.Get(subscribers.DeadSubscriberHeader), id: id,
-			typ: m.Header.Get(outbox.EventTypeHeader), body: m.Data, reason: m.Header.Get(subscribers.DeadReasonHeader)})
+			typ: m.Header.Get(wire.EventTypeHeader), body: m.Data, reason: m.Header.Get(subscribers.DeadReasonHeader)})
 	}
 	if uint64(len(out)) != info.State.Msgs {
 		return nil, fmt.Errorf("read %d dead letters, the stream reports %d", len(out), info.State.Msgs)

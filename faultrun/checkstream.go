@@ -4,6 +4,8 @@ package faultrun
 // every sent row in the stream once, each aggregate's events in order.
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"errors"
 	"fmt"
@@ -27,10 +29,10 @@ type event struct {
 	typ  string
 	body []byte
 	// repairedFrom: the sequence a copy the auditor published again was
-	// lost from (outbox.RepairedHeader), or "" for a first publish.
+	// lost from (wire.RepairedHeader), or "" for a first publish.
 	repairedFrom string
 	// tx: with relay.atomic transaction, the transaction and chunk the
-	// relay says the event's batch carried (outbox.TxHeader, ...).
+	// relay says the event's batch carried (wire.TxHeader, ...).
 	tx string
 }
 
@@ -117,18 +119,18 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 				return nil, err
 			}
 			last = md.Sequence.Stream
-			id, err := strconv.ParseInt(m.Headers().Get(outbox.EventIDHeader), 10, 64)
+			id, err := strconv.ParseInt(m.Headers().Get(wire.EventIDHeader), 10, 64)
 			if err != nil {
 				return nil, fmt.Errorf("message %d carries no event id: %w", last, err)
 			}
-			if o := m.Headers().Get(outbox.OriginHeader); o != ident.OriginOf(id) {
+			if o := m.Headers().Get(wire.OriginHeader); o != ident.OriginOf(id) {
 				// Not this run's event, whatever its id: kept out of every
 				// other check (invariant 10 reports it).
 				out.foreign = append(out.foreign, fmt.Sprintf("sequence %d: event %d of origin %q, not %q", last, id, o, ident.OriginOf(id)))
 				continue
 			}
-			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(outbox.EventTypeHeader), body: m.Data(),
-				repairedFrom: m.Headers().Get(outbox.RepairedHeader),
+			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(wire.EventTypeHeader), body: m.Data(),
+				repairedFrom: m.Headers().Get(wire.RepairedHeader),
 				tx:           txOf(m.Headers())})
 			out.byID[id] = append(out.byID[id], last)
 		}
@@ -369,10 +371,10 @@ func (r *run) lostToRollback(repairedFrom string) bool {
 
 // txOf is what an event's headers say of its transaction: "" without one.
 func txOf(h nats.Header) string {
-	if h.Get(outbox.TxHeader) == "" {
+	if h.Get(wire.TxHeader) == "" {
 		return ""
 	}
-	return h.Get(outbox.TxHeader) + " chunk " + h.Get(outbox.TxChunkHeader) + " last " + h.Get(outbox.TxLastHeader)
+	return h.Get(wire.TxHeader) + " chunk " + h.Get(wire.TxChunkHeader) + " last " + h.Get(wire.TxLastHeader)
 }
 
 // checkTransactions: with relay.atomic transaction, every writer

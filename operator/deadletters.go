@@ -13,9 +13,9 @@ import (
 	"strconv"
 
 	"github.com/fanout/fanout/outbox"
-	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
@@ -182,8 +182,8 @@ func Unresolved(ls []Letter) []Letter {
 
 func (d *DeadLetters) describe(m *jetstream.RawStreamMsg, vouched map[vouchKey][]byte) Letter {
 	p, err := subscribers.ParseDeadLetter(m, d.subs, d.events)
-	l := Letter{Seq: m.Sequence, Subscriber: p.Subscriber, EventID: m.Header.Get(outbox.EventIDHeader),
-		EventType: m.Header.Get(outbox.EventTypeHeader), Reason: p.Reason, Deliveries: p.Deliveries, At: p.At, parsed: p, Raw: m,
+	l := Letter{Seq: m.Sequence, Subscriber: p.Subscriber, EventID: m.Header.Get(wire.EventIDHeader),
+		EventType: m.Header.Get(wire.EventTypeHeader), Reason: p.Reason, Deliveries: p.Deliveries, At: p.At, parsed: p, Raw: m,
 		HeldBy: m.Header.Get(subscribers.DeadHeldByHeader)}
 	if err != nil {
 		l.Refused = err.Error()
@@ -340,7 +340,7 @@ func (d *DeadLetters) fromRow(ctx context.Context, l Letter, row outbox.Claimed)
 	if err != nil {
 		return subscribers.Event{}, err
 	}
-	msg, err := relay.Message(d.events, ident, row, 0)
+	msg, err := wire.Encode(d.events, ident, row, 0)
 	if err != nil {
 		return subscribers.Event{}, fmt.Errorf("%w: letter %d names event %d, whose outbox row was never publishable (%v)", subscribers.ErrDeadLetterRefused, l.Seq, row.ID, err)
 	}

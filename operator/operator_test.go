@@ -15,6 +15,7 @@ import (
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -66,7 +67,7 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	forged := nats.NewMsg(cfg.Subscribers.DeadLetterSubjectPrefix + ".salesledger." + shop.OrderCreated)
 	forged.Data = []byte(`{}`)
 	forged.Header.Set(subscribers.DeadSubscriberHeader, invoicing.Name)
-	forged.Header.Set(outbox.EventIDHeader, strconv.FormatInt(ids[0], 10))
+	forged.Header.Set(wire.EventIDHeader, strconv.FormatInt(ids[0], 10))
 	if _, err := env.JS.PublishMsg(ctx, forged); err != nil {
 		t.Fatal(err)
 	}
@@ -216,8 +217,8 @@ func TestForgedLettersAreNotRedriven(t *testing.T) {
 		m := nats.NewMsg(cfg.Subscribers.DeadLetterSubjectPrefix + "." + invoicing.Name + "." + shop.OrderCreated)
 		m.Data = []byte(body)
 		m.Header.Set(subscribers.DeadSubscriberHeader, invoicing.Name)
-		m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
-		m.Header.Set(outbox.EventTypeHeader, shop.OrderCreated)
+		m.Header.Set(wire.EventIDHeader, strconv.FormatInt(id, 10))
+		m.Header.Set(wire.EventTypeHeader, shop.OrderCreated)
 		m.Header.Set(subscribers.DeadSubjectHeader, cfg.Stream.SubjectPrefix+"."+shop.OrderCreated)
 		m.Header.Set(subscribers.DeadStreamSeqHeader, seq)
 		if _, err := env.JS.PublishMsg(ctx, m); err != nil {
@@ -323,12 +324,12 @@ func TestAnotherDatabasesLetterIsNotReadFromThisOutbox(t *testing.T) {
 	// dead-letters both.
 	m := nats.NewMsg(cfg.Stream.SubjectPrefix + "." + shop.OrderCreated)
 	m.Data = []byte(`{"order_id": 2199023255552, "customer": "theirs", "lines": 1}`)
-	m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(ids[0], 10))
-	m.Header.Set(outbox.OriginHeader, other)
-	m.Header.Set(outbox.EventTypeHeader, shop.OrderCreated)
-	m.Header.Set(outbox.AggregateTypeHeader, shop.AggregateOrder)
-	m.Header.Set(outbox.AggregateIDHeader, "2199023255552")
-	if _, err := env.JS.PublishMsg(ctx, m, jetstream.WithMsgID(outbox.MsgID(other, ids[0]))); err != nil {
+	m.Header.Set(wire.EventIDHeader, strconv.FormatInt(ids[0], 10))
+	m.Header.Set(wire.OriginHeader, other)
+	m.Header.Set(wire.EventTypeHeader, shop.OrderCreated)
+	m.Header.Set(wire.AggregateTypeHeader, shop.AggregateOrder)
+	m.Header.Set(wire.AggregateIDHeader, "2199023255552")
+	if _, err := env.JS.PublishMsg(ctx, m, jetstream.WithMsgID(wire.MsgID(other, ids[0]))); err != nil {
 		t.Fatal(err)
 	}
 	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
@@ -345,7 +346,7 @@ func TestAnotherDatabasesLetterIsNotReadFromThisOutbox(t *testing.T) {
 		t.Fatalf("letters: %+v (%v)", letters, err)
 	}
 	theirs := letters[0]
-	if theirs.Raw.Header.Get(outbox.OriginHeader) != other {
+	if theirs.Raw.Header.Get(wire.OriginHeader) != other {
 		theirs = letters[1]
 	}
 	if !theirs.Vouched || theirs.EventID != strconv.FormatInt(ids[0], 10) {

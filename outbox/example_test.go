@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -57,7 +58,7 @@ func Example() {
 		panic(err)
 	}
 	fmt.Println(msg.Subject(), string(msg.Data()))
-	fmt.Println("Nats-Msg-Id is the event's origin and id:", msg.Headers().Get("Nats-Msg-Id") == msg.Headers().Get(outbox.OriginHeader)+":"+strconv.FormatInt(id, 10))
+	fmt.Println("Nats-Msg-Id is the event's origin and id:", msg.Headers().Get("Nats-Msg-Id") == msg.Headers().Get(wire.OriginHeader)+":"+strconv.FormatInt(id, 10))
 
 	stream, err := js.Stream(ctx, "EVENTS")
 	if err != nil {

@@ -13,23 +13,6 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// OriginHeader carries the origin of an event: the database it came from
-// and its outbox epoch, "<system identifier>/<database>/<epoch>" (see
-// Origin). An event's identity is its origin and its id; Nats-Msg-Id is
-// "<origin>:<id>", so JetStream never drops one database's event as a
-// duplicate of another's (schema migration 00015).
-const OriginHeader = "Fanout-Origin"
-
-// RepairedHeader is set on an event the auditor published again because
-// the stream had lost it (package relay, audit.go): the sequence it was
-// lost from ("0": published with no landing recorded). A wal relay that
-// decodes again an event it had published sets it too (Claimed.LandedSeq):
-// JetStream drops that copy as a duplicate, unless the stream lost the
-// earlier one. Such a copy enters
-// the stream after later events of its aggregate; the ordered subscribers
-// hold those back until it arrives (subscribers.gap_wait).
-const RepairedHeader = "Fanout-Repaired-From"
-
 // Database names a Postgres database the world over: its cluster's system
 // identifier and its name, read live, so that a copy (CREATE DATABASE ...
 // TEMPLATE, a dump restored elsewhere) is another database. It is what a
@@ -122,11 +105,6 @@ func (id *Identity) OriginOf(rowID int64) string { return id.origins[id.index(ro
 
 // Latest is the current epoch.
 func (id *Identity) Latest() Epoch { return id.Epochs[len(id.Epochs)-1] }
-
-// MsgID is the Nats-Msg-Id of the event with the given origin and id.
-func MsgID(origin string, rowID int64) string {
-	return origin + ":" + strconv.FormatInt(rowID, 10)
-}
 
 // ReadDatabase reads the identity of the database q is connected to.
 func ReadDatabase(ctx context.Context, q interface {

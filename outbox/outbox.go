@@ -34,30 +34,6 @@ type Event struct {
 	Headers map[string]string
 }
 
-// Message headers that the relay sets on every event, besides any headers
-// the writer gave. Nats-Msg-Id carries the same id as EventIDHeader; it is
-// JetStream's own header, so duplicates are dropped by the server.
-const (
-	EventIDHeader       = "Fanout-Event-Id"
-	EventTypeHeader     = "Fanout-Event-Type"
-	AggregateTypeHeader = "Fanout-Aggregate-Type"
-	AggregateIDHeader   = "Fanout-Aggregate-Id"
-	CreatedAtHeader     = "Fanout-Created-At"
-	// AggregateSeqHeader is the event's number within its aggregate: 1, 2,
-	// 3, ... in the order the writers' transactions committed, with no gaps
-	// (schema migration 00009 numbers every row as it is inserted). Absent
-	// on events written before that migration.
-	AggregateSeqHeader = "Fanout-Aggregate-Seq"
-	// With relay.atomic transaction, the writer transaction an event came
-	// from (its commit's position in the write-ahead log), the chunk of it
-	// the event's atomic batch carried (1, 2, ...: a transaction of more
-	// than 1000 events goes in chunks of 1000), and, on the last chunk's
-	// events, "true".
-	TxHeader      = "Fanout-Tx"
-	TxChunkHeader = "Fanout-Tx-Chunk"
-	TxLastHeader  = "Fanout-Tx-Last"
-)
-
 // WakeChannel is the Postgres NOTIFY channel on which writers wake the relay.
 const WakeChannel = "fanout_outbox"
 

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -37,7 +38,7 @@ var invalidEvents = []struct {
 	{"Nats-TTL", withHeaders(map[string]string{"Nats-TTL": "1s"}), "Nats- prefix is reserved"},
 	{"Nats-Msg-Id", withHeaders(map[string]string{"Nats-Msg-Id": "42"}), "Nats- prefix is reserved"},
 	{"nats-rollup lower case", withHeaders(map[string]string{"nats-rollup": "all"}), "Nats- prefix is reserved"},
-	{"Fanout-Event-Id", withHeaders(map[string]string{outbox.EventIDHeader: "1"}), "Fanout- prefix is reserved"},
+	{"Fanout-Event-Id", withHeaders(map[string]string{wire.EventIDHeader: "1"}), "Fanout- prefix is reserved"},
 	{"FANOUT-AGGREGATE-ID upper case", withHeaders(map[string]string{"FANOUT-AGGREGATE-ID": "1"}), "Fanout- prefix is reserved"},
 	{"one bad header among good ones", withHeaders(map[string]string{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "Nats-TTL": "1s"}), "Nats-TTL"},
 	{"aggregate type with LF", event(func(e *outbox.Event) { e.AggregateType = "product\nNats-Rollup: all" }), "aggregate type"},

@@ -9,7 +9,7 @@ import (
 	"strconv"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/synadia-io/orbit.go/jetstreamext"
@@ -55,17 +55,17 @@ var errNotAtomic = errors.New("not publishable as an atomic batch")
 // outcomes of the rows stored (every one acknowledged), how many they
 // are (a prefix of rows), and the error that stopped it before the end.
 // rows must be in an order that keeps each aggregate's events in theirs.
-func (r *Relay) publishChain(ctx context.Context, rows []row) ([]outcome, int, error) {
-	if !r.atomicOK.Load() || r.hooks.FailPublish != nil || r.hooks.SkipPublish != nil || r.hooks.Anonymous {
+func (p *publisher) publishChain(ctx context.Context, rows []row) ([]outcome, int, error) {
+	if !p.atomicOK.Load() || p.hooks.FailPublish != nil || p.hooks.SkipPublish != nil || p.hooks.Anonymous {
 		return nil, 0, errNotAtomic
 	}
-	if err := r.guardOrigin(ctx); err != nil {
+	if err := p.origin.guard(ctx); err != nil {
 		return nil, 0, err
 	}
-	maxPayload := r.nc.MaxPayload()
+	maxPayload := p.nc.MaxPayload()
 	msgs := make([]*nats.Msg, len(rows))
 	for i, rw := range rows {
-		msg, err := r.message(rw, maxPayload)
+		msg, err := p.message(rw, maxPayload)
 		if err != nil {
 			return nil, 0, fmt.Errorf("%w: %s", errNotAtomic, rowReason(rw.ID, err))
 		}
@@ -75,19 +75,19 @@ func (r *Relay) publishChain(ctx context.Context, rows []row) ([]outcome, int, e
 	done := 0
 	for done < len(rows) {
 		end := min(done+atomicMax, len(rows))
-		if r.hooks.FailAtomic != nil {
+		if p.hooks.FailAtomic != nil {
 			ids := make([]int64, end-done)
 			for i := range ids {
 				ids[i] = rows[done+i].ID
 			}
-			if r.hooks.FailAtomic(ids) {
+			if p.hooks.FailAtomic(ids) {
 				return results[:done], done, errors.New("atomic batch: nats: timeout (injected by a test hook)")
 			}
 		}
-		if r.hooks.AtomicReversed {
+		if p.hooks.AtomicReversed {
 			slices.Reverse(msgs[done:end])
 		}
-		last, err := r.publishAtomic(ctx, msgs[done:end])
+		last, err := p.publishAtomic(ctx, msgs[done:end])
 		if err != nil {
 			return results[:done], done, err
 		}
@@ -102,43 +102,43 @@ func (r *Relay) publishChain(ctx context.Context, rows []row) ([]outcome, int, e
 
 // publishAtomic publishes msgs as one atomic batch and returns the stream
 // sequence of the last.
-func (r *Relay) publishAtomic(ctx context.Context, msgs []*nats.Msg) (uint64, error) {
-	if err := r.atomicSlots.Acquire(ctx, 1); err != nil {
+func (p *publisher) publishAtomic(ctx context.Context, msgs []*nats.Msg) (uint64, error) {
+	if err := p.atomicSlots.Acquire(ctx, 1); err != nil {
 		return 0, err
 	}
-	defer r.atomicSlots.Release(1)
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	defer p.atomicSlots.Release(1)
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.PublishTimeout)
 	defer cancel()
 	// No acknowledgement of the first message: one round trip a batch. A
 	// stream that refuses the batch says so in the commit's answer.
 	var ack *jetstreamext.BatchAck
 	var err error
-	if r.hooks.MidBatch != nil {
-		ack, err = r.publishAtomicHalting(ctx, msgs)
+	if p.hooks.MidBatch != nil {
+		ack, err = p.publishAtomicHalting(ctx, msgs)
 	} else {
-		ack, err = jetstreamext.PublishMsgBatch(ctx, r.js, msgs, jetstreamext.BatchFlowControl{AckFirst: false})
+		ack, err = jetstreamext.PublishMsgBatch(ctx, p.js, msgs, jetstreamext.BatchFlowControl{AckFirst: false})
 	}
-	r.obs.AtomicBatch(len(msgs), err)
-	r.logger.Debug("atomic batch", "events", len(msgs), "refused", err != nil)
+	p.obs.AtomicBatch(len(msgs), err)
+	p.logger.Debug("atomic batch", "events", len(msgs), "refused", err != nil)
 	if err != nil {
 		return 0, fmt.Errorf("atomic batch of %d events: %w", len(msgs), err)
 	}
-	if ack.Stream != r.stream.Name {
-		return 0, fmt.Errorf("atomic batch of %d events stored in stream %s, not %s", len(msgs), ack.Stream, r.stream.Name)
+	if ack.Stream != p.stream.Name {
+		return 0, fmt.Errorf("atomic batch of %d events stored in stream %s, not %s", len(msgs), ack.Stream, p.stream.Name)
 	}
 	return ack.Sequence, nil
 }
 
 // publishAtomicHalting is publishAtomic's batch sent a message at a time,
 // with the test hook MidBatch run halfway.
-func (r *Relay) publishAtomicHalting(ctx context.Context, msgs []*nats.Msg) (*jetstreamext.BatchAck, error) {
-	b, err := jetstreamext.NewBatchPublisher(r.js)
+func (p *publisher) publishAtomicHalting(ctx context.Context, msgs []*nats.Msg) (*jetstreamext.BatchAck, error) {
+	b, err := jetstreamext.NewBatchPublisher(p.js)
 	if err != nil {
 		return nil, err
 	}
 	for i, msg := range msgs[:len(msgs)-1] {
 		if i == len(msgs)/2 {
-			r.hooks.MidBatch()
+			p.hooks.MidBatch()
 		}
 		if err := b.AddMsg(msg); err != nil {
 			return nil, err
@@ -158,176 +158,10 @@ type txPart struct {
 
 // setHeaders marks msg as an event of p.
 func (p txPart) setHeaders(msg *nats.Msg) {
-	msg.Header[outbox.TxHeader] = []string{p.tx}
-	msg.Header[outbox.TxChunkHeader] = []string{strconv.Itoa(p.chunk)}
+	msg.Header[wire.TxHeader] = []string{p.tx}
+	msg.Header[wire.TxChunkHeader] = []string{strconv.Itoa(p.chunk)}
 	if p.last {
-		msg.Header[outbox.TxLastHeader] = []string{"true"}
-	}
-}
-
-// publishTransaction publishes a wal chunk of relay.atomic transaction:
-// every row of it in one atomic batch, once the events before them in
-// their aggregates are done, or none. A row that can never be published
-// is marked failed (with those behind it in its aggregate, and rows held
-// behind an earlier failed event: relay.on_failed hold), and the others
-// go without it. A batch the stream does not store is tried again, with
-// backoff, for as long as it takes: going without the batch would let a
-// subscriber see part of the transaction. It returns false if the relay
-// stopped first, or a row before one of these was abandoned.
-func (r *Relay) publishTransaction(softCtx, hardCtx context.Context, c *ordered, p txPart) bool {
-	defer r.order.abandon(c) // a no-op for the rows done
-	own := make(map[*turn]bool, len(c.rows))
-	inChunk := make(map[int64]bool, len(c.rows))
-	for i, rw := range c.rows {
-		own[c.own[i]] = true
-		inChunk[rw.ID] = true
-	}
-	for i := range c.rows {
-		if prev := c.prev[i]; prev != nil && !own[prev] {
-			select {
-			case <-prev.done:
-				if prev.abandoned {
-					return false
-				}
-			case <-softCtx.Done():
-				return false
-			}
-		}
-	}
-
-	hold := r.store.OnFailed != outbox.SkipFailed
-	maxPayload := r.nc.MaxPayload()
-	var (
-		publish           []row
-		msgs              []*nats.Msg
-		failedIDs         []int64
-		failedReasons     []string
-		poisons           []row
-		stoppedBy         = map[aggregateKey]int64{} // a row of this chunk that failed
-		heldN, poisonRows int
-	)
-	for _, rw := range c.rows {
-		if hold && rw.AggregateSeq.Valid {
-			by, held := stoppedBy[keyOf(rw)]
-			if !held {
-				// Held behind an earlier failed event, unless that one is
-				// in this chunk (an operator's retry returns it with them).
-				if b, ok := r.order.heldBehind(rw); ok && !inChunk[b] {
-					by, held = b, true
-				}
-			}
-			if held {
-				failedIDs, failedReasons = append(failedIDs, rw.ID), append(failedReasons, outbox.HeldBehindReason(by))
-				heldN++
-				continue
-			}
-		}
-		msg, err := r.message(rw, maxPayload)
-		if err != nil {
-			failedIDs, failedReasons = append(failedIDs, rw.ID), append(failedReasons, rowReason(rw.ID, err))
-			poisons = append(poisons, rw)
-			poisonRows++
-			if hold && rw.AggregateSeq.Valid {
-				stoppedBy[keyOf(rw)] = rw.ID
-			}
-			continue
-		}
-		p.setHeaders(msg)
-		publish, msgs = append(publish, rw), append(msgs, msg)
-	}
-	if len(publish) > 0 && !r.publishTransactionBatch(softCtx, hardCtx, p, publish, msgs) {
-		return false
-	}
-	if len(failedIDs) > 0 {
-		if !r.failCaptured(softCtx, failedIDs, failedReasons) {
-			return false
-		}
-		for _, rw := range poisons {
-			if hold && rw.AggregateSeq.Valid {
-				r.order.hold(rw)
-			}
-		}
-		if len(publish) > 0 {
-			r.logger.Warn("a transaction's events went without those that can never be published, and those held behind them",
-				"transaction", p.tx, "published", len(publish), "failed", poisonRows, "held", heldN)
-		}
-	}
-	for _, rw := range publish {
-		r.order.release(rw)
-	}
-	for i := range c.rows {
-		r.order.leave(c, i, false)
-	}
-	return true
-}
-
-// publishTransactionBatch publishes msgs, the events of rows, as one
-// atomic batch, trying again until the stream stores it, records where
-// they landed and reports them. A batch holding an event the stream
-// already has was stored before (by a relay that stopped before the slot
-// moved past it, or a commit whose answer was lost): its events are
-// published again one by one, each dropped as the duplicate it is, which
-// says where it landed.
-func (r *Relay) publishTransactionBatch(softCtx, hardCtx context.Context, p txPart, rows []row, msgs []*nats.Msg) bool {
-	if r.stillInStream(hardCtx, rows) {
-		now := time.Now()
-		published := make([]Published, len(rows))
-		for i, rw := range rows {
-			published[i] = Published{ID: rw.ID, CreatedAt: rw.CreatedAt.Time, AckedAt: now, Duplicate: true}
-		}
-		r.logger.Debug("a transaction decoded again is in the stream where it landed: not published again",
-			"transaction", p.tx, "chunk", p.chunk, "events", len(rows))
-		r.reportPublished(published, 0, 0)
-		return true
-	}
-	if len(msgs) == 1 {
-		// One event needs no atomic batch (see publishTxChunk): one
-		// publish, tried again until stored, its landing recorded.
-		failed, ok := r.publishCaptured(softCtx, hardCtx, rows, p.setHeaders)
-		if rw := rows[0]; ok && failed[rw.ID] && r.store.OnFailed != outbox.SkipFailed && rw.AggregateSeq.Valid {
-			r.order.hold(rw) // marked failed: its aggregate's next events wait behind it
-		}
-		return ok
-	}
-	wait := min(r.cfg.RetryMin, r.outageRetryMax())
-	for {
-		seqs, err := r.sendWhole(softCtx, hardCtx, msgs)
-		if err == nil {
-			now := time.Now()
-			published := make([]Published, len(rows))
-			landed := make([]outbox.Landed, len(rows))
-			for i, rw := range rows {
-				published[i] = Published{ID: rw.ID, CreatedAt: rw.CreatedAt.Time, AckedAt: now}
-				landed[i] = outbox.Landed{ID: rw.ID, Seq: seqs[i]}
-			}
-			if !r.recordCaptured(hardCtx, landed) {
-				return false
-			}
-			r.reportPublished(published, 0, 0)
-			return true
-		}
-		if errors.Is(err, jetstreamext.ErrBatchPublishDuplicateMsgID) {
-			r.logger.Info("a transaction's atomic batch holds events the stream already has: publishing them again one by one, as duplicates",
-				"transaction", p.tx, "chunk", p.chunk, "events", len(rows))
-			// With the batch's headers: if the stream lost them since it
-			// said so (a store rolled back), they are stored again one by
-			// one, still marked as the transaction's.
-			failed, ok := r.publishCaptured(softCtx, hardCtx, rows, p.setHeaders)
-			if ok && len(failed) > 0 {
-				r.logger.Error("events of a transaction published one by one failed", "transaction", p.tx, "failed", len(failed))
-			}
-			return ok
-		}
-		if hardCtx.Err() != nil {
-			return false
-		}
-		r.obs.Retried(len(rows))
-		r.logger.Warn("a transaction's atomic batch was not stored; retrying, the slot waits for it",
-			"transaction", p.tx, "chunk", p.chunk, "events", len(rows), "error", err, "retry_in", wait)
-		if !r.sleep(softCtx, wait) {
-			return false
-		}
-		wait = min(wait*2, r.outageRetryMax())
+		msg.Header[wire.TxLastHeader] = []string{"true"}
 	}
 }
 
@@ -340,8 +174,8 @@ func (r *Relay) publishTransactionBatch(softCtx, hardCtx context.Context, p txPa
 // row without a landing, landings spread out, a message missing or
 // another one there, an error) says no: the chunk goes as usual, and
 // JetStream's duplicate detection stays the judge.
-func (r *Relay) stillInStream(ctx context.Context, rows []row) bool {
-	ident := r.identity.Load()
+func (p *publisher) stillInStream(ctx context.Context, rows []row) bool {
+	ident := p.origin.identity.Load()
 	if ident == nil || len(rows) == 0 {
 		return false
 	}
@@ -351,15 +185,15 @@ func (r *Relay) stillInStream(ctx context.Context, rows []row) bool {
 		if rw.LandedSeq == 0 {
 			return false
 		}
-		want[rw.LandedSeq] = outbox.MsgID(ident.OriginOf(rw.ID), rw.ID)
+		want[rw.LandedSeq] = wire.MsgID(ident.OriginOf(rw.ID), rw.ID)
 		lo, hi = min(lo, rw.LandedSeq), max(hi, rw.LandedSeq)
 	}
 	if len(want) != len(rows) || hi-lo >= uint64(2*len(rows)) {
 		return false
 	}
-	ctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.PublishTimeout)
 	defer cancel()
-	msgs, err := jetstreamext.GetBatch(ctx, r.js, r.stream.Name, int(hi-lo+1), jetstreamext.GetBatchSeq(lo))
+	msgs, err := jetstreamext.GetBatch(ctx, p.js, p.stream.Name, int(hi-lo+1), jetstreamext.GetBatchSeq(lo))
 	if err != nil {
 		return false
 	}
@@ -375,33 +209,33 @@ func (r *Relay) stillInStream(ctx context.Context, rows []row) bool {
 	return found == len(rows)
 }
 
-// sendWhole is sendTransaction once the relay may publish (guardOrigin)
+// sendWhole is sendTransaction once the relay may publish (origin guard)
 // into a stream that allows atomic batches: relay.atomic transaction has
 // no other way to publish a transaction.
-func (r *Relay) sendWhole(softCtx, hardCtx context.Context, msgs []*nats.Msg) ([]uint64, error) {
-	if err := r.guardOrigin(hardCtx); err != nil {
+func (p *publisher) sendWhole(softCtx, hardCtx context.Context, msgs []*nats.Msg) ([]uint64, error) {
+	if err := p.origin.guard(hardCtx); err != nil {
 		return nil, err
 	}
-	if !r.atomicOK.Load() {
-		return nil, fmt.Errorf("the stream %s does not allow atomic batches: set allow_atomic (`fanout provision --update-stream %s`)", r.stream.Name, r.stream.Name)
+	if !p.atomicOK.Load() {
+		return nil, fmt.Errorf("the stream %s does not allow atomic batches: set allow_atomic (`fanout provision --update-stream %s`)", p.stream.Name, p.stream.Name)
 	}
-	return r.sendTransaction(softCtx, hardCtx, msgs)
+	return p.sendTransaction(softCtx, hardCtx, msgs)
 }
 
 // sendTransaction publishes msgs as one atomic batch and returns each
 // one's stream sequence. With the sabotage hook SplitTransactions it
 // sends them as two batches, 200 ms apart: others may land between.
-func (r *Relay) sendTransaction(softCtx, hardCtx context.Context, msgs []*nats.Msg) ([]uint64, error) {
+func (p *publisher) sendTransaction(softCtx, hardCtx context.Context, msgs []*nats.Msg) ([]uint64, error) {
 	parts := [][]*nats.Msg{msgs}
-	if half := len(msgs) / 2; r.hooks.SplitTransactions && half > 0 {
+	if half := len(msgs) / 2; p.hooks.SplitTransactions && half > 0 {
 		parts = [][]*nats.Msg{msgs[:half], msgs[half:]}
 	}
 	seqs := make([]uint64, 0, len(msgs))
 	for i, part := range parts {
-		if i > 0 && !r.sleep(softCtx, 200*time.Millisecond) {
+		if i > 0 && !p.sleep(softCtx, 200*time.Millisecond) {
 			return nil, softCtx.Err()
 		}
-		last, err := r.publishAtomic(hardCtx, part)
+		last, err := p.publishAtomic(hardCtx, part)
 		if err != nil {
 			return nil, err
 		}

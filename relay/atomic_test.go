@@ -14,6 +14,7 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/synadia-io/orbit.go/jetstreamext"
@@ -47,7 +48,7 @@ func atomicCheck(t *testing.T, h *harness, n int) (batched int, bad []string) {
 	atSeq := map[uint64]string{}
 	seen := map[string]int{}
 	for _, m := range msgs {
-		id := m.Header.Get(outbox.EventIDHeader)
+		id := m.Header.Get(wire.EventIDHeader)
 		atSeq[m.Sequence] = id
 		seen[id]++
 		if m.Header.Get(jetstreamext.BatchIDHeader) != "" {
@@ -169,7 +170,7 @@ func TestAtomicBatchesFallBack(t *testing.T) {
 					t.Fatal(err)
 				}
 				for _, rw := range pre {
-					msg, err := Message(h.cfg.Stream, h.identity(), rw, 1<<20)
+					msg, err := wire.Encode(h.cfg.Stream, h.identity(), rw, 1<<20)
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -215,7 +216,7 @@ func TestAtomicBatchesFallBack(t *testing.T) {
 			if batched > 0 {
 				t.Fatalf("%d events came in atomic batches into a stream without allow_atomic", batched)
 			}
-			if r.atomicOK.Load() {
+			if r.publisher.atomicOK.Load() {
 				t.Fatal("the relay takes the stream for one that allows atomic batches")
 			}
 		})
@@ -232,7 +233,7 @@ func txCheck(t *testing.T, h *harness) (txs int, bad []string) {
 	t.Helper()
 	byID := map[int64]*jetstream.RawStreamMsg{}
 	for _, m := range h.streamMessages() {
-		id, err := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+		id, err := strconv.ParseInt(m.Header.Get(wire.EventIDHeader), 10, 64)
 		if err != nil {
 			t.Fatalf("message %d: %v", m.Sequence, err)
 		}
@@ -275,13 +276,13 @@ func txCheck(t *testing.T, h *harness) (txs int, bad []string) {
 			if chunk == chunks {
 				want[1] = "true"
 			}
-			got := []string{m.Header.Get(outbox.TxChunkHeader), m.Header.Get(outbox.TxLastHeader)}
+			got := []string{m.Header.Get(wire.TxChunkHeader), m.Header.Get(wire.TxLastHeader)}
 			if i == 0 {
-				tx = m.Header.Get(outbox.TxHeader)
+				tx = m.Header.Get(wire.TxHeader)
 			}
-			if m.Header.Get(outbox.TxHeader) != tx || tx == "" || !slices.Equal(got, want) {
-				bad = append(bad, fmt.Sprintf("event %s of transaction %s marked %s chunk %v, want %s chunk %v", m.Header.Get(outbox.EventIDHeader),
-					tx, m.Header.Get(outbox.TxHeader), got, tx, want))
+			if m.Header.Get(wire.TxHeader) != tx || tx == "" || !slices.Equal(got, want) {
+				bad = append(bad, fmt.Sprintf("event %s of transaction %s marked %s chunk %v, want %s chunk %v", m.Header.Get(wire.EventIDHeader),
+					tx, m.Header.Get(wire.TxHeader), got, tx, want))
 			}
 			if i%atomicMax > 0 && m.Sequence != msgs[i-1].Sequence+1 {
 				bad = append(bad, fmt.Sprintf("transaction %s chunk %d: %d other messages between sequences %d and %d",
@@ -635,7 +636,7 @@ func TestPollTransactionsGoRoundABacklog(t *testing.T) {
 	h.cfg.Relay.Capture = CapturePoll
 	h.cfg.Relay.Atomic = AtomicTransaction
 	r := h.newRelay(nil, nil)
-	r.testTxWindow = 2
+	r.tx.testWindow = 2
 	ctx := context.Background()
 	var xIDs []int64
 	var eID int64
@@ -668,7 +669,7 @@ func TestPollTransactionsGoRoundABacklog(t *testing.T) {
 	})
 	var order []int64
 	for _, m := range h.streamMessages() {
-		id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+		id, _ := strconv.ParseInt(m.Header.Get(wire.EventIDHeader), 10, 64)
 		order = append(order, id)
 	}
 	if order[0] != eID {

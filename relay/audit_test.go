@@ -67,7 +67,7 @@ func TestAuditRepublishesWhatTheStreamLost(t *testing.T) {
 						return rolledBack.Load() && failedLookbacks.Add(1) <= 2
 					}
 				}
-				r.consumerRead = 1 // every run through the audit's consumer
+				r.auditor.consumerRead = 1 // every run through the audit's consumer
 				h.launch(r, func() { writeMany(t, h.db.Pool, kept) })
 				waitFor(t, 20*time.Second, "the first events landed", func() (bool, string) {
 					return h.streamCount() == kept && h.landings() == kept, fmt.Sprintf("%d in the stream, %d landings", h.streamCount(), h.landings())
@@ -160,7 +160,7 @@ func TestARangeIsDroppedOnlyAfterItsAuditPassed(t *testing.T) {
 	ctx := context.Background()
 	small := func(r *Relay) *Relay {
 		r.cfg.SentRetention, r.cfg.CleanupInterval = 0, 100*time.Millisecond
-		r.cfg.PartitionSize, r.partitionsAhead, r.partitionMargin = 10, 10, 10
+		r.cfg.PartitionSize, r.maintainer.partitionsAhead, r.maintainer.partitionMargin = 10, 10, 10
 		return r
 	}
 	ranges := func() int {

@@ -35,7 +35,7 @@ func testBurstAnalyzed(t *testing.T, inDefault bool) {
 		}
 	}, nil)
 	if !inDefault {
-		r.partitionMargin = 10 // the rows in a range, not in outbox_default
+		r.maintainer.partitionMargin = 10 // the rows in a range, not in outbox_default
 	}
 	h.start(r)
 	ctx := context.Background()

@@ -227,3 +227,7 @@ func validSlotName(s string) bool {
 	}
 	return true
 }
+
+// claimWindow is how many unpublished rows above the floor a claim walks
+// by id: the rows in flight (up to max_in_flight), and as many again.
+func (c Config) claimWindow() int { return 2 * c.MaxInFlight }

@@ -64,7 +64,7 @@
 // database's first events land in outbox_default (its first ids lie below
 // the first range), analyzed while nearly empty, and the claim's plan
 // scans it once per row. A claim that finds a backlog asks for the ranges
-// above the floor and outbox_default to be analyzed (analyzeBurst), at
+// above the floor and outbox_default to be analyzed (rangeStats.burst), at
 // most once a minute.
 //
 // # Per-aggregate order
@@ -253,19 +253,37 @@
 //
 // # Where things are
 //
-// relay.go is the relay's lifecycle (New, Start, Stop, Ready); claim.go
-// the poll relay's claim loop, its floor and the sweeper; deliver.go a
-// claimed batch's delivery (publish, record, claim the next events);
-// publish.go the messages and their PubAcks, in both capture modes;
-// headers.go the headers column; order.go per-aggregate order, atomic.go
-// its atomic batches; maintain.go
-// the reaper, retention and the wake-up listener; config.go and metrics.go
-// the settings and the metrics. Capture from the write-ahead log:
-// walstream.go the replication stream (standing by, streaming,
-// confirming), waldecode.go pgoutput messages into rows, walpublish.go
-// publishing what was decoded, walslot.go creating, recovering and
-// watching the slot, visibility.go the visibility gate, and handover.go
-// both switches between capture modes (the backlog drain, the handover).
+// Each capability is a part with a type of its own, which the relay
+// (relay.go: New, Start, Stop, Ready) creates, starts and stops; the parts
+// share the relay's settings, connections and in-flight accounting
+// (core.go):
+//
+//   - claim.go: the claim loop (runClaims, one for every claimer) and the
+//     event claim of poll capture, its floor; sweep.go the sweeper below
+//     the floor; stats.go the ranges' statistics a backlog asks for.
+//   - publish.go and atomic.go, the publisher: messages, PubAcks and
+//     atomic batches, for every capture (the messages themselves are
+//     package wire's: the headers, the headers column, the limits);
+//     origin.go, the origin guard: the database's identity on every
+//     message, a foreign stream or a restore held off.
+//   - deliver.go, the delivery: a claimed batch published an aggregate's
+//     event at a time, recorded, and the next events claimed.
+//   - txclaim.go and txchunks.go, the transaction delivery (relay.atomic
+//     transaction): writer transactions claimed and published whole, a big
+//     one's chunks pipelined.
+//   - the wal capture: walstream.go the replication stream (standing by,
+//     streaming, confirming), waldecode.go pgoutput messages into rows,
+//     walpublish.go and waltransaction.go publishing what was decoded,
+//     order.go per-aggregate order through its concurrent publishes,
+//     walslot.go creating, recovering and watching the slot,
+//     visibility.go the visibility gate, handover.go both switches between
+//     capture modes (the backlog drain, the handover).
+//   - audit.go and auditverify.go, the auditor; streamread.go its reads of
+//     the stream.
+//   - maintain.go, the maintainer: reaping and the outbox's ranges;
+//     listen.go the writers' wake-ups.
+//   - config.go, metrics.go and observer.go: the settings, the metrics and
+//     what the relay reports.
 //
 // Every query on the outbox's tables is an outbox.Store method, beside its
 // reasoning. What the relay asks Postgres itself is about the server and

@@ -147,7 +147,8 @@ func TestStaleLeaseCannotMark(t *testing.T) {
 	stale := h.newRelay(nil, nil)
 	current := h.newRelay(nil, nil)
 
-	rows, staleToken, _, err := stale.claim(ctx)
+	staleToken := newLeaseToken()
+	rows, _, err := stale.claim(ctx, staleToken)
 	if err != nil || len(rows) != 3 {
 		t.Fatalf("claim: %d rows, %v", len(rows), err)
 	}
@@ -158,17 +159,18 @@ func TestStaleLeaseCannotMark(t *testing.T) {
 	if _, err := outbox.NewStore(h.db.Pool).Reap(ctx, time.Minute); err != nil {
 		t.Fatal(err)
 	}
-	rows2, currentToken, _, err := current.claim(ctx)
+	currentToken := newLeaseToken()
+	rows2, _, err := current.claim(ctx, currentToken)
 	if err != nil || len(rows2) != 3 {
 		t.Fatalf("second claim: %d rows, %v", len(rows2), err)
 	}
 
 	acked := []outcome{{acked: true, ackedAt: time.Now()}, {acked: true}, {permanent: true, err: "x"}}
-	stale.record(ctx, rows, staleToken, acked, nil)
+	stale.delivery.record(ctx, rows, staleToken, acked, nil)
 	if c := statusCounts(t, h.db.Pool); c["sending"] != 3 {
 		t.Fatalf("after the stale relay recorded: %s, want all 3 still sending under the new lease", formatCounts(c))
 	}
-	current.record(ctx, rows2, currentToken, []outcome{{acked: true}, {acked: true}, {acked: true}}, nil)
+	current.delivery.record(ctx, rows2, currentToken, []outcome{{acked: true}, {acked: true}, {acked: true}}, nil)
 	if c := statusCounts(t, h.db.Pool); c["sent"] != 3 {
 		t.Fatalf("after the current relay recorded: %s, want 3 sent", formatCounts(c))
 	}
@@ -184,7 +186,8 @@ func TestFailedPublishBacksOff(t *testing.T) {
 	ctx := context.Background()
 	writeMany(t, h.db.Pool, 2)
 	r := h.newRelay(nil, nil)
-	rows, token, _, err := r.claim(ctx)
+	token := newLeaseToken()
+	rows, _, err := r.claim(ctx, token)
 	if err != nil || len(rows) != 2 {
 		t.Fatalf("claim: %d rows, %v", len(rows), err)
 	}
@@ -196,7 +199,7 @@ func TestFailedPublishBacksOff(t *testing.T) {
 		if err := h.db.Pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&before); err != nil {
 			t.Fatal(err)
 		}
-		r.record(ctx, rows, token, outcomes, nil)
+		r.delivery.record(ctx, rows, token, outcomes, nil)
 		if err := h.db.Pool.QueryRow(ctx, `SELECT clock_timestamp()`).Scan(&after); err != nil {
 			t.Fatal(err)
 		}
@@ -218,7 +221,8 @@ SELECT attempts, last_error, available_at FROM outbox WHERE id = $1 AND status =
 	}
 	// Claimed again after the backoff, a second failure doubles the wait.
 	time.Sleep(60 * time.Millisecond)
-	rows, token, _, err = r.claim(ctx)
+	token = newLeaseToken()
+	rows, _, err = r.claim(ctx, token)
 	if err != nil || len(rows) != 2 {
 		t.Fatalf("claim after backoff: %d rows, %v", len(rows), err)
 	}
@@ -252,7 +256,7 @@ func TestGracefulStopFinishesBatchInFlight(t *testing.T) {
 	release := make(chan struct{})
 	inFlight := make(chan struct{}, 10)
 	r := h.newRelay(nil, nil)
-	r.testHookBeforeRecord = func(context.Context, []int64) {
+	r.delivery.testHookBeforeRecord = func(context.Context, []int64) {
 		inFlight <- struct{}{}
 		<-release
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -153,7 +154,7 @@ func FuzzPoisonRows(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if got := m.Header.Get(outbox.EventIDHeader); got != strconv.FormatInt(id, 10) {
+		if got := m.Header.Get(wire.EventIDHeader); got != strconv.FormatInt(id, 10) {
 			t.Fatalf("the last message is %s, want row %d", got, id)
 		}
 		var storedPayload, storedHeaders string
@@ -164,15 +165,15 @@ func FuzzPoisonRows(f *testing.F) {
 		if err := json.Unmarshal([]byte(storedHeaders), &want); err != nil || want == nil {
 			t.Fatalf("row %d was sent with headers %s, which are not an object of strings: %v", id, storedHeaders, err)
 		}
-		want[outbox.EventIDHeader] = strconv.FormatInt(id, 10)
-		want[outbox.EventTypeHeader] = eventType
-		want[outbox.AggregateTypeHeader] = aggregateType
-		want[outbox.AggregateSeqHeader] = "1" // the first event of its aggregate
-		want[outbox.AggregateIDHeader] = aggregateID
-		want[jetstream.MsgIDHeader] = outbox.MsgID(ident.OriginOf(id), id)
-		want[outbox.OriginHeader] = ident.OriginOf(id)
+		want[wire.EventIDHeader] = strconv.FormatInt(id, 10)
+		want[wire.EventTypeHeader] = eventType
+		want[wire.AggregateTypeHeader] = aggregateType
+		want[wire.AggregateSeqHeader] = "1" // the first event of its aggregate
+		want[wire.AggregateIDHeader] = aggregateID
+		want[jetstream.MsgIDHeader] = wire.MsgID(ident.OriginOf(id), id)
+		want[wire.OriginHeader] = ident.OriginOf(id)
 		want[jetstream.ExpectedStreamHeader] = h.cfg.Stream.Name
-		want[outbox.CreatedAtHeader] = m.Header.Get(outbox.CreatedAtHeader) // a time; checked by TestRowsBecomeMessages
+		want[wire.CreatedAtHeader] = m.Header.Get(wire.CreatedAtHeader) // a time; checked by TestRowsBecomeMessages
 		for k, v := range want {
 			if got := m.Header.Values(k); !slices.Equal(got, []string{v}) {
 				t.Errorf("header %q arrived as %q, want %q", k, got, v)

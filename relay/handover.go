@@ -38,20 +38,20 @@ import (
 // relay that dies midway leaves the slot, and the next poll relay starts
 // over. The relay's role needs REPLICATION until the switch is done.
 
-// handOverFromWAL finishes the wal relays' work if the slot exists; it
+// handOver finishes the wal relays' work if the slot exists; it
 // returns nil once there is no slot, and an error (to retry) otherwise.
-func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
-	_, _, exists, err := ReadSlot(softCtx, r.pool, r.cfg.Slot)
+func (w *walCapture) handOver(softCtx, hardCtx context.Context) error {
+	_, _, exists, err := ReadSlot(softCtx, w.pool, w.cfg.Slot)
 	if err != nil || !exists {
 		return err
 	}
-	conn, err := r.pool.Acquire(softCtx)
+	conn, err := w.pool.Acquire(softCtx)
 	if err != nil {
 		return err
 	}
 	defer conn.Release()
 	h := fnv.New64a()
-	h.Write([]byte("fanout relay handover " + r.cfg.Slot))
+	h.Write([]byte("fanout relay handover " + w.cfg.Slot))
 	lockID := int64(h.Sum64())
 	var locked bool
 	if err := conn.QueryRow(softCtx, `SELECT pg_try_advisory_lock($1)`, lockID).Scan(&locked); err != nil {
@@ -62,7 +62,7 @@ func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
 	}
 	defer conn.Exec(context.WithoutCancel(softCtx), `SELECT pg_advisory_unlock($1)`, lockID) //nolint:errcheck
 
-	st, _, exists, err := ReadSlot(softCtx, conn, r.cfg.Slot)
+	st, _, exists, err := ReadSlot(softCtx, conn, w.cfg.Slot)
 	switch {
 	case err != nil:
 		return err
@@ -71,15 +71,15 @@ func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
 	case st.Active:
 		return errWALRelaysRunning
 	case st.WALStatus == "lost":
-		return fmt.Errorf("%w: slot %s has wal_status lost: it cannot be read to finish the switch to poll capture", errSlotLost, r.cfg.Slot)
+		return fmt.Errorf("%w: slot %s has wal_status lost: it cannot be read to finish the switch to poll capture", errSlotLost, w.cfg.Slot)
 	}
-	through, backlogDone, recorded, err := r.store.ReadCapture(softCtx, r.cfg.Slot)
+	through, backlogDone, recorded, err := w.store.ReadCapture(softCtx, w.cfg.Slot)
 	if err != nil {
 		return err
 	}
 	if !recorded {
 		// No record of what was before the slot: nothing can be marked.
-		return fmt.Errorf("replication slot %s has no relay_capture row: it is not a fanout relay's, or its relay died before recording its backlog; drop it by hand to switch to poll capture", r.cfg.Slot)
+		return fmt.Errorf("replication slot %s has no relay_capture row: it is not a fanout relay's, or its relay died before recording its backlog; drop it by hand to switch to poll capture", w.cfg.Slot)
 	}
 	var snap, end string
 	if err := conn.QueryRow(softCtx, `SELECT pg_current_snapshot()::text`).Scan(&snap); err != nil {
@@ -92,8 +92,8 @@ func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
 	if err != nil {
 		return err
 	}
-	r.logger.Info("switching from wal to poll capture: publishing what the slot still holds", "slot", r.cfg.Slot, "until", end)
-	if err := r.streamSlot(softCtx, hardCtx, until); !errors.Is(err, errReachedUntil) {
+	w.logger.Info("switching from wal to poll capture: publishing what the slot still holds", "slot", w.cfg.Slot, "until", end)
+	if err := w.streamSlot(softCtx, hardCtx, until); !errors.Is(err, errReachedUntil) {
 		if err == nil {
 			err = softCtx.Err()
 		}
@@ -107,14 +107,14 @@ func (r *Relay) handOverFromWAL(softCtx, hardCtx context.Context) error {
 		// republish), and the slot decoded that update.
 		after = math.MinInt64
 	}
-	marked, err := r.store.MarkCapturedSent(softCtx, snap, after)
+	marked, err := w.store.MarkCapturedSent(softCtx, snap, after)
 	if err != nil {
 		return fmt.Errorf("mark the rows the slot published: %w", err)
 	}
-	if err := r.store.EndCapture(softCtx, r.cfg.Slot); err != nil {
-		return fmt.Errorf("drop replication slot %s: %w", r.cfg.Slot, err)
+	if err := w.store.EndCapture(softCtx, w.cfg.Slot); err != nil {
+		return fmt.Errorf("drop replication slot %s: %w", w.cfg.Slot, err)
 	}
-	r.logger.Info("switched from wal to poll capture: the slot is dropped", "slot", r.cfg.Slot, "rows_marked_sent", marked)
+	w.logger.Info("switched from wal to poll capture: the slot is dropped", "slot", w.cfg.Slot, "rows_marked_sent", marked)
 	return nil
 }
 
@@ -123,26 +123,26 @@ var (
 	errWALRelaysRunning = errors.New("a wal relay still streams from the slot: stop the wal relays to finish the switch to poll capture")
 )
 
-// waitHandover runs handOverFromWAL until it succeeds or ctx ends; the
+// waitHandover runs handOver until it succeeds or ctx ends; the
 // claim starts only then.
-func (r *Relay) waitHandover(softCtx, hardCtx context.Context) bool {
+func (w *walCapture) waitHandover(softCtx, hardCtx context.Context) bool {
 	wait := 100 * time.Millisecond
 	var last string
 	for softCtx.Err() == nil {
-		err := r.handOverFromWAL(softCtx, hardCtx)
+		err := w.handOver(softCtx, hardCtx)
 		if err == nil {
 			return true
 		}
-		r.touchCapture() // waiting for the switch is not a stall
+		w.touch() // waiting for the switch is not a stall
 		if msg := err.Error(); msg != last {
-			level := r.logger.Warn
+			level := w.logger.Warn
 			if errors.Is(err, errHandoverBusy) || errors.Is(err, errWALRelaysRunning) {
-				level = r.logger.Info
+				level = w.logger.Info
 			}
-			level("poll capture waits before claiming", "slot", r.cfg.Slot, "reason", msg)
+			level("poll capture waits before claiming", "slot", w.cfg.Slot, "reason", msg)
 			last = msg
 		}
-		if !r.sleep(softCtx, wait) {
+		if !w.sleep(softCtx, wait) {
 			return false
 		}
 		wait = min(wait*2, 2*time.Second)
@@ -163,54 +163,54 @@ func (r *Relay) waitHandover(softCtx, hardCtx context.Context) bool {
 // leaves the record open; the next one drains again.
 //
 // With relay.atomic transaction the backlog goes by writer transactions,
-// as a poll relay's claims take them (claimTransactionsIn), and holds
+// as a poll relay's claims take them (txDelivery.claimIn), and holds
 // the transactions visible in the snapshot the bound was read in: one
 // that was not commits after the slot existed, and the slot decodes it
 // whole, so claiming its rows below the bound would publish it in parts.
 // A record made before that snapshot was kept (migration 00023) has
 // none: that backlog goes event by event.
-func (r *Relay) drainBacklog(ctx, hardCtx context.Context, b outbox.SlotBacklog) {
-	if r.cfg.Atomic == AtomicTransaction && !r.hooks.BacklogByEvent {
+func (w *walCapture) drainBacklog(ctx, hardCtx context.Context, b outbox.SlotBacklog) {
+	if w.cfg.Atomic == AtomicTransaction && !w.hooks.BacklogByEvent {
 		if b.Snapshot != "" {
-			r.claimTransactionsIn(ctx, hardCtx, &b, func() bool { return r.backlogFinished(ctx, b) })
+			w.tx.claimIn(ctx, hardCtx, &b, func() bool { return w.backlogFinished(ctx, b) })
 			return
 		}
-		r.logger.Warn("the slot's backlog was recorded before its snapshot was kept (migration 00023): its rows are published event by event, not as transactions",
-			"slot", r.cfg.Slot, "through_id", b.Through)
+		w.logger.Warn("the slot's backlog was recorded before its snapshot was kept (migration 00023): its rows are published event by event, not as transactions",
+			"slot", w.cfg.Slot, "through_id", b.Through)
 	}
 	b.Snapshot = "" // every row up to the bound, as the claim below takes them
-	batch := int64(r.cfg.BatchSize)
-	wait := r.cfg.PollInterval
+	batch := int64(w.cfg.BatchSize)
+	wait := w.cfg.PollInterval
 	for ctx.Err() == nil {
-		if r.backlogFinished(ctx, b) {
+		if w.backlogFinished(ctx, b) {
 			return
 		}
-		if err := r.slots.Acquire(ctx, batch); err != nil {
+		if err := w.slots.Acquire(ctx, batch); err != nil {
 			return
 		}
 		token := newLeaseToken()
-		rows, err := r.store.ClaimThrough(hardCtx, r.cfg.BatchSize, token, b.Through)
-		r.slots.Release(batch - int64(len(rows)))
+		rows, err := w.store.ClaimThrough(hardCtx, w.cfg.BatchSize, token, b.Through)
+		w.slots.Release(batch - int64(len(rows)))
 		if err != nil || len(rows) == 0 {
 			if err != nil {
-				r.logger.Warn("claim rows committed before the slot", "error", err)
+				w.logger.Warn("claim rows committed before the slot", "error", err)
 			}
 			// Rows backing off, or `sending` under a dead poll relay's
 			// lease (the reaper returns them).
-			if !r.sleep(ctx, wait) {
+			if !w.sleep(ctx, wait) {
 				return
 			}
 			continue
 		}
 		sortRows(rows)
-		r.batches.Add(1)
+		w.batches.Add(1)
 		func() {
-			defer r.batches.Done()
-			defer r.slots.Release(int64(len(rows)))
+			defer w.batches.Done()
+			defer w.slots.Release(int64(len(rows)))
 			// The rows after the bound are the slot's to publish: no
 			// next event of an aggregate is claimed here.
 			held := int64(len(rows))
-			r.deliver(hardCtx, rows, token, false, &held)
+			w.delivery.deliver(hardCtx, rows, token, false, &held)
 		}()
 	}
 }
@@ -218,21 +218,21 @@ func (r *Relay) drainBacklog(ctx, hardCtx context.Context, b outbox.SlotBacklog)
 // backlogFinished records the slot's backlog b done if none of its rows is
 // still to publish (marking those held behind a failed event first), and
 // says whether it did.
-func (r *Relay) backlogFinished(ctx context.Context, b outbox.SlotBacklog) bool {
-	left, err := r.store.UnsentThrough(ctx, b.Through, b.Snapshot)
-	if err == nil && left == 0 && r.store.OnFailed != outbox.SkipFailed {
-		_, err = r.store.MarkHeldThrough(ctx, b.Through, b.Snapshot)
+func (w *walCapture) backlogFinished(ctx context.Context, b outbox.SlotBacklog) bool {
+	left, err := w.store.UnsentThrough(ctx, b.Through, b.Snapshot)
+	if err == nil && left == 0 && w.store.OnFailed != outbox.SkipFailed {
+		_, err = w.store.MarkHeldThrough(ctx, b.Through, b.Snapshot)
 	}
 	if err == nil && left == 0 {
-		err = r.store.CaptureBacklogDone(ctx, r.cfg.Slot, b.Through)
+		err = w.store.CaptureBacklogDone(ctx, w.cfg.Slot, b.Through)
 		if err == nil {
-			r.backlogDone.Store(true)
-			r.logger.Info("published the rows committed before the slot existed", "through_id", b.Through, "by_transaction", b.Snapshot != "")
+			w.backlogDone.Store(true)
+			w.logger.Info("published the rows committed before the slot existed", "through_id", b.Through, "by_transaction", b.Snapshot != "")
 			return true
 		}
 	}
 	if err != nil && ctx.Err() == nil {
-		r.logger.Warn("drain the rows committed before the slot", "error", err)
+		w.logger.Warn("drain the rows committed before the slot", "error", err)
 	}
 	return false
 }

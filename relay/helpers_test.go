@@ -108,7 +108,7 @@ func (h *harness) newRelay(mutate func(*Config), obs Observer) *Relay {
 		h.t.Fatal(err)
 	}
 	// What Start reads, for tests that build messages without starting.
-	r.identity.Store(h.identity())
+	r.origin.identity.Store(h.identity())
 	return r
 }
 
@@ -243,7 +243,7 @@ func (h *harness) launch(r *Relay, writes func()) {
 func (h *harness) waitStreaming(r *Relay) {
 	h.t.Helper()
 	waitFor(h.t, 60*time.Second, "the relay streaming from its slot", func() (bool, string) {
-		return r.captureState.Load() == captureStreaming, fmt.Sprintf("capture state %d", r.captureState.Load())
+		return r.wal.state.Load() == captureStreaming, fmt.Sprintf("capture state %d", r.wal.state.Load())
 	})
 }
 

@@ -1,11 +1,9 @@
 package relay
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"slices"
-	"strconv"
 	"sync"
 
 	"github.com/fanout/fanout/outbox"
@@ -158,8 +156,8 @@ func (o *aggregateOrder) heldBehind(rw row) (int64, bool) {
 
 // loadHolds reads the failed events that hold their aggregates, as the
 // table has them when a stream starts.
-func (o *aggregateOrder) loadHolds(ctx context.Context, r *Relay) error {
-	holding, err := r.store.HoldingEvents(ctx)
+func (o *aggregateOrder) loadHolds(ctx context.Context, store *outbox.Store) error {
+	holding, err := store.HoldingEvents(ctx)
 	if err != nil {
 		return err
 	}
@@ -177,33 +175,20 @@ func (o *aggregateOrder) loadHolds(ctx context.Context, r *Relay) error {
 // previous row of its aggregate is done, and until every one has a PubAck
 // or is marked failed (publishCaptured). It returns false if the relay
 // stopped first, or a row before one of these was abandoned.
-func (r *Relay) publishOrdered(softCtx, hardCtx context.Context, c *ordered) bool {
-	defer r.order.abandon(c) // a no-op for the rows done
-	hold := r.store.OnFailed != outbox.SkipFailed
+func (w *walCapture) publishOrdered(softCtx, hardCtx context.Context, c *ordered) bool {
+	defer w.order.abandon(c) // a no-op for the rows done
+	hold := w.store.OnFailed != outbox.SkipFailed
 	left := make([]int, len(c.rows))
 	for i := range left {
 		left[i] = i
 	}
-	if r.hooks.Unordered {
+	if w.hooks.Unordered {
 		c.prev = make([]*turn, len(c.rows))
 	}
 	for len(left) > 0 {
-		var ready, waiting []int
-		for _, i := range left {
-			p := c.prev[i]
-			if p == nil {
-				ready = append(ready, i)
-				continue
-			}
-			select {
-			case <-p.done:
-				if p.abandoned {
-					return false
-				}
-				ready = append(ready, i)
-			default:
-				waiting = append(waiting, i)
-			}
+		ready, waiting, ok := readyOf(c, left)
+		if !ok {
+			return false
 		}
 		if len(ready) == 0 {
 			select {
@@ -215,8 +200,8 @@ func (r *Relay) publishOrdered(softCtx, hardCtx context.Context, c *ordered) boo
 		}
 		// With atomic batches, the rows waiting for one that is ready
 		// (and so on) go in the same batch, behind it.
-		if chained, rest := chainedOf(c, ready, waiting); len(chained) > len(ready) && r.atomicOK.Load() {
-			done, ok := r.publishChainCaptured(softCtx, hardCtx, c, chained, hold)
+		if chained, rest := chainedOf(c, ready, waiting); len(chained) > len(ready) && w.pub.atomicOK.Load() {
+			done, ok := w.publishChainCaptured(softCtx, hardCtx, c, chained, hold)
 			if !ok {
 				return false
 			}
@@ -225,39 +210,72 @@ func (r *Relay) publishOrdered(softCtx, hardCtx context.Context, c *ordered) boo
 				continue
 			}
 		}
-		var publish []row
-		var heldIDs []int64
-		var heldReasons []string
-		for _, i := range ready {
-			rw := c.rows[i]
-			if by, ok := r.order.heldBehind(rw); ok && hold {
-				heldIDs = append(heldIDs, rw.ID)
-				heldReasons = append(heldReasons, outbox.HeldBehindReason(by))
-				continue
-			}
-			publish = append(publish, rw)
-		}
-		if len(heldIDs) > 0 {
-			if !r.failCaptured(softCtx, heldIDs, heldReasons) {
-				return false
-			}
-		}
-		failed, ok := r.publishCaptured(softCtx, hardCtx, publish)
-		if !ok {
+		if !w.publishReady(softCtx, hardCtx, c, ready, hold) {
 			return false
 		}
-		for _, rw := range publish {
-			switch {
-			case !failed[rw.ID]:
-				r.order.release(rw)
-			case hold && rw.AggregateSeq.Valid:
-				r.order.hold(rw)
-			}
-		}
-		for _, i := range ready {
-			r.order.leave(c, i, false)
-		}
 		left = waiting
+	}
+	return true
+}
+
+// readyOf splits the rows of c at left into those whose previous row is
+// done (ready) and those still waiting; ok is false if a previous row was
+// abandoned.
+func readyOf(c *ordered, left []int) (ready, waiting []int, ok bool) {
+	for _, i := range left {
+		p := c.prev[i]
+		if p == nil {
+			ready = append(ready, i)
+			continue
+		}
+		select {
+		case <-p.done:
+			if p.abandoned {
+				return nil, nil, false
+			}
+			ready = append(ready, i)
+		default:
+			waiting = append(waiting, i)
+		}
+	}
+	return ready, waiting, true
+}
+
+// publishReady publishes the ready rows of c (publishCaptured), marking
+// failed those held behind a failed event first, and lets each one's
+// aggregate go on; false if the relay stopped first.
+func (w *walCapture) publishReady(softCtx, hardCtx context.Context, c *ordered, ready []int, hold bool) bool {
+	var publish []row
+	var heldIDs []int64
+	var heldReasons []string
+	for _, i := range ready {
+		rw := c.rows[i]
+		if by, ok := w.order.heldBehind(rw); ok && hold {
+			heldIDs = append(heldIDs, rw.ID)
+			heldReasons = append(heldReasons, outbox.HeldBehindReason(by))
+			continue
+		}
+		publish = append(publish, rw)
+	}
+	if len(heldIDs) > 0 {
+		if !w.failCaptured(softCtx, heldIDs, heldReasons) {
+			return false
+		}
+	}
+	failed, ok := w.publishCaptured(softCtx, hardCtx, publish)
+	if !ok {
+		return false
+	}
+	for _, rw := range publish {
+		switch {
+		case !failed[rw.ID]:
+			w.order.release(rw)
+		case hold && rw.AggregateSeq.Valid:
+			w.order.hold(rw)
+		}
+	}
+	for _, i := range ready {
+		w.order.leave(c, i, false)
 	}
 	return true
 }
@@ -297,7 +315,7 @@ func chainedOf(c *ordered, ready, waiting []int) (chained, rest []int) {
 // is stored; if not, nothing is recorded and the rows go the usual way
 // (publishCaptured), a wave at a time: those the batches stored are then
 // duplicates JetStream drops. ok is false if the relay stopped first.
-func (r *Relay) publishChainCaptured(softCtx, hardCtx context.Context, c *ordered, idx []int, hold bool) (done, ok bool) {
+func (w *walCapture) publishChainCaptured(softCtx, hardCtx context.Context, c *ordered, idx []int, hold bool) (done, ok bool) {
 	var publish []row
 	var heldIDs []int64
 	var heldReasons []string
@@ -310,24 +328,24 @@ func (r *Relay) publishChainCaptured(softCtx, hardCtx context.Context, c *ordere
 	}
 	for _, i := range idx {
 		rw := c.rows[i]
-		if by, isHeld := r.order.heldBehind(rw); isHeld && hold && !chained[by] {
+		if by, isHeld := w.order.heldBehind(rw); isHeld && hold && !chained[by] {
 			heldIDs = append(heldIDs, rw.ID)
 			heldReasons = append(heldReasons, outbox.HeldBehindReason(by))
 			continue
 		}
 		publish = append(publish, rw)
 	}
-	results, n, err := r.publishChain(hardCtx, publish)
+	results, n, err := w.pub.publishChain(hardCtx, publish)
 	if n < len(publish) {
 		if hardCtx.Err() != nil {
 			return false, false
 		}
 		if !errors.Is(err, errNotAtomic) {
-			r.logger.Debug("atomic batch refused; its events go a wave at a time", "rows", len(publish)-n, "error", err)
+			w.logger.Debug("atomic batch refused; its events go a wave at a time", "rows", len(publish)-n, "error", err)
 		}
 		return false, true
 	}
-	if len(heldIDs) > 0 && !r.failCaptured(softCtx, heldIDs, heldReasons) {
+	if len(heldIDs) > 0 && !w.failCaptured(softCtx, heldIDs, heldReasons) {
 		return false, false
 	}
 	published := make([]Published, len(publish))
@@ -337,116 +355,15 @@ func (r *Relay) publishChainCaptured(softCtx, hardCtx context.Context, c *ordere
 		published[j] = Published{ID: rw.ID, CreatedAt: rw.CreatedAt.Time, AckedAt: res.ackedAt}
 		landed[j] = outbox.Landed{ID: rw.ID, Seq: res.seq}
 	}
-	if !r.recordCaptured(hardCtx, landed) {
+	if !w.recordCaptured(hardCtx, landed) {
 		return false, false
 	}
-	r.reportPublished(published, 0, 0)
+	w.delivery.reportPublished(published, 0, 0)
 	for _, rw := range publish {
-		r.order.release(rw)
+		w.order.release(rw)
 	}
 	for _, i := range idx {
-		r.order.leave(c, i, false)
+		w.order.leave(c, i, false)
 	}
 	return true, true
-}
-
-// publishWaves publishes a claimed batch an aggregate's event at a time:
-// wave k holds the k-th event of each aggregate in the batch, and goes
-// once every event of wave k-1 has its PubAck (the stream then holds them
-// in order, whatever happens to the later ones). An aggregate whose event
-// was not acked publishes nothing more from this batch: its later rows are
-// returned to pending as they were (a failed event holds them, and a
-// retried one must go first), unless relay.on_failed is skip and the
-// event failed for good. A batch of one event per aggregate, as the
-// claim makes them, is one wave. It returns each row's outcome, or false
-// if ctx ended first.
-func (r *Relay) publishWaves(ctx context.Context, rows []row) ([]outcome, bool) {
-	if r.hooks.Unordered {
-		return r.publishAll(ctx, rows)
-	}
-	byAggregate := map[aggregateKey][]int{}
-	var keys []aggregateKey
-	for i, rw := range rows {
-		k := keyOf(rw)
-		if !rw.AggregateSeq.Valid {
-			k = aggregateKey{typ: "\x00unnumbered", id: strconv.FormatInt(rw.ID, 10)} // not ordered: a wave of its own
-		}
-		if _, ok := byAggregate[k]; !ok {
-			keys = append(keys, k)
-		}
-		byAggregate[k] = append(byAggregate[k], i)
-	}
-	if len(keys) == len(rows) {
-		return r.publishAll(ctx, rows)
-	}
-	for _, k := range keys {
-		slices.SortFunc(byAggregate[k], func(a, b int) int { return cmp.Compare(rows[a].AggregateSeq.Int64, rows[b].AggregateSeq.Int64) })
-	}
-	skip := r.store.OnFailed == outbox.SkipFailed
-	results := make([]outcome, len(rows))
-	stopped := map[aggregateKey]bool{}
-	waves := 0
-	for _, at := range byAggregate {
-		waves = max(waves, len(at))
-	}
-	// The waves one after the other, as atomic batches (atomic.go): what
-	// they store is a first part of each aggregate's events; the rest, if
-	// any, go a wave at a time below.
-	var chain []int
-	for wave := range waves {
-		for _, k := range keys {
-			if at := byAggregate[k]; wave < len(at) {
-				chain = append(chain, at[wave])
-			}
-		}
-	}
-	chained := make([]row, len(chain))
-	for j, i := range chain {
-		chained[j] = rows[i]
-	}
-	res, done, err := r.publishChain(ctx, chained)
-	for j := range done {
-		results[chain[j]] = res[j]
-	}
-	if done == len(chain) {
-		return results, true
-	}
-	if ctx.Err() != nil {
-		return nil, false
-	}
-	if !errors.Is(err, errNotAtomic) {
-		r.logger.Debug("atomic batch refused; its events go a wave at a time", "rows", len(chain)-done, "error", err)
-	}
-	for wave := range waves {
-		var idx []int
-		for _, k := range keys {
-			at := byAggregate[k]
-			if wave >= len(at) || results[at[wave]].acked {
-				continue
-			}
-			if stopped[k] {
-				results[at[wave]] = outcome{returned: true}
-				continue
-			}
-			idx = append(idx, at[wave])
-		}
-		if len(idx) == 0 {
-			continue
-		}
-		batch := make([]row, len(idx))
-		for j, i := range idx {
-			batch[j] = rows[i]
-		}
-		res, ok := r.publishAll(ctx, batch)
-		if !ok {
-			return nil, false
-		}
-		for j, i := range idx {
-			results[i] = res[j]
-			if !res[j].acked && !(res[j].permanent && skip) {
-				stopped[keyOf(rows[i])] = true
-			}
-		}
-	}
-	return results, true
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -71,11 +72,11 @@ func outOfOrder(t *testing.T, h *harness) []string {
 	last := map[string]int64{}
 	var bad []string
 	for _, m := range h.streamMessages() {
-		id := m.Header.Get(outbox.EventIDHeader)
-		agg := m.Header.Get(outbox.AggregateTypeHeader) + "/" + m.Header.Get(outbox.AggregateIDHeader)
-		seq, err := strconv.ParseInt(m.Header.Get(outbox.AggregateSeqHeader), 10, 64)
+		id := m.Header.Get(wire.EventIDHeader)
+		agg := m.Header.Get(wire.AggregateTypeHeader) + "/" + m.Header.Get(wire.AggregateIDHeader)
+		seq, err := strconv.ParseInt(m.Header.Get(wire.AggregateSeqHeader), 10, 64)
 		if err != nil {
-			t.Fatalf("event %s: %s header %q: %v", id, outbox.AggregateSeqHeader, m.Header.Get(outbox.AggregateSeqHeader), err)
+			t.Fatalf("event %s: %s header %q: %v", id, wire.AggregateSeqHeader, m.Header.Get(wire.AggregateSeqHeader), err)
 		}
 		if seq != want[id] {
 			t.Fatalf("event %s carries number %d, its row has %d", id, seq, want[id])
@@ -166,8 +167,8 @@ VALUES ('order', $1, 'order.updated', '{}', '{"x-count": 1}') RETURNING id`, agg
 		inStream := func() map[string][]int64 {
 			got := map[string][]int64{}
 			for _, m := range h.streamMessages() {
-				id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
-				agg := m.Header.Get(outbox.AggregateIDHeader)
+				id, _ := strconv.ParseInt(m.Header.Get(wire.EventIDHeader), 10, 64)
+				agg := m.Header.Get(wire.AggregateIDHeader)
 				got[agg] = append(got[agg], id)
 			}
 			return got
@@ -245,7 +246,7 @@ VALUES ('order', 'a', 'order.updated', '{}', '{"x-count": 1}') RETURNING id`).Sc
 			return c["failed"] == 1, formatCounts(c)
 		})
 		msgs := h.streamMessages()
-		if len(msgs) != 2 || msgs[0].Header.Get(outbox.EventIDHeader) != strconv.FormatInt(ids[0], 10) || msgs[1].Header.Get(outbox.EventIDHeader) != strconv.FormatInt(ids[1], 10) {
+		if len(msgs) != 2 || msgs[0].Header.Get(wire.EventIDHeader) != strconv.FormatInt(ids[0], 10) || msgs[1].Header.Get(wire.EventIDHeader) != strconv.FormatInt(ids[1], 10) {
 			t.Fatalf("stream holds %d events, want %v past the failed one", len(msgs), ids)
 		}
 	})
@@ -335,13 +336,13 @@ func TestUnnumberedEventsGoBesideNumberedOnes(t *testing.T) {
 		var unnumbered int
 		var bad []string
 		for _, m := range h.streamMessages() {
-			id, typ := m.Header.Get(outbox.EventIDHeader), m.Header.Get(outbox.EventTypeHeader)
+			id, typ := m.Header.Get(wire.EventIDHeader), m.Header.Get(wire.EventTypeHeader)
 			if seen[id] {
 				continue
 			}
 			seen[id] = true
-			agg := m.Header.Get(outbox.AggregateIDHeader)
-			number := m.Header.Get(outbox.AggregateSeqHeader)
+			agg := m.Header.Get(wire.AggregateIDHeader)
+			number := m.Header.Get(wire.AggregateSeqHeader)
 			if typ == "order.noted" {
 				unnumbered++
 				if number != "" {

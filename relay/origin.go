@@ -38,35 +38,57 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// loadIdentity reads the database's identity, waiting out an outage of
+// originGuard keeps the database's identity, which every message carries,
+// and holds publishing back while the stream is another database's or a
+// restore may have rewound the outbox's ids.
+type originGuard struct {
+	*core
+	// identity is the database's identity and its outbox's epochs.
+	identity atomic.Pointer[outbox.Identity]
+	// want is bumped to ask for a rewind check before the next publish,
+	// done is the request the last check answered; pgStarted is the
+	// Postgres start time last seen (unix nanoseconds). foreign stops
+	// publishing into a stream another database owns, conflict while the
+	// stream holds an epoch the outbox does not know.
+	want, done atomic.Uint64
+	pgStarted  atomic.Int64
+	foreign    atomic.Bool
+	conflict   atomic.Pointer[string]
+	rewindMu   sync.Mutex
+}
+
+// load reads the database's identity, waiting out an outage of
 // Postgres.
-func (r *Relay) loadIdentity(ctx context.Context) error {
+func (o *originGuard) load(ctx context.Context) error {
 	op := func() (struct{}, error) {
-		ident, err := r.store.ReadIdentity(ctx)
+		ident, err := o.store.ReadIdentity(ctx)
 		if err != nil {
 			return struct{}{}, err
 		}
-		r.identity.Store(ident)
+		o.identity.Store(ident)
 		return struct{}{}, nil
 	}
 	if _, err := backoff.Retry(ctx, op,
 		backoff.WithBackOff(backoff.NewExponentialBackOff()),
 		backoff.WithMaxElapsedTime(0),
 		backoff.WithNotify(func(err error, next time.Duration) {
-			r.logger.Warn("read the database's identity: retrying", "error", err, "retry_in", next)
+			o.logger.Warn("read the database's identity: retrying", "error", err, "retry_in", next)
 		})); err != nil {
 		return err
 	}
-	ident := r.identity.Load()
-	r.logger.Info("database identity", "database", ident.Database.String(), "epoch", ident.Latest().N)
+	ident := o.identity.Load()
+	o.logger.Info("database identity", "database", ident.Database.String(), "epoch", ident.Latest().N)
 	return nil
 }
 
@@ -76,19 +98,19 @@ var ErrForeignStream = errors.New("the stream belongs to another database")
 // claimUnowned refuses, before a relay with stream.provision auto records
 // its database as the owner of a stream that records none, a stream whose
 // newest event is another database's.
-func (r *Relay) claimUnowned(ctx context.Context) error {
-	s, err := r.js.Stream(ctx, r.stream.Name)
+func (o *originGuard) claimUnowned(ctx context.Context) error {
+	s, err := o.js.Stream(ctx, o.stream.Name)
 	if errors.Is(err, jetstream.ErrStreamNotFound) {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("read stream %s's owner: %w", r.stream.Name, err)
+		return fmt.Errorf("read stream %s's owner: %w", o.stream.Name, err)
 	}
 	if s.CachedInfo().Config.Metadata[stream.OwnerKey] != "" {
 		return nil
 	}
-	if err := r.newestIsOurs(ctx, s); err != nil {
-		r.foreign.Store(true)
+	if err := o.newestIsOurs(ctx, s); err != nil {
+		o.foreign.Store(true)
 		return fmt.Errorf("%w: %v", ErrForeignStream, err)
 	}
 	return nil
@@ -96,10 +118,10 @@ func (r *Relay) claimUnowned(ctx context.Context) error {
 
 // newestIsOurs refuses a stream that records no owner but whose newest
 // event is another database's.
-func (r *Relay) newestIsOurs(ctx context.Context, s jetstream.Stream) error {
+func (o *originGuard) newestIsOurs(ctx context.Context, s jetstream.Stream) error {
 	info := s.CachedInfo()
-	own := r.identity.Load().Database.String()
-	if r.stream.Databases == stream.SeveralDatabases || info.State.Msgs == 0 {
+	own := o.identity.Load().Database.String()
+	if o.stream.Databases == stream.SeveralDatabases || info.State.Msgs == 0 {
 		return nil
 	}
 	m, err := s.GetMsg(ctx, info.State.LastSeq)
@@ -107,12 +129,12 @@ func (r *Relay) newestIsOurs(ctx context.Context, s jetstream.Stream) error {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("read stream %s's newest event: %w", r.stream.Name, err)
+		return fmt.Errorf("read stream %s's newest event: %w", o.stream.Name, err)
 	}
-	if o, perr := outbox.ParseOrigin(m.Header.Get(outbox.OriginHeader)); perr == nil && o.Database.String() != own {
+	if theirs, perr := outbox.ParseOrigin(m.Header.Get(wire.OriginHeader)); perr == nil && theirs.Database.String() != own {
 		return fmt.Errorf("stream %s records no owner, but its newest event (sequence %d) is database %s's, not this relay's database %s: "+
 			"give this database a stream of its own (stream.name, stream.subject_prefix), or share one on purpose (stream.databases several)",
-			r.stream.Name, info.State.LastSeq, o.Database, own)
+			o.stream.Name, info.State.LastSeq, theirs.Database, own)
 	}
 	return nil
 }
@@ -120,33 +142,33 @@ func (r *Relay) newestIsOurs(ctx context.Context, s jetstream.Stream) error {
 // checkOwner refuses a stream that records another database as its owner
 // (stream metadata stream.OwnerKey), unless it is shared
 // (stream.databases several).
-func (r *Relay) checkOwner(ctx context.Context) error {
-	if r.stream.Provision == "off" {
+func (o *originGuard) checkOwner(ctx context.Context) error {
+	if o.stream.Provision == "off" {
 		return nil
 	}
-	s, err := r.js.Stream(ctx, r.stream.Name)
+	s, err := o.js.Stream(ctx, o.stream.Name)
 	if err != nil {
-		return fmt.Errorf("read stream %s's owner: %w", r.stream.Name, err)
+		return fmt.Errorf("read stream %s's owner: %w", o.stream.Name, err)
 	}
 	info := s.CachedInfo()
-	own := r.identity.Load().Database.String()
-	err = stream.CheckOwner(info.Config, r.stream, own)
+	own := o.identity.Load().Database.String()
+	err = stream.CheckOwner(info.Config, o.stream, own)
 	if errors.Is(err, stream.ErrNoOwner) {
 		// A stream `fanout provision` made without stream.database: its
 		// events say whose it is, the newest one last.
-		err = r.newestIsOurs(ctx, s)
+		err = o.newestIsOurs(ctx, s)
 		if err == nil {
-			r.logger.Info("the stream records no owning database in its metadata; its events are this database's", "stream", r.stream.Name,
+			o.logger.Info("the stream records no owning database in its metadata; its events are this database's", "stream", o.stream.Name,
 				"database", own)
-			r.foreign.Store(false)
+			o.foreign.Store(false)
 			return nil
 		}
 	}
 	if err != nil {
-		r.foreign.Store(true)
+		o.foreign.Store(true)
 		return fmt.Errorf("%w: %v", ErrForeignStream, err)
 	}
-	r.foreign.Store(false)
+	o.foreign.Store(false)
 	return nil
 }
 
@@ -167,8 +189,8 @@ type tailEvent struct {
 const tailScan = 1000
 
 // tail reads this database's events among the stream's newest messages.
-func (r *Relay) tail(ctx context.Context, db outbox.Database) ([]tailEvent, error) {
-	s, err := r.js.Stream(ctx, r.stream.Name)
+func (o *originGuard) tail(ctx context.Context, db outbox.Database) ([]tailEvent, error) {
+	s, err := o.js.Stream(ctx, o.stream.Name)
 	if err != nil {
 		return nil, err
 	}
@@ -186,22 +208,22 @@ func (r *Relay) tail(ctx context.Context, db outbox.Database) ([]tailEvent, erro
 	}
 	prefix := db.String() + "/"
 	var out []tailEvent
-	err = readStream(ctx, r.js, s, from, n, func(m *jetstream.RawStreamMsg) bool {
-		o := m.Header.Get(outbox.OriginHeader)
-		if !strings.HasPrefix(o, prefix) {
+	err = readStream(ctx, o.js, s, from, n, func(m *jetstream.RawStreamMsg) bool {
+		raw := m.Header.Get(wire.OriginHeader)
+		if !strings.HasPrefix(raw, prefix) {
 			return true
 		}
-		origin, err := outbox.ParseOrigin(o)
+		origin, err := outbox.ParseOrigin(raw)
 		if err != nil {
 			return true
 		}
-		id, err := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+		id, err := strconv.ParseInt(m.Header.Get(wire.EventIDHeader), 10, 64)
 		if err != nil {
 			return true
 		}
-		out = append(out, tailEvent{seq: m.Sequence, origin: origin, id: id, createdAt: m.Header.Get(outbox.CreatedAtHeader),
-			eventType: m.Header.Get(outbox.EventTypeHeader),
-			aggregate: m.Header.Get(outbox.AggregateTypeHeader) + "/" + m.Header.Get(outbox.AggregateIDHeader)})
+		out = append(out, tailEvent{seq: m.Sequence, origin: origin, id: id, createdAt: m.Header.Get(wire.CreatedAtHeader),
+			eventType: m.Header.Get(wire.EventTypeHeader),
+			aggregate: m.Header.Get(wire.AggregateTypeHeader) + "/" + m.Header.Get(wire.AggregateIDHeader)})
 		return true
 	})
 	return out, err
@@ -217,46 +239,61 @@ var ErrUnknownEpoch = errors.New("the stream holds events of an outbox epoch thi
 // time, and a check that began at or after the request answers it: every
 // batch waiting on a due check (after an outage, hundreds of them) goes
 // on the next check's answer rather than each running its own in turn.
-func (r *Relay) checkRewind(ctx context.Context, want uint64) error {
-	r.rewindMu.Lock()
-	defer r.rewindMu.Unlock()
-	if r.originDone.Load() >= want {
+func (o *originGuard) checkRewind(ctx context.Context, want uint64) error {
+	o.rewindMu.Lock()
+	defer o.rewindMu.Unlock()
+	if o.done.Load() >= want {
 		return nil
 	}
-	if err := r.compareWithStream(ctx); err != nil {
+	if err := o.compareWithStream(ctx); err != nil {
 		return err
 	}
 	// Done up to the generation asked for when the check began: a request
 	// made during it asks for another.
 	for {
-		done := r.originDone.Load()
-		if done >= want || r.originDone.CompareAndSwap(done, want) {
+		done := o.done.Load()
+		if done >= want || o.done.CompareAndSwap(done, want) {
 			return nil
 		}
 	}
 }
 
 // compareWithStream is checkRewind's comparison, under rewindMu.
-func (r *Relay) compareWithStream(ctx context.Context) error {
+func (o *originGuard) compareWithStream(ctx context.Context) error {
 	// The stream's tail first, then the outbox: an event the tail holds
 	// was published, so its id handed out, before the last id is read
 	// (read the other way round, the relays' newest publishes would look
 	// like ids the outbox never handed out). The identity and the last id
 	// are read together: after another relay began an epoch for this
 	// rewind, both say so.
-	db, err := outbox.ReadDatabase(ctx, r.pool)
+	db, err := outbox.ReadDatabase(ctx, o.pool)
 	if err != nil {
 		return err
 	}
-	events, err := r.tail(ctx, db)
+	events, err := o.tail(ctx, db)
 	if err != nil {
-		return fmt.Errorf("read the newest events of this database in stream %s: %w", r.stream.Name, err)
+		return fmt.Errorf("read the newest events of this database in stream %s: %w", o.stream.Name, err)
 	}
-	ident, lastID, err := r.store.State(ctx)
+	ident, lastID, err := o.store.State(ctx)
 	if err != nil {
 		return err
 	}
-	r.identity.Store(ident)
+	o.identity.Store(ident)
+	newest, err := o.newestOfLatestEpoch(events, ident, lastID)
+	if err != nil || newest == nil {
+		return err // none of the current epoch: published before it began
+	}
+	why, err := o.rewound(ctx, newest, lastID)
+	if err != nil || why == "" {
+		return err
+	}
+	return o.beginEpoch(ctx, ident, newest, lastID, highestID(events), why)
+}
+
+// newestOfLatestEpoch is the newest event of the outbox's latest epoch
+// among events, or nil; an event of an epoch the outbox does not know is
+// a conflict, and publishing stops (see originGuard).
+func (o *originGuard) newestOfLatestEpoch(events []tailEvent, ident *outbox.Identity, lastID int64) (*tailEvent, error) {
 	latest := ident.Latest()
 	var newest *tailEvent
 	for i, e := range events {
@@ -265,79 +302,83 @@ func (r *Relay) compareWithStream(ctx context.Context) error {
 				"another copy of this database (a clone or a promoted standby, with the same system identifier and name) publishes into this stream, "+
 				"or the database was restored from a backup older than epoch %d. Not publishing. When you know it is a restore, begin the next epoch "+
 				"(as fanout_migrate or the relay's role): SELECT fanout_outbox_new_epoch(%d, %d, %d, %d, 'restored from a backup older than epoch %d')",
-				r.stream.Name, e.id, e.origin.Epoch, ident.Database, e.seq, latest.N, e.origin.Epoch,
+				o.stream.Name, e.id, e.origin.Epoch, ident.Database, e.seq, latest.N, e.origin.Epoch,
 				latest.N, e.origin.Epoch+1, lastID+1, highestID(events), e.origin.Epoch)
-			r.conflict.Store(&why)
-			return fmt.Errorf("%w: %s", ErrUnknownEpoch, why)
+			o.conflict.Store(&why)
+			return nil, fmt.Errorf("%w: %s", ErrUnknownEpoch, why)
 		}
 		if e.origin.Epoch == latest.N && (newest == nil || e.id > newest.id) {
 			newest = &events[i]
 		}
 	}
-	r.conflict.Store(nil)
-	if newest == nil {
-		return nil // none of the current epoch: published before it began
-	}
-	var why string
+	o.conflict.Store(nil)
+	return newest, nil
+}
+
+// rewound says why the outbox no longer holds the stream's newest event
+// as it was published ("" if it does): an id not handed out yet, a row
+// gone although younger than retention, or a row that is another event.
+func (o *originGuard) rewound(ctx context.Context, newest *tailEvent, lastID int64) (string, error) {
 	if newest.id > lastID {
-		why = fmt.Sprintf("the stream holds event %d (sequence %d), but the outbox has handed out ids up to %d only",
-			newest.id, newest.seq, lastID)
-	} else {
-		row, ok, err := r.store.Event(ctx, newest.id)
-		if err != nil {
-			return err
-		}
-		switch {
-		case !ok:
-			created, perr := time.Parse(time.RFC3339Nano, newest.createdAt)
-			if perr != nil {
-				return nil
-			}
-			recent, err := r.store.RecentlyCreated(ctx, created, r.cfg.SentRetention)
-			if err != nil {
-				return err
-			}
-			if recent {
-				// Retention drops a row only relay.sent_retention after
-				// its publish, and a rolled-back id was never published.
-				why = fmt.Sprintf("the stream holds event %d (sequence %d, created %s), whose outbox row is gone, although no row that young is dropped (relay.sent_retention %s)",
-					newest.id, newest.seq, newest.createdAt, r.cfg.SentRetention)
-			}
-		default:
-			if created := row.CreatedAt.Time.UTC().Format(time.RFC3339Nano); created != newest.createdAt ||
-				row.EventType != newest.eventType || row.AggregateType+"/"+row.AggregateID != newest.aggregate {
-				why = fmt.Sprintf("the stream holds event %d (sequence %d: %s of %s, created %s), but outbox row %d is %s of %s/%s, created %s",
-					newest.id, newest.seq, newest.eventType, newest.aggregate, newest.createdAt,
-					row.ID, row.EventType, row.AggregateType, row.AggregateID, created)
-			}
-		}
+		return fmt.Sprintf("the stream holds event %d (sequence %d), but the outbox has handed out ids up to %d only",
+			newest.id, newest.seq, lastID), nil
 	}
-	if why == "" {
-		return nil
+	row, ok, err := o.store.Event(ctx, newest.id)
+	if err != nil {
+		return "", err
 	}
+	if !ok {
+		created, perr := time.Parse(time.RFC3339Nano, newest.createdAt)
+		if perr != nil {
+			return "", nil
+		}
+		recent, err := o.store.RecentlyCreated(ctx, created, o.cfg.SentRetention)
+		if err != nil || !recent {
+			return "", err
+		}
+		// Retention drops a row only relay.sent_retention after its
+		// publish, and a rolled-back id was never published.
+		return fmt.Sprintf("the stream holds event %d (sequence %d, created %s), whose outbox row is gone, although no row that young is dropped (relay.sent_retention %s)",
+			newest.id, newest.seq, newest.createdAt, o.cfg.SentRetention), nil
+	}
+	if created := row.CreatedAt.Time.UTC().Format(time.RFC3339Nano); created != newest.createdAt ||
+		row.EventType != newest.eventType || row.AggregateType+"/"+row.AggregateID != newest.aggregate {
+		return fmt.Sprintf("the stream holds event %d (sequence %d: %s of %s, created %s), but outbox row %d is %s of %s/%s, created %s",
+			newest.id, newest.seq, newest.eventType, newest.aggregate, newest.createdAt,
+			row.ID, row.EventType, row.AggregateType, row.AggregateID, created), nil
+	}
+	return "", nil
+}
+
+// beginEpoch begins the epoch of a restored database, at the first id it
+// wrote after the restore (newest is the stream's newest event of the
+// outbox's latest epoch, which the outbox lost), and takes the new
+// identity.
+func (o *originGuard) beginEpoch(ctx context.Context, ident *outbox.Identity, newest *tailEvent, lastID, highest int64, why string) error {
+	latest := ident.Latest()
 	created, err := time.Parse(time.RFC3339Nano, newest.createdAt)
 	if err != nil {
 		created = time.Now() // every row older than now is taken as the backup's
 	}
-	firstID, err := r.store.RewoundFrom(ctx, newest.id, created, lastID, latest.FirstID)
+	firstID, err := o.store.RewoundFrom(ctx, newest.id, created, lastID, latest.FirstID)
 	if err != nil {
 		return err
 	}
 	reason := "the outbox's ids were rewound (a restore from a backup?): " + why
-	epoch, err := r.store.NewEpoch(ctx, latest.N, latest.N+1, firstID, highestID(events), reason)
+	epoch, err := o.store.NewEpoch(ctx, latest.N, latest.N+1, firstID, highest, reason)
 	if err != nil {
 		return err
 	}
-	r.obs.Rewound()
-	r.logger.Error("the database was restored to an earlier point: its outbox's ids were rewound; "+
+	o.obs.Rewound()
+	o.logger.Error("the database was restored to an earlier point: its outbox's ids were rewound; "+
 		"its new events begin a new epoch, and the stream's events of the lost ids are no longer in the database",
 		"database", ident.Database.String(), "detail", why, "epoch", epoch, "epoch_first_id", firstID,
 		"lost_ids", fmt.Sprintf("%d..%d", firstID, newest.id))
-	ident, err = r.store.ReadIdentity(ctx)
+	ident, err = o.store.ReadIdentity(ctx)
 	if err != nil {
 		return err
 	}
-	r.identity.Store(ident)
+	o.identity.Store(ident)
 	return nil
 }
 
@@ -350,53 +391,53 @@ func highestID(events []tailEvent) int64 {
 	return m
 }
 
-// markOriginStale asks for a rewind check before the next publish.
-func (r *Relay) markOriginStale() { r.originWant.Add(1) }
+// markStale asks for a rewind check before the next publish.
+func (o *originGuard) markStale() { o.want.Add(1) }
 
-// guardOrigin runs the rewind check when one is due, before a batch is
+// guard runs the rewind check when one is due, before a batch is
 // published; an error holds the batch back (it is retried).
-func (r *Relay) guardOrigin(ctx context.Context) error {
-	if r.foreign.Load() {
+func (o *originGuard) guard(ctx context.Context) error {
+	if o.foreign.Load() {
 		return fmt.Errorf("%w: not publishing (see the relay's log)", ErrForeignStream)
 	}
-	if r.hooks.Anonymous {
+	if o.hooks.Anonymous {
 		return nil
 	}
 	// A restore, a failover or a restart of Postgres changes its start
 	// time, whether or not a query of this relay's failed meanwhile.
-	started, err := r.store.PostgresStarted(ctx)
+	started, err := o.store.PostgresStarted(ctx)
 	if err != nil {
-		r.markOriginStale()
+		o.markStale()
 		return fmt.Errorf("check the outbox against the stream (a restore?): %w", err)
 	}
-	if prev := r.pgStarted.Swap(started.UnixNano()); prev != started.UnixNano() {
-		r.markOriginStale()
+	if prev := o.pgStarted.Swap(started.UnixNano()); prev != started.UnixNano() {
+		o.markStale()
 	}
-	want := r.originWant.Load()
-	if r.originDone.Load() >= want {
+	want := o.want.Load()
+	if o.done.Load() >= want {
 		return nil
 	}
-	if err := r.checkRewind(ctx, want); err != nil {
+	if err := o.checkRewind(ctx, want); err != nil {
 		return fmt.Errorf("check the outbox against the stream (a restore?): %w", err)
 	}
 	return nil
 }
 
-// originCheck is the periodic part: owner and rewind, with the stream check.
-func (r *Relay) originCheck(ctx context.Context) {
-	if err := r.checkOwner(ctx); err != nil {
-		r.logger.Error("not publishing", "error", err)
+// recheck is the periodic part: owner and rewind, with the stream check.
+func (o *originGuard) recheck(ctx context.Context) {
+	if err := o.checkOwner(ctx); err != nil {
+		o.logger.Error("not publishing", "error", err)
 	}
-	r.markOriginStale()
+	o.markStale()
 }
 
-// originErr says why the relay does not publish, if it is the stream's
+// blocked says why the relay does not publish, if it is the stream's
 // owner or an unknown epoch (readiness).
-func (r *Relay) originErr() error {
-	if r.foreign.Load() {
+func (o *originGuard) blocked() error {
+	if o.foreign.Load() {
 		return fmt.Errorf("%w: not publishing (see the relay's log)", ErrForeignStream)
 	}
-	if why := r.conflict.Load(); why != nil {
+	if why := o.conflict.Load(); why != nil {
 		return fmt.Errorf("%w: %s", ErrUnknownEpoch, *why)
 	}
 	return nil

@@ -14,6 +14,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -133,7 +134,7 @@ func restoreFromBackup(t *testing.T, capture string, sabotage, live bool) {
 	run := func(writes func()) *Relay {
 		r := h.newRelay(nil, obs)
 		r.hooks = hooks
-		r.slotCheckEvery = 100 * time.Millisecond
+		r.wal.slotCheckEvery = 100 * time.Millisecond
 		if !h.wal() {
 			writes()
 		}
@@ -219,8 +220,8 @@ func restoreFromBackup(t *testing.T, capture string, sabotage, live bool) {
 	newOrigin := outbox.Origin{Database: ident.Database, Epoch: 2}.String()
 	got := map[string]int{}
 	for _, m := range h.streamMessages() {
-		id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
-		o := m.Header.Get(outbox.OriginHeader)
+		id, _ := strconv.ParseInt(m.Header.Get(wire.EventIDHeader), 10, 64)
+		o := m.Header.Get(wire.OriginHeader)
 		if id >= firstNew && o == newOrigin {
 			got["new"]++
 		}
@@ -274,13 +275,13 @@ func publishForeign(t *testing.T, h *harness, origin string, id int64) {
 	}
 	m := nats.NewMsg(stream.Subject(h.cfg.Stream.SubjectPrefix, "thing.made"))
 	m.Data = []byte(`{}`)
-	m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
-	m.Header.Set(outbox.OriginHeader, origin)
-	m.Header.Set(outbox.EventTypeHeader, "thing.made")
-	m.Header.Set(outbox.AggregateTypeHeader, "thing")
-	m.Header.Set(outbox.AggregateIDHeader, "1")
-	m.Header.Set(outbox.CreatedAtHeader, time.Now().UTC().Format(time.RFC3339Nano))
-	if _, err := js.PublishMsg(context.Background(), m, jetstream.WithMsgID(outbox.MsgID(origin, id))); err != nil {
+	m.Header.Set(wire.EventIDHeader, strconv.FormatInt(id, 10))
+	m.Header.Set(wire.OriginHeader, origin)
+	m.Header.Set(wire.EventTypeHeader, "thing.made")
+	m.Header.Set(wire.AggregateTypeHeader, "thing")
+	m.Header.Set(wire.AggregateIDHeader, "1")
+	m.Header.Set(wire.CreatedAtHeader, time.Now().UTC().Format(time.RFC3339Nano))
+	if _, err := js.PublishMsg(context.Background(), m, jetstream.WithMsgID(wire.MsgID(origin, id))); err != nil {
 		t.Fatal(err)
 	}
 }

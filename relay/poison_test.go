@@ -3,7 +3,6 @@ package relay
 import (
 	"context"
 	"fmt"
-	"github.com/fanout/fanout/outbox"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -13,6 +12,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/testenv/natstest"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
@@ -258,7 +258,7 @@ func TestPoisonRowsOfEveryKind(t *testing.T) {
 
 		msgs := h.streamMessages()
 		for _, m := range msgs {
-			id, _ := strconv.ParseInt(m.Header.Get(outbox.EventIDHeader), 10, 64)
+			id, _ := strconv.ParseInt(m.Header.Get(wire.EventIDHeader), 10, 64)
 			if !good[id] {
 				t.Errorf("stream holds message %d (subject %.60q), not a good row", id, m.Subject)
 			}
@@ -291,7 +291,7 @@ func TestEventOfExactlyMaxPayload(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := h.newRelay(nil, nil)
-	probe, err := r.message(row{ID: 1, AggregateType: "product", AggregateID: "1", EventType: "product.updated",
+	probe, err := r.publisher.message(row{ID: 1, AggregateType: "product", AggregateID: "1", EventType: "product.updated",
 		Payload: []byte(`""`), Headers: []byte(`{}`), CreatedAt: pgtype.Timestamptz{Time: at, Valid: true},
 		AggregateSeq: pgtype.Int8{Int64: 1, Valid: true}}, 0)
 	if err != nil {
@@ -325,7 +325,7 @@ func TestEventOfExactlyMaxPayload(t *testing.T) {
 		t.Errorf("the row one byte over max_payload is %s: %q", status, reason)
 	}
 	msgs := h.streamMessages()
-	if len(msgs) != 1 || msgs[0].Header.Get(outbox.EventIDHeader) != strconv.FormatInt(fits, 10) {
+	if len(msgs) != 1 || msgs[0].Header.Get(wire.EventIDHeader) != strconv.FormatInt(fits, 10) {
 		t.Fatalf("stream holds %d messages, want only row %d", len(msgs), fits)
 	}
 	if got := len(msgs[0].Data) + headerBytes; got != maxPayload {

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -53,7 +54,7 @@ func TestRowsBecomeMessages(t *testing.T) {
 	}
 	byID := map[string]int{}
 	for i, m := range msgs {
-		byID[m.Header.Get(outbox.EventIDHeader)] = i
+		byID[m.Header.Get(wire.EventIDHeader)] = i
 	}
 	first := msgs[byID[strconv.FormatInt(ids[0], 10)]]
 	if first.Subject != "events.product.updated" {
@@ -64,25 +65,25 @@ func TestRowsBecomeMessages(t *testing.T) {
 		t.Errorf("body = %s, want the payload as stored", first.Data)
 	}
 	for header, want := range map[string]string{
-		"Nats-Msg-Id":              h.identity().OriginOf(ids[0]) + ":" + strconv.FormatInt(ids[0], 10),
-		outbox.OriginHeader:        h.identity().OriginOf(ids[0]),
-		outbox.EventIDHeader:       strconv.FormatInt(ids[0], 10),
-		outbox.EventTypeHeader:     "product.updated",
-		outbox.AggregateTypeHeader: "product",
-		outbox.AggregateIDHeader:   "7",
-		"traceparent":              trace,
+		"Nats-Msg-Id":            h.identity().OriginOf(ids[0]) + ":" + strconv.FormatInt(ids[0], 10),
+		wire.OriginHeader:        h.identity().OriginOf(ids[0]),
+		wire.EventIDHeader:       strconv.FormatInt(ids[0], 10),
+		wire.EventTypeHeader:     "product.updated",
+		wire.AggregateTypeHeader: "product",
+		wire.AggregateIDHeader:   "7",
+		"traceparent":            trace,
 	} {
 		if got := first.Header.Get(header); got != want {
 			t.Errorf("header %s = %q, want %q", header, got, want)
 		}
 	}
-	created, err := time.Parse(time.RFC3339Nano, first.Header.Get(outbox.CreatedAtHeader))
+	created, err := time.Parse(time.RFC3339Nano, first.Header.Get(wire.CreatedAtHeader))
 	if err != nil || time.Since(created) > time.Minute || time.Since(created) < 0 {
-		t.Errorf("header %s = %q, want the row's creation time", outbox.CreatedAtHeader, first.Header.Get(outbox.CreatedAtHeader))
+		t.Errorf("header %s = %q, want the row's creation time", wire.CreatedAtHeader, first.Header.Get(wire.CreatedAtHeader))
 	}
 	second := msgs[byID[strconv.FormatInt(ids[1], 10)]]
-	if second.Subject != "events.order.created" || second.Header.Get(outbox.AggregateIDHeader) != "3" {
-		t.Errorf("second message: subject %q aggregate id %q", second.Subject, second.Header.Get(outbox.AggregateIDHeader))
+	if second.Subject != "events.order.created" || second.Header.Get(wire.AggregateIDHeader) != "3" {
+		t.Errorf("second message: subject %q aggregate id %q", second.Subject, second.Header.Get(wire.AggregateIDHeader))
 	}
 
 	var published time.Time
@@ -124,7 +125,7 @@ func TestTwoRelaysStoreEveryRowOnce(t *testing.T) {
 		if h.wal() {
 			// One streams from the slot, the other stands by.
 			waitFor(t, 20*time.Second, "one relay streaming, one standing by", func() (bool, string) {
-				sa, sb := ra.captureState.Load(), rb.captureState.Load()
+				sa, sb := ra.wal.state.Load(), rb.wal.state.Load()
 				return sa+sb == captureStreaming+captureStandby && sa != sb, fmt.Sprintf("states %d and %d", sa, sb)
 			})
 		}
@@ -136,7 +137,7 @@ func TestTwoRelaysStoreEveryRowOnce(t *testing.T) {
 		msgs := h.streamMessages()
 		seen := map[string]bool{}
 		for _, m := range msgs {
-			id := m.Header.Get(outbox.EventIDHeader)
+			id := m.Header.Get(wire.EventIDHeader)
 			if seen[id] {
 				t.Fatalf("event %s stored twice", id)
 			}
@@ -166,7 +167,7 @@ func TestRelayDiesBetweenPubAckAndMark(t *testing.T) {
 	acked := make(chan struct{})
 	var once sync.Once
 	dying := h.newRelay(func(c *Config) { c.Listen = false }, nil)
-	dying.testHookBeforeRecord = func(ctx context.Context, _ []int64) {
+	dying.delivery.testHookBeforeRecord = func(ctx context.Context, _ []int64) {
 		once.Do(func() { close(acked) })
 		<-ctx.Done() // never record: the process dies here
 	}
@@ -262,7 +263,7 @@ RETURNING id`, string(big)).Scan(&bigID); err != nil {
 				t.Fatal(err)
 			}
 			waitFor(t, 30*time.Second, "the slot confirmed past the marker", func() (bool, string) {
-				return pglogrepl.LSN(r.confirmedLSN.Load()) >= lsn, pglogrepl.LSN(r.confirmedLSN.Load()).String()
+				return pglogrepl.LSN(r.wal.confirmedLSN.Load()) >= lsn, pglogrepl.LSN(r.wal.confirmedLSN.Load()).String()
 			})
 		}
 		if got := h.streamCount(); got != n+1 {
@@ -279,7 +280,7 @@ RETURNING id`, string(big)).Scan(&bigID); err != nil {
 		})
 		var stored *jetstream.RawStreamMsg
 		for _, m := range h.streamMessages() {
-			if m.Header.Get(outbox.EventIDHeader) == strconv.FormatInt(bigID, 10) {
+			if m.Header.Get(wire.EventIDHeader) == strconv.FormatInt(bigID, 10) {
 				stored = m
 			}
 		}
@@ -324,7 +325,7 @@ func TestSweeperGoesRoundTheRowsBelowTheFloor(t *testing.T) {
 	// from the lowest id, never claimed.
 	writeHeldOrder(t, h.db.Pool, 5)
 	r := h.newRelay(nil, nil)
-	r.testSweepWindow = 3
+	r.sweeper.testWindow = 3
 	h.start(r)
 
 	// Ten transactions take their ids and stay open while the floor

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/wire"
 )
 
 // Retention drops whole ranges of the outbox, in both capture modes, once
@@ -25,7 +26,7 @@ func TestOutboxRangesDroppedAfterRetention(t *testing.T) {
 		}, nil)
 		// Ranges of 10 ids, below relay.partition_size's range (New
 		// refuses them), so that a few hundred rows fill many.
-		r.cfg.PartitionSize, r.partitionsAhead, r.partitionMargin = 10, 30, 10
+		r.cfg.PartitionSize, r.maintainer.partitionsAhead, r.maintainer.partitionMargin = 10, 30, 10
 		h.start(r)
 		if h.wal() {
 			h.waitStreaming(r)
@@ -81,10 +82,10 @@ SELECT (SELECT count(*) FROM outbox),
 		msgs := h.streamMessages()
 		seen := map[string]int{}
 		for _, m := range msgs {
-			seen[m.Header.Get(outbox.EventIDHeader)]++
+			seen[m.Header.Get(wire.EventIDHeader)]++
 			var p map[string]any
 			if err := json.Unmarshal(m.Data, &p); err != nil {
-				t.Fatalf("message %s: %v", m.Header.Get(outbox.EventIDHeader), err)
+				t.Fatalf("message %s: %v", m.Header.Get(wire.EventIDHeader), err)
 			}
 		}
 		for id := 1; id <= 200; id++ {

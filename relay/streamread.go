@@ -83,13 +83,7 @@ func readStream(ctx context.Context, js jetstream.JetStream, s jetstream.Stream,
 // memory), which delivers about three times faster than batch direct gets
 // (on this project's 2-core machine, a million messages in 4.6 s against
 // 15.3 s: the server formats a direct get's headers message by message).
-// Their names are fixed so that the NATS permissions can give the relay
-// these consumers and no other (subscribers' names may not begin with
-// "relay_").
-const (
-	AuditConsumer        = "relay_audit"
-	AuditCommandConsumer = "relay_audit_command"
-)
+// Their names are stream.AuditConsumer and stream.AuditCommandConsumer.
 
 // consumerRead is how long a run of sequences must be for a consumer to
 // pay for itself (creating and deleting it are two round trips): the

@@ -15,6 +15,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/schema/pgtest"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 )
@@ -72,7 +73,7 @@ func TestWALRelayKilledBeforeConfirmingPublishesAgain(t *testing.T) {
 			acked := make(chan struct{})
 			var once sync.Once
 			dying := h.newRelay(nil, nil)
-			dying.testHookBeforeConfirm = func(ctx context.Context, _ pglogrepl.LSN) {
+			dying.wal.testHookBeforeConfirm = func(ctx context.Context, _ pglogrepl.LSN) {
 				once.Do(func() { close(acked) })
 				<-ctx.Done() // never confirm: the process dies here
 			}
@@ -142,7 +143,7 @@ func TestWALReplayOfWhatTheStreamLostSaysWhereItWas(t *testing.T) {
 	h := newWALHarness(t)
 	h.cfg.Relay.Audit = false // the replay, not the auditor, publishes them again
 	dying := h.newRelay(nil, nil)
-	dying.testHookBeforeConfirm = func(ctx context.Context, _ pglogrepl.LSN) {
+	dying.wal.testHookBeforeConfirm = func(ctx context.Context, _ pglogrepl.LSN) {
 		<-ctx.Done() // never confirm: the slot stays behind every event
 	}
 	h.start(dying)
@@ -161,7 +162,7 @@ func TestWALReplayOfWhatTheStreamLostSaysWhereItWas(t *testing.T) {
 	})
 	landed := map[string]string{}
 	for _, m := range h.streamMessages() {
-		landed[m.Header.Get(outbox.EventIDHeader)] = strconv.FormatUint(m.Sequence, 10)
+		landed[m.Header.Get(wire.EventIDHeader)] = strconv.FormatUint(m.Sequence, 10)
 	}
 	stopCtx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
@@ -181,9 +182,9 @@ func TestWALReplayOfWhatTheStreamLostSaysWhereItWas(t *testing.T) {
 	h.startRelay(nil, obs)
 	h.waitAllSent(n, 30*time.Second)
 	for _, m := range h.streamMessages() {
-		id := m.Header.Get(outbox.EventIDHeader)
-		if got, want := m.Header.Get(outbox.RepairedHeader), landed[id]; got != want {
-			t.Errorf("event %s stored again at %d: %s %q, want %q (where it was lost from)", id, m.Sequence, outbox.RepairedHeader, got, want)
+		id := m.Header.Get(wire.EventIDHeader)
+		if got, want := m.Header.Get(wire.RepairedHeader), landed[id]; got != want {
+			t.Errorf("event %s stored again at %d: %s %q, want %q (where it was lost from)", id, m.Sequence, wire.RepairedHeader, got, want)
 		}
 	}
 	waitFor(t, 10*time.Second, "the repairs counted", func() (bool, string) {
@@ -200,7 +201,7 @@ func TestWALRelayKilledWhileNATSDownLosesNothing(t *testing.T) {
 	h := newWALHarness(t)
 	rec := &recorder{}
 	first := h.newRelay(func(c *Config) { c.PublishTimeout = 200 * time.Millisecond }, rec)
-	first.slotCheckEvery = 100 * time.Millisecond
+	first.wal.slotCheckEvery = 100 * time.Millisecond
 	h.launch(first, func() { writeMany(t, h.db.Pool, 10) })
 	h.waitAllSent(10, 10*time.Second)
 
@@ -239,7 +240,7 @@ func TestWALStuckSlotIsNotReady(t *testing.T) {
 		c.PublishTimeout = 200 * time.Millisecond
 		c.StallAfter = 2 * time.Second
 	}, rec)
-	r.slotCheckEvery = 100 * time.Millisecond
+	r.wal.slotCheckEvery = 100 * time.Millisecond
 	h.launch(r, func() {})
 
 	h.nats.Stop()
@@ -275,7 +276,7 @@ func TestWALStandbyTakesOver(t *testing.T) {
 	h.waitAllSent(100, 10*time.Second)
 	b := h.startRelay(nil, nil)
 	waitFor(t, 10*time.Second, "the second relay to stand by", func() (bool, string) {
-		return b.captureState.Load() == captureStandby, "not standing by"
+		return b.wal.state.Load() == captureStandby, "not standing by"
 	})
 	if err := b.Ready(); err != nil {
 		t.Errorf("a standby relay is not ready: %v", err)
@@ -319,7 +320,7 @@ func assertEachOnce(t *testing.T, h *harness, n int) {
 	msgs := h.streamMessages()
 	seen := map[string]int{}
 	for _, m := range msgs {
-		seen[m.Header.Get(outbox.EventIDHeader)]++
+		seen[m.Header.Get(wire.EventIDHeader)]++
 	}
 	for id, k := range seen {
 		if k > 1 {
@@ -341,7 +342,7 @@ func TestWALRelayLetsPostgresStopWhileNATSDown(t *testing.T) {
 	h := newWALHarness(t)
 	h.db = server.NewDB(t)
 	r := h.newRelay(func(c *Config) { c.PublishTimeout = 200 * time.Millisecond }, nil)
-	r.slotCheckEvery = 100 * time.Millisecond
+	r.wal.slotCheckEvery = 100 * time.Millisecond
 	h.launch(r, func() { writeMany(t, h.db.Pool, 10) })
 	h.waitAllSent(10, 10*time.Second)
 

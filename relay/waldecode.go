@@ -88,7 +88,7 @@ func (s *walStream) capture(softCtx, hardCtx context.Context, relationID uint32,
 	// decodes two versions with one id: JetStream would keep the first,
 	// so the later replaces it (within the chunk not yet dispatched).
 	if state == tupleSkipped {
-		s.r.order.release(rw)
+		s.w.order.release(rw)
 		state = tupleNotPending
 	}
 	if state == tupleNotPending {
@@ -106,7 +106,7 @@ func (s *walStream) capture(softCtx, hardCtx context.Context, relationID uint32,
 		}
 		return nil
 	}
-	if s.r.cfg.Atomic == AtomicTransaction && len(s.rows) == atomicMax {
+	if s.w.cfg.Atomic == AtomicTransaction && len(s.rows) == atomicMax {
 		// A full chunk goes once a row follows it: the commit's is then
 		// never empty, and its events say they are the last.
 		if err := s.dispatch(softCtx, hardCtx, false); err != nil {
@@ -121,7 +121,7 @@ func (s *walStream) capture(softCtx, hardCtx context.Context, relationID uint32,
 	}
 	s.rowAt[rw.ID] = len(s.rows)
 	s.rows = append(s.rows, rw)
-	if s.r.cfg.Atomic != AtomicTransaction && len(s.rows) >= s.r.cfg.BatchSize {
+	if s.w.cfg.Atomic != AtomicTransaction && len(s.rows) >= s.w.cfg.BatchSize {
 		return s.dispatch(softCtx, hardCtx, false)
 	}
 	return nil
@@ -164,39 +164,20 @@ var errUnchangedToast = errors.New("unchanged TOAST value")
 // tuple, into the same types the claim reads (nothing is judged here:
 // message() does), and says whether it is pending.
 func tupleRow(types *pgtype.Map, rel *relationColumns, t *pglogrepl.TupleData) (row, tupleState, error) {
-	col := func(name string) (*pglogrepl.TupleDataColumn, error) {
-		i := rel.index[name]
-		if t == nil || i >= len(t.Columns) {
-			return nil, fmt.Errorf("decoded outbox row has no column %s", name)
-		}
-		return t.Columns[i], nil
-	}
-	text := func(name string) (string, error) {
-		c, err := col(name)
-		if err != nil {
-			return "", err
-		}
-		switch c.DataType {
-		case pglogrepl.TupleDataTypeText:
-			return string(c.Data), nil
-		case pglogrepl.TupleDataTypeToast:
-			return "", errUnchangedToast
-		}
-		return "", fmt.Errorf("decoded outbox row: column %s is not in text form (type %q)", name, c.DataType)
-	}
+	tu := tuple{rel: rel, t: t}
 	var rw row
-	idText, err := text("id")
+	idText, err := tu.text("id")
 	if err != nil {
 		return rw, 0, err
 	}
 	if rw.ID, err = strconv.ParseInt(idText, 10, 64); err != nil {
 		return rw, 0, fmt.Errorf("decoded outbox row: id %q: %w", idText, err)
 	}
-	published, err := col("published_at")
+	published, err := tu.col("published_at")
 	if err != nil {
 		return rw, 0, err
 	}
-	status, err := text("status")
+	status, err := tu.text("status")
 	switch {
 	case errors.Is(err, errUnchangedToast):
 		return rw, tupleToasted, nil
@@ -205,45 +186,83 @@ func tupleRow(types *pgtype.Map, rel *relationColumns, t *pglogrepl.TupleData) (
 	case status == "skipped":
 		// An operator gave up on a failed event: it no longer holds its
 		// aggregate (see aggregateOrder).
-		rw.AggregateType, _ = text("aggregate_type")
-		rw.AggregateID, _ = text("aggregate_id")
+		rw.AggregateType, _ = tu.text("aggregate_type")
+		rw.AggregateID, _ = tu.text("aggregate_id")
 		return rw, tupleSkipped, nil
 	case status != "pending" || published.DataType != pglogrepl.TupleDataTypeNull:
 		return rw, tupleNotPending, nil
 	}
-	for name, dst := range map[string]*string{"aggregate_type": &rw.AggregateType, "aggregate_id": &rw.AggregateID, "event_type": &rw.EventType} {
-		if *dst, err = text(name); err != nil {
-			break
-		}
-	}
-	var payload, headers, created string
-	if err == nil {
-		payload, err = text("payload")
-	}
-	if err == nil {
-		headers, err = text("headers")
-	}
-	if err == nil {
-		created, err = text("created_at")
-	}
+	err = tu.readEvent(types, &rw)
 	if errors.Is(err, errUnchangedToast) {
 		return row{ID: rw.ID}, tupleToasted, nil
 	}
 	if err != nil {
 		return rw, 0, err
 	}
+	return rw, tuplePending, nil
+}
+
+// tuple is one decoded version of an outbox row, its columns by name.
+type tuple struct {
+	rel *relationColumns
+	t   *pglogrepl.TupleData
+}
+
+func (tu tuple) col(name string) (*pglogrepl.TupleDataColumn, error) {
+	i := tu.rel.index[name]
+	if tu.t == nil || i >= len(tu.t.Columns) {
+		return nil, fmt.Errorf("decoded outbox row has no column %s", name)
+	}
+	return tu.t.Columns[i], nil
+}
+
+// text is a column's text; errUnchangedToast for a value stored out of
+// line that the update did not touch (decoded without it).
+func (tu tuple) text(name string) (string, error) {
+	c, err := tu.col(name)
+	if err != nil {
+		return "", err
+	}
+	switch c.DataType {
+	case pglogrepl.TupleDataTypeText:
+		return string(c.Data), nil
+	case pglogrepl.TupleDataTypeToast:
+		return "", errUnchangedToast
+	}
+	return "", fmt.Errorf("decoded outbox row: column %s is not in text form (type %q)", name, c.DataType)
+}
+
+// readEvent reads a pending row's event into rw: its aggregate, type,
+// payload, headers, creation time and number.
+func (tu tuple) readEvent(types *pgtype.Map, rw *row) error {
+	var err error
+	for name, dst := range map[string]*string{"aggregate_type": &rw.AggregateType, "aggregate_id": &rw.AggregateID, "event_type": &rw.EventType} {
+		if *dst, err = tu.text(name); err != nil {
+			return err
+		}
+	}
+	var payload, headers, created string
+	if payload, err = tu.text("payload"); err != nil {
+		return err
+	}
+	if headers, err = tu.text("headers"); err != nil {
+		return err
+	}
+	if created, err = tu.text("created_at"); err != nil {
+		return err
+	}
 	rw.Payload, rw.Headers = []byte(payload), []byte(headers)
 	// Text in the walsender's DateStyle (ISO); an unreadable value stays
-	// invalid, and message() fails the row, not the stream.
+	// invalid, and the publisher fails the row, not the stream.
 	_ = types.Scan(pgtype.TimestamptzOID, pgtype.TextFormatCode, []byte(created), &rw.CreatedAt)
 	// Absent from a relation decoded before schema migration 00009, and
 	// null on rows written before it.
-	if _, ok := rel.index["aggregate_seq"]; ok {
-		if c, err := col("aggregate_seq"); err == nil && c.DataType == pglogrepl.TupleDataTypeText {
+	if _, ok := tu.rel.index["aggregate_seq"]; ok {
+		if c, err := tu.col("aggregate_seq"); err == nil && c.DataType == pglogrepl.TupleDataTypeText {
 			if n, err := strconv.ParseInt(string(c.Data), 10, 64); err == nil {
 				rw.AggregateSeq = pgtype.Int8{Int64: n, Valid: true}
 			}
 		}
 	}
-	return rw, tuplePending, nil
+	return nil
 }

@@ -30,7 +30,7 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 	n := int64(len(rows))
 	for {
 		ctx, cancel := context.WithTimeout(softCtx, walStatusInterval)
-		err := s.r.slots.Acquire(ctx, n)
+		err := s.w.slots.Acquire(ctx, n)
 		cancel()
 		if err == nil {
 			break
@@ -50,38 +50,38 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 	before, partDone := txn.lastPart, make(chan struct{})
 	txn.lastPart = partDone
 	txn.chunks.Add(1)
-	s.r.batches.Add(1)
+	s.w.batches.Add(1)
 	// Each row takes its place in its aggregate's order here, in the
 	// order decoded, and is published once the one before it is done.
-	c := s.r.order.enter(rows)
+	c := s.w.order.enter(rows)
 	go func() {
-		defer s.r.batches.Done()
-		defer s.r.slots.Release(n)
+		defer s.w.batches.Done()
+		defer s.w.slots.Release(n)
 		defer txn.chunks.Done()
-		defer s.r.order.abandon(c) // a no-op for the rows done
+		defer s.w.order.abandon(c) // a no-op for the rows done
 		defer close(partDone)
 		// Every row of a transaction is dispatched at its commit or after
 		// it (a chunk that filled up earlier waits here the same way).
-		if err := s.r.visibility.wait(softCtx, txn.xid); err != nil {
+		if err := s.w.visibility.wait(softCtx, txn.xid); err != nil {
 			txn.abandoned.Store(true)
 			return
 		}
 		if len(refetch) > 0 {
-			kept, ok := s.r.refetchCaptured(softCtx, rows, refetch)
+			kept, ok := s.w.refetchCaptured(softCtx, rows, refetch)
 			if !ok {
 				txn.abandoned.Store(true)
 				return
 			}
-			c = s.r.order.keep(c, kept)
+			c = s.w.order.keep(c, kept)
 		}
 		if slices.ContainsFunc(c.rows, func(rw row) bool { return rw.ID <= s.landedThrough }) {
-			if !s.r.replayed(softCtx, c.rows, s.landedThrough) {
+			if !s.w.replayed(softCtx, c.rows, s.landedThrough) {
 				txn.abandoned.Store(true)
 				return
 			}
 		}
 		published := false
-		if s.r.cfg.Atomic == AtomicTransaction {
+		if s.w.cfg.Atomic == AtomicTransaction {
 			if before != nil {
 				select {
 				case <-before:
@@ -90,9 +90,9 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 					return
 				}
 			}
-			published = !txn.abandoned.Load() && s.r.publishTransaction(softCtx, hardCtx, c, part)
+			published = !txn.abandoned.Load() && s.w.publishTransaction(softCtx, hardCtx, c, part)
 		} else {
-			published = s.r.publishOrdered(softCtx, hardCtx, c)
+			published = s.w.publishOrdered(softCtx, hardCtx, c)
 		}
 		if !published {
 			txn.abandoned.Store(true)
@@ -106,13 +106,13 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 // so a publish that fails for a reason outside the row (NATS down, the
 // stream unavailable) is retried with backoff, for as long as it takes. It
 // returns the ids it marked failed, and false if the relay stopped first.
-func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row, decorate ...func(*nats.Msg)) (failed map[int64]bool, ok bool) {
-	wait := min(r.cfg.RetryMin, r.outageRetryMax())
+func (w *walCapture) publishCaptured(softCtx, hardCtx context.Context, rows []row, decorate ...func(*nats.Msg)) (failed map[int64]bool, ok bool) {
+	wait := min(w.cfg.RetryMin, w.outageRetryMax())
 	for {
 		if len(rows) == 0 {
 			return failed, true
 		}
-		results, ok := r.publishAll(hardCtx, rows, decorate...)
+		results, ok := w.pub.publishAll(hardCtx, rows, decorate...)
 		if !ok {
 			return nil, false
 		}
@@ -131,7 +131,7 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row, de
 				published = append(published, Published{ID: rows[i].ID, CreatedAt: rows[i].CreatedAt.Time, AckedAt: res.ackedAt, Duplicate: res.duplicate})
 				if rows[i].LandedSeq > 0 && !res.duplicate {
 					repaired++
-					r.logger.Warn("decoded again, an event was missing from the stream: published again",
+					w.logger.Warn("decoded again, an event was missing from the stream: published again",
 						"event_id", rows[i].ID, "stream_seq", rows[i].LandedSeq, "new_stream_seq", res.seq)
 				}
 				if res.seq > 0 {
@@ -151,15 +151,15 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row, de
 		// the confirm leaves no published event without its landing. On
 		// hardCtx: a relay stopping records what it published, and so
 		// may confirm it (the next relay would publish it again).
-		if !r.recordCaptured(hardCtx, landed) {
+		if !w.recordCaptured(hardCtx, landed) {
 			return nil, false
 		}
-		r.reportPublished(published, len(retry), len(failedIDs))
+		w.delivery.reportPublished(published, len(retry), len(failedIDs))
 		if repaired > 0 {
-			r.obs.Audited(AuditReplay, 0, repaired, repaired)
+			w.obs.Audited(AuditReplay, 0, repaired, repaired)
 		}
 		if len(failedIDs) > 0 {
-			if !r.failCaptured(softCtx, failedIDs, failedReasons) {
+			if !w.failCaptured(softCtx, failedIDs, failedReasons) {
 				return nil, false
 			}
 			if failed == nil {
@@ -172,26 +172,26 @@ func (r *Relay) publishCaptured(softCtx, hardCtx context.Context, rows []row, de
 		if len(retry) == 0 {
 			return failed, true
 		}
-		r.obs.Retried(len(retry))
-		r.logger.Warn("publish failed; retrying, the slot waits for these rows", "rows", len(retry), "first_id", retry[0].ID, "error", firstRetryReason, "retry_in", wait)
-		if !r.sleep(softCtx, wait) {
+		w.obs.Retried(len(retry))
+		w.logger.Warn("publish failed; retrying, the slot waits for these rows", "rows", len(retry), "first_id", retry[0].ID, "error", firstRetryReason, "retry_in", wait)
+		if !w.sleep(softCtx, wait) {
 			return nil, false
 		}
-		wait = min(wait*2, r.outageRetryMax())
+		wait = min(wait*2, w.outageRetryMax())
 		rows = retry
 	}
 }
 
 // recordCaptured records where a wal relay's published rows landed,
 // retrying while Postgres is unreachable.
-func (r *Relay) recordCaptured(ctx context.Context, landed []outbox.Landed) bool {
+func (w *walCapture) recordCaptured(ctx context.Context, landed []outbox.Landed) bool {
 	if len(landed) == 0 {
 		return true
 	}
 	_, err := backoff.Retry(ctx, func() (struct{}, error) {
-		return struct{}{}, r.store.RecordLandings(ctx, r.stream.Name, landed)
+		return struct{}{}, w.store.RecordLandings(ctx, w.stream.Name, landed)
 	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
-		r.logger.Warn("record where published rows landed, will retry", "error", err, "retry_in", next, "rows", len(landed))
+		w.logger.Warn("record where published rows landed, will retry", "error", err, "retry_in", next, "rows", len(landed))
 	}))
 	return err == nil
 }
@@ -201,7 +201,7 @@ func (r *Relay) recordCaptured(ctx context.Context, landed []outbox.Landed) bool
 // The walsender may decode a commit a moment before the transaction is
 // visible to other sessions, so a row the update did not find is looked
 // for again, for a while, before it is taken as deleted since.
-func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string) bool {
+func (w *walCapture) failCaptured(ctx context.Context, ids []int64, reasons []string) bool {
 	missing := map[int64]string{}
 	for i, id := range ids {
 		missing[id] = reasons[i]
@@ -213,7 +213,7 @@ func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string)
 		for id, reason := range missing {
 			ids, reasons = append(ids, id), append(reasons, reason)
 		}
-		marked, err := r.store.FailUnclaimed(ctx, ids, reasons)
+		marked, err := w.store.FailUnclaimed(ctx, ids, reasons)
 		if err != nil {
 			return struct{}{}, err
 		}
@@ -226,19 +226,19 @@ func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string)
 		return struct{}{}, nil
 	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
 		if !errors.Is(err, errNotVisibleYet) {
-			r.logger.Warn("mark unpublishable rows failed, will retry", "error", err, "retry_in", next, "rows", len(ids))
+			w.logger.Warn("mark unpublishable rows failed, will retry", "error", err, "retry_in", next, "rows", len(ids))
 		}
 	}))
 	if err != nil {
 		return false
 	}
 	for id := range missing {
-		r.logger.Warn("an unpublishable row decoded from the slot is no longer in the outbox (deleted since?): not marked failed", "event_id", id, "reason", missing[id])
+		w.logger.Warn("an unpublishable row decoded from the slot is no longer in the outbox (deleted since?): not marked failed", "event_id", id, "reason", missing[id])
 	}
-	r.obs.Failed(len(ids) - len(missing))
+	w.obs.Failed(len(ids) - len(missing))
 	for i, id := range ids {
 		if _, gone := missing[id]; !gone {
-			r.logger.Error("outbox row can never be published: marked failed", "event_id", id, "reason", reasons[i])
+			w.logger.Error("outbox row can never be published: marked failed", "event_id", id, "reason", reasons[i])
 		}
 	}
 	return true
@@ -248,7 +248,7 @@ func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string)
 // published before: a stream starts from the slot's confirmed position,
 // so it decodes again what was published and not yet confirmed (by this
 // relay before a reconnect, or by the one before it). Each such row's
-// message carries its landing (outbox.RepairedHeader): JetStream drops it
+// message carries its landing (wire.RepairedHeader): JetStream drops it
 // as a duplicate, unless the stream lost the earlier copy (a store that
 // lost its last writes), and then the copy stored again is a repair, as
 // the auditor's are, and says where it was lost from. False: the relay
@@ -257,7 +257,7 @@ func (r *Relay) failCaptured(ctx context.Context, ids []int64, reasons []string)
 // A row published by a relay still finishing its work after the bound was
 // read goes without its landing: it is a duplicate as well, unless lost,
 // and then only its header is missing.
-func (r *Relay) replayed(ctx context.Context, rows []row, landedThrough int64) bool {
+func (w *walCapture) replayed(ctx context.Context, rows []row, landedThrough int64) bool {
 	ids := make([]int64, 0, len(rows))
 	for _, rw := range rows {
 		if rw.ID <= landedThrough {
@@ -265,9 +265,9 @@ func (r *Relay) replayed(ctx context.Context, rows []row, landedThrough int64) b
 		}
 	}
 	landed, err := backoff.Retry(ctx, func() (map[int64]uint64, error) {
-		return r.store.NewestLandings(ctx, r.stream.Name, ids)
+		return w.store.NewestLandings(ctx, w.stream.Name, ids)
 	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
-		r.logger.Warn("read where decoded-again rows landed, will retry", "error", err, "retry_in", next, "rows", len(ids))
+		w.logger.Warn("read where decoded-again rows landed, will retry", "error", err, "retry_in", next, "rows", len(ids))
 	}))
 	if err != nil {
 		return false
@@ -282,15 +282,15 @@ func (r *Relay) replayed(ctx context.Context, rows []row, landedThrough int64) b
 // an update that did not touch a value stored out of line (TOAST) decodes
 // without it. A row no longer pending and unpublished (claimed by a poll
 // relay, marked, deleted since) is left out: whoever changed it owns it.
-func (r *Relay) refetchCaptured(ctx context.Context, rows []row, refetch []int) ([]row, bool) {
+func (w *walCapture) refetchCaptured(ctx context.Context, rows []row, refetch []int) ([]row, bool) {
 	ids := make([]int64, len(refetch))
 	for i, at := range refetch {
 		ids[i] = rows[at].ID
 	}
 	fresh, err := backoff.Retry(ctx, func() ([]row, error) {
-		return r.store.Unpublished(ctx, ids)
+		return w.store.Unpublished(ctx, ids)
 	}, backoff.WithBackOff(postgresRetry()), backoff.WithMaxElapsedTime(0), backoff.WithNotify(func(err error, next time.Duration) {
-		r.logger.Warn("read updated outbox rows again, will retry", "error", err, "retry_in", next, "rows", len(ids))
+		w.logger.Warn("read updated outbox rows again, will retry", "error", err, "retry_in", next, "rows", len(ids))
 	}))
 	if err != nil {
 		return nil, false
@@ -306,7 +306,7 @@ func (r *Relay) refetchCaptured(ctx context.Context, rows []row, refetch []int) 
 			next++
 			f, ok := byID[rw.ID]
 			if !ok {
-				r.logger.Warn("an updated outbox row decoded without its payload is no longer pending when read again (claimed, marked or deleted since): not published by the slot", "event_id", rw.ID)
+				w.logger.Warn("an updated outbox row decoded without its payload is no longer pending when read again (claimed, marked or deleted since): not published by the slot", "event_id", rw.ID)
 				continue
 			}
 			rw = f
@@ -327,7 +327,7 @@ const outageWaitMax = 5 * time.Second
 
 // outageRetryMax is the longest wait between two tries of a wal relay's
 // publish: outageWaitMax, or relay.retry_max if shorter.
-func (r *Relay) outageRetryMax() time.Duration { return min(r.cfg.RetryMax, outageWaitMax) }
+func (w *walCapture) outageRetryMax() time.Duration { return min(w.cfg.RetryMax, outageWaitMax) }
 
 // postgresRetry is the backoff of a wal relay's calls to Postgres that
 // must succeed before the slot moves on.

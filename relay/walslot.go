@@ -58,27 +58,27 @@ FROM pg_replication_slots WHERE slot_name = $1 AND database = current_database()
 	return st, confirmed, true, nil
 }
 
-// slotLoop watches the slot: lag for the metrics and readiness, and a
+// watchSlot watches the slot: lag for the metrics and readiness, and a
 // warning before the server would invalidate it.
-func (r *Relay) slotLoop(ctx context.Context) {
+func (w *walCapture) watchSlot(ctx context.Context) {
 	var (
 		lastConfirmed string
 		movedAt       = time.Now()
 		warned        bool
 	)
-	t := time.NewTicker(r.slotCheckEvery)
+	t := time.NewTicker(w.slotCheckEvery)
 	defer t.Stop()
 	for {
-		checkCtx, cancel := context.WithTimeout(ctx, max(r.slotCheckEvery, time.Second))
-		st, confirmed, ok, err := ReadSlot(checkCtx, r.pool, r.cfg.Slot)
+		checkCtx, cancel := context.WithTimeout(ctx, max(w.slotCheckEvery, time.Second))
+		st, confirmed, ok, err := ReadSlot(checkCtx, w.pool, w.cfg.Slot)
 		cancel()
 		switch {
 		case err != nil:
 			if ctx.Err() == nil {
-				r.logger.Warn("read the replication slot's state", "error", err)
+				w.logger.Warn("read the replication slot's state", "error", err)
 			}
 		case !ok:
-			r.slot.Store(nil)
+			w.slot.Store(nil)
 		default:
 			if confirmed != lastConfirmed || st.LagBytes == 0 {
 				lastConfirmed, movedAt = confirmed, time.Now()
@@ -86,12 +86,12 @@ func (r *Relay) slotLoop(ctx context.Context) {
 			if st.LagBytes > 0 {
 				st.Stuck = time.Since(movedAt)
 			}
-			r.slot.Store(&st)
-			r.obs.SlotLag(st.LagBytes, st.Stuck)
+			w.slot.Store(&st)
+			w.obs.SlotLag(st.LagBytes, st.Stuck)
 			near := st.WALStatus == "unreserved" || (st.SafeWALBytes >= 0 && st.SafeWALBytes < st.LagBytes)
 			if near && !warned {
-				r.logger.Warn("the replication slot is near max_slot_wal_keep_size: if the server invalidates it, events must be republished",
-					"slot", r.cfg.Slot, "lag_bytes", st.LagBytes, "safe_wal_bytes", st.SafeWALBytes, "wal_status", st.WALStatus)
+				w.logger.Warn("the replication slot is near max_slot_wal_keep_size: if the server invalidates it, events must be republished",
+					"slot", w.cfg.Slot, "lag_bytes", st.LagBytes, "safe_wal_bytes", st.SafeWALBytes, "wal_status", st.WALStatus)
 			}
 			warned = near
 		}
@@ -103,33 +103,29 @@ func (r *Relay) slotLoop(ctx context.Context) {
 	}
 }
 
-// Slot returns the last state read of a wal relay's slot (nil before the
-// first read, in poll capture, or when the slot does not exist).
-func (r *Relay) Slot() *SlotState { return r.slot.Load() }
-
-// walReady: a wal relay is ready while it streams or stands by for the
+// ready: a wal relay is ready while it streams or stands by for the
 // slot, in contact with the server; it is not when the slot is behind and
 // has not moved for relay.stall_after, or was invalidated.
-func (r *Relay) walReady() error {
-	since := time.Since(time.Unix(0, r.lastClaimed.Load()))
-	if since > r.cfg.StallAfter {
+func (w *walCapture) ready() error {
+	since := time.Since(time.Unix(0, w.lastClaimed.Load()))
+	if since > w.cfg.StallAfter {
 		why := ""
-		if last := r.lastClaimErr.Load(); last != nil {
+		if last := w.lastClaimErr.Load(); last != nil {
 			why = "; last error: " + *last
 		}
 		return fmt.Errorf("relay stalled: no contact with the replication slot %s for %s (relay.stall_after is %s)%s",
-			r.cfg.Slot, since.Round(time.Second), r.cfg.StallAfter, why)
+			w.cfg.Slot, since.Round(time.Second), w.cfg.StallAfter, why)
 	}
-	st := r.slot.Load()
+	st := w.slot.Load()
 	if st == nil {
 		return nil
 	}
 	if st.WALStatus == "lost" {
-		return fmt.Errorf("replication slot %s was invalidated by the server (max_slot_wal_keep_size)", r.cfg.Slot)
+		return fmt.Errorf("replication slot %s was invalidated by the server (max_slot_wal_keep_size)", w.cfg.Slot)
 	}
-	if r.captureState.Load() == captureStreaming && st.Stuck > r.cfg.StallAfter {
+	if w.state.Load() == captureStreaming && st.Stuck > w.cfg.StallAfter {
 		return fmt.Errorf("relay stalled: replication slot %s is %d bytes behind and has not moved for %s (relay.stall_after is %s)",
-			r.cfg.Slot, st.LagBytes, st.Stuck.Round(time.Second), r.cfg.StallAfter)
+			w.cfg.Slot, st.LagBytes, st.Stuck.Round(time.Second), w.cfg.StallAfter)
 	}
 	return nil
 }
@@ -141,46 +137,46 @@ var errSlotLost = errors.New("replication slot invalidated")
 // ensureSlot creates the slot if it does not exist and returns the bound of
 // the rows it does not capture (those committed before it), and whether
 // they have all been published.
-func (r *Relay) ensureSlot(ctx context.Context, conn *pgconn.PgConn, create bool) (backlog outbox.SlotBacklog, err error) {
+func (w *walCapture) ensureSlot(ctx context.Context, conn *pgconn.PgConn, create bool) (backlog outbox.SlotBacklog, err error) {
 	var (
 		plugin, walStatus string
 		database          string
 		found             bool
 	)
-	err = r.pool.QueryRow(ctx, `
-SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1`, r.cfg.Slot).
+	err = w.pool.QueryRow(ctx, `
+SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replication_slots WHERE slot_name = $1`, w.cfg.Slot).
 		Scan(&plugin, &database, &walStatus)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 	case err != nil:
-		return backlog, fmt.Errorf("look up replication slot %s: %w", r.cfg.Slot, err)
+		return backlog, fmt.Errorf("look up replication slot %s: %w", w.cfg.Slot, err)
 	default:
 		found = true
 	}
 	if found {
 		var current string
-		if err := r.pool.QueryRow(ctx, `SELECT current_database()`).Scan(&current); err != nil {
+		if err := w.pool.QueryRow(ctx, `SELECT current_database()`).Scan(&current); err != nil {
 			return backlog, err
 		}
 		if plugin != "pgoutput" || database != current {
-			return backlog, fmt.Errorf("replication slot %s exists but is not fanout's (plugin %q, database %q; want pgoutput on %q): set relay.slot to another name", r.cfg.Slot, plugin, database, current)
+			return backlog, fmt.Errorf("replication slot %s exists but is not fanout's (plugin %q, database %q; want pgoutput on %q): set relay.slot to another name", w.cfg.Slot, plugin, database, current)
 		}
 		if walStatus == "lost" {
 			if !create {
-				return backlog, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, r.cfg.Slot)
+				return backlog, fmt.Errorf("%w: slot %s has wal_status lost", errSlotLost, w.cfg.Slot)
 			}
-			if err := r.recoverLostSlot(ctx); err != nil {
+			if err := w.recoverLostSlot(ctx); err != nil {
 				return backlog, err
 			}
 			found = false
 		}
 	}
 	if !found && !create {
-		return backlog, fmt.Errorf("replication slot %s is gone", r.cfg.Slot)
+		return backlog, fmt.Errorf("replication slot %s is gone", w.cfg.Slot)
 	}
 	if !found {
 		createCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		res, err := pglogrepl.CreateReplicationSlot(createCtx, conn, r.cfg.Slot, "pgoutput",
+		res, err := pglogrepl.CreateReplicationSlot(createCtx, conn, w.cfg.Slot, "pgoutput",
 			pglogrepl.CreateReplicationSlotOptions{SnapshotAction: "NOEXPORT_SNAPSHOT", Mode: pglogrepl.LogicalReplication})
 		cancel()
 		if err != nil {
@@ -188,20 +184,20 @@ SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replicat
 			if errors.As(err, &pgErr) && pgErr.Code == "42710" { // another relay created it a moment ago
 				return backlog, fmt.Errorf("%w: %s", errSlotInUse, pgErr.Message)
 			}
-			return backlog, fmt.Errorf("create replication slot %s: %w", r.cfg.Slot, err)
+			return backlog, fmt.Errorf("create replication slot %s: %w", w.cfg.Slot, err)
 		}
-		r.logger.Info("created the replication slot", "slot", res.SlotName, "consistent_point", res.ConsistentPoint)
-		if err := r.store.StartCapture(ctx, r.cfg.Slot); err != nil {
+		w.logger.Info("created the replication slot", "slot", res.SlotName, "consistent_point", res.ConsistentPoint)
+		if err := w.store.StartCapture(ctx, w.cfg.Slot); err != nil {
 			return backlog, fmt.Errorf("record the slot's backlog: %w", err)
 		}
 	}
 	// Recorded now if the relay that created the slot died first.
-	backlog, err = r.store.CaptureBacklog(ctx, r.cfg.Slot)
+	backlog, err = w.store.CaptureBacklog(ctx, w.cfg.Slot)
 	if err != nil {
 		return backlog, fmt.Errorf("read the slot's backlog: %w", err)
 	}
-	r.backlogThrough.Store(backlog.Through)
-	r.backlogDone.Store(backlog.Done)
+	w.backlogThrough.Store(backlog.Through)
+	w.backlogDone.Store(backlog.Done)
 	return backlog, nil
 }
 
@@ -213,16 +209,16 @@ SELECT plugin, coalesce(database, ''), coalesce(wal_status, '') FROM pg_replicat
 // those inside its duplicates window, the subscribers' checkpoints the
 // rest. Events whose rows retention already deleted cannot be recovered;
 // the log names the range that is.
-func (r *Relay) recoverLostSlot(ctx context.Context) error {
-	lo, hi, oldest, err := r.store.PendingSpan(ctx)
+func (w *walCapture) recoverLostSlot(ctx context.Context) error {
+	lo, hi, oldest, err := w.store.PendingSpan(ctx)
 	if err != nil {
-		return fmt.Errorf("read the outbox to recover invalidated slot %s: %w", r.cfg.Slot, err)
+		return fmt.Errorf("read the outbox to recover invalidated slot %s: %w", w.cfg.Slot, err)
 	}
-	if _, err := r.pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, r.cfg.Slot); err != nil {
-		return fmt.Errorf("drop invalidated replication slot %s: %w", r.cfg.Slot, err)
+	if _, err := w.pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, w.cfg.Slot); err != nil {
+		return fmt.Errorf("drop invalidated replication slot %s: %w", w.cfg.Slot, err)
 	}
-	r.logger.Error("the server invalidated the replication slot (max_slot_wal_keep_size): it is dropped and created again, "+
+	w.logger.Error("the server invalidated the replication slot (max_slot_wal_keep_size): it is dropped and created again, "+
 		"and every pending row the outbox still holds is published again; events whose rows retention deleted before they were published are lost",
-		"slot", r.cfg.Slot, "republish_from_id", lo, "republish_to_id", hi, "oldest_row_created_at", oldest)
+		"slot", w.cfg.Slot, "republish_from_id", lo, "republish_to_id", hi, "oldest_row_created_at", oldest)
 	return nil
 }

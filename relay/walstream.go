@@ -40,47 +40,81 @@ const (
 // errSlotInUse: another relay streams from the slot; this one stands by.
 var errSlotInUse = errors.New("replication slot in use by another relay")
 
-// walLoop keeps one replication stream from the slot open while the relay
+// walCapture is the relay's capture from the write-ahead log
+// (relay.capture wal): it streams the outbox's committed rows from a
+// logical replication slot and publishes them in commit order, each
+// aggregate's events in theirs (relay/doc.go, "Capture from the
+// write-ahead log"). A poll relay has one too, to finish a switch from
+// wal capture before its first claim (handover.go).
+type walCapture struct {
+	*core
+	pub      *publisher
+	delivery *delivery   // the slot's backlog, claimed event by event
+	tx       *txDelivery // the slot's backlog, claimed by transactions
+	// order keeps each aggregate's events in order through the
+	// concurrent publishes.
+	order      *aggregateOrder
+	visibility *visibilityGate
+
+	state          atomic.Int32  // captureConnecting, captureStandby, captureStreaming
+	confirmedLSN   atomic.Uint64 // the last position confirmed to the server
+	confirmedAt    atomic.Int64  // unix nanoseconds of the last confirm over a transaction
+	backlogThrough atomic.Int64  // the slot's backlog bound, -1 until known
+	backlogDone    atomic.Bool   // every row up to the bound was published
+	slot           atomic.Pointer[SlotState]
+	slotCheckEvery time.Duration // slotCheckInterval; tests shorten it
+
+	// testHookBeforeConfirm, when set, runs after every row of a
+	// transaction has its PubAck and before the slot may be confirmed
+	// past it.
+	testHookBeforeConfirm func(ctx context.Context, end pglogrepl.LSN)
+}
+
+func newWALCapture(c *core, pub *publisher, d *delivery, tx *txDelivery) *walCapture {
+	w := &walCapture{core: c, pub: pub, delivery: d, tx: tx, order: newAggregateOrder(),
+		visibility: &visibilityGate{pool: c.pool}, slotCheckEvery: slotCheckInterval}
+	w.backlogThrough.Store(-1)
+	return w
+}
+
+// run keeps one replication stream from the slot open while the relay
 // runs: it reconnects after any failure and stands by while another relay
 // holds the slot (Postgres lets one connection stream from a slot at a time,
 // and a relay that dies releases it as its connection closes).
-func (r *Relay) walLoop(softCtx, hardCtx context.Context) {
+func (w *walCapture) run(softCtx, hardCtx context.Context) {
 	wait := 100 * time.Millisecond
 	for softCtx.Err() == nil {
-		err := r.streamSlot(softCtx, hardCtx, 0)
+		err := w.streamSlot(softCtx, hardCtx, 0)
 		if softCtx.Err() != nil {
 			return
 		}
-		r.touchCapture()
+		w.touch()
 		msg := err.Error()
-		r.lastClaimErr.Store(&msg)
-		r.markOriginStale() // Postgres may be back from a restore
+		w.lastClaimErr.Store(&msg)
+		w.origin.markStale() // Postgres may be back from a restore
 		switch {
 		case errors.Is(err, errSlotInUse):
-			if r.captureState.Swap(captureStandby) != captureStandby {
-				r.logger.Info("standing by: another relay streams from the slot", "slot", r.cfg.Slot, "detail", err)
+			if w.state.Swap(captureStandby) != captureStandby {
+				w.logger.Info("standing by: another relay streams from the slot", "slot", w.cfg.Slot, "detail", err)
 			}
 			wait = 100 * time.Millisecond
-			if !r.sleep(softCtx, standbyRetry) {
+			if !w.sleep(softCtx, standbyRetry) {
 				return
 			}
 			continue
 		case errors.Is(err, errSlotLost):
-			r.captureState.Store(captureConnecting)
-			r.logger.Error("replication slot invalidated", "slot", r.cfg.Slot, "error", err)
+			w.state.Store(captureConnecting)
+			w.logger.Error("replication slot invalidated", "slot", w.cfg.Slot, "error", err)
 		default:
-			r.captureState.Store(captureConnecting)
-			r.logger.Error("stream from the replication slot", "slot", r.cfg.Slot, "error", err, "retry_in", wait)
+			w.state.Store(captureConnecting)
+			w.logger.Error("stream from the replication slot", "slot", w.cfg.Slot, "error", err, "retry_in", wait)
 		}
-		if !r.sleep(softCtx, wait) {
+		if !w.sleep(softCtx, wait) {
 			return
 		}
 		wait = min(wait*2, 5*time.Second)
 	}
 }
-
-// touchCapture records contact with the server, for readiness.
-func (r *Relay) touchCapture() { r.lastClaimed.Store(time.Now().UnixNano()) }
 
 // errReachedUntil ends a stream that confirmed the position it was asked
 // to reach.
@@ -89,17 +123,10 @@ var errReachedUntil = errors.New("the slot is confirmed past the position asked 
 // streamSlot streams from the slot until ctx ends or the stream fails, or,
 // with until set, until the slot is confirmed at least that far (the slot
 // must exist then, and rows from before it are not claimed).
-func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN) error {
-	cc := r.pool.Config().ConnConfig.Config.Copy()
-	if cc.RuntimeParams == nil {
-		cc.RuntimeParams = map[string]string{}
-	}
-	cc.RuntimeParams["replication"] = "database"
-	connectCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
-	conn, err := pgconn.ConnectConfig(connectCtx, cc)
-	cancel()
+func (w *walCapture) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN) error {
+	conn, err := w.replicationConn(softCtx)
 	if err != nil {
-		return fmt.Errorf("replication connection: %w", err)
+		return err
 	}
 	defer func() {
 		closeCtx, cancel := context.WithTimeout(context.Background(), time.Second)
@@ -107,7 +134,7 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 		_ = conn.Close(closeCtx)
 	}()
 
-	backlog, err := r.ensureSlot(softCtx, conn, until == 0)
+	backlog, err := w.ensureSlot(softCtx, conn, until == 0)
 	if err != nil {
 		return err
 	}
@@ -121,36 +148,27 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 	// one decoded from the slot (the fault run caught one). The slot
 	// keeps the WAL meanwhile.
 	if !backlog.Done {
-		r.drainBacklog(softCtx, hardCtx, backlog)
-		if !r.backlogDone.Load() { // the relay is stopping
+		w.drainBacklog(softCtx, hardCtx, backlog)
+		if !w.backlogDone.Load() { // the relay is stopping
 			return cmp.Or(softCtx.Err(), errors.New("relay stopping before the slot's backlog was published"))
 		}
 	}
-	startCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
-	err = pglogrepl.StartReplication(startCtx, conn, r.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
-		PluginArgs: []string{"proto_version '1'", "publication_names '" + Publication + "'"},
-	})
-	cancel()
-	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "55006" { // object_in_use: "replication slot ... is active for PID ..."
-			return fmt.Errorf("%w: %s", errSlotInUse, pgErr.Message)
-		}
-		return fmt.Errorf("start replication from slot %s: %w", r.cfg.Slot, err)
+	if err := w.startReplication(softCtx, conn); err != nil {
+		return err
 	}
-	if r.captureState.Swap(captureStreaming) != captureStreaming {
-		r.logger.Info("streaming from the replication slot", "slot", r.cfg.Slot, "publication", Publication)
+	if w.state.Swap(captureStreaming) != captureStreaming {
+		w.logger.Info("streaming from the replication slot", "slot", w.cfg.Slot, "publication", Publication)
 	}
-	r.touchCapture()
+	w.touch()
 
 	var drain sync.WaitGroup // the watcher below
 	defer drain.Wait()
 	// The failed events that hold their aggregates (relay.on_failed hold),
 	// as the table has them now: the stream starts from the confirmed
 	// position, and marked them failed before it.
-	if r.store.OnFailed != outbox.SkipFailed {
+	if w.store.OnFailed != outbox.SkipFailed {
 		loadCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
-		err := r.order.loadHolds(loadCtx, r)
+		err := w.order.loadHolds(loadCtx, w.store)
 		cancel()
 		if err != nil {
 			return fmt.Errorf("read the failed events that hold their aggregates: %w", err)
@@ -165,12 +183,12 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 	streamCtx, endStream := context.WithCancelCause(softCtx)
 	defer endStream(nil)
 	landedCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
-	landedThrough, err := r.store.LandedThrough(landedCtx, r.stream.Name)
+	landedThrough, err := w.store.LandedThrough(landedCtx, w.stream.Name)
 	cancel()
 	if err != nil {
 		return err
 	}
-	s := &walStream{r: r, conn: conn, relations: map[uint32]*relationColumns{}, types: pgtype.NewMap(), queue: make(chan *walTxn, r.cfg.MaxInFlight+64), until: until,
+	s := &walStream{w: w, conn: conn, relations: map[uint32]*relationColumns{}, types: pgtype.NewMap(), queue: make(chan *walTxn, w.cfg.MaxInFlight+64), until: until,
 		landedThrough: landedThrough}
 	s.progressAt.Store(time.Now().UnixNano())
 	drain.Add(1)
@@ -183,6 +201,40 @@ func (r *Relay) streamSlot(softCtx, hardCtx context.Context, until pglogrepl.LSN
 		err = cause
 	}
 	return err
+}
+
+// replicationConn opens a replication connection to the relay's database.
+func (w *walCapture) replicationConn(ctx context.Context) (*pgconn.PgConn, error) {
+	cc := w.pool.Config().ConnConfig.Config.Copy()
+	if cc.RuntimeParams == nil {
+		cc.RuntimeParams = map[string]string{}
+	}
+	cc.RuntimeParams["replication"] = "database"
+	connectCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	conn, err := pgconn.ConnectConfig(connectCtx, cc)
+	if err != nil {
+		return nil, fmt.Errorf("replication connection: %w", err)
+	}
+	return conn, nil
+}
+
+// startReplication starts the slot's stream on conn; a slot another
+// relay streams from is errSlotInUse.
+func (w *walCapture) startReplication(ctx context.Context, conn *pgconn.PgConn) error {
+	startCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	err := pglogrepl.StartReplication(startCtx, conn, w.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", "publication_names '" + Publication + "'"},
+	})
+	if err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55006" { // object_in_use: "replication slot ... is active for PID ..."
+			return fmt.Errorf("%w: %s", errSlotInUse, pgErr.Message)
+		}
+		return fmt.Errorf("start replication from slot %s: %w", w.cfg.Slot, err)
+	}
+	return nil
 }
 
 // errServerStopping ends a stream whose server is shutting down.
@@ -207,10 +259,10 @@ func (s *walStream) watchServerStopping(ctx context.Context, end context.CancelC
 			continue
 		}
 		pingCtx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		_, err := s.r.pool.Exec(pingCtx, "SELECT 1")
+		_, err := s.w.pool.Exec(pingCtx, "SELECT 1")
 		cancel()
 		if serverStopping(err) {
-			s.r.logger.Warn("Postgres is shutting down: closing the replication stream so that it can stop", "slot", s.r.cfg.Slot, "error", err)
+			s.w.logger.Warn("Postgres is shutting down: closing the replication stream so that it can stop", "slot", s.w.cfg.Slot, "error", err)
 			end(errServerStopping)
 			return
 		}
@@ -246,7 +298,7 @@ type walTxn struct {
 
 // walStream is one open replication stream.
 type walStream struct {
-	r         *Relay
+	w         *walCapture
 	conn      *pgconn.PgConn
 	relations map[uint32]*relationColumns
 	types     *pgtype.Map // not safe for concurrent use: one per stream
@@ -269,7 +321,7 @@ type walStream struct {
 }
 
 func (s *walStream) run(softCtx, hardCtx context.Context) (err error) {
-	r := s.r
+	w := s.w
 	confirmerDone := make(chan struct{})
 	go func() {
 		defer close(confirmerDone)
@@ -317,7 +369,7 @@ func (s *walStream) run(softCtx, hardCtx context.Context) (err error) {
 			}
 			return fmt.Errorf("receive from the replication slot: %w", err)
 		}
-		r.touchCapture()
+		w.touch()
 		switch msg := raw.(type) {
 		case *pgproto3.ErrorResponse:
 			return fmt.Errorf("replication stream: %w", pgconn.ErrorResponseToPgError(msg))
@@ -378,7 +430,7 @@ func (s *walStream) sendStatus(ctx context.Context) error {
 	if err := pglogrepl.SendStandbyStatusUpdate(ctx, s.conn, pglogrepl.StandbyStatusUpdate{WALWritePosition: pos}); err != nil {
 		return fmt.Errorf("confirm slot position %s: %w", pos, err)
 	}
-	s.r.confirmedLSN.Store(uint64(pos))
+	s.w.confirmedLSN.Store(uint64(pos))
 	return nil
 }
 
@@ -395,7 +447,7 @@ func (s *walStream) confirm(hardCtx context.Context) {
 			s.queued.Add(-1)
 			continue
 		}
-		if h := s.r.testHookBeforeConfirm; h != nil {
+		if h := s.w.testHookBeforeConfirm; h != nil {
 			h(hardCtx, txn.end)
 		}
 		if hardCtx.Err() != nil {
@@ -411,7 +463,7 @@ func (s *walStream) confirm(hardCtx context.Context) {
 				break
 			}
 		}
-		s.r.confirmedAt.Store(time.Now().UnixNano())
+		s.w.confirmedAt.Store(time.Now().UnixNano())
 		s.progressAt.Store(time.Now().UnixNano())
 		s.queued.Add(-1)
 	}

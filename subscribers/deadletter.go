@@ -1,6 +1,8 @@
 package subscribers
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"crypto/sha256"
 	"errors"
@@ -11,7 +13,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/nats-io/nats.go"
@@ -143,8 +144,8 @@ func (r *Runner) vouch(ctx context.Context, d *delivery) error {
 // the headers an Event is read from (EventFromParts), and the body.
 func LetterDigest(data []byte, h nats.Header, subject string) []byte {
 	sum := sha256.New()
-	for _, v := range []string{subject, h.Get(outbox.EventIDHeader), h.Get(outbox.EventTypeHeader), h.Get(outbox.AggregateTypeHeader),
-		h.Get(outbox.AggregateIDHeader), h.Get(outbox.AggregateSeqHeader), h.Get(outbox.CreatedAtHeader)} {
+	for _, v := range []string{subject, h.Get(wire.EventIDHeader), h.Get(wire.EventTypeHeader), h.Get(wire.AggregateTypeHeader),
+		h.Get(wire.AggregateIDHeader), h.Get(wire.AggregateSeqHeader), h.Get(wire.CreatedAtHeader)} {
 		fmt.Fprintf(sum, "%d:%s\n", len(v), v)
 	}
 	sum.Write(data)

@@ -4,16 +4,14 @@ package subscribers
 // while they are worked on.
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"errors"
-	"fmt"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -244,30 +242,10 @@ func EventFromMsg(m jetstream.Msg, subjectPrefix string) (Event, error) {
 }
 
 // EventFromParts reads an event from a message's body, headers and subject
-// (for messages read from a stream directly, such as dead letters).
+// (for messages read from a stream directly, such as dead letters), by
+// the wire format's rules (wire.Decode).
 func EventFromParts(data []byte, h nats.Header, subject, subjectPrefix string) (Event, error) {
-	ev := Event{Payload: data, Headers: h, Subject: subject}
-	ev.Type = strings.TrimPrefix(subject, subjectPrefix+".")
-	idText := h.Get(outbox.EventIDHeader)
-	id, err := strconv.ParseInt(idText, 10, 64)
-	if err != nil || id <= 0 {
-		return ev, fmt.Errorf("message carries no valid %s header (got %q): not an outbox event", outbox.EventIDHeader, idText)
-	}
-	ev.ID = id
-	if o := h.Get(outbox.OriginHeader); o != "" {
-		if _, err := outbox.ParseOrigin(o); err != nil {
-			return ev, fmt.Errorf("message carries a bad %s header: %w", outbox.OriginHeader, err)
-		}
-		ev.Origin = o
-	}
-	if t := h.Get(outbox.EventTypeHeader); t != "" {
-		ev.Type = t
-	}
-	ev.AggregateType = h.Get(outbox.AggregateTypeHeader)
-	ev.AggregateID = h.Get(outbox.AggregateIDHeader)
-	if seq, err := strconv.ParseInt(h.Get(outbox.AggregateSeqHeader), 10, 64); err == nil && seq > 0 {
-		ev.AggregateSeq = seq
-	}
-	ev.CreatedAt, _ = time.Parse(time.RFC3339Nano, h.Get(outbox.CreatedAtHeader))
-	return ev, nil
+	w, err := wire.Decode(data, h, subject, subjectPrefix)
+	return Event{ID: w.ID, Origin: w.Origin, Type: w.Type, AggregateType: w.AggregateType, AggregateID: w.AggregateID,
+		AggregateSeq: w.AggregateSeq, CreatedAt: w.CreatedAt, Payload: w.Payload, Headers: w.Headers, Subject: w.Subject}, err
 }

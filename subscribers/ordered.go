@@ -9,11 +9,12 @@ package subscribers
 // checkpoint in Postgres that the handler's transaction moves.
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"slices"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -42,7 +43,7 @@ type orderInfo struct {
 type aggregateKey = bookkeeping.AggregateKey
 
 func (od *orderedDispatch) keyOf(h nats.Header) aggregateKey {
-	return aggregateKey{DB: od.r.origins.database(h.Get(outbox.OriginHeader)), Type: h.Get(outbox.AggregateTypeHeader), ID: h.Get(outbox.AggregateIDHeader)}
+	return aggregateKey{DB: od.r.origins.database(h.Get(wire.OriginHeader)), Type: h.Get(wire.AggregateTypeHeader), ID: h.Get(wire.AggregateIDHeader)}
 }
 
 // orderedDispatch is the dispatcher's state: one goroutine owns it.

@@ -1,6 +1,8 @@
 package subscribers_test
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"fmt"
 	"strconv"
@@ -88,10 +90,10 @@ func TestCheckpointsKeyOnTheEventsOrigin(t *testing.T) {
 				t.Helper()
 				m := nats.NewMsg(env.Config.Stream.SubjectPrefix + ".thing.made")
 				m.Data = []byte(`{"n": 1}`)
-				m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
-				m.Header.Set(outbox.OriginHeader, origin)
-				m.Header.Set(outbox.AggregateTypeHeader, "thing")
-				m.Header.Set(outbox.AggregateIDHeader, "1")
+				m.Header.Set(wire.EventIDHeader, strconv.FormatInt(id, 10))
+				m.Header.Set(wire.OriginHeader, origin)
+				m.Header.Set(wire.AggregateTypeHeader, "thing")
+				m.Header.Set(wire.AggregateIDHeader, "1")
 				if _, err := env.JS.PublishMsg(context.Background(), m, jetstream.WithMsgID(msgID)); err != nil {
 					t.Fatal(err)
 				}
@@ -128,7 +130,7 @@ SELECT (SELECT count(*) FROM processed_events WHERE subscriber = $1), (SELECT co
 			publish("not an origin", "bad-origin")
 			subscribertest.WaitFor(t, 20*time.Second, "the event with a bad origin dead-lettered", func() (bool, string) {
 				for _, dl := range env.DeadLetters(h.Name()) {
-					if strings.Contains(dl.Header.Get(subscribers.DeadReasonHeader), outbox.OriginHeader) {
+					if strings.Contains(dl.Header.Get(subscribers.DeadReasonHeader), wire.OriginHeader) {
 						return true, ""
 					}
 				}
@@ -143,15 +145,15 @@ SELECT (SELECT count(*) FROM processed_events WHERE subscriber = $1), (SELECT co
 			// dead-lettered, and the events behind it go on.
 			m := nats.NewMsg(env.Config.Stream.SubjectPrefix + ".thing.made")
 			m.Data = []byte(`{"n": 1}`)
-			m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(1<<48, 10))
-			m.Header.Set(outbox.OriginHeader, other)
+			m.Header.Set(wire.EventIDHeader, strconv.FormatInt(1<<48, 10))
+			m.Header.Set(wire.OriginHeader, other)
 			if _, err := env.JS.PublishMsg(context.Background(), m); err != nil {
 				t.Fatal(err)
 			}
 			next := nats.NewMsg(env.Config.Stream.SubjectPrefix + ".thing.made")
 			next.Data = []byte(`{"n": 2}`)
-			next.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id+1, 10))
-			next.Header.Set(outbox.OriginHeader, other)
+			next.Header.Set(wire.EventIDHeader, strconv.FormatInt(id+1, 10))
+			next.Header.Set(wire.OriginHeader, other)
 			if _, err := env.JS.PublishMsg(context.Background(), next); err != nil {
 				t.Fatal(err)
 			}
@@ -223,12 +225,12 @@ func TestOrderedCheckpointsKeyOnTheDatabase(t *testing.T) {
 		t.Helper()
 		m := nats.NewMsg(env.Config.Stream.SubjectPrefix + ".thing.changed")
 		m.Data = []byte(`{"n": 1}`)
-		m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
-		m.Header.Set(outbox.OriginHeader, origin)
-		m.Header.Set(outbox.AggregateTypeHeader, "thing")
-		m.Header.Set(outbox.AggregateIDHeader, "1")
-		m.Header.Set(outbox.AggregateSeqHeader, strconv.FormatInt(seq, 10))
-		if _, err := env.JS.PublishMsg(context.Background(), m, jetstream.WithMsgID(outbox.MsgID(origin, id))); err != nil {
+		m.Header.Set(wire.EventIDHeader, strconv.FormatInt(id, 10))
+		m.Header.Set(wire.OriginHeader, origin)
+		m.Header.Set(wire.AggregateTypeHeader, "thing")
+		m.Header.Set(wire.AggregateIDHeader, "1")
+		m.Header.Set(wire.AggregateSeqHeader, strconv.FormatInt(seq, 10))
+		if _, err := env.JS.PublishMsg(context.Background(), m, jetstream.WithMsgID(wire.MsgID(origin, id))); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -1,6 +1,8 @@
 package subscribers_test
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"errors"
 	"strconv"
@@ -11,7 +13,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/testhooks"
-	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
@@ -226,7 +227,7 @@ func TestDeadLetterStreamUnavailableLosesNothing(t *testing.T) {
 	env.WaitIdle(name, 15*time.Second)
 	reasons := map[string]string{}
 	for _, m := range env.DeadLetters(name) {
-		reasons[m.Header.Get(outbox.EventIDHeader)] = m.Header.Get(subscribers.DeadReasonHeader)
+		reasons[m.Header.Get(wire.EventIDHeader)] = m.Header.Get(subscribers.DeadReasonHeader)
 	}
 	if r := reasons[strconv.FormatInt(poison[0], 10)]; !strings.Contains(r, "this event is nonsense") {
 		t.Errorf("permanent event's reason %q", r)

@@ -1,6 +1,8 @@
 package subscribers_test
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"encoding/json"
 	"errors"
@@ -162,7 +164,7 @@ func TestOutcomes(t *testing.T) {
 	}
 	reasons := map[string]string{}
 	for _, m := range env.DeadLetters(h.name) {
-		reasons[m.Header.Get(outbox.EventIDHeader)] = m.Header.Get(subscribers.DeadReasonHeader) + " / deliveries " + m.Header.Get(subscribers.DeadDeliveriesHeader)
+		reasons[m.Header.Get(wire.EventIDHeader)] = m.Header.Get(subscribers.DeadReasonHeader) + " / deliveries " + m.Header.Get(subscribers.DeadDeliveriesHeader)
 	}
 	if r := reasons[strconv.FormatInt(ids[2], 10)]; !strings.Contains(r, "gave up after 5 failures (subscribers.max_failures): transient trouble") || !strings.HasSuffix(r, "deliveries 5") {
 		t.Errorf("exhausted event's dead letter: %q", r)
@@ -253,7 +255,7 @@ func TestCrashLoopSparesItsBatchMates(t *testing.T) {
 	}
 	env.WaitIdle("mates", 15*time.Second)
 	dead := env.DeadLetters("mates")
-	if len(dead) != 1 || dead[0].Header.Get(outbox.EventIDHeader) != strconv.FormatInt(poison, 10) {
+	if len(dead) != 1 || dead[0].Header.Get(wire.EventIDHeader) != strconv.FormatInt(poison, 10) {
 		t.Fatalf("%d dead letters, want exactly the poison event %d", len(dead), poison)
 	}
 	for _, id := range ids {

@@ -17,6 +17,7 @@ import (
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/nats-io/nats.go"
@@ -208,7 +209,7 @@ func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
 		return func(i int) (*nats.Msg, error) {
 			msg := nats.NewMsg(subject)
 			msg.Data = payloads[i%len(payloads)]
-			msg.Header.Set(outbox.EventIDHeader, strconv.Itoa(i+1))
+			msg.Header.Set(wire.EventIDHeader, strconv.Itoa(i+1))
 			msg.Header.Set(jetstream.MsgIDHeader, strconv.Itoa(i+1))
 			return msg, nil
 		}, nil
@@ -216,7 +217,7 @@ func benchRaw(ctx context.Context, nc *nats.Conn) (result, error) {
 }
 
 // benchRawRelayMessages is part m: part c's raw publishes of the messages
-// the relay sends for part a's rows, built by relay.Message (its headers:
+// the relay sends for part a's rows, built by wire.Encode (its headers:
 // the event's identity, type, aggregate and number, creation time,
 // origin, Nats-Msg-Id, Nats-Expected-Stream), without Postgres. What a
 // relay of this contract could reach if reading and marking rows cost
@@ -247,7 +248,7 @@ func relayMessages(nc *nats.Conn) (func(stream.Config) func(i int) (*nats.Msg, e
 				Payload:      fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, g, product, 1000+g%90000),
 				CreatedAt:    created,
 				AggregateSeq: pgtype.Int8{Int64: int64(g/1000 + 1), Valid: true}}
-			return relay.Message(sc, ident, rw, nc.MaxPayload())
+			return wire.Encode(sc, ident, rw, nc.MaxPayload())
 		}
 	}, nil
 }

@@ -1,6 +1,8 @@
 package fulfilment_test
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"errors"
 	"fmt"
@@ -510,11 +512,11 @@ func TestConformance(t *testing.T) {
 func publishOrderEvent(t *testing.T, env *subscribertest.Env, order, id, seq int64, eventType, payload string) {
 	t.Helper()
 	m := nats.NewMsg(env.Config.Stream.SubjectPrefix + "." + eventType)
-	m.Header.Set(outbox.EventIDHeader, strconv.FormatInt(id, 10))
-	m.Header.Set(outbox.EventTypeHeader, eventType)
-	m.Header.Set(outbox.AggregateTypeHeader, shop.AggregateOrder)
-	m.Header.Set(outbox.AggregateIDHeader, strconv.FormatInt(order, 10))
-	m.Header.Set(outbox.AggregateSeqHeader, strconv.FormatInt(seq, 10))
+	m.Header.Set(wire.EventIDHeader, strconv.FormatInt(id, 10))
+	m.Header.Set(wire.EventTypeHeader, eventType)
+	m.Header.Set(wire.AggregateTypeHeader, shop.AggregateOrder)
+	m.Header.Set(wire.AggregateIDHeader, strconv.FormatInt(order, 10))
+	m.Header.Set(wire.AggregateSeqHeader, strconv.FormatInt(seq, 10))
 	m.Data = []byte(payload)
 	if _, err := env.JS.PublishMsg(context.Background(), m); err != nil {
 		t.Fatal(err)
@@ -549,7 +551,7 @@ func TestGapIsWaitedForThenMarked(t *testing.T) {
 	publish(9000002, 2, shop.OrderPaid, `{"order_id": 424242, "from": "created", "to": "paid", "n": 2}`)
 	subscribertest.WaitFor(t, 30*time.Second, "the late second event in the dead letters", func() (bool, string) {
 		for _, m := range env.DeadLetters(fulfilment.Name) {
-			if m.Header.Get(outbox.EventIDHeader) == "9000002" {
+			if m.Header.Get(wire.EventIDHeader) == "9000002" {
 				return strings.Contains(m.Header.Get(subscribers.DeadReasonHeader), "moved past it"), m.Header.Get(subscribers.DeadReasonHeader)
 			}
 		}

@@ -19,6 +19,7 @@ import (
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/shop/demo"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
@@ -352,7 +353,7 @@ func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	leftover := jetstream.ConsumerConfig{Name: searchindex.ReplayConsumer, AckPolicy: jetstream.AckNonePolicy, FilterSubject: "events.brand.updated"}
+	leftover := jetstream.ConsumerConfig{Name: stream.ReindexConsumer, AckPolicy: jetstream.AckNonePolicy, FilterSubject: "events.brand.updated"}
 	if _, err := events.CreateConsumer(ctx, leftover); err != nil {
 		t.Fatal(err)
 	}
@@ -364,7 +365,7 @@ func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
 	if rep.Replayed == 0 {
 		t.Errorf("reindex replayed no event: %+v", rep)
 	}
-	if _, err := events.Consumer(ctx, searchindex.ReplayConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
+	if _, err := events.Consumer(ctx, stream.ReindexConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
 		t.Errorf("replay consumer after the reindex: %v, want it deleted", err)
 	}
 	f.env.Settle(searchindex.Name)

@@ -12,16 +12,16 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// ReplayConsumer is the consumer `fanout reindex` reads the stream through.
-// Its name is fixed, not generated like an ordered consumer's, so that an
-// operator can tell it apart (and a leftover one is replaced). A reindex
-// runs as the operator identity: a consumer whose filter its creator picks
-// is no right to give a subscriber's user, which could then read events
-// that are not its own (deploy/nats/nats-server.conf). Its name starts with
-// subscribers.OperatorConsumerPrefix, which no subscriber's name may, so a
+// The consumer `fanout reindex` reads the stream through is
+// stream.ReindexConsumer. Its name is fixed, not generated like an ordered
+// consumer's, so that an operator can tell it apart (and a leftover one is
+// replaced). A reindex runs as the operator identity: a consumer whose
+// filter its creator picks is no right to give a subscriber's user, which
+// could then read events that are not its own
+// (deploy/nats/nats-server.conf). Its name starts with
+// stream.OperatorConsumerPrefix, which no subscriber's name may, so a
 // permission on it can never reach a subscriber's consumer. Reindexes are
 // serialized (Lock), so one name is enough.
-const ReplayConsumer = subscribers.OperatorConsumerPrefix + "reindex_searchindex"
 
 const (
 	replayFetch = 500
@@ -44,11 +44,11 @@ func consumerGone(err error) bool {
 // behind for ten minutes at most. (A pull consumer is inactive while no
 // pull is waiting, which includes the time a batch is being indexed: the
 // threshold is long so that a slow engine does not delete it mid-replay.)
-func replayConsumerConfig(stream stream.Config, from uint64) jetstream.ConsumerConfig {
+func replayConsumerConfig(events stream.Config, from uint64) jetstream.ConsumerConfig {
 	return jetstream.ConsumerConfig{
-		Name:              ReplayConsumer,
+		Name:              stream.ReindexConsumer,
 		Description:       "fanout reindex: replays product, brand and category events onto a new search index; deleted when the reindex ends",
-		FilterSubjects:    replayFilters(stream),
+		FilterSubjects:    replayFilters(events),
 		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
 		OptStartSeq:       from,
 		AckPolicy:         jetstream.AckNonePolicy,
@@ -61,10 +61,10 @@ func replayConsumerConfig(stream stream.Config, from uint64) jetstream.ConsumerC
 // replayFilters are the indexer's own filter subjects: a replay that missed
 // an event type the indexer handles (a category rename) would swap in an
 // index that lacks its changes.
-func replayFilters(stream stream.Config) []string {
+func replayFilters(events stream.Config) []string {
 	var filters []string
 	for _, t := range eventTypes {
-		filters = append(filters, stream.SubjectPrefix+"."+t)
+		filters = append(filters, events.SubjectPrefix+"."+t)
 	}
 	return filters
 }
@@ -78,24 +78,24 @@ func replayFilters(stream stream.Config) []string {
 // checks that consumer sequences have no gap (a message lost on a broken
 // connection) and, on one, starts a new consumer after the last message it
 // has: what an ordered consumer does, under a name a permission can name.
-func ReadEvents(ctx context.Context, js jetstream.JetStream, stream stream.Config, after, upTo uint64, fn func([]subscribers.Event) error) (read int, pos uint64, err error) {
+func ReadEvents(ctx context.Context, js jetstream.JetStream, events stream.Config, after, upTo uint64, fn func([]subscribers.Event) error) (read int, pos uint64, err error) {
 	pos = after
 	if upTo <= after {
 		return 0, pos, nil
 	}
-	s, err := js.Stream(ctx, stream.Name)
+	s, err := js.Stream(ctx, events.Name)
 	if err != nil {
-		return 0, pos, fmt.Errorf("stream %s: %w", stream.Name, err)
+		return 0, pos, fmt.Errorf("stream %s: %w", events.Name, err)
 	}
 	start := func() (jetstream.Consumer, error) {
 		// A consumer of this name is left over from a reindex that died, or
 		// from this one before a gap: either way it is done with.
-		if err := s.DeleteConsumer(ctx, ReplayConsumer); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-			return nil, fmt.Errorf("delete consumer %s: %w", ReplayConsumer, err)
+		if err := s.DeleteConsumer(ctx, stream.ReindexConsumer); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+			return nil, fmt.Errorf("delete consumer %s: %w", stream.ReindexConsumer, err)
 		}
-		c, err := s.CreateConsumer(ctx, replayConsumerConfig(stream, pos+1))
+		c, err := s.CreateConsumer(ctx, replayConsumerConfig(events, pos+1))
 		if err != nil {
-			return nil, fmt.Errorf("create consumer %s: %w", ReplayConsumer, err)
+			return nil, fmt.Errorf("create consumer %s: %w", stream.ReindexConsumer, err)
 		}
 		return c, nil
 	}
@@ -106,13 +106,13 @@ func ReadEvents(ctx context.Context, js jetstream.JetStream, stream stream.Confi
 	defer func() {
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		defer cancel()
-		_ = s.DeleteConsumer(dctx, ReplayConsumer) // if this fails, the inactive threshold removes it
+		_ = s.DeleteConsumer(dctx, stream.ReindexConsumer) // if this fails, the inactive threshold removes it
 	}()
 	var delivered uint64 // the last consumer sequence received
 	restarts := 0
 	restart := func(cause error) error {
 		if restarts++; restarts > replayRestarts {
-			return fmt.Errorf("replay consumer %s: restarted %d times, last because of: %w", ReplayConsumer, replayRestarts, cause)
+			return fmt.Errorf("replay consumer %s: restarted %d times, last because of: %w", stream.ReindexConsumer, replayRestarts, cause)
 		}
 		var err error
 		cons, err = start()
@@ -143,7 +143,7 @@ func ReadEvents(ctx context.Context, js jetstream.JetStream, stream stream.Confi
 				continue
 			}
 			delivered, pos = meta.Sequence.Consumer, meta.Sequence.Stream
-			ev, err := subscribers.EventFromMsg(m, stream.SubjectPrefix)
+			ev, err := subscribers.EventFromMsg(m, events.SubjectPrefix)
 			if err != nil {
 				continue // not an outbox event: the indexer dead-letters it, a replay skips it
 			}

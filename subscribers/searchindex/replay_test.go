@@ -9,6 +9,7 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/fanout/fanout/subscribers/subscribertest"
@@ -30,11 +31,11 @@ func TestReadEventsSurvivesALostOrReplacedConsumer(t *testing.T) {
 	}
 	ids := env.Write(func(pgx.Tx) ([]outbox.Event, error) { return evs, nil })
 	env.WaitSent(ids...)
-	stream, err := env.JS.Stream(ctx, env.Config.Stream.Name)
+	events, err := env.JS.Stream(ctx, env.Config.Stream.Name)
 	if err != nil {
 		t.Fatal(err)
 	}
-	last := stream.CachedInfo().State.LastSeq
+	last := events.CachedInfo().State.LastSeq
 
 	var got []int64
 	calls := 0
@@ -45,14 +46,14 @@ func TestReadEventsSurvivesALostOrReplacedConsumer(t *testing.T) {
 		}
 		switch calls {
 		case 1: // lost: deleted as inactive, or with its node
-			if err := stream.DeleteConsumer(ctx, searchindex.ReplayConsumer); err != nil {
+			if err := events.DeleteConsumer(ctx, stream.ReindexConsumer); err != nil {
 				t.Fatal(err)
 			}
 		case 2: // replaced, starting further on
-			if err := stream.DeleteConsumer(ctx, searchindex.ReplayConsumer); err != nil {
+			if err := events.DeleteConsumer(ctx, stream.ReindexConsumer); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := stream.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: searchindex.ReplayConsumer, AckPolicy: jetstream.AckNonePolicy,
+			if _, err := events.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: stream.ReindexConsumer, AckPolicy: jetstream.AckNonePolicy,
 				DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: last - 10}); err != nil {
 				t.Fatal(err)
 			}
@@ -70,7 +71,7 @@ func TestReadEventsSurvivesALostOrReplacedConsumer(t *testing.T) {
 		t.Errorf("replay: %d calls, read %d events up to seq %d; want each of the %d events once, up to %d (got %d events, %d distinct)",
 			calls, read, pos, len(ids), last, len(got), len(slices.Compact(slices.Clone(got))))
 	}
-	if _, err := stream.Consumer(ctx, searchindex.ReplayConsumer); err == nil {
+	if _, err := events.Consumer(ctx, stream.ReindexConsumer); err == nil {
 		t.Error("the replay consumer outlived the replay")
 	}
 }
@@ -90,12 +91,12 @@ func TestReadEventsReadsWhatTheIndexerHandles(t *testing.T) {
 	}
 	ids := env.Write(func(pgx.Tx) ([]outbox.Event, error) { return evs, nil })
 	env.WaitSent(ids...)
-	stream, err := env.JS.Stream(ctx, env.Config.Stream.Name)
+	events, err := env.JS.Stream(ctx, env.Config.Stream.Name)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var got []string
-	_, _, err = searchindex.ReadEvents(ctx, env.JS, env.Config.Stream, 0, stream.CachedInfo().State.LastSeq, func(batch []subscribers.Event) error {
+	_, _, err = searchindex.ReadEvents(ctx, env.JS, env.Config.Stream, 0, events.CachedInfo().State.LastSeq, func(batch []subscribers.Event) error {
 		for _, ev := range batch {
 			got = append(got, ev.Type)
 		}

@@ -6,6 +6,8 @@
 package subscribertest
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"fmt"
 	"io"
@@ -327,7 +329,7 @@ func (e *Env) Republish(id int64) {
 	}
 	for seq := info.State.FirstSeq; seq <= info.State.LastSeq; seq++ {
 		m, err := s.GetMsg(ctx, seq)
-		if err != nil || m.Header.Get(outbox.EventIDHeader) != strconv.FormatInt(id, 10) {
+		if err != nil || m.Header.Get(wire.EventIDHeader) != strconv.FormatInt(id, 10) {
 			continue
 		}
 		msg := nats.NewMsg(m.Subject)

@@ -1,6 +1,8 @@
 package subscribertest
 
 import (
+	"github.com/fanout/fanout/wire"
+
 	"context"
 	"strconv"
 	"strings"
@@ -131,7 +133,7 @@ func Run(t *testing.T, c Case) {
 			// letters, and the handler does not run.
 			WaitFor(t, 10*time.Second, "the late copy in the dead letters", func() (bool, string) {
 				for _, m := range env.DeadLetters(base.Name()) {
-					if m.Header.Get(outbox.EventIDHeader) == strconv.FormatInt(id, 10) &&
+					if m.Header.Get(wire.EventIDHeader) == strconv.FormatInt(id, 10) &&
 						strings.Contains(m.Header.Get(subscribers.DeadReasonHeader), "moved past it") {
 						return true, ""
 					}
@@ -187,7 +189,7 @@ func Run(t *testing.T, c Case) {
 			t.Fatalf("%d dead letters, want 1", len(dead))
 		}
 		d := dead[0]
-		if d.Header.Get(outbox.EventIDHeader) != itoa(bad) || d.Header.Get(subscribers.DeadSubscriberHeader) != h.Name() {
+		if d.Header.Get(wire.EventIDHeader) != itoa(bad) || d.Header.Get(subscribers.DeadSubscriberHeader) != h.Name() {
 			t.Errorf("dead letter headers %v, want event %d of %s", d.Header, bad, h.Name())
 		}
 		if got := d.Header.Get(subscribers.DeadReasonHeader); !strings.Contains(got, reason) {
