@@ -1,8 +1,6 @@
 package subscribers
 
 import (
-	"github.com/fanout/fanout/wire"
-
 	"context"
 	"crypto/sha256"
 	"errors"
@@ -15,6 +13,7 @@ import (
 
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers/bookkeeping"
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )

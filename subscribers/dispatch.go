@@ -4,14 +4,13 @@ package subscribers
 // while they are worked on.
 
 import (
-	"github.com/fanout/fanout/wire"
-
 	"context"
 	"errors"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )

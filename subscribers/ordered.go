@@ -9,13 +9,12 @@ package subscribers
 // checkpoint in Postgres that the handler's transaction moves.
 
 import (
-	"github.com/fanout/fanout/wire"
-
 	"context"
 	"slices"
 	"time"
 
 	"github.com/fanout/fanout/subscribers/bookkeeping"
+	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 )

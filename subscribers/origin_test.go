@@ -1,8 +1,6 @@
 package subscribers_test
 
 import (
-	"github.com/fanout/fanout/wire"
-
 	"context"
 	"fmt"
 	"strconv"
@@ -14,6 +12,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"

@@ -1,8 +1,6 @@
 package subscribers_test
 
 import (
-	"github.com/fanout/fanout/wire"
-
 	"context"
 	"errors"
 	"strconv"
@@ -15,6 +13,7 @@ import (
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )

@@ -1,8 +1,6 @@
 package fulfilment_test
 
 import (
-	"github.com/fanout/fanout/wire"
-
 	"context"
 	"errors"
 	"fmt"
@@ -21,6 +19,7 @@ import (
 	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/fanout/fanout/subscribers/fulfilment"
 	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
 	"go.uber.org/goleak"

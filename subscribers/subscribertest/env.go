@@ -6,8 +6,6 @@
 package subscribertest
 
 import (
-	"github.com/fanout/fanout/wire"
-
 	"context"
 	"fmt"
 	"io"
@@ -27,6 +25,7 @@ import (
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/bookkeeping"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"

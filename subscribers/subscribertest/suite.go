@@ -1,8 +1,6 @@
 package subscribertest
 
 import (
-	"github.com/fanout/fanout/wire"
-
 	"context"
 	"strconv"
 	"strings"
@@ -14,6 +12,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/bookkeeping"
+	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 )
 
