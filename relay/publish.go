@@ -121,6 +121,7 @@ func (p *publisher) publishAll(ctx context.Context, rows []row, decorate ...func
 // nothing the relay sends can make the server drop its connection (which
 // would stall every row, not just this one).
 func (p *publisher) message(rw row, maxPayload int64) (*nats.Msg, error) {
+	plantedSlowdown()
 	return wire.Encode(p.stream, p.origin.identity.Load(), rw, maxPayload)
 }
 
