@@ -144,83 +144,127 @@ type Sources struct {
 // name. A stream not created yet is a state to report, not an error.
 func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	var st Status
+	if err := readOutbox(ctx, src, &st); err != nil {
+		return st, err
+	}
+	if err := readCapture(ctx, src, &st); err != nil {
+		return st, err
+	}
+	stream, err := readStream(ctx, src, &st)
+	if err != nil {
+		return st, err
+	}
+	if err := readSubscribers(ctx, src, stream, &st); err != nil {
+		return st, err
+	}
+	backfills, err := subscribers.Backfills(ctx, src.Pool)
+	if err != nil {
+		return st, err
+	}
+	for _, b := range backfills {
+		st.Backfills = append(st.Backfills, Backfill{Subscriber: b.Subscriber, Where: b.Where, Total: b.Total, Done: b.Done,
+			Failed: b.Failed, Segments: b.Segments, SegmentsDone: b.SegmentsDone, Paused: b.Paused, StartedAt: b.StartedAt, UpdatedAt: b.UpdatedAt, FinishedAt: b.FinishedAt})
+	}
+	if len(src.Ops) > 0 {
+		stages := ReadStages(ctx, src.Ops)
+		st.Stages = &stages
+	}
+	return st, nil
+}
+
+// readOutbox reads the database's identity, the outbox's rows and ranges,
+// and the newest audits into st.
+func readOutbox(ctx context.Context, src Sources, st *Status) error {
 	store := outbox.NewStore(src.Pool)
 	store.OnFailed = outbox.OnFailed(src.Relay.OnFailed)
 	ident, err := store.ReadIdentity(ctx)
 	if err != nil {
-		return st, err
+		return err
 	}
 	st.Database.Name, st.Database.Epoch, st.Database.Epochs = ident.Database.String(), ident.Latest().N, ident.Epochs
 	backlog, err := store.Backlog(ctx)
 	if err != nil {
-		return st, fmt.Errorf("outbox: %w", err)
+		return fmt.Errorf("outbox: %w", err)
 	}
 	sent, err := store.CountSent(ctx)
 	if err != nil {
-		return st, fmt.Errorf("outbox: %w", err)
+		return fmt.Errorf("outbox: %w", err)
 	}
 	st.Outbox.Pending, st.Outbox.Sending, st.Outbox.Sent, st.Outbox.Failed = backlog.Pending, backlog.Sending, sent, backlog.Failed
 	st.Outbox.OldestPendingAge = backlog.OldestPending.Seconds()
 	if backlog.Failed > 0 {
 		if st.Outbox.HeldRows, st.Outbox.HeldAggregates, err = store.Held(ctx); err != nil {
-			return st, fmt.Errorf("outbox: events held behind failed ones: %w", err)
+			return fmt.Errorf("outbox: events held behind failed ones: %w", err)
 		}
 	}
 	if st.Outbox.Unnumbered, err = store.Unnumbered(ctx); err != nil {
-		return st, fmt.Errorf("outbox: %w", err)
+		return fmt.Errorf("outbox: %w", err)
 	}
 	if st.Outbox.Ranges, st.Outbox.SealedRanges, st.Outbox.DefaultRows, err = store.RangeCounts(ctx); err != nil {
-		return st, fmt.Errorf("outbox ranges: %w", err)
+		return fmt.Errorf("outbox ranges: %w", err)
 	}
-	if st.Audits, err = store.Audits(ctx); err != nil {
-		return st, err
-	}
+	st.Audits, err = store.Audits(ctx)
+	return err
+}
 
+// readCapture reads the relays' capture mode into st, and in wal capture
+// their slot and whether the rows from before it are published.
+func readCapture(ctx context.Context, src Sources, st *Status) error {
 	st.Capture.Mode = src.Relay.Capture
 	if st.Capture.Mode == "" {
 		st.Capture.Mode = relay.CapturePoll
 	}
-	if st.Capture.Mode == relay.CaptureWAL {
-		slot, _, ok, err := relay.ReadSlot(ctx, src.Pool, src.Relay.Slot)
-		if err != nil {
-			return st, err
-		}
-		if ok {
-			st.Capture.Slot = &slot
-		}
-		err = src.Pool.QueryRow(ctx, `SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, src.Relay.Slot).Scan(&st.Capture.BacklogDone)
-		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-			return st, fmt.Errorf("relay_capture: %w", err)
-		}
+	if st.Capture.Mode != relay.CaptureWAL {
+		return nil
 	}
+	slot, _, ok, err := relay.ReadSlot(ctx, src.Pool, src.Relay.Slot)
+	if err != nil {
+		return err
+	}
+	if ok {
+		st.Capture.Slot = &slot
+	}
+	err = src.Pool.QueryRow(ctx, `SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, src.Relay.Slot).Scan(&st.Capture.BacklogDone)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("relay_capture: %w", err)
+	}
+	return nil
+}
 
+// readStream reads the events stream's state and owner into st, and
+// returns the stream: nil if it does not exist yet.
+func readStream(ctx context.Context, src Sources, st *Status) (jetstream.Stream, error) {
 	st.Stream.Name = src.Stream.Name
 	stream, err := src.JS.Stream(ctx, src.Stream.Name)
 	switch {
 	case errors.Is(err, jetstream.ErrStreamNotFound):
 		st.Stream.Missing = true
-		stream = nil
+		return nil, nil
 	case err != nil:
-		return st, fmt.Errorf("stream %s: %w", src.Stream.Name, err)
-	default:
-		info := stream.CachedInfo()
-		st.Stream.Messages, st.Stream.Bytes = info.State.Msgs, info.State.Bytes
-		st.Stream.FirstSeq, st.Stream.LastSeq = info.State.FirstSeq, info.State.LastSeq
-		st.Stream.Owner = info.Config.Metadata[streamOwnerKey]
-		st.Stream.Foreign = st.Stream.Owner != "" && st.Stream.Owner != streamShared && st.Stream.Owner != st.Database.Name
+		return nil, fmt.Errorf("stream %s: %w", src.Stream.Name, err)
 	}
+	info := stream.CachedInfo()
+	st.Stream.Messages, st.Stream.Bytes = info.State.Msgs, info.State.Bytes
+	st.Stream.FirstSeq, st.Stream.LastSeq = info.State.FirstSeq, info.State.LastSeq
+	st.Stream.Owner = info.Config.Metadata[streamOwnerKey]
+	st.Stream.Foreign = st.Stream.Owner != "" && st.Stream.Owner != streamShared && st.Stream.Owner != st.Database.Name
+	return stream, nil
+}
 
+// readSubscribers reads into st a status for every subscriber known, or
+// named by a checkpoint, a dead letter or a consumer of stream (nil: none).
+func readSubscribers(ctx context.Context, src Sources, stream jetstream.Stream, st *Status) error {
 	checkpoints, err := subscribers.CountCheckpoints(ctx, src.Pool)
 	if err != nil {
-		return st, err
+		return err
 	}
 	held, err := subscribers.CountHeldAggregates(ctx, src.Pool)
 	if err != nil {
-		return st, err
+		return err
 	}
 	dead, err := Counts(ctx, src.Pool, src.JS, src.Subscribers)
 	if err != nil {
-		return st, err
+		return err
 	}
 	names := map[string]bool{}
 	for _, n := range src.Known {
@@ -240,7 +284,7 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 			names[ci.Name] = true
 		}
 		if err := lister.Err(); err != nil {
-			return st, err
+			return err
 		}
 	}
 	for n := range names {
@@ -253,19 +297,7 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 		st.Subscribers = append(st.Subscribers, s)
 	}
 	slices.SortFunc(st.Subscribers, func(x, y SubscriberStatus) int { return strings.Compare(x.Name, y.Name) })
-	backfills, err := subscribers.Backfills(ctx, src.Pool)
-	if err != nil {
-		return st, err
-	}
-	for _, b := range backfills {
-		st.Backfills = append(st.Backfills, Backfill{Subscriber: b.Subscriber, Where: b.Where, Total: b.Total, Done: b.Done,
-			Failed: b.Failed, Segments: b.Segments, SegmentsDone: b.SegmentsDone, Paused: b.Paused, StartedAt: b.StartedAt, UpdatedAt: b.UpdatedAt, FinishedAt: b.FinishedAt})
-	}
-	if len(src.Ops) > 0 {
-		stages := ReadStages(ctx, src.Ops)
-		st.Stages = &stages
-	}
-	return st, nil
+	return nil
 }
 
 // subscriberOf reads the subscriber from a dead letter's subject

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"time"
 
 	"github.com/fanout/fanout/internal/logging"
@@ -54,33 +55,13 @@ by sequence and publishes events.`,
 			defer nc.Close()
 			out := cmd.OutOrStdout()
 			start := time.Now()
-			last := time.Time{}
 			rep, err := relay.Audit(cmd.Context(), relay.Options{
 				Relay: a.cfg.Relay, Stream: a.cfg.Stream, Pool: pool, Conn: nc, Logger: logging.Component(a.logger, "audit"),
-			}, from, dryRun, func(what string, done, of int64, rep relay.AuditReport) {
-				if time.Since(last) < time.Second && done < of {
-					return
-				}
-				last = time.Now()
-				fmt.Fprintf(out, "[%5.0fs] %s: %d of %d ids  checked %d  missing %d  repaired %d\n",
-					time.Since(start).Seconds(), what, done, of, rep.Checked, rep.Missing, rep.Repaired)
-			})
+			}, from, dryRun, auditProgress(out, start))
 			if err != nil {
 				return err
 			}
-			verb := "published again"
-			if dryRun {
-				verb = "would be published again (--dry-run)"
-			}
-			fmt.Fprintf(out, "audited %d events in %s: %d missing from stream %s, %d %s",
-				rep.Checked, time.Since(start).Round(time.Millisecond), rep.Missing, a.cfg.Stream.Name, rep.Repaired, verb)
-			if rep.Unrecorded > 0 {
-				fmt.Fprintf(out, "; %d of them published with no landing recorded", rep.Unrecorded)
-			}
-			if rep.AgedOut > 0 {
-				fmt.Fprintf(out, "; %d below the stream's first sequence (removed by its limits)", rep.AgedOut)
-			}
-			fmt.Fprintln(out)
+			printAudit(out, rep, time.Since(start), a.cfg.Stream.Name, dryRun)
 			if len(rep.Lost) > 0 {
 				return fmt.Errorf("events missing from the stream whose outbox rows are gone too: %v", rep.Lost)
 			}
@@ -93,4 +74,36 @@ by sequence and publishes events.`,
 	cmd.Flags().StringVar(&since, "since", "", "check only the events published since TIME (RFC 3339, or a duration ago: 30m)")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "report, publish nothing")
 	return cmd
+}
+
+// auditProgress prints an audit's progress at most once a second, and its
+// last step's end.
+func auditProgress(out io.Writer, start time.Time) func(what string, done, of int64, rep relay.AuditReport) {
+	last := time.Time{}
+	return func(what string, done, of int64, rep relay.AuditReport) {
+		if time.Since(last) < time.Second && done < of {
+			return
+		}
+		last = time.Now()
+		fmt.Fprintf(out, "[%5.0fs] %s: %d of %d ids  checked %d  missing %d  repaired %d\n",
+			time.Since(start).Seconds(), what, done, of, rep.Checked, rep.Missing, rep.Repaired)
+	}
+}
+
+// printAudit prints the line that sums up an audit of stream streamName
+// that ran for elapsed.
+func printAudit(out io.Writer, rep relay.AuditReport, elapsed time.Duration, streamName string, dryRun bool) {
+	verb := "published again"
+	if dryRun {
+		verb = "would be published again (--dry-run)"
+	}
+	fmt.Fprintf(out, "audited %d events in %s: %d missing from stream %s, %d %s",
+		rep.Checked, elapsed.Round(time.Millisecond), rep.Missing, streamName, rep.Repaired, verb)
+	if rep.Unrecorded > 0 {
+		fmt.Fprintf(out, "; %d of them published with no landing recorded", rep.Unrecorded)
+	}
+	if rep.AgedOut > 0 {
+		fmt.Fprintf(out, "; %d below the stream's first sequence (removed by its limits)", rep.AgedOut)
+	}
+	fmt.Fprintln(out)
 }

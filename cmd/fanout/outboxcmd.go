@@ -1,8 +1,10 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strconv"
 	"strings"
 	"time"
@@ -17,27 +19,45 @@ func outboxCommand(a *app) *cobra.Command {
 		Use:   "outbox",
 		Short: "Operate on outbox rows: retry or skip failed ones, republish published ones",
 	}
-	cmd.AddCommand(&cobra.Command{
+	cmd.AddCommand(outboxRetryFailedCommand(a), outboxSkipCommand(a), numberingCommand(a), outboxRepublishCommand(a))
+	return cmd
+}
+
+// openOutbox loads the configuration and opens the outbox as the database
+// role; closeOutbox releases its pool.
+func openOutbox(ctx context.Context, a *app, role string) (store *outbox.Store, closeOutbox func(), err error) {
+	if err := a.load(); err != nil {
+		return nil, nil, err
+	}
+	pool, err := a.postgres(ctx, role)
+	if err != nil {
+		return nil, nil, err
+	}
+	return outbox.NewStore(pool), pool.Close, nil
+}
+
+func outboxRetryFailedCommand(a *app) *cobra.Command {
+	return &cobra.Command{
 		Use:   "retry-failed",
 		Short: "Return every failed row to pending (after fixing what made it fail)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
-			pool, err := a.postgres(cmd.Context(), "outbox")
+			store, closeOutbox, err := openOutbox(cmd.Context(), a, "outbox")
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			n, err := outbox.NewStore(pool).RetryFailed(cmd.Context())
+			defer closeOutbox()
+			n, err := store.RetryFailed(cmd.Context())
 			if err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "%d failed rows returned to pending\n", n)
 			return nil
 		},
-	})
+	}
+}
+
+func outboxRepublishCommand(a *app) *cobra.Command {
 	var since string
 	republish := &cobra.Command{
 		Use:   "republish --since TIME",
@@ -59,6 +79,8 @@ which fanout status shows). The wal relay publishes each one again as it
 decodes the update that returns it.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			// A configuration's error is reported before --since's
+			// (openOutbox then finds it loaded).
 			if err := a.load(); err != nil {
 				return err
 			}
@@ -66,12 +88,12 @@ decodes the update that returns it.`,
 			if err != nil {
 				return err
 			}
-			pool, err := a.postgres(cmd.Context(), "outbox")
+			store, closeOutbox, err := openOutbox(cmd.Context(), a, "outbox")
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			n, oldest, err := outbox.NewStore(pool).Republish(cmd.Context(), t)
+			defer closeOutbox()
+			n, oldest, err := store.Republish(cmd.Context(), t)
 			if err != nil {
 				return err
 			}
@@ -82,7 +104,13 @@ decodes the update that returns it.`,
 			return nil
 		},
 	}
-	cmd.AddCommand(&cobra.Command{
+	republish.Flags().StringVar(&since, "since", "", "RFC 3339 time, or a duration ago (e.g. 30m)")
+	_ = republish.MarkFlagRequired("since")
+	return republish
+}
+
+func outboxSkipCommand(a *app) *cobra.Command {
+	return &cobra.Command{
 		Use:   "skip ID...",
 		Short: "Give up on failed rows: never publish them, and release the events of their aggregates held behind them",
 		Long: `skip marks the failed rows named by their ids skipped: they are never
@@ -93,48 +121,54 @@ fix and retry the others (outbox retry-failed). fanout status shows what is
 held, and the failed rows' reasons are in the outbox's last_error column.`,
 		Args: cobra.MinimumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			ids := make([]int64, len(args))
-			for i, a := range args {
-				id, err := strconv.ParseInt(a, 10, 64)
-				if err != nil || id <= 0 {
-					return fmt.Errorf("outbox skip: %q is not an outbox row id", a)
-				}
-				ids[i] = id
-			}
-			if err := a.load(); err != nil {
-				return err
-			}
-			pool, err := a.postgres(cmd.Context(), "outbox")
+			ids, err := outboxRowIDs(args)
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			skipped, err := outbox.NewStore(pool).Skip(cmd.Context(), ids)
+			store, closeOutbox, err := openOutbox(cmd.Context(), a, "outbox")
 			if err != nil {
 				return err
 			}
-			done := map[int64]bool{}
-			for _, s := range skipped {
-				done[s.ID] = true
-				fmt.Fprintf(cmd.OutOrStdout(), "row %d skipped; %d events held behind it returned to the relays\n", s.ID, s.Released)
+			defer closeOutbox()
+			skipped, err := store.Skip(cmd.Context(), ids)
+			if err != nil {
+				return err
 			}
-			var missed []string
-			for _, id := range ids {
-				if !done[id] {
-					missed = append(missed, strconv.FormatInt(id, 10))
-				}
-			}
-			if len(missed) > 0 {
-				return fmt.Errorf("outbox skip: no failed row with id %s (only failed rows can be skipped)", strings.Join(missed, ", "))
-			}
-			return nil
+			return reportSkipped(cmd.OutOrStdout(), ids, skipped)
 		},
-	})
-	cmd.AddCommand(numberingCommand(a))
-	republish.Flags().StringVar(&since, "since", "", "RFC 3339 time, or a duration ago (e.g. 30m)")
-	_ = republish.MarkFlagRequired("since")
-	cmd.AddCommand(republish)
-	return cmd
+	}
+}
+
+// outboxRowIDs parses outbox skip's arguments.
+func outboxRowIDs(args []string) ([]int64, error) {
+	ids := make([]int64, len(args))
+	for i, a := range args {
+		id, err := strconv.ParseInt(a, 10, 64)
+		if err != nil || id <= 0 {
+			return nil, fmt.Errorf("outbox skip: %q is not an outbox row id", a)
+		}
+		ids[i] = id
+	}
+	return ids, nil
+}
+
+// reportSkipped prints the rows skipped, and fails if one of ids was not.
+func reportSkipped(w io.Writer, ids []int64, skipped []outbox.Skipped) error {
+	done := map[int64]bool{}
+	for _, s := range skipped {
+		done[s.ID] = true
+		fmt.Fprintf(w, "row %d skipped; %d events held behind it returned to the relays\n", s.ID, s.Released)
+	}
+	var missed []string
+	for _, id := range ids {
+		if !done[id] {
+			missed = append(missed, strconv.FormatInt(id, 10))
+		}
+	}
+	if len(missed) > 0 {
+		return fmt.Errorf("outbox skip: no failed row with id %s (only failed rows can be skipped)", strings.Join(missed, ", "))
+	}
+	return nil
 }
 
 func parseSince(s string) (time.Time, error) {
@@ -184,15 +218,11 @@ Without a flag, it shows the list.`,
 					return err
 				}
 			}
-			if err := a.load(); err != nil {
-				return err
-			}
-			pool, err := a.postgres(cmd.Context(), "migrate")
+			store, closeOutbox, err := openOutbox(cmd.Context(), a, "migrate")
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			store := outbox.NewStore(pool)
+			defer closeOutbox()
 			if setting {
 				if err := store.SetNumbering(cmd.Context(), skip); err != nil {
 					return fmt.Errorf("outbox numbering: %w", err)

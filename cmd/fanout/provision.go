@@ -48,19 +48,10 @@ the streams and consumers from the configuration.`,
 			if check && len(updates) > 0 {
 				return errors.New("--check changes nothing: give it without --update-stream")
 			}
-			names := args
-			if len(names) == 0 {
-				names = subscriberNames()
+			decls, err := declarationsToProvision(args)
+			if err != nil {
+				return err
 			}
-			var decls []subscribers.Declaration
-			for _, name := range names {
-				d, err := subscriberRegistry.Lookup(name)
-				if err != nil {
-					return err
-				}
-				decls = append(decls, d)
-			}
-			ctx := cmd.Context()
 			nc, js, err := a.jetStream("provision")
 			if err != nil {
 				return err
@@ -73,59 +64,90 @@ the streams and consumers from the configuration.`,
 			if len(updates) > 0 {
 				return provisionUpdate(cmd, a, js, updates, allowLower, logger)
 			}
-			changes := stream.Changes{}
-			out := cmd.OutOrStdout()
-
-			events := a.cfg.Stream
-			var info *jetstream.StreamInfo
-			if err := jsretry.Do(ctx, logger, "provision the events stream", func() error {
-				var err error
-				info, err = stream.Provision(ctx, js, stream.JetStreamConfig(events), changes, logger)
-				return err
-			}); err != nil {
-				return err
-			}
-			if err := stream.Check(info, events, relay.RepublishDelay(a.cfg.Relay), logger); err != nil {
-				return err
-			}
-			fmt.Fprintf(out, "stream %s: subjects %s.>, max age %s, duplicates window %s, %d replicas, deletes and purges denied\n",
-				events.Name, events.SubjectPrefix, events.MaxAge, events.DuplicateWindow, events.Replicas)
-
-			var dl *jetstream.StreamInfo
-			if err := jsretry.Do(ctx, logger, "provision the dead-letter stream", func() error {
-				var err error
-				dl, err = subscribers.ProvisionDeadLetterStream(ctx, js, a.cfg.Subscribers, events.Replicas, changes, logger)
-				return err
-			}); err != nil {
-				return err
-			}
-			fmt.Fprintf(out, "stream %s: subjects %s, max age %s, deletes and purges denied\n",
-				dl.Config.Name, strings.Join(dl.Config.Subjects, ", "), dl.Config.MaxAge)
-
-			stream, err := js.Stream(ctx, events.Name)
-			if err != nil {
-				return err
-			}
-			for _, d := range decls {
-				name := d.Name
-				var c jetstream.Consumer
-				if err := jsretry.Do(ctx, logger, "provision consumer "+name, func() error {
-					var err error
-					c, err = subscribers.ProvisionConsumer(ctx, stream, d, a.cfg.Subscriber(d.Name), a.cfg.Stream)
-					return err
-				}); err != nil {
-					return fmt.Errorf("subscriber %s: %w", name, err)
-				}
-				info := c.CachedInfo()
-				fmt.Fprintf(out, "consumer %s: filters %s, %d pending\n", name, strings.Join(info.Config.FilterSubjects, ", "), info.NumPending)
-			}
-			return nil
+			return provisionAll(cmd, a, js, decls, logger)
 		},
 	}
 	cmd.Flags().StringSliceVar(&updates, "update-stream", nil, "bring this existing stream to the configuration, and do nothing else (as an identity allowed to update it; repeatable)")
 	cmd.Flags().BoolVar(&allowLower, "allow-lower", false, "with --update-stream, also lower a stream's limits (drops the events beyond the new limit)")
 	cmd.Flags().BoolVar(&check, "check", false, "change nothing; list every difference of the streams and consumers from the configuration, and fail if there is one")
 	return cmd
+}
+
+// declarationsToProvision are the subscribers named, or every one this
+// binary knows.
+func declarationsToProvision(names []string) ([]subscribers.Declaration, error) {
+	if len(names) == 0 {
+		names = subscriberNames()
+	}
+	var decls []subscribers.Declaration
+	for _, name := range names {
+		d, err := subscriberRegistry.Lookup(name)
+		if err != nil {
+			return nil, err
+		}
+		decls = append(decls, d)
+	}
+	return decls, nil
+}
+
+// provisionAll creates the two streams where they do not exist (and fails
+// on one that differs from the configuration), then creates or updates the
+// consumers of decls.
+func provisionAll(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []subscribers.Declaration, logger *slog.Logger) error {
+	ctx := cmd.Context()
+	changes := stream.Changes{}
+	out := cmd.OutOrStdout()
+
+	events := a.cfg.Stream
+	var info *jetstream.StreamInfo
+	if err := jsretry.Do(ctx, logger, "provision the events stream", func() error {
+		var err error
+		info, err = stream.Provision(ctx, js, stream.JetStreamConfig(events), changes, logger)
+		return err
+	}); err != nil {
+		return err
+	}
+	if err := stream.Check(info, events, relay.RepublishDelay(a.cfg.Relay), logger); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "stream %s: subjects %s.>, max age %s, duplicates window %s, %d replicas, deletes and purges denied\n",
+		events.Name, events.SubjectPrefix, events.MaxAge, events.DuplicateWindow, events.Replicas)
+
+	var dl *jetstream.StreamInfo
+	if err := jsretry.Do(ctx, logger, "provision the dead-letter stream", func() error {
+		var err error
+		dl, err = subscribers.ProvisionDeadLetterStream(ctx, js, a.cfg.Subscribers, events.Replicas, changes, logger)
+		return err
+	}); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "stream %s: subjects %s, max age %s, deletes and purges denied\n",
+		dl.Config.Name, strings.Join(dl.Config.Subjects, ", "), dl.Config.MaxAge)
+	return provisionConsumers(cmd, a, js, decls, logger)
+}
+
+// provisionConsumers creates the consumer of each of decls, or brings it
+// to its configuration (keeping its position).
+func provisionConsumers(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []subscribers.Declaration, logger *slog.Logger) error {
+	ctx := cmd.Context()
+	events, err := js.Stream(ctx, a.cfg.Stream.Name)
+	if err != nil {
+		return err
+	}
+	for _, d := range decls {
+		name := d.Name
+		var c jetstream.Consumer
+		if err := jsretry.Do(ctx, logger, "provision consumer "+name, func() error {
+			var err error
+			c, err = subscribers.ProvisionConsumer(ctx, events, d, a.cfg.Subscriber(d.Name), a.cfg.Stream)
+			return err
+		}); err != nil {
+			return fmt.Errorf("subscriber %s: %w", name, err)
+		}
+		info := c.CachedInfo()
+		fmt.Fprintf(cmd.OutOrStdout(), "consumer %s: filters %s, %d pending\n", name, strings.Join(info.Config.FilterSubjects, ", "), info.NumPending)
+	}
+	return nil
 }
 
 // provisionUpdate brings each named stream, which must exist where this

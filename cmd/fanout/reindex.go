@@ -67,52 +67,70 @@ non-zero.`,
 				return err
 			}
 			defer closeAll()
-			out := cmd.OutOrStdout()
 			if check {
-				current, err := searchindex.Current(ctx, client, a.cfg.Search.Alias)
-				if err != nil {
-					return err
-				}
-				if current == "" {
-					return fmt.Errorf("alias %s points at no index", a.cfg.Search.Alias)
-				}
-				_ = client.Refresh(ctx, current)
-				drift, err := searchindex.Check(ctx, client, pool, current, 0)
-				if err != nil {
-					return err
-				}
-				fmt.Fprintf(out, "%s (%s): %s\n", a.cfg.Search.Alias, current, drift)
-				if drift.Total() == 0 {
-					fmt.Fprintln(out, "no drift")
-					return nil
-				}
-				if !repair {
-					return fmt.Errorf("%d documents drifted (run with --repair to fix them)", drift.Total())
-				}
-				rep, err := searchindex.Repair(ctx, client, pool, current, a.cfg.Search.BulkSize, drift)
-				printRepair(out, rep)
-				return repairError(err, rep)
+				return reindexCheck(cmd, a, pool, client, repair)
 			}
-			nc, js, err := a.jetStream("reindex")
-			if err != nil {
-				return err
-			}
-			defer nc.Close()
-			r := &searchindex.Reindexer{Client: client, Pool: pool, JS: js, Stream: a.cfg.Stream, Search: a.cfg.Search,
-				Logger: logging.Component(a.logger, "reindex"), Progress: os.Stderr, Loaders: loaders}
-			rep, err := r.Reindex(ctx)
-			if err != nil {
-				return err
-			}
-			fmt.Fprintf(out, "reindexed %d of %d products into %s in %s (load %.0f docs/s), %d failed, %d events replayed; alias %s now points at %s (previous: %q, kept)\n",
-				rep.Loaded, rep.Snapshot, rep.To, rep.TotalTime.Round(time.Millisecond), rep.DocsPerSec, len(rep.Failures), rep.Replayed, a.cfg.Search.Alias, rep.To, rep.From)
-			return nil
+			return reindexBuild(cmd, a, pool, client, loaders)
 		},
 	}
 	cmd.Flags().BoolVar(&check, "check", false, "compare SQL with the index (counts and every document) and report drift")
 	cmd.Flags().BoolVar(&repair, "repair", false, "with --check: write the SQL state of every drifted document, read it back and report what is still wrong")
 	cmd.Flags().IntVar(&loaders, "loaders", 3, "bulk requests in flight during the load")
-	cmd.AddCommand(&cobra.Command{
+	cmd.AddCommand(reindexRollbackCommand(a), reindexCleanupCommand(a))
+	return cmd
+}
+
+// reindexCheck compares SQL with the index the alias points at, and with
+// repair fixes the documents that drifted.
+func reindexCheck(cmd *cobra.Command, a *app, pool *pgxpool.Pool, client *search.Client, repair bool) error {
+	ctx := cmd.Context()
+	out := cmd.OutOrStdout()
+	current, err := searchindex.Current(ctx, client, a.cfg.Search.Alias)
+	if err != nil {
+		return err
+	}
+	if current == "" {
+		return fmt.Errorf("alias %s points at no index", a.cfg.Search.Alias)
+	}
+	_ = client.Refresh(ctx, current)
+	drift, err := searchindex.Check(ctx, client, pool, current, 0)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "%s (%s): %s\n", a.cfg.Search.Alias, current, drift)
+	if drift.Total() == 0 {
+		fmt.Fprintln(out, "no drift")
+		return nil
+	}
+	if !repair {
+		return fmt.Errorf("%d documents drifted (run with --repair to fix them)", drift.Total())
+	}
+	rep, err := searchindex.Repair(ctx, client, pool, current, a.cfg.Search.BulkSize, drift)
+	printRepair(out, rep)
+	return repairError(err, rep)
+}
+
+// reindexBuild builds the next index version from SQL and swaps the alias
+// to it (searchindex.Reindexer).
+func reindexBuild(cmd *cobra.Command, a *app, pool *pgxpool.Pool, client *search.Client, loaders int) error {
+	nc, js, err := a.jetStream("reindex")
+	if err != nil {
+		return err
+	}
+	defer nc.Close()
+	r := &searchindex.Reindexer{Client: client, Pool: pool, JS: js, Stream: a.cfg.Stream, Search: a.cfg.Search,
+		Logger: logging.Component(a.logger, "reindex"), Progress: os.Stderr, Loaders: loaders}
+	rep, err := r.Reindex(cmd.Context())
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(cmd.OutOrStdout(), "reindexed %d of %d products into %s in %s (load %.0f docs/s), %d failed, %d events replayed; alias %s now points at %s (previous: %q, kept)\n",
+		rep.Loaded, rep.Snapshot, rep.To, rep.TotalTime.Round(time.Millisecond), rep.DocsPerSec, len(rep.Failures), rep.Replayed, a.cfg.Search.Alias, rep.To, rep.From)
+	return nil
+}
+
+func reindexRollbackCommand(a *app) *cobra.Command {
+	return &cobra.Command{
 		Use:   "rollback",
 		Short: "Point the alias back at the previous index, then repair what it missed since the swap",
 		Args:  cobra.NoArgs,
@@ -133,8 +151,11 @@ non-zero.`,
 			}
 			return err
 		},
-	})
-	cmd.AddCommand(&cobra.Command{
+	}
+}
+
+func reindexCleanupCommand(a *app) *cobra.Command {
+	return &cobra.Command{
 		Use:   "cleanup",
 		Short: "Delete every index version the alias does not point at",
 		Args:  cobra.NoArgs,
@@ -150,8 +171,7 @@ non-zero.`,
 			fmt.Fprintf(cmd.OutOrStdout(), "deleted %v\n", deleted)
 			return err
 		},
-	})
-	return cmd
+	}
 }
 
 // printRepair reports what a repair fixed and, one line each, what it could

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 )
@@ -64,30 +65,7 @@ trail of API calls.`,
 					return err
 				}
 			}
-			// Recorded before it is done (no unrecorded move), and again
-			// with what came of it.
-			record := func(outcome string) error {
-				_, err := pool.Exec(ctx, `SELECT fanout_record_replay($1, $2, $3, $4, $5)`, name, a.cfg.Stream.Name, int64(seq), outcome, reason)
-				if err != nil {
-					return fmt.Errorf("subscriber %s: the replay from sequence %d (%s) could not be recorded in the replays table: %w", name, seq, outcome, err)
-				}
-				return nil
-			}
-			if err := record("requested"); err != nil {
-				return err
-			}
-			_, err = js.ResetConsumerToSequence(ctx, a.cfg.Stream.Name, name, seq)
-			outcome := "moved"
-			if err != nil {
-				outcome = "failed: " + err.Error()
-			}
-			if rerr := record(outcome); rerr != nil {
-				return rerr
-			}
-			if errors.Is(err, jetstream.ErrConsumerInvalidReset) {
-				return fmt.Errorf("subscriber %s: its consumer's start position does not allow sequence %d (was it created with subscribers.start=new?): %w", name, seq, err)
-			}
-			if err != nil {
+			if err := recordedReset(ctx, pool, js, a.cfg.Stream.Name, name, seq, reason); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "subscriber %s will receive stream %s again from sequence %d; its checkpoint skips what it already handled\n", name, a.cfg.Stream.Name, seq)
@@ -98,6 +76,34 @@ trail of API calls.`,
 	cmd.Flags().Uint64Var(&fromSeq, "from-seq", 0, "stream sequence number")
 	cmd.Flags().StringVar(&reason, "reason", "", "why (recorded in the replays table beside the database role that acts)")
 	return cmd
+}
+
+// recordedReset moves subscriber name's consumer to seq, recorded in the
+// replays table before it is done (no unrecorded move), and again with
+// what came of it.
+func recordedReset(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, streamName, name string, seq uint64, reason string) error {
+	record := func(outcome string) error {
+		_, err := pool.Exec(ctx, `SELECT fanout_record_replay($1, $2, $3, $4, $5)`, name, streamName, int64(seq), outcome, reason)
+		if err != nil {
+			return fmt.Errorf("subscriber %s: the replay from sequence %d (%s) could not be recorded in the replays table: %w", name, seq, outcome, err)
+		}
+		return nil
+	}
+	if err := record("requested"); err != nil {
+		return err
+	}
+	_, err := js.ResetConsumerToSequence(ctx, streamName, name, seq)
+	outcome := "moved"
+	if err != nil {
+		outcome = "failed: " + err.Error()
+	}
+	if rerr := record(outcome); rerr != nil {
+		return rerr
+	}
+	if errors.Is(err, jetstream.ErrConsumerInvalidReset) {
+		return fmt.Errorf("subscriber %s: its consumer's start position does not allow sequence %d (was it created with subscribers.start=new?): %w", name, seq, err)
+	}
+	return err
 }
 
 // firstSeqAtOrAfter is the stream sequence of the first message stored at or

@@ -11,6 +11,7 @@ import (
 
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/operator"
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/relay"
 	"github.com/spf13/cobra"
 )
@@ -63,6 +64,22 @@ them all.`,
 }
 
 func printStatus(w io.Writer, st operator.Status) {
+	printOutbox(w, st)
+	printAudits(w, st.Audits)
+	printStream(w, st)
+	printSubscribers(w, st.Subscribers)
+	for _, b := range st.Backfills {
+		printBackfill(w, b)
+	}
+	if st.Stages != nil {
+		printStages(w, *st.Stages)
+	}
+}
+
+// printOutbox prints the database's identity, the outbox's rows (and in
+// wal capture the slot), what is held behind failed rows, the unnumbered
+// types and the ranges.
+func printOutbox(w io.Writer, st operator.Status) {
 	fmt.Fprintf(w, "database %s  outbox epoch %d", st.Database.Name, st.Database.Epoch)
 	if n := len(st.Database.Epochs); n > 1 {
 		fmt.Fprintf(w, " (from id %d: a restore rewound the ids; see outbox_epochs)", st.Database.Epochs[n-1].FirstID)
@@ -72,20 +89,7 @@ func printStatus(w io.Writer, st operator.Status) {
 	if c := st.Capture; c.Mode == relay.CaptureWAL {
 		// The wal relay marks nothing: its captured rows stay pending.
 		fmt.Fprintf(w, "outbox   %d rows retained (captured rows stay pending)  sent %d  failed %d\n", o.Pending+o.Sending, o.Sent, o.Failed)
-		switch {
-		case c.Slot == nil:
-			fmt.Fprintf(w, "capture  wal  slot not created yet (the relay creates it at start)\n")
-		default:
-			active, backlog := "standing by (no relay streams from it)", "rows from before the slot: published"
-			if c.Slot.Active {
-				active = "a relay streams from it"
-			}
-			if !c.BacklogDone {
-				backlog = "rows from before the slot: still being published"
-			}
-			fmt.Fprintf(w, "capture  wal  slot %s  %s  lag %d bytes, not moving for %s  wal_status %s  %s\n",
-				c.Slot.Name, active, c.Slot.LagBytes, c.Slot.Stuck.Round(time.Second), c.Slot.WALStatus, backlog)
-		}
+		printSlot(w, c)
 	} else {
 		fmt.Fprintf(w, "outbox   pending %d  sending %d  sent %d (retained)  failed %d  oldest pending %s\n",
 			o.Pending, o.Sending, o.Sent, o.Failed, (time.Duration(o.OldestPendingAge * float64(time.Second))).Round(time.Millisecond))
@@ -99,10 +103,31 @@ func printStatus(w io.Writer, st operator.Status) {
 	}
 	fmt.Fprintf(w, "ranges   %d (%d full, waiting for relay.sent_retention and an audit)  outbox_default %d rows (no range holds them)\n",
 		o.Ranges, o.SealedRanges, o.DefaultRows)
-	if len(st.Audits) == 0 {
+}
+
+// printSlot prints the wal relays' replication slot.
+func printSlot(w io.Writer, c operator.CaptureStatus) {
+	if c.Slot == nil {
+		fmt.Fprintf(w, "capture  wal  slot not created yet (the relay creates it at start)\n")
+		return
+	}
+	active, backlog := "standing by (no relay streams from it)", "rows from before the slot: published"
+	if c.Slot.Active {
+		active = "a relay streams from it"
+	}
+	if !c.BacklogDone {
+		backlog = "rows from before the slot: still being published"
+	}
+	fmt.Fprintf(w, "capture  wal  slot %s  %s  lag %d bytes, not moving for %s  wal_status %s  %s\n",
+		c.Slot.Name, active, c.Slot.LagBytes, c.Slot.Stuck.Round(time.Second), c.Slot.WALStatus, backlog)
+}
+
+// printAudits prints the newest audits of the stream against the outbox.
+func printAudits(w io.Writer, audits []outbox.Audit) {
+	if len(audits) == 0 {
 		fmt.Fprintf(w, "audit    none yet (the relays audit the stream against the outbox: relay.audit)\n")
 	}
-	for i, a := range st.Audits {
+	for i, a := range audits {
 		label := "audit   "
 		if i > 0 {
 			label = "  missed"
@@ -116,21 +141,30 @@ func printStatus(w io.Writer, st operator.Status) {
 		}
 		fmt.Fprintf(w, "%s %s %s ago: %s, %d events checked: %s\n", label, a.Kind, time.Since(a.FinishedAt).Round(time.Second), a.Scope, a.Checked, found)
 	}
+}
+
+// printStream prints the events stream's size and owner.
+func printStream(w io.Writer, st operator.Status) {
 	if st.Stream.Missing {
 		fmt.Fprintf(w, "stream   %s  not created yet (the relay creates it at start unless stream.provision is verify or off)\n\n", st.Stream.Name)
-	} else {
-		owner := st.Stream.Owner
-		switch {
-		case owner == "":
-			owner = "none recorded"
-		case st.Stream.Foreign:
-			owner += " (ANOTHER DATABASE: this database's relays refuse to publish into it)"
-		}
-		fmt.Fprintf(w, "stream   %s  %d messages  %d bytes  seq %d..%d  owner %s\n\n", st.Stream.Name, st.Stream.Messages, st.Stream.Bytes, st.Stream.FirstSeq, st.Stream.LastSeq, owner)
+		return
 	}
+	owner := st.Stream.Owner
+	switch {
+	case owner == "":
+		owner = "none recorded"
+	case st.Stream.Foreign:
+		owner += " (ANOTHER DATABASE: this database's relays refuse to publish into it)"
+	}
+	fmt.Fprintf(w, "stream   %s  %d messages  %d bytes  seq %d..%d  owner %s\n\n", st.Stream.Name, st.Stream.Messages, st.Stream.Bytes, st.Stream.FirstSeq, st.Stream.LastSeq, owner)
+}
+
+// printSubscribers prints a row for each subscriber, and the aggregates
+// held behind their dead letters.
+func printSubscribers(w io.Writer, subs []operator.SubscriberStatus) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "SUBSCRIBER\tPENDING\tACK PENDING\tREDELIVERED\tCHECKPOINT\tDEAD LETTERS")
-	for _, s := range st.Subscribers {
+	for _, s := range subs {
 		pending := fmt.Sprint(s.Pending)
 		if s.ConsumerGone {
 			pending = "(no consumer)"
@@ -138,17 +172,11 @@ func printStatus(w io.Writer, st operator.Status) {
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%d\t%d\n", s.Name, pending, s.AckPending, s.Redelivered, s.Checkpoint, s.DeadLetters)
 	}
 	tw.Flush()
-	for _, s := range st.Subscribers {
+	for _, s := range subs {
 		if s.HeldAggregates > 0 {
 			fmt.Fprintf(w, "held     %s: %d aggregates wait behind a dead-lettered event (subscribers.on_dead_letter hold): fanout dlq list --subscriber %s shows which\n",
 				s.Name, s.HeldAggregates, s.Name)
 		}
-	}
-	for _, b := range st.Backfills {
-		printBackfill(w, b)
-	}
-	if st.Stages != nil {
-		printStages(w, *st.Stages)
 	}
 }
 
