@@ -22,6 +22,7 @@ import (
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/backfill"
 	"github.com/fanout/fanout/subscribers/cacheinval"
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/fanout/fanout/subscribers/registry"
@@ -335,7 +336,7 @@ SELECT id FROM p`).Scan(&productID)
 	t.Run("backfill as fanout_invoicing", func(t *testing.T) {
 		pool := rolePool(t, cfg, db.URL, "fanout_invoicing")
 		scfg := subscribers.DefaultConfig()
-		s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: invoicing.Subscriber,
+		s, err := backfill.Run(ctx, backfill.Options{Declaration: invoicing.Subscriber,
 			Handler: subscribers.Tx(invoicing.New()), Config: scfg, Pool: pool, Logger: slog.New(slog.DiscardHandler), Restart: true})
 		if err != nil || !s.Finished() || s.Done == 0 || s.Failed != 0 {
 			t.Fatalf("invoicing's backfill as its role: %+v, %v", s, err)

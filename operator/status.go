@@ -12,6 +12,7 @@ import (
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/backfill"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
@@ -157,7 +158,7 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	if err := readSubscribers(ctx, src, stream, &st); err != nil {
 		return st, err
 	}
-	backfills, err := subscribers.Backfills(ctx, src.Pool)
+	backfills, err := backfill.List(ctx, src.Pool)
 	if err != nil {
 		return st, err
 	}

@@ -42,7 +42,7 @@ func (r *Runner) succeeded(ctx context.Context, ds []*delivery, freshIDs []int64
 	if r.hooks.AckBeforeCommit == 0 {
 		r.ack(ctx, ds, true)
 	}
-	r.health.handlerWorked()
+	r.health.HandlerWorked()
 	fresh := len(freshIDs)
 	r.obs.Handled(r.name, fresh, time.Since(start))
 	r.timed(ds, freshIDs, handledAt)

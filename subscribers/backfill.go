@@ -1,33 +1,15 @@
 package subscribers
 
-// Backfill: a subscriber starts from Postgres's current state, not only
-// from what the stream still holds (DESIGN.md, invariant 12). Its
-// declaration names the table its state derives from and how a row
-// becomes an event its handler understands; `fanout backfill` reads the
-// table in key order, in chunks, and hands each chunk to the handler
-// (backfiller.go), with a checkpoint that commits with the chunk's effects.
-//
-// Merging with live events: a backfill event names its row (a key in its
-// payload) and nothing of the row's state. The handler derives the state
-// from Postgres when it applies the event, and writes it only over an
-// older version of it (a version column the writers bump, such as
-// products.version, or a state that is created once, such as an order's
-// invoice). A live event and a backfill event of the same row may then
-// apply in either order, and either may apply again: the effect ends at
-// the row's latest state, never an older one. This is the version-based
-// alternative to the watermarks of incremental snapshots (DBLog,
-// Debezium): those close the window between reading a row and applying
-// it by holding back the chunk until the log passes a watermark; here the
-// handler reads the row at apply time, and the version closes the race
-// between two appliers.
+// A subscriber's backfill, as its declaration states it: the table its
+// state derives from and how a row becomes an event its handler takes.
+// Package subscribers/backfill runs it (`fanout backfill`), and explains
+// how its events merge with the live ones.
 
 import (
 	"errors"
 	"fmt"
 	"slices"
 	"strings"
-
-	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Backfill is how a subscriber's state derives from Postgres: each row of
@@ -49,7 +31,8 @@ type Backfill struct {
 	AggregateID string
 	// Payload is an SQL expression over the row giving the event's payload
 	// as jsonb: "jsonb_build_object('order_id', id)". Name the row, and
-	// let the handler read its state (see "Merging with live events").
+	// let the handler read its state (package backfill, "Merging with live
+	// events").
 	Payload string
 }
 
@@ -87,62 +70,4 @@ func (b *Backfill) validate(eventTypes []string, ordered bool) error {
 		errs = append(errs, errors.New("backfill: ordered subscribers cannot declare a backfill yet"))
 	}
 	return errors.Join(errs...)
-}
-
-// chunkSQL reads one chunk of a segment: the rows after a key ($1), up to
-// the segment's last key ($2), at most $3 of them, in key order.
-func (b *Backfill) chunkSQL(where string) string {
-	id := b.AggregateID
-	if strings.TrimSpace(id) == "" {
-		id = "t." + b.Key + "::text"
-	}
-	return fmt.Sprintf(`SELECT t.%[2]s, (%[3]s)::text, (%[4]s)::jsonb FROM %[1]s AS t
-WHERE t.%[2]s > $1 AND t.%[2]s <= $2 AND (%[5]s)
-ORDER BY t.%[2]s LIMIT $3`, b.Table, b.Key, id, b.Payload, whereOrTrue(where))
-}
-
-// boundsSQL reads the backfill's least and greatest keys and how many rows
-// it has to do.
-func (b *Backfill) boundsSQL(where string) string {
-	return fmt.Sprintf(`WITH high AS (SELECT coalesce(min(%[2]s), 0) AS lo, coalesce(max(%[2]s), 0) AS hi FROM %[1]s)
-SELECT high.lo, high.hi, (SELECT count(*) FROM %[1]s AS t WHERE t.%[2]s <= high.hi AND (%[3]s)) FROM high`, b.Table, b.Key, whereOrTrue(where))
-}
-
-func whereOrTrue(where string) string {
-	if strings.TrimSpace(where) == "" {
-		return "true"
-	}
-	return where
-}
-
-// BackfillMetrics are a backfill's gauges, set from its progress.
-type BackfillMetrics struct {
-	total, done, failed, paused *prometheus.GaugeVec
-}
-
-// NewBackfillMetrics registers the backfill gauges on reg.
-func NewBackfillMetrics(reg prometheus.Registerer) *BackfillMetrics {
-	gauge := func(name, help string) *prometheus.GaugeVec {
-		g := prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "subscriber", Name: name, Help: help}, []string{"subscriber"})
-		reg.MustRegister(g)
-		return g
-	}
-	return &BackfillMetrics{
-		total:  gauge("backfill_rows", "Rows the subscriber's backfill has to handle (as counted when it started)."),
-		done:   gauge("backfill_rows_done", "Rows the subscriber's backfill has handled."),
-		failed: gauge("backfill_rows_failed", "Rows the subscriber's backfill could not apply (subscriber_backfill_failures)."),
-		paused: gauge("backfill_paused", "1 while the subscriber's backfill is paused."),
-	}
-}
-
-// Observe sets the gauges from s.
-func (m *BackfillMetrics) Observe(s BackfillStatus) {
-	m.total.WithLabelValues(s.Subscriber).Set(float64(s.Total))
-	m.done.WithLabelValues(s.Subscriber).Set(float64(s.Done))
-	m.failed.WithLabelValues(s.Subscriber).Set(float64(s.Failed))
-	p := 0.0
-	if s.Paused {
-		p = 1
-	}
-	m.paused.WithLabelValues(s.Subscriber).Set(p)
 }

@@ -114,6 +114,16 @@ func (c Config) gapWait() time.Duration {
 	return max(2*time.Minute, 4*c.AckWait)
 }
 
+// Backoff is the delay before the n-th retry of an event: retry_min
+// doubled per failure (or delivery) after the first, capped at retry_max.
+func (c Config) Backoff(n uint64) time.Duration {
+	d := c.RetryMin
+	for i := uint64(1); i < n && d < c.RetryMax; i++ {
+		d *= 2
+	}
+	return min(d, c.RetryMax)
+}
+
 // DefaultConfig returns the runtime's defaults.
 func DefaultConfig() Config {
 	return Config{

@@ -84,18 +84,18 @@ func ensureDeadLetterStream(ctx context.Context, js jetstream.JetStream, cfg Con
 // Nothing is termed before its dead letter has a PubAck.
 func (r *Runner) deadLetter(ctx context.Context, d *delivery) bool {
 	if err := r.vouch(ctx, d); err != nil {
-		r.health.markDown(DependencyPostgres, err)
+		r.health.MarkDown(DependencyPostgres, err)
 		return false
 	}
 	if err := r.publishDeadLetter(ctx, d.msg.Data(), d.msg.Headers(), d.msg.Subject(), d.ev.StreamSeq, d.ev.Delivery, d.deadReason, d.heldBy); err != nil {
-		r.health.markDown(DependencyDeadLetters, fmt.Errorf("publish a dead letter to stream %s: %w", r.cfg.DeadLetterStream, err))
+		r.health.MarkDown(DependencyDeadLetters, fmt.Errorf("publish a dead letter to stream %s: %w", r.cfg.DeadLetterStream, err))
 		return false
 	}
 	r.health.markUp(DependencyDeadLetters)
 	// Before the term: a crash between them redelivers the event, which
 	// comes back here (its dead letter deduplicated) and records this then.
 	if err := r.afterDeadLetter(ctx, d); err != nil {
-		r.health.markDown(DependencyPostgres, err)
+		r.health.MarkDown(DependencyPostgres, err)
 		return false
 	}
 	termed := true

@@ -25,7 +25,7 @@ const gatherWait = 2 * time.Millisecond
 func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- received) {
 	defer close(batches)
 	for {
-		if !r.health.waitUp(softCtx) {
+		if !r.health.WaitUp(softCtx) {
 			return
 		}
 		msgs, closed := r.receive(hardCtx)
@@ -126,25 +126,6 @@ func (d *delivery) msgs() []jetstream.Msg {
 	return out
 }
 
-// result is what became of one delivery's attempt.
-type result struct {
-	kind  resultKind
-	err   error
-	delay time.Duration // for resultSnooze
-}
-
-type resultKind int
-
-const (
-	resultDone      resultKind = iota // effect and checkpoint committed, acked
-	resultFailed                      // the handler failed on the event: counted
-	resultPermanent                   // the handler says never: dead letter
-	resultSnooze                      // RetryAfter: nak with its delay, not counted
-	resultRetry                       // a connection broke or a transaction conflicted: nak, not counted
-	resultOutage                      // a dependency is down: hold the event
-	resultAbandoned                   // the runner stops: leave it unacked
-)
-
 // process takes a batch from delivery to its outcome. Events held by an
 // outage stay in hand (kept alive with in-progress signals) and are tried
 // again when every dependency answers; their deliveries cost them nothing.
@@ -179,14 +160,14 @@ func (r *Runner) process(softCtx, hardCtx context.Context, batch received) (all 
 	stop := r.keepAlive(ds)
 	defer stop()
 	for len(ds) > 0 {
-		if !r.health.waitUp(softCtx) {
+		if !r.health.WaitUp(softCtx) {
 			// Stopping during an outage: let the events go; another
 			// instance (or the next start) gets them after the ack wait.
 			r.closeAttempts(ds)
 			return all
 		}
 		if err := r.keyEvents(hardCtx, ds); err != nil {
-			r.health.markDown(DependencyPostgres, err)
+			r.health.MarkDown(DependencyPostgres, err)
 			continue
 		}
 		ds = r.attempt(hardCtx, ds)

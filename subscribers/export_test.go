@@ -41,7 +41,3 @@ func AdvanceBatch(ctx context.Context, r *Runner, tx pgx.Tx, evs []Event, prevs 
 	}
 	return r.advance(ctx, tx, ds, fresh)
 }
-
-// SplitKeys is split: the segments a backfill of the keys low..high reads
-// side by side.
-var SplitKeys = split

@@ -58,7 +58,7 @@ func (r *Runner) callEach(ctx context.Context, ds []*delivery) []error {
 }
 
 func (r *Runner) call(ctx context.Context, ev Event) (err error) {
-	defer recoverHandler(ev, &err)
+	defer RecoverHandler(ev, &err)
 	hctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
 	defer cancel()
 	hctx, span := r.eventContext(hctx, ev)
@@ -75,7 +75,10 @@ func (r *Runner) timedOut(ctx, hctx context.Context, err error) error {
 	return err
 }
 
-func recoverHandler(ev Event, err *error) {
+// RecoverHandler, deferred around a call of a handler on ev, makes the
+// handler's panic the call's error (*err), naming the event, with its
+// stack: for the live runtime and the backfill alike.
+func RecoverHandler(ev Event, err *error) {
 	if p := recover(); p != nil {
 		*err = fmt.Errorf("handler panicked on event %d: %v\n%s", ev.ID, p, debug.Stack())
 	}
@@ -88,10 +91,10 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 	results := make([]result, len(ds))
 	done, err := r.processed(ctx, eventIDs(ds))
 	if err != nil {
-		verdict := result{kind: resultAbandoned, err: err}
+		verdict := result{kind: OutcomeAbandoned, err: err}
 		if ctx.Err() == nil {
-			r.health.markDown(DependencyPostgres, err)
-			verdict.kind = resultOutage
+			r.health.MarkDown(DependencyPostgres, err)
+			verdict.kind = OutcomeOutage
 		}
 		for i := range results {
 			results[i] = verdict
@@ -114,7 +117,7 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 		todoAt = append(todoAt, i)
 	}
 	errs := r.callEach(ctx, todo)
-	if _, batched := r.eventH.(BatchEventHandler); batched && sameFailure(errs) && r.judge(ctx, errs[0]).kind == resultFailed {
+	if _, batched := r.eventH.(BatchEventHandler); batched && sameFailure(errs) && r.judge(ctx, errs[0]).kind == OutcomeFailed {
 		// A batch handler that failed as a whole may have failed on one of
 		// its events: each is tried alone, so that one bad event is not
 		// charged to all of them (as handleTx does).
@@ -137,13 +140,13 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 			// The effects happened; held, the (idempotent) handler runs
 			// again once Postgres answers, and the checkpoint follows.
 			if ctx.Err() == nil {
-				r.health.markDown(DependencyPostgres, err)
+				r.health.MarkDown(DependencyPostgres, err)
 			}
 			for i, d := range ds {
 				if slices.Contains(ok, d) {
-					results[i] = result{kind: resultOutage, err: err}
+					results[i] = result{kind: OutcomeOutage, err: err}
 					if ctx.Err() != nil {
-						results[i].kind = resultAbandoned
+						results[i].kind = OutcomeAbandoned
 					}
 				}
 			}
@@ -155,14 +158,14 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 	if ctx.Err() != nil {
 		for i, d := range ds {
 			if slices.Contains(ok, d) {
-				results[i] = result{kind: resultAbandoned}
+				results[i] = result{kind: OutcomeAbandoned}
 			}
 		}
 		return results // hard stop: the events come back after the ack wait
 	}
 	r.ack(ctx, ok, false)
 	if len(handled) > 0 {
-		r.health.handlerWorked()
+		r.health.HandlerWorked()
 	}
 	r.obs.Handled(r.name, len(handled), time.Since(start))
 	r.timed(handled, eventIDs(handled), handledAt)

@@ -104,6 +104,15 @@ func (h Handler) Ordered() bool { return h.ordered }
 // capabilities it may have (DependentHandler, the batch interfaces).
 func (h Handler) Unwrap() Named { return h.named }
 
+// Dependencies are what the handler depends on besides Postgres, if it is
+// a DependentHandler.
+func (h Handler) Dependencies() []Dependency {
+	if dh, ok := h.Unwrap().(DependentHandler); ok {
+		return dh.Dependencies()
+	}
+	return nil
+}
+
 // TxHandler returns the handler if it was made by Tx.
 func (h Handler) TxHandler() (TxHandler, bool) { return h.tx, h.tx != nil }
 

@@ -25,7 +25,7 @@ func (r *Runner) handleTx(ctx context.Context, ds []*delivery) []result {
 		return results
 	}
 	verdict := r.judge(ctx, err)
-	if len(ds) == 1 || verdict.kind == resultOutage || verdict.kind == resultAbandoned {
+	if len(ds) == 1 || verdict.kind == OutcomeOutage || verdict.kind == OutcomeAbandoned {
 		for i := range results {
 			results[i] = verdict
 		}
@@ -37,7 +37,7 @@ func (r *Runner) handleTx(ctx context.Context, ds []*delivery) []result {
 		fresh, err := r.txBatch(ctx, one)
 		if err != nil {
 			results[i] = r.judge(ctx, err)
-			if k := results[i].kind; k == resultOutage || k == resultAbandoned {
+			if k := results[i].kind; k == OutcomeOutage || k == OutcomeAbandoned {
 				for j := i + 1; j < len(ds); j++ {
 					results[j] = results[i]
 				}
@@ -135,14 +135,14 @@ type eventError struct {
 func (e *eventError) Error() string { return fmt.Sprintf("event %d: %v", e.id, e.err) }
 
 func (r *Runner) callTx(ctx context.Context, tx pgx.Tx, ev Event) (err error) {
-	defer recoverHandler(ev, &err)
+	defer RecoverHandler(ev, &err)
 	ctx, span := r.eventContext(ctx, ev)
 	defer span.End()
 	return r.txH.HandleTx(ctx, tx, ev)
 }
 
 func (r *Runner) callBatchTx(ctx context.Context, bh BatchTxHandler, tx pgx.Tx, evs []Event) (err error) {
-	defer recoverHandler(evs[0], &err)
+	defer RecoverHandler(evs[0], &err)
 	ctx, span := r.batchContext(ctx, evs)
 	defer span.End()
 	return bh.HandleBatchTx(ctx, tx, evs)

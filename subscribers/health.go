@@ -34,10 +34,10 @@ const (
 	watchEvery = 5 * time.Second
 )
 
-// health is a breaker per dependency of one runner. While any dependency
-// is down the runner takes no new work and holds the events it has; a
-// prober per down dependency learns when it is back.
-type health struct {
+// Health is a breaker per dependency of one runner (or one backfill).
+// While any dependency is down the runner takes no new work and holds the
+// events it has; a prober per down dependency learns when it is back.
+type Health struct {
 	subscriber string
 	logger     *slog.Logger
 	obs        Observer
@@ -62,8 +62,10 @@ type dependencyState struct {
 	lastErr error
 }
 
-func newHealth(ctx context.Context, subscriber string, logger *slog.Logger, obs Observer, deps []Dependency) *health {
-	h := &health{subscriber: subscriber, logger: logger, obs: obs, deps: map[string]*dependencyState{},
+// NewHealth starts watching deps (probing those up every watchEvery) for
+// subscriber, until ctx ends; Wait waits for its probers then.
+func NewHealth(ctx context.Context, subscriber string, logger *slog.Logger, obs Observer, deps []Dependency) *Health {
+	h := &Health{subscriber: subscriber, logger: logger, obs: obs, deps: map[string]*dependencyState{},
 		changed: make(chan struct{}), ctx: ctx}
 	for _, d := range deps {
 		h.deps[d.Name] = &dependencyState{probe: d.Probe}
@@ -76,7 +78,7 @@ func newHealth(ctx context.Context, subscriber string, logger *slog.Logger, obs 
 
 // watch probes the dependencies that are up, every watchEvery, until the
 // runner stops.
-func (h *health) watch() {
+func (h *Health) watch() {
 	defer h.probes.Done()
 	t := time.NewTicker(watchEvery)
 	defer t.Stop()
@@ -85,14 +87,14 @@ func (h *health) watch() {
 		case <-h.ctx.Done():
 			return
 		case <-t.C:
-			h.probeAll(h.ctx)
+			h.ProbeAll(h.ctx)
 		}
 	}
 }
 
-// markDown opens the dependency's breaker (if it is not open already) and
+// MarkDown opens the dependency's breaker (if it is not open already) and
 // starts probing it.
-func (h *health) markDown(name string, err error) {
+func (h *Health) MarkDown(name string, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	d := h.deps[name]
@@ -128,7 +130,7 @@ func (h *health) markDown(name string, err error) {
 	go h.probeUntilUp(name, d)
 }
 
-func (h *health) probeUntilUp(name string, d *dependencyState) {
+func (h *Health) probeUntilUp(name string, d *dependencyState) {
 	defer h.probes.Done()
 	h.mu.Lock()
 	wait := d.backoff
@@ -183,7 +185,7 @@ func (h *health) probeUntilUp(name string, d *dependencyState) {
 
 // markUp records that a real use of a dependency without a probe worked:
 // an outage on trial is over.
-func (h *health) markUp(name string) {
+func (h *Health) markUp(name string) {
 	h.mu.Lock()
 	d := h.deps[name]
 	if d == nil || !d.trial {
@@ -197,9 +199,9 @@ func (h *health) markUp(name string) {
 	h.obs.DependencyUp(h.subscriber, name, downFor)
 }
 
-// handlerWorked records that the handler just succeeded: an undeclared
+// HandlerWorked records that the handler just succeeded: an undeclared
 // dependency it named on trial (no probe) evidently works again.
-func (h *health) handlerWorked() {
+func (h *Health) HandlerWorked() {
 	h.mu.Lock()
 	var trials []string
 	for name, d := range h.deps {
@@ -213,10 +215,10 @@ func (h *health) handlerWorked() {
 	}
 }
 
-// waitUp blocks until no dependency is down; it returns false if ctx ends
+// WaitUp blocks until no dependency is down; it returns false if ctx ends
 // while one is. With every dependency up it returns true at once, even if
 // ctx has ended (a draining runner finishes what it has).
-func (h *health) waitUp(ctx context.Context) bool {
+func (h *Health) WaitUp(ctx context.Context) bool {
 	for {
 		h.mu.Lock()
 		anyDown := false
@@ -236,11 +238,11 @@ func (h *health) waitUp(ctx context.Context) bool {
 	}
 }
 
-// probeAll probes every dependency that has a probe, opens the breaker of
+// ProbeAll probes every dependency that has a probe, opens the breaker of
 // each that fails, and reports whether any is down. It asks afresh each
 // time: a probe from before the failure it judges could say "up" about a
 // dependency that went down since. (Probes are pings; failures are few.)
-func (h *health) probeAll(ctx context.Context) bool {
+func (h *Health) ProbeAll(ctx context.Context) bool {
 	h.mu.Lock()
 	probes := map[string]func(context.Context) error{}
 	for name, d := range h.deps {
@@ -268,7 +270,7 @@ func (h *health) probeAll(ctx context.Context) bool {
 	wg.Wait()
 	for name, err := range errs {
 		if err != nil {
-			h.markDown(name, err)
+			h.MarkDown(name, err)
 		}
 	}
 	h.mu.Lock()
@@ -285,7 +287,7 @@ func (h *health) probeAll(ctx context.Context) bool {
 var errNotReady = errors.New("dependencies unavailable")
 
 // ready names the dependencies that are down, or returns nil.
-func (h *health) ready() error {
+func (h *Health) ready() error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	var down []string
@@ -301,5 +303,18 @@ func (h *health) ready() error {
 	return fmt.Errorf("subscriber %s: %w: %s", h.subscriber, errNotReady, strings.Join(down, "; "))
 }
 
-// wait returns once every prober has stopped (after ctx ended).
-func (h *health) wait() { h.probes.Wait() }
+// Probe runs the named dependency's probe now, bounded as every probe is.
+func (h *Health) Probe(ctx context.Context, name string) error {
+	h.mu.Lock()
+	d := h.deps[name]
+	h.mu.Unlock()
+	if d == nil || d.probe == nil {
+		return fmt.Errorf("dependency %s has no probe", name)
+	}
+	pctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	return d.probe(pctx)
+}
+
+// Wait returns once every prober has stopped (after ctx ended).
+func (h *Health) Wait() { h.probes.Wait() }

@@ -150,7 +150,7 @@ func (od *orderedDispatch) load(ctx context.Context) {
 	cancel()
 	if err != nil {
 		if ctx.Err() == nil {
-			od.r.health.markDown(DependencyPostgres, err)
+			od.r.health.MarkDown(DependencyPostgres, err)
 			od.loadWait = time.Now().Add(time.Second)
 		}
 		od.toLoad = append(lines, od.toLoad...)

@@ -54,7 +54,7 @@ type Runner struct {
 	stream  jetstream.Stream
 	cons    jetstream.Consumer
 	iter    jetstream.MessagesContext
-	health  *health
+	health  *Health
 	stall   stallWatch
 	// drift is what the live streams and the consumer differ in from the
 	// configuration, as of the last check (readiness reads it).
@@ -166,7 +166,7 @@ func (r *Runner) start(ctx context.Context) error {
 	hardCtx, cancelHard := context.WithCancel(context.WithoutCancel(ctx))
 	softCtx, cancelSoft := context.WithCancel(hardCtx)
 	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
-	r.health = newHealth(hardCtx, r.name, r.logger, r.obs, r.dependencies())
+	r.health = NewHealth(hardCtx, r.name, r.logger, r.obs, r.dependencies())
 
 	batches := make(chan received)
 	// An ordered subscriber's dispatcher learns what became of each batch.
@@ -237,10 +237,7 @@ func (r *Runner) start(ctx context.Context) error {
 // dependencies are Postgres (the checkpoint, always) and what the handler
 // declares.
 func (r *Runner) dependencies() []Dependency {
-	deps := []Dependency{{Name: DependencyPostgres, Probe: r.opts.Pool.Ping}}
-	if dh, ok := r.opts.Handler.Unwrap().(DependentHandler); ok {
-		deps = append(deps, dh.Dependencies()...)
-	}
+	deps := append([]Dependency{{Name: DependencyPostgres, Probe: r.opts.Pool.Ping}}, r.opts.Handler.Dependencies()...)
 	// The dead-letter stream has no probe: after the backoff, the held dead
 	// letter's own publish is the probe.
 	return append(deps, Dependency{Name: DependencyDeadLetters})
@@ -504,7 +501,7 @@ func (r *Runner) Stop(ctx context.Context) error {
 			<-done
 		}
 		r.cancelHard()
-		r.health.wait()
+		r.health.Wait()
 		if c, ok := r.opts.Handler.Unwrap().(io.Closer); ok {
 			if err := c.Close(); err != nil {
 				r.logger.Warn("close the handler", "error", err)

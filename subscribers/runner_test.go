@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,12 +22,7 @@ import (
 	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) {
-	if url := os.Getenv(backfillChildEnv); url != "" {
-		os.Exit(backfillChild(url)) // the process a backfill test kills
-	}
-	goleak.VerifyTestMain(m)
-}
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // scripted is a test subscriber whose events say how to behave.
 type scripted struct {

@@ -18,37 +18,21 @@ func (r *Runner) handle(ctx context.Context, ds []*delivery) []result {
 	return r.handleEach(ctx, ds)
 }
 
-// judge classifies a failed attempt (judgeError).
-func (r *Runner) judge(ctx context.Context, err error) result { return judgeError(ctx, r.health, err) }
+// result is what became of one delivery's attempt.
+type result struct {
+	kind  Outcome
+	err   error
+	delay time.Duration // for OutcomeSnooze
+}
 
-// judgeError classifies a failed attempt of a handler, for the live runtime
-// and the backfill alike. A dependency that is down is never the event's
-// fault: if the handler did not name one (Unavailable), the dependencies
-// are probed (h) before the failure is charged to the event.
-func judgeError(ctx context.Context, h *health, err error) result {
-	if ctx.Err() != nil {
-		return result{kind: resultAbandoned, err: err}
+// judge classifies a failed attempt (Health.Judge), with the delay a
+// snooze asked for.
+func (r *Runner) judge(ctx context.Context, err error) result {
+	res := result{kind: r.health.Judge(ctx, err), err: err}
+	if res.kind == OutcomeSnooze {
+		res.delay, _ = retryDelay(err)
 	}
-	if IsPermanent(err) {
-		return result{kind: resultPermanent, err: err}
-	}
-	if dep, ok := IsUnavailable(err); ok {
-		h.markDown(dep, err)
-		return result{kind: resultOutage, err: err}
-	}
-	if delay, ok := retryDelay(err); ok {
-		return result{kind: resultSnooze, err: err, delay: delay}
-	}
-	if errors.Is(err, errOutOfTurn) {
-		return result{kind: resultRetry, err: err}
-	}
-	if h.probeAll(ctx) {
-		return result{kind: resultOutage, err: err}
-	}
-	if connectivity(err) || conflict(err) {
-		return result{kind: resultRetry, err: err}
-	}
-	return result{kind: resultFailed, err: err}
+	return res
 }
 
 // settle gives each failed delivery its fate and returns those held.
@@ -58,7 +42,7 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 	var closing []*delivery
 	for i, d := range ds {
 		switch results[i].kind {
-		case resultSnooze, resultRetry, resultOutage, resultAbandoned:
+		case OutcomeSnooze, OutcomeRetry, OutcomeOutage, OutcomeAbandoned:
 			closing = append(closing, d)
 		}
 	}
@@ -66,8 +50,8 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 	for i, d := range ds {
 		res := results[i]
 		switch res.kind {
-		case resultDone:
-		case resultPermanent:
+		case OutcomeDone:
+		case OutcomePermanent:
 			d.deadReason = res.err.Error()
 			var he *heldError
 			if errors.As(res.err, &he) {
@@ -76,7 +60,7 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 			if !r.deadLetter(ctx, d) {
 				held = append(held, d)
 			}
-		case resultFailed:
+		case OutcomeFailed:
 			failures, err := r.recordFailure(ctx, d, res.err)
 			if err != nil {
 				// The failure cannot be counted: the store is down.
@@ -94,7 +78,7 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 			r.nak(d, delay)
 			r.logger.Warn("event failed, will retry", "event_id", d.ev.ID, "event_type", d.ev.Type,
 				"failures", failures, "max_failures", r.cfg.MaxFailures, "retry_in", delay, "error", res.err)
-		case resultSnooze, resultRetry:
+		case OutcomeSnooze, OutcomeRetry:
 			if !closed {
 				// Naked with its attempt open, it would come back as a
 				// suspect: wait for the store, then try again.
@@ -102,15 +86,15 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 				continue
 			}
 			delay := res.delay
-			if res.kind == resultRetry {
+			if res.kind == OutcomeRetry {
 				delay = r.backoff(d.ev.Delivery)
 				r.logger.Warn("event failed on a broken connection or a conflict with another transaction; retrying without counting it against the event",
 					"event_id", d.ev.ID, "event_type", d.ev.Type, "retry_in", delay, "error", res.err)
 			}
 			r.nak(d, delay)
-		case resultOutage:
+		case OutcomeOutage:
 			held = append(held, d)
-		case resultAbandoned:
+		case OutcomeAbandoned:
 			// Hard stop: the failure is ours, not the event's. Left
 			// unacked, it is redelivered after the ack wait.
 		}
@@ -131,15 +115,5 @@ func (r *Runner) nak(d *delivery, delay time.Duration) {
 	r.obs.Retried(r.name, 1)
 }
 
-// backoff is retryBackoff with the runner's settings.
-func (r *Runner) backoff(n uint64) time.Duration { return retryBackoff(r.cfg, n) }
-
-// retryBackoff is retry_min doubled per failure (or delivery) after the
-// first, capped at retry_max.
-func retryBackoff(cfg Config, n uint64) time.Duration {
-	d := cfg.RetryMin
-	for i := uint64(1); i < n && d < cfg.RetryMax; i++ {
-		d *= 2
-	}
-	return min(d, cfg.RetryMax)
-}
+// backoff is Config.Backoff with the runner's settings.
+func (r *Runner) backoff(n uint64) time.Duration { return r.cfg.Backoff(n) }

@@ -48,7 +48,7 @@ func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, 
 	states, err := r.lookupAttempts(ctx, redelivered)
 	if err != nil {
 		if ctx.Err() == nil {
-			r.health.markDown(DependencyPostgres, err)
+			r.health.MarkDown(DependencyPostgres, err)
 			return nil, nil, ds
 		}
 		r.closeAttempts(ds)
@@ -124,6 +124,6 @@ func (r *Runner) heldBy(ctx context.Context, ds []*delivery, err error) []*deliv
 		r.closeAttempts(ds)
 		return nil
 	}
-	r.health.markDown(DependencyPostgres, err)
+	r.health.MarkDown(DependencyPostgres, err)
 	return ds
 }

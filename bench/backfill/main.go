@@ -32,6 +32,7 @@ import (
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/backfill"
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -43,8 +44,8 @@ var (
 	orders   = flag.Int("orders", 1_000_000, "orders without an invoice when the backfill starts")
 	rate     = flag.Int("rate", 500, "orders the live writers create per second")
 	quietFor = flag.Duration("quiet", 15*time.Second, "how long the live freshness is measured before the backfill")
-	chunk    = flag.Int("chunk", subscribers.DefaultBackfillChunk, "the backfill's rows per chunk (fanout backfill --chunk)")
-	workers  = flag.Int("workers", subscribers.DefaultBackfillWorkers, "the backfill's workers (fanout backfill --workers)")
+	chunk    = flag.Int("chunk", backfill.DefaultChunk, "the backfill's rows per chunk (fanout backfill --chunk)")
+	workers  = flag.Int("workers", backfill.DefaultWorkers, "the backfill's workers (fanout backfill --workers)")
 	bfRate   = flag.Float64("backfill-rate", 0, "the backfill's rows per second (fanout backfill --rate; 0: no limit)")
 	natsURL  = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
@@ -235,7 +236,7 @@ func (b *bench) runOnce(ctx context.Context, round int) (result, error) {
 	res.quiet = percentiles(live.take())
 
 	start := time.Now()
-	s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: invoicing.Subscriber,
+	s, err := backfill.Run(ctx, backfill.Options{Declaration: invoicing.Subscriber,
 		Handler: subscribers.Tx(invoicing.New()), Config: b.cfg.Subscribers, Pool: b.pool, Logger: benchkit.Quiet, Chunk: *chunk, Rate: *bfRate, Workers: *workers})
 	res.took = time.Since(start)
 	res.busy = percentiles(live.take())

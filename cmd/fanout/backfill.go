@@ -10,7 +10,7 @@ import (
 
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/metrics"
-	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/backfill"
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 )
@@ -71,7 +71,7 @@ running elsewhere; --restart starts over.`,
 			}
 			defer pool.Close()
 			if pause || resume {
-				if err := subscribers.PauseBackfill(ctx, pool, decl.Name, pause); err != nil {
+				if err := backfill.Pause(ctx, pool, decl.Name, pause); err != nil {
 					return err
 				}
 				fmt.Fprintf(cmd.OutOrStdout(), "backfill of %s %s\n", decl.Name, map[bool]string{true: "paused", false: "resumed"}[pause])
@@ -89,13 +89,13 @@ running elsewhere; --restart starts over.`,
 				return err
 			}
 			defer stopOps()
-			m := subscribers.NewBackfillMetrics(reg)
+			m := backfill.NewMetrics(reg)
 			p := newBackfillProgress(cmd.ErrOrStderr())
-			s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{
+			s, err := backfill.Run(ctx, backfill.Options{
 				Declaration: decl, Handler: sabotagedBackfill(h), Config: a.cfg.Subscriber(decl.Name), Pool: pool,
 				Logger: logging.Component(a.logger, "backfill"),
 				Where:  where, Rate: rate, Chunk: chunk, Workers: workers, Restart: restart,
-				Progress: func(s subscribers.BackfillStatus) { m.Observe(s); p.show(s) },
+				Progress: func(s backfill.Status) { m.Observe(s); p.show(s) },
 			})
 			p.end(s)
 			if err != nil {
@@ -112,8 +112,8 @@ running elsewhere; --restart starts over.`,
 	}
 	cmd.Flags().StringVar(&where, "where", "", "SQL condition on the table's rows (alias t), e.g. \"t.created_at < now() - interval '7 days'\"")
 	cmd.Flags().Float64Var(&rate, "rate", 0, "at most this many rows per second (0: no limit)")
-	cmd.Flags().IntVar(&chunk, "chunk", subscribers.DefaultBackfillChunk, "rows per chunk (one transaction)")
-	cmd.Flags().IntVar(&workers, "workers", subscribers.DefaultBackfillWorkers, "segments of the key range read side by side, each in its own transactions (a resumed backfill keeps its own)")
+	cmd.Flags().IntVar(&chunk, "chunk", backfill.DefaultChunk, "rows per chunk (one transaction)")
+	cmd.Flags().IntVar(&workers, "workers", backfill.DefaultWorkers, "segments of the key range read side by side, each in its own transactions (a resumed backfill keeps its own)")
 	cmd.Flags().BoolVar(&restart, "restart", false, "start over, whether the last backfill is unfinished or finished (a finished one is otherwise not run again)")
 	cmd.Flags().BoolVar(&pause, "pause", false, "pause the subscriber's running backfill (between chunks)")
 	cmd.Flags().BoolVar(&resume, "resume", false, "resume the subscriber's paused backfill")
@@ -139,7 +139,7 @@ func newBackfillProgress(w io.Writer) *backfillProgress {
 	return p
 }
 
-func (p *backfillProgress) show(s subscribers.BackfillStatus) {
+func (p *backfillProgress) show(s backfill.Status) {
 	if !p.started {
 		p.started, p.fromDone, p.start = true, s.Done, time.Now()
 	}
@@ -154,7 +154,7 @@ func (p *backfillProgress) show(s subscribers.BackfillStatus) {
 	p.print(s)
 }
 
-func (p *backfillProgress) print(s subscribers.BackfillStatus) {
+func (p *backfillProgress) print(s backfill.Status) {
 	elapsed := time.Since(p.start)
 	rate := 0.0
 	if elapsed > 0 {
@@ -183,7 +183,7 @@ func (p *backfillProgress) print(s subscribers.BackfillStatus) {
 	fmt.Fprintln(p.w, line)
 }
 
-func (p *backfillProgress) end(s subscribers.BackfillStatus) {
+func (p *backfillProgress) end(s backfill.Status) {
 	if s.Subscriber == "" {
 		return
 	}

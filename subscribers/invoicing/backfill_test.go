@@ -9,6 +9,7 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/backfill"
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
@@ -58,7 +59,7 @@ func TestBackfillInvoicesOrdersOlderThanTheStream(t *testing.T) {
 		}
 	})
 	cfg := env.Config.Subscribers
-	s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: invoicing.Subscriber,
+	s, err := backfill.Run(ctx, backfill.Options{Declaration: invoicing.Subscriber,
 		Handler: subscribers.Tx(invoicing.New()), Config: cfg, Pool: env.DB.Pool, Logger: env.Logger, Chunk: 50, Rate: 2000})
 	stop.Store(true)
 	wg.Wait()

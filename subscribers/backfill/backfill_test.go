@@ -1,4 +1,4 @@
-package subscribers_test
+package backfill_test
 
 import (
 	"context"
@@ -19,10 +19,20 @@ import (
 
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/backfill"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
 )
+
+func TestMain(m *testing.M) {
+	if url := os.Getenv(backfillChildEnv); url != "" {
+		os.Exit(backfillChild(url)) // the process a backfill test kills
+	}
+	goleak.VerifyTestMain(m)
+}
 
 // tally is a backfilled subscriber whose effect is not idempotent: each
 // event adds 1 to its row's count in backfill_tally, so a row applied twice
@@ -118,10 +128,10 @@ CREATE TABLE backfill_tally (id bigint PRIMARY KEY, n int NOT NULL)`); err != ni
 	return db
 }
 
-func backfillOptions(t testing.TB, pool *pgxpool.Pool, h subscribers.TxHandler) subscribers.BackfillOptions {
+func backfillOptions(t testing.TB, pool *pgxpool.Pool, h subscribers.TxHandler) backfill.Options {
 	cfg := subscribers.DefaultConfig()
 	cfg.RetryMin, cfg.RetryMax, cfg.MaxFailures = 50*time.Millisecond, 200*time.Millisecond, 3
-	return subscribers.BackfillOptions{Declaration: tallyDecl, Handler: subscribers.Tx(h), Config: cfg, Pool: pool,
+	return backfill.Options{Declaration: tallyDecl, Handler: subscribers.Tx(h), Config: cfg, Pool: pool,
 		Logger: subscribertest.Logger(t.(*testing.T)), Chunk: 100, Workers: 2}
 }
 
@@ -215,7 +225,7 @@ func killBackfill(t *testing.T, apart bool) error {
 		}
 		_ = cmd.Process.Signal(syscall.SIGKILL)
 		err := cmd.Wait()
-		s, _, _ := subscribers.BackfillState(context.Background(), db.Pool, "tally")
+		s, _, _ := bookkeeping.New(db.Pool).BackfillGet(context.Background(), "tally")
 		if s.Finished() {
 			break
 		}
@@ -229,7 +239,7 @@ func killBackfill(t *testing.T, apart bool) error {
 	if kills < 2 {
 		t.Fatalf("the backfill finished after %d kills: too fast to test", kills)
 	}
-	s, err := subscribers.RunBackfill(context.Background(), backfillOptions(t, db.Pool, &tally{}))
+	s, err := backfill.Run(context.Background(), backfillOptions(t, db.Pool, &tally{}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -245,7 +255,7 @@ func killBackfill(t *testing.T, apart bool) error {
 const backfillChildEnv = "FANOUT_TEST_BACKFILL_CHILD"
 
 // backfillApartEnv makes the child commit each chunk's checkpoint apart
-// from its effects (BackfillHooks.CheckpointApart).
+// from its effects (Hooks.CheckpointApart).
 const backfillApartEnv = "FANOUT_TEST_BACKFILL_APART"
 
 func backfillChild(url string) int {
@@ -256,7 +266,7 @@ func backfillChild(url string) int {
 	}
 	defer pool.Close()
 	cfg := subscribers.DefaultConfig()
-	opts := subscribers.BackfillOptions{
+	opts := backfill.Options{
 		Declaration: tallyDecl, Handler: subscribers.Tx(tallyBatch{&tally{}}), Config: cfg, Pool: pool,
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, nil)), Chunk: 100, Workers: 2,
 		Rate: 20000, // slow enough to be killed mid-run, many times
@@ -268,7 +278,7 @@ func backfillChild(url string) int {
 		// and the other worker could be between chunks).
 		opts.Hooks.CheckpointApart = 200 * time.Millisecond
 	}
-	_, err = subscribers.RunBackfill(context.Background(), opts)
+	_, err = backfill.Run(context.Background(), opts)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
@@ -277,7 +287,7 @@ func backfillChild(url string) int {
 }
 
 func backfillDone(t *testing.T, pool *pgxpool.Pool) int64 {
-	s, _, err := subscribers.BackfillState(context.Background(), pool, "tally")
+	s, _, err := bookkeeping.New(pool).BackfillGet(context.Background(), "tally")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -297,7 +307,7 @@ func TestBackfillRecordsRowsItCannotApplyAndGoesOn(t *testing.T) {
 			if batch {
 				th = tallyBatch{h}
 			}
-			s, err := subscribers.RunBackfill(context.Background(), backfillOptions(t, db.Pool, th))
+			s, err := backfill.Run(context.Background(), backfillOptions(t, db.Pool, th))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -305,7 +315,7 @@ func TestBackfillRecordsRowsItCannotApplyAndGoesOn(t *testing.T) {
 				t.Fatalf("backfill %+v, want finished with 997 rows done and 3 failed", s)
 			}
 			checkTally(t, db.Pool, -27, 300, 1500)
-			fs, err := subscribers.BackfillFailures(context.Background(), db.Pool, "tally")
+			fs, err := bookkeeping.New(db.Pool).BackfillFailureList(context.Background(), "tally")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -347,7 +357,7 @@ func TestBackfillWaitsThroughPostgresOutages(t *testing.T) {
 			proxy.Restore()
 		}
 	})
-	s, err := subscribers.RunBackfill(context.Background(), opts)
+	s, err := backfill.Run(context.Background(), opts)
 	close(done)
 	wg.Wait()
 	if err != nil {
@@ -369,21 +379,21 @@ func TestBackfillPausesAndResumes(t *testing.T) {
 	opts := backfillOptions(t, db.Pool, slowBatch{tallyBatch{&tally{}}, 100 * time.Millisecond})
 	sawPaused := make(chan struct{})
 	var once sync.Once
-	opts.Progress = func(s subscribers.BackfillStatus) {
+	opts.Progress = func(s backfill.Status) {
 		if s.Paused {
 			once.Do(func() { close(sawPaused) })
 		}
 	}
 	result := make(chan error, 1)
 	go func() {
-		_, err := subscribers.RunBackfill(context.Background(), opts)
+		_, err := backfill.Run(context.Background(), opts)
 		result <- err
 	}()
 	subscribertest.WaitFor(t, 10*time.Second, "some rows done", func() (bool, string) {
 		n := backfillDone(t, db.Pool)
 		return n >= 500, fmt.Sprint(n, " done")
 	})
-	if err := subscribers.PauseBackfill(context.Background(), db.Pool, "tally", true); err != nil {
+	if err := backfill.Pause(context.Background(), db.Pool, "tally", true); err != nil {
 		t.Fatal(err)
 	}
 	// Once the pause returns, nothing more is applied, not even a chunk
@@ -407,7 +417,7 @@ func TestBackfillPausesAndResumes(t *testing.T) {
 	if at >= 3000 {
 		t.Fatalf("paused only after the last row")
 	}
-	if err := subscribers.PauseBackfill(context.Background(), db.Pool, "tally", false); err != nil {
+	if err := backfill.Pause(context.Background(), db.Pool, "tally", false); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -429,23 +439,23 @@ func TestBackfillWhere(t *testing.T) {
 	ctx := context.Background()
 	opts := backfillOptions(t, db.Pool, &tally{})
 	opts.Where = "t.id no_such_operator 3"
-	_, err := subscribers.RunBackfill(ctx, opts)
+	_, err := backfill.Run(ctx, opts)
 	if err == nil || !strings.Contains(err.Error(), "--where") || !strings.Contains(err.Error(), "no_such_operator") {
 		t.Fatalf("a bad --where: %v, want an error naming --where and Postgres's complaint", err)
 	}
 	opts.Where = "t.id % 2 = 0"
 	rctx, cancel := context.WithCancel(ctx)
 	opts.Hooks.AfterRead = func([]int64) { cancel() }
-	if _, err := subscribers.RunBackfill(rctx, opts); !errors.Is(err, context.Canceled) {
+	if _, err := backfill.Run(rctx, opts); !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled backfill: %v", err)
 	}
 	opts.Hooks.AfterRead = nil
 	opts.Where = "t.id > 0"
-	if _, err := subscribers.RunBackfill(ctx, opts); !errors.Is(err, subscribers.ErrBackfillWhere) {
+	if _, err := backfill.Run(ctx, opts); !errors.Is(err, backfill.ErrWhere) {
 		t.Fatalf("resuming with another --where: %v, want ErrBackfillWhere", err)
 	}
 	opts.Where = ""
-	s, err := subscribers.RunBackfill(ctx, opts) // resumes the even ids
+	s, err := backfill.Run(ctx, opts) // resumes the even ids
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -461,7 +471,7 @@ func TestBackfillWhere(t *testing.T) {
 	}
 	// --where cannot write: the read is read-only.
 	opts.Restart, opts.Where = true, "(SELECT count(*) FROM (DELETE FROM backfill_tally RETURNING 1) d) >= 0"
-	if _, err := subscribers.RunBackfill(ctx, opts); err == nil {
+	if _, err := backfill.Run(ctx, opts); err == nil {
 		t.Fatal("a --where that deletes was run")
 	}
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM backfill_tally`).Scan(&even); err != nil || even != 500 {
@@ -471,7 +481,7 @@ func TestBackfillWhere(t *testing.T) {
 	// which a subscriber's role may call): the transaction is read-only
 	// whoever runs the write.
 	opts.Where = "fanout_origin_number('7000000000000000001/forged/1') IS NOT NULL"
-	if _, err := subscribers.RunBackfill(ctx, opts); err == nil || !strings.Contains(err.Error(), "read-only transaction") {
+	if _, err := backfill.Run(ctx, opts); err == nil || !strings.Contains(err.Error(), "read-only transaction") {
 		t.Fatalf("a --where that writes through a SECURITY DEFINER function: %v, want a read-only refusal", err)
 	}
 	var forged int
@@ -479,28 +489,8 @@ func TestBackfillWhere(t *testing.T) {
 		t.Fatalf("event_origins after a --where that writes through a function: %d forged rows (%v), want 0", forged, err)
 	}
 	opts.Where = ""
-	if s, err := subscribers.RunBackfill(ctx, opts); err != nil || s.Total != 1000 {
+	if s, err := backfill.Run(ctx, opts); err != nil || s.Total != 1000 {
 		t.Fatalf("restart: %+v, %v; want a new backfill of 1000 rows", s, err)
-	}
-}
-
-func TestBackfillDeclarationIsValidated(t *testing.T) {
-	d := tallyDecl
-	bf := *d.Backfill
-	bf.EventType = "other.created"
-	bf.Table = "Robert'); DROP TABLE students;--"
-	d.Backfill = &bf
-	err := d.Validate()
-	if err == nil || !strings.Contains(err.Error(), `backfill event type "other.created"`) || !strings.Contains(err.Error(), "backfill table") {
-		t.Fatalf("Validate: %v", err)
-	}
-	d = tallyDecl
-	d.Ordered = true
-	if err := d.Validate(); err == nil || !strings.Contains(err.Error(), "ordered") {
-		t.Fatalf("Validate of an ordered backfill: %v", err)
-	}
-	if g := tallyDecl.AllGrants(); len(g) != 1 || g[0] != "SELECT ON backfill_source" {
-		t.Fatalf("AllGrants: %v", g)
 	}
 }
 
@@ -514,7 +504,7 @@ func TestBackfillSegmentsCoverTheKeys(t *testing.T) {
 		{1, 1000, 2, 2}, {1, 1000, 3, 3}, {-27, 59970, 2, 2}, {5, 5, 4, 1}, {0, 0, 2, 1}, {1, 2, 4, 1},
 		{math.MinInt64, math.MaxInt64, 4, 4}, {math.MinInt64 + 1, -1, 2, 2},
 	} {
-		segs := subscribers.SplitKeys(c.low, c.high, c.n)
+		segs := backfill.SplitKeys(c.low, c.high, c.n)
 		if len(segs) != c.want {
 			t.Errorf("split(%d, %d, %d): %d segments %v, want %d", c.low, c.high, c.n, len(segs), segs, c.want)
 			continue
@@ -541,12 +531,12 @@ func TestAFinishedBackfillIsNotRunAgain(t *testing.T) {
 	t.Parallel()
 	db := tallyDB(t, 300, nil)
 	h := &tally{}
-	first, err := subscribers.RunBackfill(context.Background(), backfillOptions(t, db.Pool, h))
+	first, err := backfill.Run(context.Background(), backfillOptions(t, db.Pool, h))
 	if err != nil || !first.Finished() {
 		t.Fatalf("first run: %+v, %v", first, err)
 	}
 	calls := h.calls.Load()
-	again, err := subscribers.RunBackfill(context.Background(), backfillOptions(t, db.Pool, h))
+	again, err := backfill.Run(context.Background(), backfillOptions(t, db.Pool, h))
 	if err != nil || !again.Finished() || !again.StartedAt.Equal(first.StartedAt) || h.calls.Load() != calls {
 		t.Fatalf("second run: %+v, %v, %d handler calls after %d", again, err, h.calls.Load(), calls)
 	}

@@ -1,4 +1,4 @@
-package subscribers_test
+package backfill_test
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/backfill"
 	"github.com/fanout/fanout/subscribers/orderstatus"
 	"github.com/fanout/fanout/subscribers/subscribertest"
 	"github.com/jackc/pgx/v5"
@@ -129,7 +130,7 @@ func TestANewSubscriberStartsFromTheTruth(t *testing.T) {
 			time.Sleep(time.Millisecond)
 		}
 	}}
-	s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: orderstatus.Subscriber, Handler: subscribers.Tx(paced),
+	s, err := backfill.Run(ctx, backfill.Options{Declaration: orderstatus.Subscriber, Handler: subscribers.Tx(paced),
 		Config: env.Config.Subscribers, Pool: env.DB.Pool, Logger: env.Logger, Chunk: 20, Rate: 400})
 	stop.Store(true)
 	wg.Wait()
@@ -185,7 +186,7 @@ func TestBackfillAndALiveEventApplyInEitherOrder(t *testing.T) {
 					})
 				})
 			}}
-			s, err := subscribers.RunBackfill(ctx, subscribers.BackfillOptions{Declaration: orderstatus.Subscriber,
+			s, err := backfill.Run(ctx, backfill.Options{Declaration: orderstatus.Subscriber,
 				Handler: subscribers.Tx(backfilled), Config: env.Config.Subscribers, Pool: env.DB.Pool, Logger: env.Logger})
 			if err != nil || !s.Finished() {
 				t.Fatalf("backfill %+v: %v", s, err)
