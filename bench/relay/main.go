@@ -5,7 +5,7 @@
 //	(b) the naive publisher (poll every 2 s, batch 50, one synchronous publish
 //	    after another, then mark) for a fixed 20 s, rows/s
 //	(c) raw JetStream async publish of 200k messages with msg ids, no Postgres
-//	(m) the same of the relay's own messages (relay.Message: the contract's
+//	(m) the same of the relay's own messages (wire.Encode: the contract's
 //	    headers), no Postgres: the ceiling a relay carrying them can reach
 //	writer cost: price-update tx/s at 8 connections without and with the
 //	    outbox insert and its wake-up (and with a NOTIFY in every transaction)
@@ -200,7 +200,7 @@ func run(ctx context.Context) error {
 		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %s\n    %s\n", *rows, c.Format("%.0f msgs/s"), cpuC)
 	}
 	if want("m") {
-		fmt.Printf("(m) raw JetStream async publish of the relay's own messages (relay.Message: its headers), %d msgs: %s\n    %s\n", *rows, m.Format("%.0f msgs/s"), cpuM)
+		fmt.Printf("(m) raw JetStream async publish of the relay's own messages (wire.Encode: its headers), %d msgs: %s\n    %s\n", *rows, m.Format("%.0f msgs/s"), cpuM)
 	}
 	if *only != "" && want("f") {
 		fmt.Printf("(f) the same messages as m in one fast-ingest batch (allow_batched, an acknowledgement per 100): %s\n    %s\n", f.Format("%.0f msgs/s"), cpuF)
