@@ -67,17 +67,28 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 		return nil, err
 	}
 	out := &streamContents{byID: map[int64][]uint64{}}
-	ident, err := outbox.NewStore(r.pool()).ReadIdentity(ctx)
+	ident, err := outboxstore.New(r.pool()).ReadIdentity(ctx)
 	if err != nil {
 		return nil, err
 	}
 	if info.State.Msgs == 0 {
 		return out, nil
 	}
-	// A cluster may still be electing leaders after the heal: a request
-	// that finds no responder, or times out, is tried again (for up to
-	// readPatience) from the sequence after the last one read, so nothing
-	// is read twice or skipped.
+	if err := r.fetchStream(ctx, s, info.State.LastSeq, ident, out); err != nil {
+		return nil, err
+	}
+	if uint64(len(out.bySeq)+len(out.foreign)) != info.State.Msgs {
+		return nil, fmt.Errorf("read %d messages, the stream reports %d", len(out.bySeq)+len(out.foreign), info.State.Msgs)
+	}
+	return out, nil
+}
+
+// fetchStream reads s's messages up to lastSeq into out. A cluster may
+// still be electing leaders after the heal: a request that finds no
+// responder, or times out, is tried again (for up to readPatience) from
+// the sequence after the last one read, so nothing is read twice or
+// skipped.
+func (r *run) fetchStream(ctx context.Context, s jetstream.Stream, lastSeq uint64, ident *outbox.Identity, out *streamContents) error {
 	deadline := time.Now().Add(readPatience)
 	var oc jetstream.Consumer
 	last := uint64(0)
@@ -90,15 +101,16 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 		time.Sleep(time.Second)
 		return nil
 	}
-	for last < info.State.LastSeq {
+	for last < lastSeq {
 		if oc == nil {
 			cfg := jetstream.OrderedConsumerConfig{}
 			if last > 0 {
 				cfg.DeliverPolicy, cfg.OptStartSeq = jetstream.DeliverByStartSequencePolicy, last+1
 			}
+			var err error
 			if oc, err = s.OrderedConsumer(ctx, cfg); err != nil {
 				if err := retry(err); err != nil {
-					return nil, err
+					return err
 				}
 				continue
 			}
@@ -106,84 +118,122 @@ func (r *run) readStream(ctx context.Context) (*streamContents, error) {
 		batch, err := oc.Fetch(1000, jetstream.FetchMaxWait(5*time.Second))
 		if err != nil {
 			if err := retry(err); err != nil {
-				return nil, err
+				return err
 			}
 			continue
 		}
 		n := 0
 		for m := range batch.Messages() {
 			n++
-			md, err := m.Metadata()
-			if err != nil {
-				return nil, err
+			if last, err = out.add(m, ident); err != nil {
+				return err
 			}
-			last = md.Sequence.Stream
-			id, err := strconv.ParseInt(m.Headers().Get(wire.EventIDHeader), 10, 64)
-			if err != nil {
-				return nil, fmt.Errorf("message %d carries no event id: %w", last, err)
-			}
-			if o := m.Headers().Get(wire.OriginHeader); o != ident.OriginOf(id) {
-				// Not this run's event, whatever its id: kept out of every
-				// other check (invariant 10 reports it).
-				out.foreign = append(out.foreign, fmt.Sprintf("sequence %d: event %d of origin %q, not %q", last, id, o, ident.OriginOf(id)))
-				continue
-			}
-			out.bySeq = append(out.bySeq, event{id: id, seq: last, subj: m.Subject(), typ: m.Headers().Get(wire.EventTypeHeader), body: m.Data(),
-				repairedFrom: m.Headers().Get(wire.RepairedHeader),
-				tx:           txOf(m.Headers())})
-			out.byID[id] = append(out.byID[id], last)
 		}
 		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) {
 			if err := retry(err); err != nil {
-				return nil, err
+				return err
 			}
 			continue
 		}
 		if n == 0 {
-			if err := retry(fmt.Errorf("the stream reports messages up to sequence %d, but nothing came", info.State.LastSeq)); err != nil {
-				return nil, err
+			if err := retry(fmt.Errorf("the stream reports messages up to sequence %d, but nothing came", lastSeq)); err != nil {
+				return err
 			}
 		}
 	}
-	if uint64(len(out.bySeq)+len(out.foreign)) != info.State.Msgs {
-		return nil, fmt.Errorf("read %d messages, the stream reports %d", len(out.bySeq)+len(out.foreign), info.State.Msgs)
+	return nil
+}
+
+// add files message m under this run's events, or under foreign, and
+// returns its stream sequence.
+func (c *streamContents) add(m jetstream.Msg, ident *outbox.Identity) (uint64, error) {
+	md, err := m.Metadata()
+	if err != nil {
+		return 0, err
 	}
-	return out, nil
+	seq := md.Sequence.Stream
+	id, err := strconv.ParseInt(m.Headers().Get(wire.EventIDHeader), 10, 64)
+	if err != nil {
+		return seq, fmt.Errorf("message %d carries no event id: %w", seq, err)
+	}
+	if o := m.Headers().Get(wire.OriginHeader); o != ident.OriginOf(id) {
+		// Not this run's event, whatever its id: kept out of every
+		// other check (invariant 10 reports it).
+		c.foreign = append(c.foreign, fmt.Sprintf("sequence %d: event %d of origin %q, not %q", seq, id, o, ident.OriginOf(id)))
+		return seq, nil
+	}
+	c.bySeq = append(c.bySeq, event{id: id, seq: seq, subj: m.Subject(), typ: m.Headers().Get(wire.EventTypeHeader), body: m.Data(),
+		repairedFrom: m.Headers().Get(wire.RepairedHeader),
+		tx:           txOf(m.Headers())})
+	c.byID[id] = append(c.byID[id], seq)
+	return seq, nil
+}
+
+// outboxRows is what checkOutbox finds, row by row, in the outbox.
+type outboxRows struct {
+	notSent, unexpectedFailed, missing, twice, failedPublished []string
+	// wronglyNumbered: rows of a type the outbox does not number, with a
+	// number.
+	wronglyNumbered []string
+	sent            map[int64]bool
+	numbered        map[int64]aggregateEvent
+	skipped         map[int64]bool // of a type the outbox does not number
 }
 
 // checkOutbox: every committed outbox row is sent (and then in the stream
 // exactly once) or failed with a reason, and only the planted rows failed;
 // the stream holds nothing that is not a sent row.
 func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
-	rep, p := r.report, r.planted
+	rep := r.report
 	var err error
-	if rep.Ranges, rep.SealedRanges, rep.DefaultRows, err = outbox.NewStore(r.pool()).RangeCounts(ctx); err != nil {
+	if rep.Ranges, rep.SealedRanges, rep.DefaultRows, err = outboxstore.New(r.pool()).RangeCounts(ctx); err != nil {
 		rep.violate("1 (read the outbox's ranges)", err.Error())
 		return
 	}
-	rows, err := r.pool().Query(ctx, `SELECT id, status, coalesce(last_error, ''), aggregate_type || '/' || aggregate_id, aggregate_seq, event_type FROM outbox ORDER BY id`)
+	rows, err := r.readOutboxRows(ctx, stream)
 	if err != nil {
 		rep.violate("1 (read the outbox)", err.Error())
 		return
 	}
-	var notSent, unexpectedFailed, missing, twice, failedPublished []string
-	sent := map[int64]bool{}
-	numbered := map[int64]aggregateEvent{}
-	skipped := map[int64]bool{} // of a type the outbox does not number
-	var wronglyNumbered []string
+	r.reportOutboxRows(rows, stream)
+	r.checkAggregateOrder(stream, rows.sent, rows.numbered, rows.skipped)
+	if r.o.Atomic == relay.AtomicTransaction {
+		r.checkTransactions(ctx, stream)
+	}
+	var phantoms []string
+	for id, seqs := range stream.byID {
+		if !rows.sent[id] {
+			phantoms = append(phantoms, fmt.Sprintf("event %d at %v", id, seqs))
+		}
+	}
+	if len(phantoms) > 0 {
+		slices.Sort(phantoms)
+		rep.violate("1 (the stream holds only sent rows)", head(phantoms))
+	}
+}
+
+// readOutboxRows reads every outbox row, sorts it by what became of it and
+// where the stream holds it, and counts the rows in the report.
+func (r *run) readOutboxRows(ctx context.Context, stream *streamContents) (*outboxRows, error) {
+	rep, p := r.report, r.planted
+	rows, err := r.pool().Query(ctx, `SELECT id, status, coalesce(last_error, ''), aggregate_type || '/' || aggregate_id, aggregate_seq, event_type FROM outbox ORDER BY id`)
+	if err != nil {
+		return nil, err
+	}
+	out := &outboxRows{sent: map[int64]bool{}, numbered: map[int64]aggregateEvent{}, skipped: map[int64]bool{}}
 	var id int64
 	var status, reason, aggregate, eventType string
 	var number *int64
 	_, err = pgx.ForEachRow(rows, []any{&id, &status, &reason, &aggregate, &number, &eventType}, func() error {
 		rep.OutboxRows++
 		if slices.Contains(r.o.Unnumbered, eventType) {
-			skipped[id] = true
+			out.skipped[id] = true
 			rep.Unnumbered++
 			if number != nil {
-				wronglyNumbered = append(wronglyNumbered, fmt.Sprintf("%d (%s, number %d)", id, eventType, *number))
+				out.wronglyNumbered = append(out.wronglyNumbered, fmt.Sprintf("%d (%s, number %d)", id, eventType, *number))
 			}
 		} else if number != nil {
-			numbered[id] = aggregateEvent{aggregate, *number}
+			out.numbered[id] = aggregateEvent{aggregate, *number}
 		}
 		want, isPlanted := p.failedRows[id]
 		switch {
@@ -191,53 +241,55 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 			// In wal capture the relay publishes rows it decodes and
 			// leaves them pending: each must be in the stream all the
 			// same.
-			sent[id] = true
+			out.sent[id] = true
 			switch n := len(stream.byID[id]); {
 			case n == 0:
-				missing = append(missing, strconv.FormatInt(id, 10))
+				out.missing = append(out.missing, strconv.FormatInt(id, 10))
 			case n > 1:
-				twice = append(twice, fmt.Sprintf("%d (sequences %v)", id, stream.byID[id]))
+				out.twice = append(out.twice, fmt.Sprintf("%d (sequences %v)", id, stream.byID[id]))
 			}
 		case status != "failed":
-			notSent = append(notSent, fmt.Sprintf("%d (%s)", id, status))
+			out.notSent = append(out.notSent, fmt.Sprintf("%d (%s)", id, status))
 		case reason == "":
-			notSent = append(notSent, fmt.Sprintf("%d (failed without a reason)", id))
+			out.notSent = append(out.notSent, fmt.Sprintf("%d (failed without a reason)", id))
 		case !isPlanted || !strings.Contains(reason, want):
 			rep.FailedRows++
-			unexpectedFailed = append(unexpectedFailed, fmt.Sprintf("%d (%s)", id, reason))
+			out.unexpectedFailed = append(out.unexpectedFailed, fmt.Sprintf("%d (%s)", id, reason))
 		default:
 			rep.FailedRows++
 			if len(stream.byID[id]) > 0 {
-				failedPublished = append(failedPublished, strconv.FormatInt(id, 10))
+				out.failedPublished = append(out.failedPublished, strconv.FormatInt(id, 10))
 			}
 		}
 		return nil
 	})
-	if err != nil {
-		rep.violate("1 (read the outbox)", err.Error())
-		return
+	return out, err
+}
+
+// reportOutboxRows reports the violations readOutboxRows found.
+func (r *run) reportOutboxRows(rows *outboxRows, stream *streamContents) {
+	rep, p := r.report, r.planted
+	if len(rows.notSent) > 0 {
+		rep.violate("1 (every committed row sent or failed with a reason)", "rows "+head(rows.notSent))
 	}
-	if len(notSent) > 0 {
-		rep.violate("1 (every committed row sent or failed with a reason)", "rows "+head(notSent))
-	}
-	if len(missing) > 0 {
-		rep.violate("1 (every sent row is in the stream)", fmt.Sprintf("%d sent rows missing from the stream: %s", len(missing), head(missing)))
+	if len(rows.missing) > 0 {
+		rep.violate("1 (every sent row is in the stream)", fmt.Sprintf("%d sent rows missing from the stream: %s", len(rows.missing), head(rows.missing)))
 	}
 	if len(stream.foreign) > 0 {
 		rep.violate("10 (every event carries its database's identity)", fmt.Sprintf("%d messages of another origin: %s", len(stream.foreign), head(stream.foreign)))
 	}
-	if len(twice) > 0 {
-		rep.violate("2 (every sent row is in the stream once)", fmt.Sprintf("%d events stored more than once: %s", len(twice), head(twice)))
+	if len(rows.twice) > 0 {
+		rep.violate("2 (every sent row is in the stream once)", fmt.Sprintf("%d events stored more than once: %s", len(rows.twice), head(rows.twice)))
 	}
-	if len(unexpectedFailed) > 0 {
-		rep.violate("5 (only planted rows failed)", "rows "+head(unexpectedFailed))
+	if len(rows.unexpectedFailed) > 0 {
+		rep.violate("5 (only planted rows failed)", "rows "+head(rows.unexpectedFailed))
 	}
-	if len(failedPublished) > 0 {
-		rep.violate("5 (a failed row is never published)", "rows "+head(failedPublished))
+	if len(rows.failedPublished) > 0 {
+		rep.violate("5 (a failed row is never published)", "rows "+head(rows.failedPublished))
 	}
 	var plantedNotFailed []string
 	for id := range p.failedRows {
-		if sent[id] {
+		if rows.sent[id] {
 			plantedNotFailed = append(plantedNotFailed, strconv.FormatInt(id, 10))
 		}
 	}
@@ -245,22 +297,8 @@ func (r *run) checkOutbox(ctx context.Context, stream *streamContents) {
 		rep.violate("5 (planted rows failed)", fmt.Sprintf("%d rows failed, %d were planted to; planted but sent: %s",
 			rep.FailedRows, len(p.failedRows), head(plantedNotFailed)))
 	}
-	if len(wronglyNumbered) > 0 {
-		rep.violate("8 (an event of a type the outbox does not number has no number)", "rows "+head(wronglyNumbered))
-	}
-	r.checkAggregateOrder(stream, sent, numbered, skipped)
-	if r.o.Atomic == relay.AtomicTransaction {
-		r.checkTransactions(ctx, stream)
-	}
-	var phantoms []string
-	for id, seqs := range stream.byID {
-		if !sent[id] {
-			phantoms = append(phantoms, fmt.Sprintf("event %d at %v", id, seqs))
-		}
-	}
-	if len(phantoms) > 0 {
-		slices.Sort(phantoms)
-		rep.violate("1 (the stream holds only sent rows)", head(phantoms))
+	if len(rows.wronglyNumbered) > 0 {
+		rep.violate("8 (an event of a type the outbox does not number has no number)", "rows "+head(rows.wronglyNumbered))
 	}
 }
 

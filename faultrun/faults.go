@@ -346,32 +346,75 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 	defer r.locks.nats.Unlock()
 	r.locks.deadLetters.Lock() // the store holds the dead-letter stream's configuration too
 	defer r.locks.deadLetters.Unlock()
-	each := func(what string, fn func(s *natstest.Server) error) {
-		var wg sync.WaitGroup
-		for _, s := range r.nats {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for attempt := 0; ; attempt++ {
-					err := fn(s)
-					if err == nil {
-						return
-					}
-					if attempt == 5 {
-						r.report.violate("setup", "nats-server "+what+": "+err.Error())
-						return
-					}
-					r.o.Logf("chaos: nats-server %s: %v", what, err)
-					time.Sleep(time.Second)
-				}
-			}()
-		}
-		wg.Wait()
-	}
 	before, fromSeq := r.streamState()
+	snapshots := r.copyStores()
+	sleepCtx(ctx, d)
+	// The roles' connections cut (they go through the proxies; this run's
+	// administrator does not) before the last sequence is read: a publish
+	// between the read and the kill would be lost from a sequence the
+	// checker does not know was taken away.
+	for _, p := range r.nproxy {
+		p.Cut()
+	}
+	defer func() {
+		for _, p := range r.nproxy {
+			p.Restore()
+		}
+	}()
+	time.Sleep(500 * time.Millisecond) // what the cut connections had sent, stored
+	_, toSeq := r.streamState()
+	killed := time.Now()
+	r.onEveryServer("kill, roll its store back, start", func(s *natstest.Server) error {
+		if s.Running() {
+			s.Kill()
+		}
+		if err := s.RollBack(snapshots[s]); err != nil {
+			return err
+		}
+		return s.Restart()
+	})
+	// What the restored stores hold (the roles cannot publish yet: their
+	// proxies are cut). Below the sequence read before the copy if the
+	// stop for the copy lost messages itself: they are lost to this fault
+	// all the same.
+	_, rolledTo := r.streamState()
+	r.recordRollback(fromSeq, toSeq, rolledTo, killed)
+	r.o.Logf("chaos: JetStream's stores rolled back %s: the stream held %d messages (last sequence %d) when its store was copied, %d after the rollback, and has lost what it acknowledged through sequence %d",
+		d, before, fromSeq, rolledTo, toSeq)
+	r.rejoinLate()
+}
+
+// onEveryServer runs fn on every nats-server at once, each tried up to 6
+// times; one that still fails is a violation of the run's setup.
+func (r *run) onEveryServer(what string, fn func(s *natstest.Server) error) {
+	var wg sync.WaitGroup
+	for _, s := range r.nats {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for attempt := 0; ; attempt++ {
+				err := fn(s)
+				if err == nil {
+					return
+				}
+				if attempt == 5 {
+					r.report.violate("setup", "nats-server "+what+": "+err.Error())
+					return
+				}
+				r.o.Logf("chaos: nats-server %s: %v", what, err)
+				time.Sleep(time.Second)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+// copyStores stops each server, copies its store (as a disk image is
+// taken) and starts it again; it returns the copies.
+func (r *run) copyStores() map[*natstest.Server]string {
 	snapshots := make(map[*natstest.Server]string, len(r.nats))
 	var mu sync.Mutex
-	each("stop, copy its store, start", func(s *natstest.Server) error {
+	r.onEveryServer("stop, copy its store, start", func(s *natstest.Server) error {
 		if s.Running() {
 			s.Stop()
 		}
@@ -389,36 +432,14 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 		}
 		return s.Restart()
 	})
-	sleepCtx(ctx, d)
-	// The roles' connections cut (they go through the proxies; this run's
-	// administrator does not) before the last sequence is read: a publish
-	// between the read and the kill would be lost from a sequence the
-	// checker does not know was taken away.
-	for _, p := range r.nproxy {
-		p.Cut()
-	}
-	defer func() {
-		for _, p := range r.nproxy {
-			p.Restore()
-		}
-	}()
-	time.Sleep(500 * time.Millisecond) // what the cut connections had sent, stored
-	_, toSeq := r.streamState()
-	killed := time.Now()
-	each("kill, roll its store back, start", func(s *natstest.Server) error {
-		if s.Running() {
-			s.Kill()
-		}
-		if err := s.RollBack(snapshots[s]); err != nil {
-			return err
-		}
-		return s.Restart()
-	})
-	// What the restored stores hold (the roles cannot publish yet: their
-	// proxies are cut). Below the sequence read before the copy if the
-	// stop for the copy lost messages itself: they are lost to this fault
-	// all the same.
-	_, rolledTo := r.streamState()
+	return snapshots
+}
+
+// recordRollback records the sequences a store rollback took away (from
+// after the lower of fromSeq, read before the copy, and rolledTo, read
+// after the rollback, through toSeq, read before the kill), and when it
+// killed the servers.
+func (r *run) recordRollback(fromSeq, toSeq, rolledTo int64, killed time.Time) {
 	if fromSeq >= 0 && toSeq >= 0 && rolledTo >= 0 {
 		// The sequences the rollback took away: an event the auditor
 		// publishes again was lost from one of them.
@@ -431,9 +452,6 @@ func (r *run) rollBackJetStream(ctx context.Context, d time.Duration) {
 	r.lostMu.Lock()
 	r.rolledBack = killed // a lookback begun since saw the rolled-back stores, or failed
 	r.lostMu.Unlock()
-	r.o.Logf("chaos: JetStream's stores rolled back %s: the stream held %d messages (last sequence %d) when its store was copied, %d after the rollback, and has lost what it acknowledged through sequence %d",
-		d, before, fromSeq, rolledTo, toSeq)
-	r.rejoinLate()
 }
 
 // streamState is how many messages stream EVENTS holds and its last

@@ -26,7 +26,6 @@ import (
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/redistest"
 	"github.com/fanout/fanout/internal/testenv/repo"
-	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
@@ -43,11 +42,26 @@ import (
 const sabotageNumberingNotSkipped = "numbering-not-skipped"
 
 func (r *run) setup() {
+	r.startPostgres()
+	r.startNATS()
+	r.startRedis()
+	r.connectSearch()
+	r.connectAdmins()
+	env := r.roleEnv()
+	if r.passwords != nil {
+		r.provision(env)
+	}
+	r.startRoles(env)
+}
+
+// startPostgres starts the run's database, with the outbox's numbering
+// and the tables the run's subscribers need.
+func (r *run) startPostgres() {
 	t := r.t
 	r.pg = pgtest.StartServer(t)
 	r.db = r.pg.NewDB(t)
 	if len(r.o.Unnumbered) > 0 && r.o.Sabotage != sabotageNumberingNotSkipped {
-		if err := outbox.NewStore(r.db.Pool).SetNumbering(context.Background(), r.o.Unnumbered); err != nil {
+		if err := outboxstore.New(r.db.Pool).SetNumbering(context.Background(), r.o.Unnumbered); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -57,38 +71,52 @@ func (r *run) setup() {
 			t.Fatal(err)
 		}
 	}
+}
+
+// startNATS starts the nats-server (or the cluster), each node behind a
+// proxy.
+func (r *run) startNATS() {
+	t := r.t
 	if r.o.Cluster {
 		r.passwords = clusterPasswords(t)
 		r.nats = startCluster(t, r.passwords)
 	} else {
 		r.nats = []*natstest.Server{natstest.Start(t)}
 	}
-	var urls []string
 	for _, s := range r.nats {
-		p, err := faultproxy.New(strings.TrimPrefix(s.URL, "nats://"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		r.nproxy = append(r.nproxy, p)
-		urls = append(urls, "nats://"+p.Addr)
+		r.nproxy = append(r.nproxy, r.newProxy(strings.TrimPrefix(s.URL, "nats://")))
 	}
-	redisSrv := redistest.Start(t)
-	r.rdb = redisSrv.Client(t)
-	// Roles and the cache reader reach Redis through a proxy, so it can be
-	// made unreachable without losing its data (tombstones included).
-	rp, err := faultproxy.New(redisSrv.Addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.rproxy = rp
-	r.search = searchtest.Client(t, search.OpenSearch)
-	r.alias = searchtest.Alias(t, r.search)
-	sp, err := faultproxy.New(strings.TrimPrefix(searchtest.URL(), "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.sproxy = sp
+}
 
+// startRedis starts Redis. Roles and the cache reader reach it through a
+// proxy, so it can be made unreachable without losing its data
+// (tombstones included).
+func (r *run) startRedis() {
+	redisSrv := redistest.Start(r.t)
+	r.rdb = redisSrv.Client(r.t)
+	r.rproxy = r.newProxy(redisSrv.Addr)
+}
+
+// connectSearch makes the run's alias in the search engine, which the
+// roles reach through a proxy.
+func (r *run) connectSearch() {
+	r.search = searchtest.Client(r.t, search.OpenSearch)
+	r.alias = searchtest.Alias(r.t, r.search)
+	r.sproxy = r.newProxy(strings.TrimPrefix(searchtest.URL(), "http://"))
+}
+
+// newProxy starts a proxy to addr, for the faults to cut.
+func (r *run) newProxy(addr string) *faultproxy.Proxy {
+	p, err := faultproxy.New(addr)
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	return p
+}
+
+// connectAdmins connects the run as the streams' administrators, to the
+// nodes directly: no fault cuts the checker off.
+func (r *run) connectAdmins() {
 	var directURLs []string
 	for _, s := range r.nats {
 		directURLs = append(directURLs, s.URL)
@@ -98,10 +126,18 @@ func (r *run) setup() {
 	if r.passwords != nil {
 		r.adminDL, r.jsDL = r.adminConn(directURLs, "admin_deadletter")
 	}
+}
 
+// roleEnv is every role's environment: this process's without its FANOUT_
+// variables, and the run's configuration, through the proxies.
+func (r *run) roleEnv() []string {
 	replicas := "1"
 	if r.o.Cluster {
 		replicas = "3"
+	}
+	var urls []string
+	for _, p := range r.nproxy {
+		urls = append(urls, "nats://"+p.Addr)
 	}
 	var env []string
 	for _, kv := range os.Environ() {
@@ -112,8 +148,8 @@ func (r *run) setup() {
 	env = append(env,
 		"FANOUT_POSTGRES_URL="+r.db.URL,
 		"FANOUT_NATS_URL="+strings.Join(urls, ","),
-		"FANOUT_REDIS_URL=redis://"+rp.Addr+"/0",
-		"FANOUT_SEARCH_ENGINE=opensearch", "FANOUT_SEARCH_URL=http://"+sp.Addr, "FANOUT_SEARCH_ALIAS="+r.alias,
+		"FANOUT_REDIS_URL=redis://"+r.rproxy.Addr+"/0",
+		"FANOUT_SEARCH_ENGINE=opensearch", "FANOUT_SEARCH_URL=http://"+r.sproxy.Addr, "FANOUT_SEARCH_ALIAS="+r.alias,
 		"FANOUT_STREAM_REPLICAS="+replicas,
 		"FANOUT_LOG_FORMAT=json", "FANOUT_LOG_LEVEL=debug", "FANOUT_HTTP_ADDR=127.0.0.1:0",
 		"FANOUT_RELAY_POLL_INTERVAL=100ms", "FANOUT_RELAY_LEASE=10s", "FANOUT_RELAY_PUBLISH_TIMEOUT=5s", "FANOUT_RELAY_REAP_INTERVAL=1s",
@@ -141,8 +177,14 @@ func (r *run) setup() {
 		// the streams and consumers, and every role only checks them, each
 		// as its own user.
 		env = append(env, "FANOUT_STREAM_PROVISION=verify", "FANOUT_SUBSCRIBERS_DEAD_LETTER_PROVISION=verify")
-		r.provision(env)
 	}
+	return env
+}
+
+// startRoles starts the relays and the subscribers (those that join late
+// only prepared), seeds the shop, and waits for the consumers.
+func (r *run) startRoles(env []string) {
+	t := r.t
 	// The relay first (it creates the stream), then the subscribers.
 	specs := [][]string{{"relay-1", "relay"}, {"relay-2", "relay"}}
 	for _, name := range r.subscriberNames() {
