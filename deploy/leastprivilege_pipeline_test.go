@@ -160,7 +160,7 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	invNC := natsConn(t, cfg, ns, "invoicing", logger)
 	startInvoicing := func() *subscribers.Runner {
 		t.Helper()
-		r, err := subscribers.New(subscribers.Options{Handler: subscribers.Tx(invoicing.New()), Config: cfg.Subscribers, Stream: cfg.Stream,
+		r, err := subscribers.New(subscribers.Options{Declaration: invoicing.Subscriber, Handler: subscribers.Tx(invoicing.New()), Config: cfg.Subscribers, Stream: cfg.Stream,
 			Pool: invPool, Conn: invNC, Logger: logger})
 		if err != nil {
 			t.Fatal(err)

@@ -56,7 +56,7 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	ids := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
 		return []outbox.Event{orderEvent(missing), orderEvent(missing + 1), orderEvent(missing + 2)}, nil
 	})
-	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	env.StartRunner(invoicing.Subscriber, nil)
 	subscribertest.WaitFor(t, 30*time.Second, "three dead letters", func() (bool, string) {
 		n := len(env.DeadLetters(invoicing.Name))
 		return n == 3, strconv.Itoa(n)
@@ -133,7 +133,7 @@ func TestDeadLettersAndStatus(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	runner := env.NewRunner(subscribers.Tx(invoicing.New()), nil)
+	runner := env.NewRunner(invoicing.Subscriber, nil)
 	runnerOf := func(name string) (*subscribers.Runner, error) {
 		if name != invoicing.Name {
 			t.Fatalf("redrive asked for subscriber %s", name)
@@ -193,7 +193,7 @@ func TestForgedLettersAreNotRedriven(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	cfg := env.Config
 	ids := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) { return []outbox.Event{orderEvent(1 << 41)}, nil })
-	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	env.StartRunner(invoicing.Subscriber, nil)
 	subscribertest.WaitFor(t, 30*time.Second, "the real dead letter", func() (bool, string) {
 		return len(env.DeadLetters(invoicing.Name)) == 1, ""
 	})
@@ -270,7 +270,7 @@ func TestForgedLettersAreNotRedriven(t *testing.T) {
 		}
 	}
 	runnerOf := func(string) (*subscribers.Runner, error) {
-		return env.NewRunner(subscribers.Tx(invoicing.New()), nil), nil
+		return env.NewRunner(invoicing.Subscriber, nil), nil
 	}
 	done, err := dl.Redrive(ctx, []operator.Letter{never, notDead}, runnerOf, true, "")
 	if err != nil || len(done) != 2 || done[0].Err == nil || done[1].Err == nil {
@@ -332,7 +332,7 @@ func TestAnotherDatabasesLetterIsNotReadFromThisOutbox(t *testing.T) {
 	if _, err := env.JS.PublishMsg(ctx, m, jetstream.WithMsgID(wire.MsgID(other, ids[0]))); err != nil {
 		t.Fatal(err)
 	}
-	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	env.StartRunner(invoicing.Subscriber, nil)
 	subscribertest.WaitFor(t, 30*time.Second, "both events dead-lettered", func() (bool, string) {
 		return len(env.DeadLetters(invoicing.Name)) == 2, fmt.Sprintf("%d letters", len(env.DeadLetters(invoicing.Name)))
 	})

@@ -15,9 +15,10 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Declaration is everything fanout knows about a subscriber: enough to run
-// it (New), to provision its consumer (Name, EventTypes), and to derive its
-// deployment (its NATS user and permissions, its Postgres role and grants,
+// Declaration is everything fanout knows about a subscriber, and the one
+// place each of it is said: enough to run it (New, and its Name,
+// EventTypes and Ordered, which the runtime takes from here), to provision
+// its consumer (Name, EventTypes), and to derive its deployment (its NATS user and permissions, its Postgres role and grants,
 // its compose service and secrets; see `fanout deploy`). A subscriber's
 // package declares it; the registry (package subscribers/registry) lists
 // the declarations, one line each.
@@ -46,8 +47,9 @@ type Declaration struct {
 	// the writers' domain that it only reads are not listed here.
 	Tables []string
 	// Ordered: the subscriber applies each aggregate's events in order, one
-	// at a time per aggregate (its handler is made by OrderedTx). Its
-	// consumer pins one instance at a time; its role may write its rows of
+	// at a time per aggregate (its handler, made by Tx, commits its
+	// per-aggregate checkpoint with its effects). Its consumer pins one
+	// instance at a time; its role may write its rows of
 	// subscriber_aggregates.
 	Ordered bool
 	// Backfill, if set, is how its state derives from Postgres: `fanout
@@ -169,21 +171,26 @@ func (d Declaration) AllGrants() []string {
 }
 
 // Build runs the declaration's constructor and checks that the handler it
-// returns is the one declared.
+// returns is one the declaration can run.
 func (d Declaration) Build(deps Deps) (Handler, error) {
 	h, err := d.New(deps)
 	if err != nil {
 		return Handler{}, fmt.Errorf("subscriber %s: %w", d.Name, err)
 	}
-	if h.named == nil {
-		return Handler{}, fmt.Errorf("subscriber %s: its constructor returned no handler", d.Name)
-	}
-	if h.Ordered() != d.Ordered {
-		return Handler{}, fmt.Errorf("subscriber %s: its declaration says ordered=%t, its handler ordered=%t (make an ordered one with subscribers.OrderedTx)", d.Name, d.Ordered, h.Ordered())
-	}
-	if h.Name() != d.Name || !slices.Equal(h.EventTypes(), d.EventTypes) {
-		return Handler{}, fmt.Errorf("subscriber %s: its handler says %q with %v, its declaration %q with %v",
-			d.Name, h.Name(), h.EventTypes(), d.Name, d.EventTypes)
+	if err := d.runs(h); err != nil {
+		return Handler{}, err
 	}
 	return h, nil
+}
+
+// runs checks that the declaration can run h: a handler made by Tx or
+// Each, and by Tx if the subscriber is ordered.
+func (d Declaration) runs(h Handler) error {
+	if h.IsZero() {
+		return fmt.Errorf("subscriber %s: no handler (make one with subscribers.Tx or subscribers.Each)", d.Name)
+	}
+	if _, tx := h.TxHandler(); d.Ordered && !tx {
+		return fmt.Errorf("subscriber %s is ordered: its handler must be made by subscribers.Tx (its per-aggregate checkpoint commits with its effects)", d.Name)
+	}
+	return nil
 }

@@ -1,14 +1,15 @@
 // Package subscribers is the consumer runtime every subscriber runs on, and
 // the parent of one package per subscriber (invoicing, cacheinval, ...).
 //
-// A subscriber has a name (its durable consumer's name, stable forever),
-// the event types it wants, and a method that handles one event: HandleTx
-// (a TxHandler, whose effects commit with its checkpoint) or Handle (an
-// EventHandler, whose effects live outside Postgres). Which one runs is
-// chosen where the handler is made, by the compiler: subscribers.Tx(h) or
-// subscribers.Each(h) make the Handler the runtime takes. A
-// DependentHandler also names what it needs besides Postgres, with a probe
-// each. The runtime gives each subscriber one durable pull consumer on
+// A subscriber is declared once (Declaration): its name (its durable
+// consumer's name, stable forever), the event types it wants, whether it
+// is ordered, and how its handler is made. The handler has a method that
+// handles one event: HandleTx (a TxHandler, whose effects commit with its
+// checkpoint) or Handle (an EventHandler, whose effects live outside
+// Postgres). Which one runs is chosen where the handler is made, by the
+// compiler: subscribers.Tx(h) or subscribers.Each(h) make the Handler the
+// runtime takes. A DependentHandler also names what it needs besides
+// Postgres, with a probe each. The runtime gives each subscriber one durable pull consumer on
 // the events stream, shared by all its instances, and turns the handler's
 // result into the message's fate:
 //
@@ -51,8 +52,8 @@
 // # Ordered subscribers
 //
 // A subscriber whose handler applies each event's payload in turn (an
-// order's state machine, a balance, a projection) declares itself Ordered
-// and is made with OrderedTx. Each aggregate's events then reach its
+// order's state machine, a balance, a projection) declares itself Ordered,
+// its handler made with Tx. Each aggregate's events then reach its
 // handler one at a time, in their aggregate's order (outbox.aggregate_seq,
 // the Fanout-Aggregate-Seq header, which the relay publishes in order),
 // while different aggregates run side by side, up to
@@ -103,8 +104,8 @@
 //     held letters, in order. With skip, the aggregate moves past the
 //     dead-lettered event at once.
 //
-// An ordered subscriber's effects must be in Postgres (OrderedTx): the
-// per-aggregate checkpoint commits with them. Events without a number
+// An ordered subscriber's effects must be in Postgres (its handler a Tx):
+// the per-aggregate checkpoint commits with them. Events without a number
 // (written before migration 00009) are taken in the order they arrive.
 //
 // # Adding a subscriber

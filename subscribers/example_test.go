@@ -20,8 +20,13 @@ import (
 // checkpoint, so each order is written once however often it arrives.
 type auditLog struct{}
 
-func (auditLog) Name() string         { return "audit_log" }
-func (auditLog) EventTypes() []string { return []string{"order.created"} }
+// auditLogSubscriber declares it: its name (its consumer's and its
+// checkpoint's), the events it takes, and its handler.
+var auditLogSubscriber = subscribers.Declaration{
+	Name:       "audit_log",
+	EventTypes: []string{"order.created"},
+	New:        func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Tx(auditLog{}), nil },
+}
 
 func (auditLog) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
 	var p struct {
@@ -55,7 +60,11 @@ func ExampleNew() {
 	if err := cfg.Validate(); err != nil {
 		panic(err) // names the key: "subscribers.concurrency must be between 1 and 256 (got 0)"
 	}
-	r, err := subscribers.New(subscribers.Options{Handler: subscribers.Tx(auditLog{}), Config: cfg, Stream: stream.DefaultConfig(),
+	h, err := auditLogSubscriber.Build(subscribers.Deps{Context: ctx, Pool: pool, Logger: slog.Default()})
+	if err != nil {
+		panic(err)
+	}
+	r, err := subscribers.New(subscribers.Options{Declaration: auditLogSubscriber, Handler: h, Config: cfg, Stream: stream.DefaultConfig(),
 		Pool: pool, Conn: nc, Logger: slog.Default()})
 	if err != nil {
 		panic(err)

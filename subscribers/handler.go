@@ -52,57 +52,39 @@ func (e Event) key() int64 {
 	return e.ID
 }
 
-// Named is what every handler is: a subscriber's name and the events it
-// wants. A handler also implements EventHandler or TxHandler, and is made
-// into a Handler by Tx or Each.
-type Named interface {
-	// Name is the durable consumer's name and the checkpoint's key. It must
-	// never change: a new name is a new subscriber that starts over.
-	Name() string
-	// EventTypes are the event types wanted, as subject patterns relative to
-	// the stream's prefix: "order.created", "product.>", "*.deleted".
-	EventTypes() []string
-}
-
 // Handler is a subscriber's handler of one kind, chosen where it is made
 // and checked by the compiler: Tx for a handler whose effects are in
 // Postgres (committed with its checkpoint), Each for one whose effects are
 // outside it. A type that implements both is run as the kind its
-// constructor names, never by a guess.
+// constructor names, never by a guess. What the subscriber is called,
+// which events it wants and whether it takes them in order are its
+// Declaration's to say, once.
 type Handler struct {
-	named   Named
-	tx      TxHandler
-	each    EventHandler
-	ordered bool
+	tx   TxHandler
+	each EventHandler
 }
 
 // Tx is h as a handler whose effects commit with its checkpoint, in the
-// runtime's transaction.
-func Tx(h TxHandler) Handler { return Handler{named: h, tx: h} }
-
-// OrderedTx is h as an ordered handler: each aggregate's events reach it one
-// at a time, in their aggregate's order (outbox.aggregate_seq), while
-// different aggregates run concurrently. Its per-aggregate checkpoint
-// commits in its transaction (see orderedcheckpoint.go). Its declaration
-// says Ordered: true.
-func OrderedTx(h TxHandler) Handler { return Handler{named: h, tx: h, ordered: true} }
+// runtime's transaction. An ordered subscriber's handler (Declaration's
+// Ordered) is one: its per-aggregate checkpoint commits in the same
+// transaction (see orderedcheckpoint.go).
+func Tx(h TxHandler) Handler { return Handler{tx: h} }
 
 // Each is h as a handler whose effects live outside Postgres, event by
 // event (or batch by batch, for a BatchEventHandler).
-func Each(h EventHandler) Handler { return Handler{named: h, each: h} }
+func Each(h EventHandler) Handler { return Handler{each: h} }
 
-// Name is the subscriber's name.
-func (h Handler) Name() string { return h.named.Name() }
-
-// EventTypes are the event types it wants.
-func (h Handler) EventTypes() []string { return h.named.EventTypes() }
-
-// Ordered reports whether it was made by OrderedTx.
-func (h Handler) Ordered() bool { return h.ordered }
+// IsZero reports whether h was made by neither Tx nor Each.
+func (h Handler) IsZero() bool { return h.tx == nil && h.each == nil }
 
 // Unwrap returns the handler as its author wrote it, for the optional
 // capabilities it may have (DependentHandler, the batch interfaces).
-func (h Handler) Unwrap() Named { return h.named }
+func (h Handler) Unwrap() any {
+	if h.tx != nil {
+		return h.tx
+	}
+	return h.each
+}
 
 // Dependencies are what the handler depends on besides Postgres, if it is
 // a DependentHandler.
@@ -123,7 +105,6 @@ func (h Handler) EventHandler() (EventHandler, bool) { return h.each, h.each != 
 // cache, a search index). It must be idempotent: after a crash the runtime
 // may deliver an event whose effect already happened.
 type EventHandler interface {
-	Named
 	Handle(ctx context.Context, ev Event) error
 }
 
@@ -131,7 +112,6 @@ type EventHandler interface {
 // which also holds the event's checkpoint row. It must not commit or roll
 // back tx.
 type TxHandler interface {
-	Named
 	HandleTx(ctx context.Context, tx pgx.Tx, ev Event) error
 }
 
@@ -247,7 +227,6 @@ type Dependency struct {
 // DependentHandler is a Handler that names what it depends on besides
 // Postgres (the runtime's own checkpoint store, always probed).
 type DependentHandler interface {
-	Named
 	Dependencies() []Dependency
 }
 

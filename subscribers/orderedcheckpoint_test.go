@@ -23,7 +23,7 @@ import (
 func TestFirstCheckpointOnlyFromTheFirstEvent(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
-	r := env.NewRunner(subscribers.OrderedTx(fulfilment.New()), nil)
+	r := env.NewRunner(fulfilment.Subscriber, nil)
 	ctx := context.Background()
 	advance := func(id int64, aggregate string, seq, prev int64, afterGap bool) error {
 		return pgx.BeginFunc(ctx, env.DB.Pool, func(tx pgx.Tx) error {
@@ -72,7 +72,7 @@ func TestFirstCheckpointOnlyFromTheFirstEvent(t *testing.T) {
 func TestOrderedBatchKnowsEventsByTheirKeys(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
-	r := env.NewRunner(subscribers.OrderedTx(fulfilment.New()), nil)
+	r := env.NewRunner(fulfilment.Subscriber, nil)
 	ctx := context.Background()
 	db, err := outbox.ReadDatabase(ctx, env.DB.Pool)
 	if err != nil {
@@ -101,7 +101,7 @@ func TestOrderedSubscriberRefusesUnnumberedEventTypes(t *testing.T) {
 	if err := store.SetNumbering(ctx, []string{"order.paid", "product.updated"}); err != nil {
 		t.Fatal(err)
 	}
-	err := env.NewRunner(subscribers.OrderedTx(fulfilment.New()), nil).Start(ctx)
+	err := env.NewRunner(fulfilment.Subscriber, nil).Start(ctx)
 	if err == nil || !strings.Contains(err.Error(), "the outbox does not number order.paid, which it reads") {
 		t.Fatalf("an ordered subscriber reading an unnumbered type started: %v", err)
 	}
@@ -112,7 +112,7 @@ func TestOrderedSubscriberRefusesUnnumberedEventTypes(t *testing.T) {
 	if err := store.SetNumbering(ctx, []string{"product.updated", "thing.moved"}); err != nil {
 		t.Fatal(err)
 	}
-	err = env.NewRunner(subscribers.OrderedTx(&orderedByDatabase{applied: map[string][]int64{}}), nil).Start(ctx)
+	err = env.NewRunner((&orderedByDatabase{applied: map[string][]int64{}}).declared(), nil).Start(ctx)
 	if err == nil || !strings.Contains(err.Error(), "the outbox does not number thing.moved, which it reads") {
 		t.Fatalf("an ordered subscriber reading an unnumbered type through thing.> started: %v", err)
 	}
@@ -122,7 +122,7 @@ func TestOrderedSubscriberRefusesUnnumberedEventTypes(t *testing.T) {
 	}
 	// Running, it looks again every stream.check_interval: a type it reads
 	// skipped since makes it not ready, saying why, until numbered again.
-	r := env.NewRunner(subscribers.OrderedTx(fulfilment.New()), func(o *subscribers.Options) { o.Stream.CheckInterval = 100 * time.Millisecond })
+	r := env.NewRunner(fulfilment.Subscriber, func(o *subscribers.Options) { o.Stream.CheckInterval = 100 * time.Millisecond })
 	env.Start(r)
 	if err := r.Ready(); err != nil {
 		t.Fatalf("started with every type it reads numbered, not ready: %v", err)

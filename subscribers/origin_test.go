@@ -24,8 +24,8 @@ type byOrigin struct {
 	seen map[string]int
 }
 
-func (h *byOrigin) Name() string         { return "origins" }
-func (h *byOrigin) EventTypes() []string { return []string{"thing.>"} }
+// byOriginName is its subscriber's name.
+const byOriginName = "origins"
 
 func (h *byOrigin) record(ev subscribers.Event) {
 	h.mu.Lock()
@@ -69,7 +69,7 @@ func TestCheckpointsKeyOnTheEventsOrigin(t *testing.T) {
 			if kind == "tx" {
 				handler = subscribers.Tx(byOriginTx{h})
 			}
-			env.StartRunner(handler, nil)
+			env.StartRunner(subscribertest.Declare(byOriginName, handler, "thing.>"), nil)
 			ids := env.Write(func(pgx.Tx) ([]outbox.Event, error) {
 				return []outbox.Event{{AggregateType: "thing", AggregateID: "1", Type: "thing.made", Payload: map[string]int{"n": 1}}}, nil
 			})
@@ -108,16 +108,16 @@ func TestCheckpointsKeyOnTheEventsOrigin(t *testing.T) {
 					e, n := h.count()
 					return e == 3, fmt.Sprintf("%d events, %d handlings", e, n)
 				})
-				env.Settle(h.Name())
+				env.Settle(byOriginName)
 			}
-			env.Settle(h.Name())
+			env.Settle(byOriginName)
 			if e, n := h.count(); e != 3 || n != 3 {
 				t.Fatalf("%d events handled %d times, want 3 events once each: %v", e, n, h.seen)
 			}
 			var rows, origins int
 			if err := env.DB.Pool.QueryRow(context.Background(), `
 SELECT (SELECT count(*) FROM processed_events WHERE subscriber = $1), (SELECT count(*) FROM event_origins WHERE origin = ANY($2))`,
-				h.Name(), []string{other, restored}).Scan(&rows, &origins); err != nil {
+				byOriginName, []string{other, restored}).Scan(&rows, &origins); err != nil {
 				t.Fatal(err)
 			}
 			if rows != 3 || origins != 2 {
@@ -128,7 +128,7 @@ SELECT (SELECT count(*) FROM processed_events WHERE subscriber = $1), (SELECT co
 			// the reason, never taken for this database's.
 			publish("not an origin", "bad-origin")
 			subscribertest.WaitFor(t, 20*time.Second, "the event with a bad origin dead-lettered", func() (bool, string) {
-				for _, dl := range env.DeadLetters(h.Name()) {
+				for _, dl := range env.DeadLetters(byOriginName) {
 					if strings.Contains(dl.Header.Get(subscribers.DeadReasonHeader), wire.OriginHeader) {
 						return true, ""
 					}
@@ -158,7 +158,7 @@ SELECT (SELECT count(*) FROM processed_events WHERE subscriber = $1), (SELECT co
 			}
 			subscribertest.WaitFor(t, 20*time.Second, "the event without a key dead-lettered, the next one handled", func() (bool, string) {
 				lettered := false
-				for _, dl := range env.DeadLetters(h.Name()) {
+				for _, dl := range env.DeadLetters(byOriginName) {
 					lettered = lettered || strings.Contains(dl.Header.Get(subscribers.DeadReasonHeader), "2^48")
 				}
 				e, _ := h.count()
@@ -175,8 +175,15 @@ type orderedByDatabase struct {
 	applied map[string][]int64
 }
 
-func (h *orderedByDatabase) Name() string         { return "ordered_origins" }
-func (h *orderedByDatabase) EventTypes() []string { return []string{"thing.>"} }
+// declared declares h as an ordered subscriber.
+func (h *orderedByDatabase) declared() subscribers.Declaration {
+	d := subscribertest.Declare(orderedByDatabaseName, subscribers.Tx(h), "thing.>")
+	d.Ordered = true
+	return d
+}
+
+// orderedByDatabaseName is its subscriber's name.
+const orderedByDatabaseName = "ordered_origins"
 
 func (h *orderedByDatabase) HandleTx(_ context.Context, _ pgx.Tx, ev subscribers.Event) error {
 	db := ev.Origin[:max(strings.LastIndexByte(ev.Origin, '/'), 0)]
@@ -205,7 +212,7 @@ func TestOrderedCheckpointsKeyOnTheDatabase(t *testing.T) {
 	const n = 5
 	env := subscribertest.NewEnv(t)
 	h := &orderedByDatabase{applied: map[string][]int64{}}
-	env.StartRunner(subscribers.OrderedTx(h), nil)
+	env.StartRunner(h.declared(), nil)
 	for i := range n {
 		env.Write(func(pgx.Tx) ([]outbox.Event, error) {
 			return []outbox.Event{{AggregateType: "thing", AggregateID: "1", Type: "thing.changed", Payload: map[string]int{"n": i}}}, nil
@@ -237,12 +244,12 @@ func TestOrderedCheckpointsKeyOnTheDatabase(t *testing.T) {
 		publish(other, seq, seq)
 	}
 	subscribertest.WaitFor(t, 20*time.Second, "the other database's events applied", func() (bool, string) {
-		if dls := env.DeadLetters(h.Name()); len(dls) > 0 {
+		if dls := env.DeadLetters(orderedByDatabaseName); len(dls) > 0 {
 			t.Fatalf("dead-lettered: %s", dls[0].Header.Get(subscribers.DeadReasonHeader))
 		}
 		return h.total() == 2*n, fmt.Sprintf("%d applied", h.total())
 	})
-	env.Settle(h.Name())
+	env.Settle(orderedByDatabaseName)
 	h.mu.Lock()
 	for _, d := range []string{db.String(), strings.TrimSuffix(other, "/1")} {
 		if got := fmt.Sprint(h.applied[d]); got != "[1 2 3 4 5]" {
@@ -250,7 +257,7 @@ func TestOrderedCheckpointsKeyOnTheDatabase(t *testing.T) {
 		}
 	}
 	h.mu.Unlock()
-	if dls := env.DeadLetters(h.Name()); len(dls) > 0 {
+	if dls := env.DeadLetters(orderedByDatabaseName); len(dls) > 0 {
 		t.Fatalf("dead-lettered: %s", dls[0].Header.Get(subscribers.DeadReasonHeader))
 	}
 
@@ -259,7 +266,7 @@ func TestOrderedCheckpointsKeyOnTheDatabase(t *testing.T) {
 	// dropped: it goes to the dead letters, and the reason says why.
 	publish(outbox.Origin{Database: db, Epoch: 2}.String(), 100, 4)
 	subscribertest.WaitFor(t, 20*time.Second, "the restored database's event dead-lettered", func() (bool, string) {
-		for _, dl := range env.DeadLetters(h.Name()) {
+		for _, dl := range env.DeadLetters(orderedByDatabaseName) {
 			if reason := dl.Header.Get(subscribers.DeadReasonHeader); strings.Contains(reason, "restored from a backup") {
 				t.Logf("reason: %s", reason)
 				return true, ""

@@ -23,8 +23,10 @@ import (
 // EventHandler (the runtime refuses a handler of both kinds).
 type txScripted struct{ scripted *scripted }
 
-func (s txScripted) Name() string         { return s.scripted.Name() }
-func (s txScripted) EventTypes() []string { return s.scripted.EventTypes() }
+// declared declares s: its script's subscriber, made by Tx.
+func (s txScripted) declared() subscribers.Declaration {
+	return subscribertest.Declare(s.scripted.name, subscribers.Tx(s), s.scripted.types...)
+}
 
 func (s txScripted) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
 	if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
@@ -48,12 +50,12 @@ func TestPostgresOutageDeadLettersNothing(t *testing.T) {
 			env.Config.Subscribers.BatchSize = 20
 			name := "pgdown-" + strings.ReplaceAll(kind, " ", "-")
 			sc := newScripted(name)
-			h := subscribers.Each(sc)
+			d := each(sc)
 			if kind == "tx handler" {
-				h = subscribers.Tx(txScripted{sc})
+				d = txScripted{sc}.declared()
 			}
 			pool, proxy := env.ProxiedPool()
-			r := env.StartRunner(h, func(o *subscribers.Options) { o.Pool = pool })
+			r := env.StartRunner(d, func(o *subscribers.Options) { o.Pool = pool })
 
 			proxy.Cut()
 			var ids []int64
@@ -137,7 +139,7 @@ func TestHandlerDependencyOutage(t *testing.T) {
 			env.Config.Subscribers.MaxFailures = 1
 			name := "thing-" + strconv.FormatBool(blame)
 			h := &flaky{scripted: newScripted(name), blame: blame}
-			r := env.StartRunner(subscribers.Each(h), nil)
+			r := env.StartRunner(each(h), nil)
 			h.down.Store(true)
 			var ids []int64
 			for range 20 {
@@ -184,7 +186,7 @@ func TestDeadLetterStreamUnavailableLosesNothing(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	env.Config.Subscribers.MaxFailures = 2
 	name := "dlq-down"
-	first := env.StartRunner(subscribers.Each(newScripted(name)), nil)
+	first := env.StartRunner(each(newScripted(name)), nil)
 	ctx := context.Background()
 	dl, err := env.JS.Stream(ctx, env.Config.Subscribers.DeadLetterStream)
 	if err != nil {
@@ -210,7 +212,7 @@ func TestDeadLetterStreamUnavailableLosesNothing(t *testing.T) {
 	// starting instance re-applies the dead-letter stream's configuration,
 	// which would end this outage.)
 	second := newScripted(name)
-	env.StartRunner(subscribers.Each(second), func(o *subscribers.Options) { o.Config.DeadLetterProvision = "verify" })
+	env.StartRunner(each(second), func(o *subscribers.Options) { o.Config.DeadLetterProvision = "verify" })
 	time.Sleep(3 * time.Second)
 	_, ackPending, err := env.ConsumerState(name)
 	if err != nil || ackPending != 2 {
@@ -246,10 +248,9 @@ func TestCheckpointedEventIsNeverDeadLettered(t *testing.T) {
 	env.Config.Subscribers.MaxCrashes = 1
 	name := "committed"
 	sc := newScripted(name)
-	h := subscribers.Tx(txScripted{sc})
 	var once sync.Once
 	crashNow := make(chan struct{})
-	r := env.NewRunner(h, nil)
+	r := env.NewRunner(txScripted{sc}.declared(), nil)
 	env.StartHooked(r, testhooks.Subscriber{BeforeAck: func(ctx context.Context, ids []int64) {
 		once.Do(func() { close(crashNow) })
 		<-ctx.Done()
@@ -265,7 +266,7 @@ func TestCheckpointedEventIsNeverDeadLettered(t *testing.T) {
 		t.Fatal("the redelivered event did not commit before the crash")
 	}
 	after := newScripted(name)
-	env.StartRunner(subscribers.Tx(txScripted{after}), nil)
+	env.StartRunner(txScripted{after}.declared(), nil)
 	env.WaitIdle(name, 20*time.Second)
 	if n := len(env.DeadLetters(name)); n != 0 {
 		t.Errorf("%d dead letters for an event in the checkpoint", n)
@@ -283,11 +284,11 @@ func TestHeldEventsAreNotRedelivered(t *testing.T) {
 	name := "held"
 	holder := &flaky{scripted: newScripted(name), blame: true}
 	holder.down.Store(true)
-	env.StartRunner(subscribers.Each(holder), nil)
+	env.StartRunner(each(holder), nil)
 	id := write(env, testEvent("ok", 0))[0]
 	subscribertest.WaitFor(t, 10*time.Second, "the event in hand", func() (bool, string) { return holder.calls.Load() > 0, "" })
 	other := newScripted(name)
-	env.StartRunner(subscribers.Each(other), func(o *subscribers.Options) { o.Config.Concurrency = 1 })
+	env.StartRunner(each(other), func(o *subscribers.Options) { o.Config.Concurrency = 1 })
 	time.Sleep(4 * time.Second) // four ack waits
 	if n := len(other.deliveries(id)); n != 0 {
 		t.Fatalf("the held event was redelivered to another instance %d times", n)
@@ -320,7 +321,7 @@ func TestUndeclaredDependencyOutage(t *testing.T) {
 	env.Config.Subscribers.MaxFailures = 1
 	h := &undeclared{scripted: newScripted("mystery")}
 	h.down.Store(true)
-	r := env.StartRunner(subscribers.Each(h), nil)
+	r := env.StartRunner(each(h), nil)
 	ids := write(env, testEvent("ok", 0), testEvent("ok", 0))
 	subscribertest.WaitFor(t, 10*time.Second, "readiness to name the dependency", func() (bool, string) {
 		err := r.Ready()
@@ -373,7 +374,7 @@ func TestOwnOpenAttemptIsNotACrash(t *testing.T) {
 	env.Config.Subscribers.MaxCrashes = 2
 	h := &stepped{scripted: newScripted("own"), entered: make(chan int64), release: make(chan error)}
 	pool, proxy := env.ProxiedPool()
-	r := env.StartRunner(subscribers.Each(h), func(o *subscribers.Options) { o.Pool = pool })
+	r := env.StartRunner(each(h), func(o *subscribers.Options) { o.Pool = pool })
 	id := write(env, testEvent("ok", 0))[0]
 	for range 2 {
 		select {
@@ -435,7 +436,7 @@ func TestMissingGrantIsRefusedAtStart(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	r := env.NewRunner(subscribers.Each(newScripted("nogrant")), func(o *subscribers.Options) { o.Pool = pool })
+	r := env.NewRunner(each(newScripted("nogrant")), func(o *subscribers.Options) { o.Pool = pool })
 	sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	err = r.Start(sctx)
@@ -455,7 +456,7 @@ func TestIdleSubscriberReadinessFollowsPostgres(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	pool, proxy := env.ProxiedPool()
-	r := env.StartRunner(subscribers.Each(newScripted("idle")), func(o *subscribers.Options) { o.Pool = pool })
+	r := env.StartRunner(each(newScripted("idle")), func(o *subscribers.Options) { o.Pool = pool })
 	if err := r.Ready(); err != nil {
 		t.Fatalf("a fresh subscriber is not ready: %v", err)
 	}

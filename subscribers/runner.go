@@ -28,6 +28,10 @@ import (
 
 // Options are a runner's collaborators.
 type Options struct {
+	// Declaration is the subscriber: the runner takes its name, its event
+	// types and whether it is ordered from here.
+	Declaration Declaration
+	// Handler is the declaration's handler, built (Declaration.Build).
 	Handler  Handler
 	Config   Config
 	Stream   stream.Config
@@ -77,27 +81,30 @@ type Runner struct {
 	stopErr                error
 }
 
-// New checks the handler and returns a runner; nothing runs until Start.
+// New checks the declaration and its handler and returns a runner;
+// nothing runs until Start.
 func New(opts Options) (*Runner, error) {
-	h := opts.Handler
-	if h.named == nil {
+	d, h := opts.Declaration, opts.Handler
+	if h.IsZero() {
 		return nil, errors.New("subscriber: no handler (make one with subscribers.Tx or subscribers.Each)")
 	}
-	if !stream.ValidSubjectToken(h.Name()) || strings.ContainsAny(h.Name(), `/\`) {
-		return nil, fmt.Errorf("subscriber name %q: must be one subject token (letters, digits, '-', '_')", h.Name())
+	if !stream.ValidSubjectToken(d.Name) || strings.ContainsAny(d.Name, `/\`) {
+		return nil, fmt.Errorf("subscriber name %q: must be one subject token (letters, digits, '-', '_')", d.Name)
 	}
-	if len(h.EventTypes()) == 0 {
-		return nil, fmt.Errorf("subscriber %s: no event types", h.Name())
+	if len(d.EventTypes) == 0 {
+		return nil, fmt.Errorf("subscriber %s: no event types", d.Name)
 	}
-	r := &Runner{opts: opts, store: bookkeeping.New(opts.Pool), name: h.Name(), cfg: opts.Config, obs: opts.Observer}
-	r.logger = opts.Logger.With("subscriber", h.Name())
+	if err := d.runs(h); err != nil {
+		return nil, err
+	}
+	r := &Runner{opts: opts, store: bookkeeping.New(opts.Pool), name: d.Name, ordered: d.Ordered, cfg: opts.Config, obs: opts.Observer}
+	r.logger = opts.Logger.With("subscriber", d.Name)
 	if r.obs == nil {
 		r.obs = NopObserver{}
 	}
 	r.drift = stream.NewDrift(r.logger, func(object string, n int) { r.obs.ConfigDifferences(r.name, object, n) })
 	// The handler's kind was chosen where it was made (Tx or Each).
 	r.txH, r.eventH = h.tx, h.each
-	r.ordered = h.Ordered()
 	js, err := jetstream.New(opts.Conn)
 	if err != nil {
 		return nil, err
@@ -133,7 +140,7 @@ func (r *Runner) start(ctx context.Context) error {
 		return fmt.Errorf("subscriber %s: stream %s: %w", r.name, r.opts.Stream.Name, err)
 	}
 	r.stream = events
-	want := ConsumerConfig(r.opts.Handler.Name(), r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream)
+	want := ConsumerConfig(r.name, r.opts.Declaration.EventTypes, r.ordered, r.cfg, r.opts.Stream)
 	if want.DeliverPolicy != jetstream.DeliverAllPolicy {
 		if err := r.startFromFirstIfNotNew(ctx, &want); err != nil {
 			return err
@@ -299,7 +306,7 @@ func (r *Runner) checkConfig(ctx context.Context) {
 		return
 	}
 	info := c.CachedInfo()
-	ds := ConsumerDifferences(info.Config, ConsumerConfig(r.name, r.opts.Handler.EventTypes(), r.ordered, r.cfg, r.opts.Stream))
+	ds := ConsumerDifferences(info.Config, ConsumerConfig(r.name, r.opts.Declaration.EventTypes, r.ordered, r.cfg, r.opts.Stream))
 	// A consumer made again since this subscriber bound it may start
 	// anywhere (its start position is not compared): say so until a
 	// restart binds the new one.
@@ -410,7 +417,7 @@ func (r *Runner) checkNumbered(ctx context.Context, tx pgx.Tx) error {
 func (r *Runner) readUnnumbered(skipped []string) []string {
 	var read []string
 	for _, t := range skipped {
-		if slices.ContainsFunc(r.opts.Handler.EventTypes(), func(p string) bool { return SubjectMatches(p, t) }) {
+		if slices.ContainsFunc(r.opts.Declaration.EventTypes, func(p string) bool { return SubjectMatches(p, t) }) {
 			read = append(read, t)
 		}
 	}

@@ -47,8 +47,20 @@ func newScripted(name string, types ...string) *scripted {
 	return &scripted{name: name, types: types, seen: map[int64][]uint64{}, at: map[int64][]time.Time{}, done: map[int64]bool{}}
 }
 
-func (s *scripted) Name() string         { return s.name }
-func (s *scripted) EventTypes() []string { return s.types }
+// scriptedHandler is a scripted subscriber, or a handler around one.
+type scriptedHandler interface {
+	subscribers.EventHandler
+	script() *scripted
+}
+
+func (s *scripted) script() *scripted { return s }
+
+// each declares h as a subscriber whose effects are outside Postgres,
+// named and typed as its script says.
+func each(h scriptedHandler) subscribers.Declaration {
+	s := h.script()
+	return subscribertest.Declare(s.name, subscribers.Each(h), s.types...)
+}
 
 func (s *scripted) Handle(ctx context.Context, ev subscribers.Event) error {
 	var sc script
@@ -121,7 +133,7 @@ func TestOutcomes(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	h := newScripted("outcomes")
-	env.StartRunner(subscribers.Each(h), nil)
+	env.StartRunner(each(h), nil)
 	ids := write(env,
 		testEvent("fail", 2),      // nak twice, then ack
 		testEvent("retry", 0),     // RetryAfter 700ms, then ack
@@ -180,7 +192,7 @@ func TestHungHandlerIsCutOffAndDeadLettered(t *testing.T) {
 	env.Config.Subscribers.MaxFailures = 2
 	env.Config.Subscribers.HandlerTimeout = 300 * time.Millisecond
 	h := newScripted("hung")
-	env.StartRunner(subscribers.Each(h), nil)
+	env.StartRunner(each(h), nil)
 	id := write(env, testEvent("hang", 0))[0]
 	subscribertest.WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) {
 		return len(env.DeadLetters(h.name)) == 1, strconv.Itoa(len(h.deliveries(id))) + " deliveries"
@@ -203,7 +215,7 @@ func TestCrashLoopEventEndsInDeadLetters(t *testing.T) {
 	crashes := 0
 	for crashes < 3 && len(env.DeadLetters("crashloop")) == 0 {
 		h := newScripted("crashloop")
-		r := env.StartRunner(subscribers.Each(h), nil)
+		r := env.StartRunner(each(h), nil)
 		if id == 0 {
 			id = write(env, testEvent("hang", 0))[0]
 		}
@@ -212,7 +224,7 @@ func TestCrashLoopEventEndsInDeadLetters(t *testing.T) {
 		crashes++
 	}
 	survivor := newScripted("crashloop")
-	env.StartRunner(subscribers.Each(survivor), nil)
+	env.StartRunner(each(survivor), nil)
 	subscribertest.WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) { return len(env.DeadLetters("crashloop")) == 1, "" })
 	if r := env.DeadLetters("crashloop")[0].Header.Get(subscribers.DeadReasonHeader); !strings.Contains(r, "its handling never ended 2 times") {
 		t.Errorf("reason %q", r)
@@ -237,7 +249,7 @@ func TestCrashLoopSparesItsBatchMates(t *testing.T) {
 	// dead-lettered, the last instance runs on undisturbed.
 	for restart := 0; restart < 10; restart++ {
 		h := newScripted("mates")
-		r := env.StartRunner(subscribers.Each(h), nil)
+		r := env.StartRunner(each(h), nil)
 		subscribertest.WaitFor(t, 15*time.Second, "the poison or the dead letter", func() (bool, string) {
 			return len(h.deliveries(poison)) > 0 || len(env.DeadLetters("mates")) > 0, ""
 		})
@@ -267,7 +279,7 @@ func TestLongWorkIsKeptAlive(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	env.Config.Subscribers.AckWait = 2 * time.Second
 	h := newScripted("slow")
-	env.StartRunner(subscribers.Each(h), nil)
+	env.StartRunner(each(h), nil)
 	id := write(env, outbox.Event{AggregateType: "test", AggregateID: "1", Type: "test.event", Payload: script{Behave: "slow", Millis: 5000}})[0]
 	subscribertest.WaitFor(t, 20*time.Second, "the slow event", func() (bool, string) { return h.isDone(id), "" })
 	env.WaitIdle(h.name, 15*time.Second)
@@ -281,7 +293,7 @@ func TestStopDrainsEventsInHand(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	h := newScripted("drain")
-	r := env.StartRunner(subscribers.Each(h), nil)
+	r := env.StartRunner(each(h), nil)
 	id := write(env, testEvent("slow", 0))[0]
 	subscribertest.WaitFor(t, 15*time.Second, "the slow event to start", func() (bool, string) { return len(h.deliveries(id)) == 1, "" })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -304,8 +316,8 @@ func TestInstancesShareTheConsumer(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	env.Config.Subscribers.BatchSize = 5
 	a, b := newScripted("shared"), newScripted("shared")
-	env.StartRunner(subscribers.Each(a), nil)
-	env.StartRunner(subscribers.Each(b), nil)
+	env.StartRunner(each(a), nil)
+	env.StartRunner(each(b), nil)
 	var ids []int64
 	for range 40 {
 		ids = append(ids, write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))...)
@@ -329,7 +341,7 @@ func TestStoppedSubscriberCatchesUp(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	first := newScripted("catchup")
-	r := env.StartRunner(subscribers.Each(first), nil)
+	r := env.StartRunner(each(first), nil)
 	before := write(env, testEvent("ok", 0))
 	subscribertest.WaitFor(t, 15*time.Second, "the first event", func() (bool, string) { return first.isDone(before[0]), "" })
 	if err := r.Stop(context.Background()); err != nil {
@@ -340,7 +352,7 @@ func TestStoppedSubscriberCatchesUp(t *testing.T) {
 		missed = append(missed, write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))...)
 	}
 	later := newScripted("catchup")
-	env.StartRunner(subscribers.Each(later), nil)
+	env.StartRunner(each(later), nil)
 	env.WaitSent(missed...)
 	env.WaitIdle("catchup", 10*time.Second)
 	for _, id := range missed {
@@ -360,15 +372,15 @@ func TestAddingASubscriber(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	existing := newScripted("existing")
-	env.StartRunner(subscribers.Each(existing), nil)
+	env.StartRunner(each(existing), nil)
 	history := write(env, testEvent("ok", 0), testEvent("ok", 0), testEvent("ok", 0))
 	env.WaitSent(history...)
 	env.WaitIdle("existing", 10*time.Second)
 
 	replaying := newScripted("audit-all")
-	env.StartRunner(subscribers.Each(replaying), nil) // subscribers.start = all (the default)
+	env.StartRunner(each(replaying), nil) // subscribers.start = all (the default)
 	onlyNew := newScripted("audit-new")
-	env.StartRunner(subscribers.Each(onlyNew), func(o *subscribers.Options) { o.Config.Start = "new" })
+	env.StartRunner(each(onlyNew), func(o *subscribers.Options) { o.Config.Start = "new" })
 	env.WaitIdle("audit-all", 10*time.Second)
 
 	fresh := write(env, testEvent("ok", 0))
@@ -398,13 +410,13 @@ func TestConsumerConfiguration(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	h := newScripted("configured", "test.a", "test.b.>")
-	env.StartRunner(subscribers.Each(newScripted("provisions-the-dead-letter-stream")), nil)
+	env.StartRunner(each(newScripted("provisions-the-dead-letter-stream")), nil)
 
-	verify := env.NewRunner(subscribers.Each(h), func(o *subscribers.Options) { o.Stream.Provision = "verify" })
+	verify := env.NewRunner(each(h), func(o *subscribers.Options) { o.Stream.Provision = "verify" })
 	if err := verify.Start(context.Background()); err == nil || !strings.Contains(err.Error(), "does not exist") {
 		t.Fatalf("verify with no consumer: %v", err)
 	}
-	env.StartRunner(subscribers.Each(h), nil)
+	env.StartRunner(each(h), nil)
 	ctx := context.Background()
 	c, err := env.JS.Consumer(ctx, env.Config.Stream.Name, "configured")
 	if err != nil {
@@ -417,14 +429,14 @@ func TestConsumerConfiguration(t *testing.T) {
 		t.Errorf("consumer config: %+v", cc)
 	}
 	// Another instance with verify binds to it.
-	env.StartRunner(subscribers.Each(newScripted("configured", "test.a", "test.b.>")), func(o *subscribers.Options) { o.Stream.Provision = "verify" })
+	env.StartRunner(each(newScripted("configured", "test.a", "test.b.>")), func(o *subscribers.Options) { o.Stream.Provision = "verify" })
 }
 
 func TestCheckpointPrune(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	env.Config.Stream.MaxAge = time.Hour
-	r := env.NewRunner(subscribers.Each(newScripted("pruned")), nil)
+	r := env.NewRunner(each(newScripted("pruned")), nil)
 	ctx := context.Background()
 	_, err := env.DB.Pool.Exec(ctx, `
 INSERT INTO processed_events (subscriber, event_id, processed_at)
@@ -450,7 +462,7 @@ func TestSubscriberWaitsForTheStream(t *testing.T) {
 	env.Config.Stream.Name = "LATER"
 	env.Config.Stream.SubjectPrefix = "later"
 	h := newScripted("early")
-	r := env.NewRunner(subscribers.Each(h), nil)
+	r := env.NewRunner(each(h), nil)
 	started := make(chan error, 1)
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -492,7 +504,7 @@ func TestTraceContextReachesTheHandler(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	h := &traceRecorder{scripted: newScripted("traced"), traces: map[int64]trace.TraceID{}}
-	env.StartRunner(subscribers.Each(h), nil)
+	env.StartRunner(each(h), nil)
 	traceID, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
 	spanID, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
 	ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
@@ -550,7 +562,7 @@ func TestStartNewAppliesToANewSubscriberOnly(t *testing.T) {
 	env.WaitSent(history...)
 	startNew := func(o *subscribers.Options) { o.Config.Start = "new" }
 	first := newScripted("late")
-	r := env.StartRunner(subscribers.Each(first), startNew)
+	r := env.StartRunner(each(first), startNew)
 	seen := write(env, testEvent("ok", 0))
 	env.WaitSent(seen...)
 	env.WaitIdle("late", 10*time.Second)
@@ -566,7 +578,7 @@ func TestStartNewAppliesToANewSubscriberOnly(t *testing.T) {
 	gone := write(env, testEvent("ok", 0), testEvent("ok", 0))
 	env.WaitSent(gone...)
 	again := newScripted("late")
-	env.StartRunner(subscribers.Each(again), startNew)
+	env.StartRunner(each(again), startNew)
 	more := write(env, testEvent("ok", 0))
 	env.WaitSent(more...)
 	env.WaitIdle("late", 10*time.Second)

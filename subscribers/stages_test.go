@@ -30,8 +30,6 @@ type counting struct {
 	n     int
 }
 
-func (c *counting) Name() string         { return c.name }
-func (c *counting) EventTypes() []string { return []string{"test.>"} }
 func (c *counting) Handle(ctx context.Context, _ subscribers.Event) error {
 	select {
 	case <-time.After(c.delay):
@@ -95,7 +93,8 @@ func (p *pipeline) startRelay() {
 }
 
 func (p *pipeline) startSubscriber(h *counting) {
-	p.start(subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: p.cfg.Subscribers, Stream: p.cfg.Stream,
+	p.start(subscribers.New(subscribers.Options{Declaration: subscribertest.Declare(h.name, subscribers.Each(h), "test.>"),
+		Handler: subscribers.Each(h), Config: p.cfg.Subscribers, Stream: p.cfg.Stream,
 		Pool: p.db.Pool, Conn: p.conn(), Logger: slog.New(slog.DiscardHandler), Observer: subscribers.NewMetrics(p.reg)}))
 }
 

@@ -21,8 +21,6 @@ type hanging struct {
 	once    sync.Once
 }
 
-func (h *hanging) Name() string         { return "hanging" }
-func (h *hanging) EventTypes() []string { return []string{"test.>"} }
 func (h *hanging) Handle(context.Context, subscribers.Event) error {
 	<-h.release
 	return nil
@@ -36,7 +34,7 @@ func TestStalledSubscriberIsNotReady(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	h := &hanging{release: make(chan struct{})}
 	obs := &stallObserver{}
-	r := env.StartRunner(subscribers.Each(h), func(o *subscribers.Options) {
+	r := env.StartRunner(subscribertest.Declare("hanging", subscribers.Each(h), "test.>"), func(o *subscribers.Options) {
 		o.Config.StallAfter = time.Second
 		o.Config.HandlerTimeout = time.Minute
 		o.Observer = obs

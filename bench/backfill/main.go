@@ -216,7 +216,7 @@ func (b *bench) runOnce(ctx context.Context, round int) (result, error) {
 		return res, err
 	}
 	defer r.Stop(ctx) //nolint:errcheck
-	sub, err := subscribers.New(subscribers.Options{Handler: subscribers.Tx(invoicing.New()), Config: b.cfg.Subscribers,
+	sub, err := subscribers.New(subscribers.Options{Declaration: invoicing.Subscriber, Handler: subscribers.Tx(invoicing.New()), Config: b.cfg.Subscribers,
 		Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: benchkit.Quiet})
 	if err != nil {
 		return res, err

@@ -326,7 +326,7 @@ func (b *bench) steadyRun(ctx context.Context, instances int) (float64, error) {
 		}
 		conns = append(conns, nc)
 		h := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
-		r, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(h), Config: b.cfg.Subscribers, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
+		r, err := subscribers.New(subscribers.Options{Declaration: searchindex.Subscriber, Handler: subscribers.Each(h), Config: b.cfg.Subscribers, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
 		if err != nil {
 			return 0, err
 		}
@@ -412,7 +412,7 @@ func (b *bench) freshnessRun(ctx context.Context, run int) (freshnessResult, err
 	defer r.Stop(ctx) //nolint:errcheck
 	indexer := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
 	indexer.ObserveSearchable(func(took []time.Duration) { stages.Observe(metrics.StageSearchable, searchindex.Name, took...) })
-	sub, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(indexer), Config: sc,
+	sub, err := subscribers.New(subscribers.Options{Declaration: searchindex.Subscriber, Handler: subscribers.Each(indexer), Config: sc,
 		Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet, Observer: subscribers.NewMetrics(reg)})
 	if err != nil {
 		return res, err

@@ -245,7 +245,7 @@ func (b *bench) invoicing(ctx context.Context, instances, batch int) (float64, e
 			return 0, err
 		}
 		defer nc.Close()
-		r, err := subscribers.New(subscribers.Options{Handler: subscribers.Tx(invoicing.New()), Config: sc, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
+		r, err := subscribers.New(subscribers.Options{Declaration: invoicing.Subscriber, Handler: subscribers.Tx(invoicing.New()), Config: sc, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
 		if err != nil {
 			return 0, err
 		}
@@ -276,7 +276,7 @@ func (b *bench) cacheInvalidation(ctx context.Context) (float64, error) {
 		return 0, fmt.Errorf("redis at %s: %w", opts.Addr, err)
 	}
 	cache := cacheinval.NewCache(rdb, b.pool, 2*time.Second, 10*time.Second)
-	r, err := subscribers.New(subscribers.Options{Handler: subscribers.Each(cacheinval.New(cache, b.pool)), Config: b.cfg.Subscribers, Stream: b.cfg.Stream,
+	r, err := subscribers.New(subscribers.Options{Declaration: cacheinval.Subscriber, Handler: subscribers.Each(cacheinval.New(cache, b.pool)), Config: b.cfg.Subscribers, Stream: b.cfg.Stream,
 		Pool: b.pool, Conn: b.nc, Logger: quiet})
 	if err != nil {
 		return 0, err

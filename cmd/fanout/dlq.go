@@ -289,7 +289,7 @@ func (rs *redriveRunners) of(name string) (*subscribers.Runner, error) {
 	if err != nil {
 		return nil, err
 	}
-	r, err := subscribers.New(subscribers.Options{Handler: h, Config: rs.a.cfg.Subscriber(name), Stream: rs.a.cfg.Stream,
+	r, err := subscribers.New(subscribers.Options{Declaration: decl, Handler: h, Config: rs.a.cfg.Subscriber(name), Stream: rs.a.cfg.Stream,
 		Pool: rs.e.pool, Conn: rs.e.nc, Logger: logging.Component(rs.a.logger, "dlq")})
 	if err != nil {
 		return nil, err

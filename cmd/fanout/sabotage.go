@@ -12,17 +12,18 @@ import (
 var sabotage struct {
 	relay      testhooks.Relay
 	subscriber testhooks.Subscriber
-	// handler, if set, wraps each subscriber's handler; backfill, the
-	// handler a backfill runs.
-	handler, backfill func(subscribers.Handler) subscribers.Handler
+	// handler, if set, wraps each subscriber's handler (d's); backfill,
+	// the handler a backfill runs.
+	handler  func(d subscribers.Declaration, h subscribers.Handler) subscribers.Handler
+	backfill func(subscribers.Handler) subscribers.Handler
 }
 
-// sabotaged wraps h if a sabotage asks for it.
-func sabotaged(h subscribers.Handler) subscribers.Handler {
+// sabotaged wraps d's handler h if a sabotage asks for it.
+func sabotaged(d subscribers.Declaration, h subscribers.Handler) subscribers.Handler {
 	if sabotage.handler == nil {
 		return h
 	}
-	return sabotage.handler(h)
+	return sabotage.handler(d, h)
 }
 
 // sabotagedBackfill wraps a backfill's h if a sabotage asks for it.

@@ -75,9 +75,9 @@ func sabotageSubscribers(kind string) bool {
 		// event in 5 fails for a few seconds (retried after a backoff):
 		// an order's later transitions overtake it.
 		sabotage.subscriber.Unordered = true
-		sabotage.handler = func(h subscribers.Handler) subscribers.Handler {
-			if th, ok := h.TxHandler(); ok && h.Ordered() {
-				return subscribers.OrderedTx(&failOnce{TxHandler: th})
+		sabotage.handler = func(d subscribers.Declaration, h subscribers.Handler) subscribers.Handler {
+			if th, ok := h.TxHandler(); ok && d.Ordered {
+				return subscribers.Tx(&failOnce{TxHandler: th})
 			}
 			return h
 		}
@@ -91,7 +91,7 @@ func sabotageSubscribers(kind string) bool {
 	case "handle-twice":
 		// The sales ledger handles one event in 5 twice (a selftest run
 		// has some eighty orders: one in 25 missed them all now and then).
-		sabotage.handler = func(h subscribers.Handler) subscribers.Handler {
+		sabotage.handler = func(_ subscribers.Declaration, h subscribers.Handler) subscribers.Handler {
 			if l, ok := h.Unwrap().(salesledger.Handler); ok {
 				return subscribers.Tx(twice{l})
 			}

@@ -120,7 +120,7 @@ func startSubscribers(ctx context.Context, a *app, d *deps, names []string, nc *
 			return nil, err
 		}
 		r, err := subscribers.New(subscribers.Options{
-			Handler: sabotaged(h), Config: a.cfg.Subscriber(name), Stream: a.cfg.Stream,
+			Declaration: decl, Handler: sabotaged(decl, h), Config: a.cfg.Subscriber(name), Stream: a.cfg.Stream,
 			Pool: d.pool, Conn: nc, Logger: logging.Component(a.logger, "subscriber"), Observer: obs,
 		})
 		if err == nil {

@@ -111,9 +111,7 @@ func Run(ctx context.Context, opts Options) (Status, error) {
 	if d.Backfill == nil {
 		return Status{}, fmt.Errorf("subscriber %s declares no backfill (Declaration.Backfill)", d.Name)
 	}
-	_, isTx := opts.Handler.TxHandler()
-	_, isEach := opts.Handler.EventHandler()
-	if !isTx && !isEach {
+	if opts.Handler.IsZero() {
 		return Status{}, fmt.Errorf("subscriber %s: no handler", d.Name)
 	}
 	b := newBackfiller(opts)

@@ -42,9 +42,6 @@ type tally struct {
 	calls atomic.Int64
 }
 
-func (*tally) Name() string         { return "tally" }
-func (*tally) EventTypes() []string { return []string{"thing.created"} }
-
 func (h *tally) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
 	h.calls.Add(1)
 	var p struct {

@@ -116,7 +116,7 @@ func TestANewSubscriberStartsFromTheTruth(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	products := shopWithOrders(t, env, 600)
 	ctx := context.Background()
-	env.StartRunner(subscribers.Tx(&orderstatus.Handler{}), nil)
+	env.StartRunner(orderstatus.Subscriber, nil)
 
 	var stop atomic.Bool
 	var moves, backfilled atomic.Int64
@@ -168,7 +168,7 @@ func TestBackfillAndALiveEventApplyInEitherOrder(t *testing.T) {
 				t.Fatal(err)
 			}
 			live := &orderstatus.Handler{Unguarded: unguarded}
-			env.StartRunner(subscribers.Tx(live), nil)
+			env.StartRunner(subscribertest.HandledBy(orderstatus.Subscriber, subscribers.Tx(live)), nil)
 			var once sync.Once
 			backfilled := &orderstatus.Handler{Unguarded: unguarded, BeforeWrite: func(ev subscribers.Event, orderID int64) {
 				if orderID != first || ev.Headers.Get(subscribers.BackfillHeader) == "" {

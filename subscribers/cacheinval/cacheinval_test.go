@@ -68,6 +68,7 @@ func TestConformance(t *testing.T) {
 	var mu = make(chan struct{}, 1)
 	lock := func() func() { mu <- struct{}{}; return func() { <-mu } }
 	subscribertest.Run(t, subscribertest.Case{
+		Subscriber: cacheinval.Subscriber,
 		Handler: func(env *subscribertest.Env) subscribers.Handler {
 			defer lock()()
 			f := get(env)
@@ -108,7 +109,7 @@ func TestProductAndBrandEventsInvalidate(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	f := newFixture(env)
-	env.StartRunner(subscribers.Each(cacheinval.New(f.cache, env.DB.Pool)), nil)
+	env.StartRunner(subscribertest.HandledBy(cacheinval.Subscriber, subscribers.Each(cacheinval.New(f.cache, env.DB.Pool))), nil)
 	ctx := context.Background()
 
 	var all []int64
@@ -207,7 +208,7 @@ func TestCategoryRenameInvalidatesItsProducts(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	f := newFixture(env)
-	env.StartRunner(subscribers.Each(cacheinval.New(f.cache, env.DB.Pool)), nil)
+	env.StartRunner(subscribertest.HandledBy(cacheinval.Subscriber, subscribers.Each(cacheinval.New(f.cache, env.DB.Pool))), nil)
 	ctx := context.Background()
 	// A second category, holding every other product (behind fanout's
 	// back: no event, nothing invalidated).

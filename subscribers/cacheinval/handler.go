@@ -25,8 +25,6 @@ type Handler struct {
 // New returns the cache invalidator.
 func New(cache *Cache, pool *pgxpool.Pool) *Handler { return &Handler{cache: cache, pool: pool} }
 
-func (h *Handler) Name() string { return Name }
-
 // Dependency is Redis's name among the invalidator's dependencies.
 const Dependency = "redis"
 
@@ -35,10 +33,8 @@ func (h *Handler) Dependencies() []subscribers.Dependency {
 	return []subscribers.Dependency{{Name: Dependency, Probe: h.cache.Ping}}
 }
 
-// EventTypes: every product change, and brand and category renames (their
+// eventTypes: every product change, and brand and category renames (their
 // names are in each of their products' documents).
-func (h *Handler) EventTypes() []string { return eventTypes }
-
 var eventTypes = []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated}
 
 // Subscriber declares the cache invalidator to fanout.

@@ -47,9 +47,6 @@ var (
 // Handler checks and logs new orders.
 type Handler struct{ logger *slog.Logger }
 
-func (*Handler) Name() string         { return Name }
-func (*Handler) EventTypes() []string { return eventTypes }
-
 // HandleTx runs in the transaction that also records the event's
 // checkpoint: what it writes commits with the checkpoint or not at all. An
 // error from Postgres is retried (and, while Postgres is down, waited out);

@@ -29,6 +29,7 @@ func TestConformance(t *testing.T) {
 	logs := map[*subscribertest.Env]*syncbuf.Buffer{}
 	var mu sync.Mutex
 	subscribertest.Run(t, subscribertest.Case{
+		Subscriber: example.Subscriber,
 		Handler: func(env *subscribertest.Env) subscribers.Handler {
 			buf := &syncbuf.Buffer{}
 			mu.Lock()

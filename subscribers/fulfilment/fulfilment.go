@@ -35,9 +35,6 @@ type Handler struct{}
 // New returns the fulfilment handler.
 func New() Handler { return Handler{} }
 
-func (Handler) Name() string         { return Name }
-func (Handler) EventTypes() []string { return eventTypes }
-
 var eventTypes = []string{shop.OrderCreated, shop.OrderPaid, shop.OrderShipped, shop.OrderDelivered, shop.OrderCancelled}
 
 // Subscriber declares fulfilment to fanout.
@@ -51,7 +48,7 @@ var Subscriber = subscribers.Declaration{
 	},
 	// Migration 00012_fulfilment.sql.
 	Tables: []string{"fulfilment_history", "fulfilment_orders", "fulfilment_violations"},
-	New:    func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.OrderedTx(New()), nil },
+	New:    func(subscribers.Deps) (subscribers.Handler, error) { return subscribers.Tx(New()), nil },
 }
 
 // ErrMalformed is why an event goes to the dead letters: its payload is

@@ -243,7 +243,7 @@ func TestOrdersFollowTheirHistory(t *testing.T) {
 	env.StartRelay(testhooks.Relay{FailPublish: failOnce()})
 	h := newFlaky()
 	for range 3 {
-		env.StartRunner(subscribers.OrderedTx(h), nil)
+		env.StartRunner(subscribertest.HandledBy(fulfilment.Subscriber, subscribers.Tx(h)), nil)
 	}
 	rushOrders(t, env, product, 4, 15, 1)
 	mixOrders(t, env, product, 4, 40, 2)
@@ -257,7 +257,7 @@ func TestOrdersFollowTheirHistory(t *testing.T) {
 }
 
 // The proof that the test above can fail: the same handler, run unordered
-// (subscribers.Tx) over the orders' events, handles an order's events side
+// (declared without Ordered) over the orders' events, handles an order's events side
 // by side, and its later events overtake a paid event being retried: it
 // records violations.
 func TestUnorderedHandlingBreaksHistories(t *testing.T) {
@@ -271,8 +271,10 @@ func TestUnorderedHandlingBreaksHistories(t *testing.T) {
 		return err == nil && unsent == 0, fmt.Sprintf("%d unsent (%v)", unsent, err)
 	})
 	h := newFlaky()
+	unordered := fulfilment.Subscriber
+	unordered.Ordered = false
 	for range 2 {
-		env.StartRunner(subscribers.Tx(h), nil)
+		env.StartRunner(subscribertest.HandledBy(unordered, subscribers.Tx(h)), nil)
 	}
 	diffs := waitFollowed(t, env, time.Minute)
 	if len(diffs) == 0 {
@@ -290,7 +292,7 @@ func TestOrdersSurviveAnInstanceKilledMidAggregate(t *testing.T) {
 	var killed atomic.Bool
 	kill := make(chan struct{})
 	first := env.Connect()
-	a := env.NewRunner(subscribers.OrderedTx(jittery{}), func(o *subscribers.Options) { o.Conn = first })
+	a := env.NewRunner(subscribertest.HandledBy(fulfilment.Subscriber, subscribers.Tx(jittery{})), func(o *subscribers.Options) { o.Conn = first })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	if err := a.Start(testhooks.WithSubscriber(ctx, testhooks.Subscriber{BeforeAck: func(ctx context.Context, ids []int64) {
@@ -301,7 +303,7 @@ func TestOrdersSurviveAnInstanceKilledMidAggregate(t *testing.T) {
 	}})); err != nil {
 		t.Fatal(err)
 	}
-	env.StartRunner(subscribers.OrderedTx(jittery{}), nil)
+	env.StartRunner(subscribertest.HandledBy(fulfilment.Subscriber, subscribers.Tx(jittery{})), nil)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -333,7 +335,7 @@ func TestOrdersSurviveInstancesAddedAndRemoved(t *testing.T) {
 	}()
 	var running []*subscribers.Runner
 	for i := 0; ; i++ {
-		running = append(running, env.StartRunner(subscribers.OrderedTx(jittery{}), nil))
+		running = append(running, env.StartRunner(subscribertest.HandledBy(fulfilment.Subscriber, subscribers.Tx(jittery{})), nil))
 		if i%2 == 1 {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 			if err := running[0].Stop(ctx); err != nil {
@@ -387,7 +389,7 @@ func poisonedOrder(t *testing.T, env *subscribertest.Env, product int64) (order,
 func TestPoisonEventHoldsOnlyItsOrder(t *testing.T) {
 	t.Parallel()
 	env, product := newEnv(t)
-	r := env.StartRunner(subscribers.OrderedTx(fulfilment.New()), nil)
+	r := env.StartRunner(fulfilment.Subscriber, nil)
 	order, poison := poisonedOrder(t, env, product)
 	rushOrders(t, env, product, 2, 10, 5)
 	subscribertest.WaitFor(t, time.Minute, "3 dead letters", func() (bool, string) {
@@ -465,7 +467,7 @@ func TestPoisonEventSkippedByPolicy(t *testing.T) {
 	t.Parallel()
 	env, product := newEnv(t)
 	env.Config.Subscribers.OnDeadLetter = "skip"
-	env.StartRunner(subscribers.OrderedTx(fulfilment.New()), nil)
+	env.StartRunner(fulfilment.Subscriber, nil)
 	poisonedOrder(t, env, product)
 	rushOrders(t, env, product, 2, 5, 6)
 	if diffs := waitFollowed(t, env, time.Minute); len(diffs) > 0 {
@@ -478,7 +480,7 @@ func TestPoisonEventSkippedByPolicy(t *testing.T) {
 
 func TestConformance(t *testing.T) {
 	subscribertest.Run(t, subscribertest.Case{
-		Handler: func(env *subscribertest.Env) subscribers.Handler { return subscribers.OrderedTx(fulfilment.New()) },
+		Subscriber: fulfilment.Subscriber,
 		Valid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, error) {
 			// An order of its own (fulfilment reads no shop table): its
 			// creation event, the first of its aggregate.
@@ -530,7 +532,7 @@ func TestGapIsWaitedForThenMarked(t *testing.T) {
 	t.Parallel()
 	env, _ := newEnv(t)
 	env.Config.Subscribers.GapWait = 3 * time.Second
-	env.StartRunner(subscribers.OrderedTx(fulfilment.New()), nil)
+	env.StartRunner(fulfilment.Subscriber, nil)
 	ctx := context.Background()
 	const order = 424242
 	publish := func(id, seq int64, eventType string, payload string) {
@@ -572,7 +574,7 @@ func TestFirstEventSeenAfterAStartNewIsMarked(t *testing.T) {
 	t.Parallel()
 	env, _ := newEnv(t)
 	env.Config.Subscribers.GapWait = 10 * time.Minute
-	env.StartRunner(subscribers.OrderedTx(fulfilment.New()), func(o *subscribers.Options) { o.Config.Start = "new" })
+	env.StartRunner(fulfilment.Subscriber, func(o *subscribers.Options) { o.Config.Start = "new" })
 	ctx := context.Background()
 	publishOrderEvent(t, env, 515151, 8000003, 3, shop.OrderShipped, `{"order_id": 515151, "from": "paid", "to": "shipped", "n": 3}`)
 	publishOrderEvent(t, env, 515151, 8000004, 4, shop.OrderDelivered, `{"order_id": 515151, "from": "shipped", "to": "delivered", "n": 4}`)

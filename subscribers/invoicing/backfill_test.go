@@ -41,7 +41,7 @@ func TestBackfillInvoicesOrdersOlderThanTheStream(t *testing.T) {
 	old = append(old, writeOrders(100)...) // and these are still in it
 	env.WaitSent(old...)
 
-	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	env.StartRunner(invoicing.Subscriber, nil)
 	env.WaitIdle(invoicing.Name, 30*time.Second)
 	var uninvoiced int
 	if err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM orders o WHERE NOT EXISTS (SELECT FROM invoices i WHERE i.order_id = o.id)`).Scan(&uninvoiced); err != nil {

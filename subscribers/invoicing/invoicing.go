@@ -25,9 +25,6 @@ type Handler struct{}
 // New returns the invoicing handler.
 func New() Handler { return Handler{} }
 
-func (Handler) Name() string         { return Name }
-func (Handler) EventTypes() []string { return eventTypes }
-
 var eventTypes = []string{shop.OrderCreated}
 
 // Subscriber declares invoicing to fanout: one line in the registry runs,

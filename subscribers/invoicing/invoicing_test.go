@@ -69,6 +69,7 @@ func invoicesOf(env *subscribertest.Env, orderID int64) int {
 }
 
 var conformance = subscribertest.Case{
+	Subscriber: invoicing.Subscriber,
 	Handler: func(env *subscribertest.Env) subscribers.Handler {
 		seedCatalog(env.T, env)
 		return subscribers.Tx(invoicing.New())
@@ -92,7 +93,7 @@ func TestInvoiceContents(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
-	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	env.StartRunner(invoicing.Subscriber, nil)
 	var orderID int64
 	env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
 		var err error
@@ -121,8 +122,8 @@ func TestExactlyOneInvoicePerOrderWithTwoInstancesAndDuplicates(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
-	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
-	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	env.StartRunner(invoicing.Subscriber, nil)
+	env.StartRunner(invoicing.Subscriber, nil)
 	const orders = 200
 	var ids []int64
 	for range orders / 20 {
@@ -181,8 +182,7 @@ func TestFailsThreeTimesThenSucceedsMakesOneInvoice(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
 	fl := &flaky{fails: map[int64]int{}, n: 3}
-	h := subscribers.Tx(fl)
-	env.StartRunner(h, nil)
+	env.StartRunner(subscribertest.HandledBy(invoicing.Subscriber, subscribers.Tx(fl)), nil)
 	var orderID int64
 	id := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
 		var err error
@@ -208,7 +208,7 @@ func TestBadOrdersGoToDeadLettersAndOthersFlow(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
-	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	env.StartRunner(invoicing.Subscriber, nil)
 	var good int64
 	env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
 		ctx := context.Background()
@@ -262,7 +262,7 @@ func TestProductDeletedAfterTheOrderIsStillInvoiced(t *testing.T) {
 		_, err = shop.DeleteProduct(ctx, tx, productID)
 		return nil, err
 	})
-	env.StartRunner(subscribers.Tx(invoicing.New()), nil)
+	env.StartRunner(invoicing.Subscriber, nil)
 	subscribertest.WaitFor(t, 10*time.Second, "the invoice", func() (bool, string) { return invoicesOf(env, orderID) == 1, "" })
 	var lineSKU string
 	if err := env.DB.Pool.QueryRow(ctx, `SELECT l.sku FROM invoice_lines l JOIN invoices i ON i.id = l.invoice_id WHERE i.order_id = $1`, orderID).Scan(&lineSKU); err != nil || lineSKU != sku {

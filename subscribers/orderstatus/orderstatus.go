@@ -92,9 +92,6 @@ type Handler struct {
 	BeforeWrite func(ev subscribers.Event, orderID int64)
 }
 
-func (*Handler) Name() string         { return Name }
-func (*Handler) EventTypes() []string { return eventTypes }
-
 // HandleTx copies the order the event names, as Postgres has it now.
 func (h *Handler) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
 	orderID, err := OrderID(ev)

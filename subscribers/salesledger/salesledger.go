@@ -33,9 +33,6 @@ type Handler struct{}
 // New returns the sales ledger handler.
 func New() Handler { return Handler{} }
 
-func (Handler) Name() string         { return Name }
-func (Handler) EventTypes() []string { return eventTypes }
-
 var eventTypes = []string{shop.OrderCreated}
 
 // Subscriber declares the sales ledger to fanout.

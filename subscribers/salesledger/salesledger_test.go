@@ -54,6 +54,7 @@ func drift(t *testing.T, env *subscribertest.Env) []string {
 
 func TestConformance(t *testing.T) {
 	subscribertest.Run(t, subscribertest.Case{
+		Subscriber: salesledger.Subscriber,
 		Handler: func(env *subscribertest.Env) subscribers.Handler {
 			seedCatalog(env.T, env)
 			return subscribers.Tx(salesledger.New())
@@ -87,8 +88,8 @@ func TestLedgerEqualsOrderLinesWithTwoInstancesAndDuplicates(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	seedCatalog(t, env)
-	env.StartRunner(subscribers.Tx(salesledger.New()), nil)
-	env.StartRunner(subscribers.Tx(salesledger.New()), nil)
+	env.StartRunner(salesledger.Subscriber, nil)
+	env.StartRunner(salesledger.Subscriber, nil)
 	rows, err := env.DB.Pool.Query(context.Background(), `SELECT id FROM products ORDER BY id`)
 	if err != nil {
 		t.Fatal(err)

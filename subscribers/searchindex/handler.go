@@ -66,8 +66,6 @@ func (h *Handler) ObserveSearchable(f func([]time.Duration)) {
 // failed (a 404 that is not that: no index to write to) or rejected.
 func (h *Handler) ObserveBulkItems(f func(outcome string)) { h.items = f }
 
-func (h *Handler) Name() string { return Name }
-
 // Dependencies: the search engine, probed with its info endpoint.
 func (h *Handler) Dependencies() []subscribers.Dependency {
 	return []subscribers.Dependency{{Name: Dependency, Probe: func(ctx context.Context) error {
@@ -76,10 +74,8 @@ func (h *Handler) Dependencies() []subscribers.Dependency {
 	}}}
 }
 
-// EventTypes: every product change, and brand and category renames (their
+// eventTypes: every product change, and brand and category renames (their
 // names are in the documents of all their products).
-func (h *Handler) EventTypes() []string { return eventTypes }
-
 var eventTypes = []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated}
 
 // Subscriber declares the search indexer to fanout. Building it makes sure

@@ -61,7 +61,7 @@ func (f *fixture) current(t *testing.T) string {
 func TestReindexDuringUpdatesAndSearches(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 500)
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	f.env.Settle(searchindex.Name)
 	if err := f.client.Refresh(context.Background(), f.alias); err != nil {
 		t.Fatal(err)
@@ -167,7 +167,7 @@ func TestReindexAbortsOnFailures(t *testing.T) {
 func TestCheckAndRepair(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 30)
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	f.env.Settle(searchindex.Name)
 	ctx := context.Background()
 	cur := f.current(t)
@@ -222,7 +222,7 @@ func (f *fixture) corruptAtSameVersion(t *testing.T, index string, id int64) int
 func TestRepairFixesSameVersionDriftAndNamesWhatItCannot(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 10)
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	f.env.Settle(searchindex.Name)
 	ctx := context.Background()
 	cur := f.current(t)
@@ -276,7 +276,7 @@ func TestRepairFixesSameVersionDriftAndNamesWhatItCannot(t *testing.T) {
 func TestRollback(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 30)
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	f.env.Settle(searchindex.Name)
 	ctx := context.Background()
 	if _, err := f.reindexer().Reindex(ctx); err != nil {
@@ -346,7 +346,7 @@ func TestReindexLockIsExclusive(t *testing.T) {
 func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 20)
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	f.env.Settle(searchindex.Name)
 	ctx := context.Background()
 	events, err := f.env.JS.Stream(ctx, f.env.Config.Stream.Name)
@@ -379,7 +379,7 @@ func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
 func TestReindexVerifiesHotProducts(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 5)
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	f.env.Settle(searchindex.Name)
 	rep, err := f.reindexUnderLoad(300, 11, demo.Mix{Price: 50, Stock: 50})
 	if err != nil {

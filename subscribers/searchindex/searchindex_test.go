@@ -59,6 +59,12 @@ func (f *fixture) handler() subscribers.Handler {
 	return subscribers.Each(f.indexer())
 }
 
+// subscriber is the search indexer as its package declares it, with the
+// fixture's handler.
+func (f *fixture) subscriber() subscribers.Declaration {
+	return subscribertest.HandledBy(searchindex.Subscriber, f.handler())
+}
+
 // indexer is the search indexer itself, for what the tests call directly.
 func (f *fixture) indexer() *searchindex.Handler {
 	h := searchindex.New(f.client, f.env.DB.Pool, f.search, f.env.Logger)
@@ -149,7 +155,8 @@ func TestConformance(t *testing.T) {
 				return f
 			}
 			subscribertest.Run(t, subscribertest.Case{
-				Handler: func(env *subscribertest.Env) subscribers.Handler { return get(env).handler() },
+				Subscriber: searchindex.Subscriber,
+				Handler:    func(env *subscribertest.Env) subscribers.Handler { return get(env).handler() },
 				Valid: func(env *subscribertest.Env, tx pgx.Tx) (outbox.Event, error) {
 					ctx := context.Background()
 					if _, err := tx.Exec(ctx, `INSERT INTO brands (name) VALUES ('Acme') ON CONFLICT DO NOTHING`); err != nil {
@@ -190,7 +197,7 @@ INSERT INTO inventory (product_id, stock) SELECT id, 5 FROM p RETURNING product_
 func TestChangesReachTheIndex(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 20)
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	ctx := context.Background()
 	f.env.Settle(searchindex.Name) // the seed's product.created events
 	id := firstProduct(t, f)
@@ -258,7 +265,7 @@ func TestChangesReachTheIndex(t *testing.T) {
 func TestRejectedDocumentIsDeadLettered(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 3)
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	ctx := context.Background()
 	f.env.Settle(searchindex.Name)
 	id := firstProduct(t, f)
@@ -314,7 +321,7 @@ func TestThrottledWritesAreRetriedUntilTheyPass(t *testing.T) {
 	// A throttled engine is an outage, not the event's failure: with
 	// max_failures 1, one counted failure would dead-letter the event.
 	f.env.Config.Subscribers.MaxFailures = 1
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	f.env.Settle(searchindex.Name)
 	id := firstProduct(t, f)
 	setBlock(t, cur, true)
@@ -344,7 +351,7 @@ func TestStaleWritesLose(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 3)
 	ctx := context.Background()
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	f.env.Settle(searchindex.Name)
 	id := firstProduct(t, f)
 	stale, _ := shop.LoadProducts(ctx, f.env.DB.Pool, []int64{id})
@@ -383,8 +390,8 @@ func TestStormConverges(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 60)
 	f.env.Config.Subscribers.BatchSize = 20
-	f.env.StartRunner(f.handler(), nil)
-	f.env.StartRunner(f.handler(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
+	f.env.StartRunner(f.subscriber(), nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	// Four writers hammering 60 products (and few brands): many quick
@@ -424,7 +431,7 @@ func TestCategoryRenameReachesItsProducts(t *testing.T) {
 	var mu sync.Mutex
 	items := map[string]int{}
 	h.ObserveBulkItems(func(outcome string) { mu.Lock(); items[outcome]++; mu.Unlock() })
-	f.env.StartRunner(subscribers.Each(h), nil)
+	f.env.StartRunner(subscribertest.HandledBy(searchindex.Subscriber, subscribers.Each(h)), nil)
 	f.env.Settle(searchindex.Name)
 	ctx := context.Background()
 	_ = f.client.Refresh(ctx, f.alias)
@@ -521,7 +528,7 @@ func TestMissingIndexIsRetriedThenDeadLettered(t *testing.T) {
 	var mu sync.Mutex
 	items := map[string]int{}
 	h.ObserveBulkItems(func(outcome string) { mu.Lock(); items[outcome]++; mu.Unlock() })
-	f.env.StartRunner(subscribers.Each(h), nil)
+	f.env.StartRunner(subscribertest.HandledBy(searchindex.Subscriber, subscribers.Each(h)), nil)
 	f.env.Settle(searchindex.Name)
 	ctx := context.Background()
 

@@ -37,9 +37,7 @@ func Counted(h subscribers.Handler) (subscribers.Handler, *Calls) { return count
 
 func counted(h subscribers.Handler) (subscribers.Handler, *Calls) {
 	calls := &Calls{n: map[int64]int{}}
-	if hh, ok := h.TxHandler(); ok && h.Ordered() {
-		return subscribers.OrderedTx(countedTx{hh, calls}), calls
-	} else if ok {
+	if hh, ok := h.TxHandler(); ok {
 		return subscribers.Tx(countedTx{hh, calls}), calls
 	}
 	if hh, ok := h.EventHandler(); ok {
@@ -84,4 +82,18 @@ func encodePayload(ev outbox.Event) ([]byte, error) {
 		return p, nil
 	}
 	return json.Marshal(ev.Payload)
+}
+
+// Declare declares a test subscriber: its name, the event types it takes
+// (subject patterns), and h, what its New builds. Set Ordered on the
+// result for an ordered one.
+func Declare(name string, h subscribers.Handler, eventTypes ...string) subscribers.Declaration {
+	return HandledBy(subscribers.Declaration{Name: name, EventTypes: eventTypes}, h)
+}
+
+// HandledBy is d with h as what its New builds: a handler made with a
+// test's own fixtures, or one wrapped (Counted).
+func HandledBy(d subscribers.Declaration, h subscribers.Handler) subscribers.Declaration {
+	d.New = func(subscribers.Deps) (subscribers.Handler, error) { return h, nil }
+	return d
 }

@@ -158,11 +158,16 @@ func (e *Env) Connect() *nats.Conn {
 	return nc
 }
 
-// NewRunner returns a runner for h with the env's settings, adjusted by
+// NewRunner returns a runner for the subscriber d declares, its handler
+// built by d on the env's database, with the env's settings, adjusted by
 // mutate; it is not started.
-func (e *Env) NewRunner(h subscribers.Handler, mutate func(*subscribers.Options)) *subscribers.Runner {
+func (e *Env) NewRunner(d subscribers.Declaration, mutate func(*subscribers.Options)) *subscribers.Runner {
 	e.T.Helper()
-	opts := subscribers.Options{Handler: h, Config: e.Config.Subscribers, Stream: e.Config.Stream,
+	h, err := d.Build(subscribers.Deps{Context: context.Background(), Pool: e.DB.Pool, Logger: e.Logger.With("component", d.Name)})
+	if err != nil {
+		e.T.Fatal(err)
+	}
+	opts := subscribers.Options{Declaration: d, Handler: h, Config: e.Config.Subscribers, Stream: e.Config.Stream,
 		Pool: e.DB.Pool, Conn: e.Connect(), Logger: e.Logger.With("component", "subscriber")}
 	if mutate != nil {
 		mutate(&opts)
@@ -174,10 +179,11 @@ func (e *Env) NewRunner(h subscribers.Handler, mutate func(*subscribers.Options)
 	return r
 }
 
-// StartRunner starts a runner for h and drains it when the test ends.
-func (e *Env) StartRunner(h subscribers.Handler, mutate func(*subscribers.Options)) *subscribers.Runner {
+// StartRunner starts a runner for the subscriber d declares and drains it
+// when the test ends.
+func (e *Env) StartRunner(d subscribers.Declaration, mutate func(*subscribers.Options)) *subscribers.Runner {
 	e.T.Helper()
-	r := e.NewRunner(h, mutate)
+	r := e.NewRunner(d, mutate)
 	e.Start(r)
 	return r
 }

@@ -18,7 +18,11 @@ import (
 
 // Case describes a subscriber to the conformance suite.
 type Case struct {
-	// Handler builds the subscriber on env's database.
+	// Subscriber is the subscriber, as its package declares it.
+	Subscriber subscribers.Declaration
+	// Handler, if set, builds its handler on env's database (with the
+	// test's own fixtures: a cache, an index); else its declaration's New
+	// does.
 	Handler func(env *Env) subscribers.Handler
 	// Valid writes the business rows a valid event needs, inside tx, and
 	// returns the event.
@@ -47,11 +51,11 @@ func Run(t *testing.T, c Case) {
 	t.Run("HandledOnceAndCheckpointed", func(t *testing.T) {
 		t.Parallel()
 		env := NewEnv(t)
-		h, calls := counted(c.Handler(env))
-		env.StartRunner(h, nil)
+		h, calls := counted(c.handler(env))
+		env.StartRunner(HandledBy(c.Subscriber, h), nil)
 		ev, id := writeValid(env, c)
-		waitCheckpointed(env, h.Name(), id)
-		env.WaitIdle(h.Name(), 10*time.Second)
+		waitCheckpointed(env, c.Subscriber.Name, id)
+		env.WaitIdle(c.Subscriber.Name, 10*time.Second)
 		if n := c.Effects(env, ev, id); n != 1 {
 			t.Errorf("effects = %d, want 1", n)
 		}
@@ -63,13 +67,13 @@ func Run(t *testing.T, c Case) {
 	t.Run("DuplicateEventIDHasNoSecondEffect", func(t *testing.T) {
 		t.Parallel()
 		env := NewEnv(t)
-		h, calls := counted(c.Handler(env))
-		env.StartRunner(h, nil)
+		h, calls := counted(c.handler(env))
+		env.StartRunner(HandledBy(c.Subscriber, h), nil)
 		ev, id := writeValid(env, c)
-		waitCheckpointed(env, h.Name(), id)
-		env.WaitIdle(h.Name(), 10*time.Second)
+		waitCheckpointed(env, c.Subscriber.Name, id)
+		env.WaitIdle(c.Subscriber.Name, 10*time.Second)
 		env.Republish(id) // the same event id, stored a second time
-		env.WaitIdle(h.Name(), 10*time.Second)
+		env.WaitIdle(c.Subscriber.Name, 10*time.Second)
 		if n := calls.of(id); n != 1 {
 			t.Errorf("handler called %d times for an event delivered twice under one id, want 1", n)
 		}
@@ -81,11 +85,11 @@ func Run(t *testing.T, c Case) {
 	t.Run("IdempotentUnderRedelivery", func(t *testing.T) {
 		t.Parallel()
 		env := NewEnv(t)
-		base := c.Handler(env)
+		base := c.handler(env)
 		// Let an instance consume whatever the handler's setup published,
 		// so the next batch holds only the event under test.
-		pre := env.StartRunner(base, nil)
-		env.WaitIdle(base.Name(), 10*time.Second)
+		pre := env.StartRunner(HandledBy(c.Subscriber, base), nil)
+		env.WaitIdle(c.Subscriber.Name, 10*time.Second)
 		if err := pre.Stop(context.Background()); err != nil {
 			t.Fatal(err)
 		}
@@ -94,7 +98,7 @@ func Run(t *testing.T, c Case) {
 		// dies before acking.
 		recorded := make(chan struct{})
 		var once sync.Once
-		dying := env.NewRunner(base, nil)
+		dying := env.NewRunner(HandledBy(c.Subscriber, base), nil)
 		env.StartHooked(dying, testhooks.Subscriber{BeforeAck: func(ctx context.Context, _ []int64) {
 			once.Do(func() { close(recorded) })
 			<-ctx.Done()
@@ -111,8 +115,8 @@ func Run(t *testing.T, c Case) {
 
 		// JetStream redelivers after the ack wait; the checkpoint absorbs it.
 		h, calls := counted(base)
-		env.StartRunner(h, nil)
-		env.WaitIdle(base.Name(), 15*time.Second)
+		env.StartRunner(HandledBy(c.Subscriber, h), nil)
+		env.WaitIdle(c.Subscriber.Name, 15*time.Second)
 		if n := c.Effects(env, ev, id); n != 1 {
 			t.Errorf("effects = %d after a redelivery, want 1", n)
 		}
@@ -122,16 +126,16 @@ func Run(t *testing.T, c Case) {
 
 		// Even past the checkpoint (say it was pruned), the handler's own
 		// effect is idempotent.
-		if err := bookkeeping.New(env.DB.Pool).CheckpointDelete(context.Background(), bookkeeping.CheckpointKeyParams{Subscriber: base.Name(), EventID: id}); err != nil {
+		if err := bookkeeping.New(env.DB.Pool).CheckpointDelete(context.Background(), bookkeeping.CheckpointKeyParams{Subscriber: c.Subscriber.Name, EventID: id}); err != nil {
 			t.Fatal(err)
 		}
 		env.Republish(id)
-		if base.Ordered() {
+		if c.Subscriber.Ordered {
 			// An ordered subscriber's event is also behind its aggregate's
 			// checkpoint: the copy is refused as late, to the dead
 			// letters, and the handler does not run.
 			WaitFor(t, 10*time.Second, "the late copy in the dead letters", func() (bool, string) {
-				for _, m := range env.DeadLetters(base.Name()) {
+				for _, m := range env.DeadLetters(c.Subscriber.Name) {
 					if m.Header.Get(wire.EventIDHeader) == strconv.FormatInt(id, 10) &&
 						strings.Contains(m.Header.Get(subscribers.DeadReasonHeader), "moved past it") {
 						return true, ""
@@ -148,7 +152,7 @@ func Run(t *testing.T, c Case) {
 			return
 		}
 		WaitFor(t, 10*time.Second, "the handler to run again", func() (bool, string) { return calls.of(id) == 1, "" })
-		env.WaitIdle(base.Name(), 10*time.Second)
+		env.WaitIdle(c.Subscriber.Name, 10*time.Second)
 		switch n := c.Effects(env, ev, id); {
 		case c.CheckpointOnly && n != 2:
 			t.Errorf("effects = %d after handling the event again without its checkpoint, want 2: the suite cannot see a second handling of this subscriber", n)
@@ -163,8 +167,8 @@ func Run(t *testing.T, c Case) {
 	t.Run("PermanentErrorReachesDeadLettersWithReason", func(t *testing.T) {
 		t.Parallel()
 		env := NewEnv(t)
-		h, _ := counted(c.Handler(env))
-		env.StartRunner(h, nil)
+		h, _ := counted(c.handler(env))
+		env.StartRunner(HandledBy(c.Subscriber, h), nil)
 		var reason string
 		bad := env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
 			ev, r, err := c.Invalid(env, tx)
@@ -176,20 +180,20 @@ func Run(t *testing.T, c Case) {
 		// is seen outside its transaction (the example's log line) may
 		// show an attempt a loaded machine rolled back and redid.
 		ev, id := writeValid(env, c)
-		waitCheckpointed(env, h.Name(), id)
+		waitCheckpointed(env, c.Subscriber.Name, id)
 		WaitFor(t, 15*time.Second, "the event's effect", func() (bool, string) {
 			n := c.Effects(env, ev, id)
 			return n >= 1, "effects " + itoa(int64(n))
 		})
-		WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) { return len(env.DeadLetters(h.Name())) > 0, "" })
-		env.WaitIdle(h.Name(), 15*time.Second)
-		dead := env.DeadLetters(h.Name())
+		WaitFor(t, 15*time.Second, "the dead letter", func() (bool, string) { return len(env.DeadLetters(c.Subscriber.Name)) > 0, "" })
+		env.WaitIdle(c.Subscriber.Name, 15*time.Second)
+		dead := env.DeadLetters(c.Subscriber.Name)
 		if len(dead) != 1 {
 			t.Fatalf("%d dead letters, want 1", len(dead))
 		}
 		d := dead[0]
-		if d.Header.Get(wire.EventIDHeader) != itoa(bad) || d.Header.Get(subscribers.DeadSubscriberHeader) != h.Name() {
-			t.Errorf("dead letter headers %v, want event %d of %s", d.Header, bad, h.Name())
+		if d.Header.Get(wire.EventIDHeader) != itoa(bad) || d.Header.Get(subscribers.DeadSubscriberHeader) != c.Subscriber.Name {
+			t.Errorf("dead letter headers %v, want event %d of %s", d.Header, bad, c.Subscriber.Name)
 		}
 		if got := d.Header.Get(subscribers.DeadReasonHeader); !strings.Contains(got, reason) {
 			t.Errorf("dead letter reason %q, want it to mention %q", got, reason)
@@ -197,7 +201,7 @@ func Run(t *testing.T, c Case) {
 		if d.Header.Get(subscribers.DeadDeliveriesHeader) == "" || d.Header.Get(subscribers.DeadSubjectHeader) == "" {
 			t.Errorf("dead letter lacks its delivery count or original subject: %v", d.Header)
 		}
-		if env.Checkpointed(h.Name(), bad) {
+		if env.Checkpointed(c.Subscriber.Name, bad) {
 			t.Errorf("dead-lettered event %d is in the checkpoint", bad)
 		}
 	})
@@ -205,7 +209,7 @@ func Run(t *testing.T, c Case) {
 	t.Run("CancelledContextStopsWork", func(t *testing.T) {
 		t.Parallel()
 		env := NewEnv(t)
-		h := c.Handler(env)
+		h := c.handler(env)
 		var oev outbox.Event
 		env.Write(func(tx pgx.Tx) ([]outbox.Event, error) {
 			var err error
@@ -240,6 +244,19 @@ func Run(t *testing.T, c Case) {
 			t.Errorf("effects = %d after a cancelled call, want 0", n)
 		}
 	})
+}
+
+// handler builds the subscriber's handler on env's database.
+func (c Case) handler(env *Env) subscribers.Handler {
+	env.T.Helper()
+	if c.Handler != nil {
+		return c.Handler(env)
+	}
+	h, err := c.Subscriber.Build(subscribers.Deps{Context: context.Background(), Pool: env.DB.Pool, Logger: env.Logger})
+	if err != nil {
+		env.T.Fatal(err)
+	}
+	return h
 }
 
 func writeValid(env *Env, c Case) (outbox.Event, int64) {
