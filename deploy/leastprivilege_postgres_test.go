@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
@@ -229,7 +230,7 @@ SELECT id FROM p`).Scan(&productID)
 		// the audit trail, a reindex's reads of the catalog, and a
 		// redrive's work as a subscriber.
 		var checkpoints int64
-		store := outbox.NewStore(pool)
+		store := outboxstore.New(pool)
 		if _, err := store.Backlog(ctx); err != nil {
 			t.Errorf("fanout_operator reads the outbox backlog: %v", err)
 		}

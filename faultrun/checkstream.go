@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"

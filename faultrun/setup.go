@@ -26,6 +26,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/redistest"
 	"github.com/fanout/fanout/internal/testenv/repo"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"

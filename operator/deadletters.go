@@ -13,6 +13,7 @@ import (
 	"strconv"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/wire"
@@ -26,7 +27,7 @@ import (
 // that table is what tells a resolved letter from one to resolve).
 type DeadLetters struct {
 	pool   *pgxpool.Pool
-	store  *outbox.Store
+	store  *outboxstore.Store
 	js     jetstream.JetStream
 	stream jetstream.Stream
 	events stream.Config
@@ -39,7 +40,7 @@ func OpenDeadLetters(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetSt
 	if err != nil {
 		return nil, fmt.Errorf("dead-letter stream %s: %w", subs.DeadLetterStream, err)
 	}
-	return &DeadLetters{pool: pool, store: outbox.NewStore(pool), js: js, stream: s, events: events, subs: subs}, nil
+	return &DeadLetters{pool: pool, store: outboxstore.New(pool), js: js, stream: s, events: events, subs: subs}, nil
 }
 
 // Letter is one message of the dead-letter stream.
@@ -335,7 +336,7 @@ const (
 // fromRow reads the letter's event from its outbox row, checking that the
 // letter names it rightly: the subject it was published on, and the
 // stream's copy at the letter's sequence if the stream still holds it.
-func (d *DeadLetters) fromRow(ctx context.Context, l Letter, row outbox.Claimed) (subscribers.Event, error) {
+func (d *DeadLetters) fromRow(ctx context.Context, l Letter, row outboxstore.Claimed) (subscribers.Event, error) {
 	ident, err := d.store.ReadIdentity(ctx)
 	if err != nil {
 		return subscribers.Event{}, err

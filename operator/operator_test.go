@@ -11,6 +11,7 @@ import (
 
 	"github.com/fanout/fanout/operator"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/invoicing"
@@ -164,7 +165,7 @@ func TestDeadLettersAndStatus(t *testing.T) {
 		t.Errorf("audit trail: %d actions by %s saying ada (%v), want a discard and two redrives", actions, role, err)
 	}
 
-	if err := outbox.NewStore(env.DB.Pool).SetNumbering(ctx, []string{"product.updated"}); err != nil {
+	if err := outboxstore.New(env.DB.Pool).SetNumbering(ctx, []string{"product.updated"}); err != nil {
 		t.Fatal(err)
 	}
 	st, err = operator.ReadStatus(ctx, operator.Sources{Pool: env.DB.Pool, JS: env.JS, Stream: cfg.Stream, Subscribers: cfg.Subscribers, Known: []string{invoicing.Name}})

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
@@ -57,7 +58,7 @@ type Status struct {
 	} `json:"outbox"`
 	// Audits are the newest audit of the stream against the outbox, and
 	// the newest that found events missing, if another (newest first).
-	Audits []outbox.Audit `json:"audits"`
+	Audits []outboxstore.Audit `json:"audits"`
 	Stream struct {
 		Name     string `json:"name"`
 		Messages uint64 `json:"messages"`
@@ -176,8 +177,8 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 // readOutbox reads the database's identity, the outbox's rows and ranges,
 // and the newest audits into st.
 func readOutbox(ctx context.Context, src Sources, st *Status) error {
-	store := outbox.NewStore(src.Pool)
-	store.OnFailed = outbox.OnFailed(src.Relay.OnFailed)
+	store := outboxstore.New(src.Pool)
+	store.OnFailed = outboxstore.OnFailed(src.Relay.OnFailed)
 	ident, err := store.ReadIdentity(ctx)
 	if err != nil {
 		return err

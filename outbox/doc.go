@@ -20,10 +20,7 @@
 // row it claims, since rows may also be written without this package, and
 // marks a row that fails them `failed`.
 //
-// Store holds every other query on the outbox's tables (the outbox, its
-// ranges, relay_capture), each a constant or literal beside the code that
-// runs it and the reasoning behind it: the relays' claims, marks, reaping
-// and retention, a wal relay's reads and its slot's record, and what
-// status, the metrics and the operator commands read and change. Package
-// relay runs no SQL on these tables of its own.
+// What happens to a row after its commit (the relays' claims and marks,
+// retention, the audit's records, the operators' repairs) is package
+// outboxstore's: writers need none of it.
 package outbox

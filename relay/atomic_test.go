@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
@@ -158,7 +159,7 @@ func TestAtomicBatchesFallBack(t *testing.T) {
 				// the chain's first events are in the stream already, so
 				// the batches holding them are refused as duplicates.
 				ids := chainOneTx(t, h, n)
-				pre, err := outbox.NewStore(h.db.Pool).Unpublished(context.Background(), ids[:20])
+				pre, err := outboxstore.New(h.db.Pool).Unpublished(context.Background(), ids[:20])
 				if err != nil || len(pre) != 20 {
 					t.Fatalf("read the first rows: %d (%v)", len(pre), err)
 				}
@@ -394,7 +395,7 @@ VALUES ('product', '8', 'product.updated', '{}', '{"x-count": 1}') RETURNING id`
 				return n >= want, fmt.Sprintf("%d of %d", n, want)
 			})
 			var status, reason string
-			for id, wantReason := range map[int64]string{poison: "headers", behind: outbox.HeldBehindReason(poison)} {
+			for id, wantReason := range map[int64]string{poison: "headers", behind: outboxstore.HeldBehindReason(poison)} {
 				waitFor(t, 10*time.Second, fmt.Sprintf("row %d failed", id), func() (bool, string) {
 					if err := h.db.Pool.QueryRow(context.Background(), `SELECT status, coalesce(last_error, '') FROM outbox WHERE id = $1`, id).Scan(&status, &reason); err != nil {
 						t.Fatal(err)
@@ -774,7 +775,7 @@ VALUES ('product', '8', 'product.updated', '{}', '{"x-count": 1}') RETURNING id`
 			if err := h.db.Pool.QueryRow(ctx, `SELECT status, coalesce(last_error, '') FROM outbox WHERE id = $1`, id).Scan(&status, &reason); err != nil {
 				t.Fatal(err)
 			}
-			wantReason := outbox.HeldBehindReason(poison)
+			wantReason := outboxstore.HeldBehindReason(poison)
 			if id == poison {
 				wantReason = "headers"
 			}

@@ -43,7 +43,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
 )
@@ -432,7 +432,7 @@ const auditWindow = 200_000
 // not be on disk yet); with repair set, a range with a name that passes is
 // recorded audited (it may then be dropped). A range without a name is
 // only checked (fanout audit's).
-func (a *auditor) auditRange(ctx context.Context, p outbox.Partition, due time.Time, repair bool,
+func (a *auditor) auditRange(ctx context.Context, p outboxstore.Partition, due time.Time, repair bool,
 	progress func(done, of int64, rep AuditReport)) (rep AuditReport, passed bool, err error) {
 	began, err := a.store.Now(ctx)
 	if err != nil {
@@ -535,7 +535,7 @@ func Audit(ctx context.Context, opts Options, since time.Time, dryRun bool, prog
 	}
 	// Every id the outbox handed out, whatever range holds it (or none:
 	// outbox_default); the auditor marks the ranges it audits itself.
-	rep, _, err := a.auditRange(ctx, outbox.Partition{Upper: lastID + 1}, now, !dryRun, func(done, of int64, rep AuditReport) {
+	rep, _, err := a.auditRange(ctx, outboxstore.Partition{Upper: lastID + 1}, now, !dryRun, func(done, of int64, rep AuditReport) {
 		if progress != nil {
 			progress("outbox ids", done, of, rep)
 		}
@@ -543,8 +543,8 @@ func Audit(ctx context.Context, opts Options, since time.Time, dryRun bool, prog
 	return rep, err
 }
 
-func eventsOf(ls []outbox.Landing) []outbox.Landed {
-	var out []outbox.Landed
+func eventsOf(ls []outboxstore.Landing) []outboxstore.Landed {
+	var out []outboxstore.Landed
 	for _, l := range ls {
 		out = append(out, l.Events...)
 	}
@@ -566,7 +566,7 @@ func (a *auditor) done(ctx context.Context, kind, scope string, began time.Time,
 	}
 	level("audit done", "kind", kind, "scope", scope, "checked", rep.Checked, "missing", rep.Missing, "repaired", rep.Repaired,
 		"took", time.Since(began).Round(time.Millisecond))
-	rec := outbox.Audit{Kind: kind, Scope: scope, StartedAt: began, Checked: rep.Checked, Missing: rep.Missing, Repaired: rep.Repaired, Detail: rep.detail()}
+	rec := outboxstore.Audit{Kind: kind, Scope: scope, StartedAt: began, Checked: rep.Checked, Missing: rep.Missing, Repaired: rep.Repaired, Detail: rep.detail()}
 	if err := a.store.RecordAudit(ctx, rec); err != nil {
 		a.logger.Warn("audit: record it", "error", err)
 	}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
@@ -128,7 +129,7 @@ func TestAuditRepublishesWhatTheStreamLost(t *testing.T) {
 				if variant == "lookback-fails" && failedLookbacks.Load() < 3 {
 					t.Fatalf("the lookback was tried %d times after the rollback: the test proves less than it claims", failedLookbacks.Load())
 				}
-				audits, err := outbox.NewStore(h.db.Pool).Audits(context.Background())
+				audits, err := outboxstore.New(h.db.Pool).Audits(context.Background())
 				if err != nil || len(audits) == 0 {
 					t.Fatalf("audits recorded: %v (%v)", audits, err)
 				}

@@ -7,6 +7,7 @@ import (
 	"strconv"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -22,7 +23,7 @@ const auditGap = 256
 // verify checks that each event of ls is in the stream at its sequence
 // with its identity (sequence 0: no landing recorded, missing), and with
 // repair publishes again those that are not.
-func (a *auditor) verify(ctx context.Context, ls []outbox.Landed, repair bool) (AuditReport, error) {
+func (a *auditor) verify(ctx context.Context, ls []outboxstore.Landed, repair bool) (AuditReport, error) {
 	rep := AuditReport{Checked: int64(len(ls))}
 	if len(ls) == 0 {
 		return rep, nil
@@ -60,18 +61,18 @@ func (a *auditor) verify(ctx context.Context, ls []outbox.Landed, repair bool) (
 
 // newestLandings keeps the newest landing of each event (ls are in
 // landing order), in the order of their sequences.
-func newestLandings(ls []outbox.Landed) []outbox.Landed {
+func newestLandings(ls []outboxstore.Landed) []outboxstore.Landed {
 	newest := make(map[int64]int, len(ls))
 	for i, l := range ls {
 		newest[l.ID] = i
 	}
-	pairs := make([]outbox.Landed, 0, len(newest))
+	pairs := make([]outboxstore.Landed, 0, len(newest))
 	for i, l := range ls {
 		if newest[l.ID] == i {
 			pairs = append(pairs, l)
 		}
 	}
-	slices.SortFunc(pairs, func(x, y outbox.Landed) int { return cmpSeq(x.Seq, y.Seq) })
+	slices.SortFunc(pairs, func(x, y outboxstore.Landed) int { return cmpSeq(x.Seq, y.Seq) })
 	return pairs
 }
 
@@ -79,12 +80,12 @@ func newestLandings(ls []outbox.Landed) []outbox.Landed {
 // them at a time, and returns the events not found with their identity
 // where they landed, or with no landing recorded; rep counts those, and
 // the events below the stream's first sequence.
-func (a *auditor) suspects(ctx context.Context, ident *outbox.Identity, pairs []outbox.Landed, rep *AuditReport) ([]outbox.Landed, error) {
+func (a *auditor) suspects(ctx context.Context, ident *outbox.Identity, pairs []outboxstore.Landed, rep *AuditReport) ([]outboxstore.Landed, error) {
 	s, err := a.js.Stream(ctx, a.stream.Name)
 	if err != nil {
 		return nil, fmt.Errorf("look up stream %s: %w", a.stream.Name, err)
 	}
-	var suspects []outbox.Landed
+	var suspects []outboxstore.Landed
 	i := 0
 	for i < len(pairs) && pairs[i].Seq == 0 {
 		suspects = append(suspects, pairs[i])
@@ -141,7 +142,7 @@ func cmpSeq(a, b uint64) int {
 // confirmMissing keeps the suspects that are missing indeed: not at their
 // sequence as the stream's leader sees it (a replica a direct get reached
 // may be behind), nor where they landed last (published again since).
-func (a *auditor) confirmMissing(ctx context.Context, ident *outbox.Identity, suspects []outbox.Landed) ([]outbox.Landed, error) {
+func (a *auditor) confirmMissing(ctx context.Context, ident *outbox.Identity, suspects []outboxstore.Landed) ([]outboxstore.Landed, error) {
 	ids := make([]int64, len(suspects))
 	for i, l := range suspects {
 		ids[i] = l.ID
@@ -161,7 +162,7 @@ func (a *auditor) confirmMissing(ctx context.Context, ident *outbox.Identity, su
 		return nil, err
 	}
 	leaderLast := info.State.LastSeq
-	var missing []outbox.Landed
+	var missing []outboxstore.Landed
 	for _, l := range suspects {
 		seqs := []uint64{l.Seq}
 		if last := latest[l.ID]; last != l.Seq {
@@ -190,7 +191,7 @@ func (a *auditor) confirmMissing(ctx context.Context, ident *outbox.Identity, su
 
 // repair publishes the missing events again from their rows, with their
 // identity, and records where they landed. Rows gone too are lost.
-func (a *auditor) repair(ctx context.Context, ident *outbox.Identity, missing []outbox.Landed) (repaired int, lost []int64, err error) {
+func (a *auditor) repair(ctx context.Context, ident *outbox.Identity, missing []outboxstore.Landed) (repaired int, lost []int64, err error) {
 	was := make(map[int64]uint64, len(missing))
 	for _, l := range missing {
 		was[l.ID] = l.Seq
@@ -230,14 +231,14 @@ func (a *auditor) repair(ctx context.Context, ident *outbox.Identity, missing []
 				return repaired, lost, fmt.Errorf("publish event %d again: %w", rw.ID, err)
 			}
 		}
-		var landed []outbox.Landed
+		var landed []outboxstore.Landed
 		for i, f := range futures {
 			if f == nil {
 				continue
 			}
 			select {
 			case ack := <-f.Ok():
-				landed = append(landed, outbox.Landed{ID: chunk[i].ID, Seq: ack.Sequence})
+				landed = append(landed, outboxstore.Landed{ID: chunk[i].ID, Seq: ack.Sequence})
 				a.logger.Warn("audit: an event was missing from the stream: published again",
 					"event_id", chunk[i].ID, "stream_seq", was[chunk[i].ID], "new_stream_seq", ack.Sequence, "duplicate", ack.Duplicate)
 			case err := <-f.Err():

@@ -9,7 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -108,7 +108,7 @@ func (r *Relay) claimEvents(softCtx, hardCtx context.Context) {
 }
 
 // row is one claimed outbox row.
-type row = outbox.Claimed
+type row = outboxstore.Claimed
 
 // newLeaseToken returns the random token that fences a claim's writes.
 func newLeaseToken() pgtype.UUID {
@@ -162,7 +162,7 @@ func atLeast(v *atomic.Int64, id int64) {
 // heads is the claim loop's walk round the aggregates (claim): where it
 // goes on, and the newest id when its round began.
 type heads struct {
-	after        outbox.AggregateKey
+	after        outboxstore.AggregateKey
 	newestAtTurn int64
 }
 
@@ -176,7 +176,7 @@ type heads struct {
 func (r *Relay) claim(ctx context.Context, token pgtype.UUID) (_ []row, backlog bool, _ error) {
 	// Nothing is decoded in the claim: message() judges each row on its
 	// own, and a bad row becomes `failed`.
-	w, err := r.store.ClaimWindow(ctx, r.cfg.BatchSize, token, r.floor.after.Load(), math.MaxInt64, r.cfg.claimWindow())
+	w, err := r.store.ClaimRows(ctx, outboxstore.RowsClaim{N: r.cfg.BatchSize, Token: token, After: r.floor.after.Load(), Through: math.MaxInt64, Window: r.cfg.claimWindow()})
 	if err != nil {
 		return nil, false, err
 	}
@@ -207,7 +207,7 @@ func (r *Relay) claim(ctx context.Context, token pgtype.UUID) (_ []row, backlog 
 		// time by ClaimNext). A walk by id would probe each of them; a
 		// walk round the aggregates probes each aggregate once, and
 		// finds the heads anywhere in the backlog, the newest rows' too.
-		if r.heads.after == (outbox.AggregateKey{}) {
+		if r.heads.after == (outboxstore.AggregateKey{}) {
 			r.heads.newestAtTurn = w.Newest
 		}
 		h, err := r.store.ClaimHeads(ctx, r.cfg.BatchSize-len(claimed), token, r.heads.after, r.cfg.MaxInFlight)
@@ -227,7 +227,7 @@ func (r *Relay) claim(ctx context.Context, token pgtype.UUID) (_ []row, backlog 
 			// the rows written since, not the backlog again.
 			r.floor.saw(r.heads.newestAtTurn)
 			r.floor.raise(r.heads.newestAtTurn)
-			r.heads.after = outbox.AggregateKey{}
+			r.heads.after = outboxstore.AggregateKey{}
 		}
 	}
 	sortRows(claimed)

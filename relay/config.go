@@ -5,7 +5,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/validate"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 )
 
 // Config is the relay's configuration (the relay.* keys). DefaultConfig
@@ -133,7 +133,7 @@ func DefaultConfig() Config {
 		RetryMin: time.Second, RetryMax: 5 * time.Minute, SentRetention: time.Hour, PartitionSize: DefaultPartitionSize,
 		CleanupInterval: time.Minute,
 		CleanupBatch:    1000, ShutdownTimeout: 30 * time.Second, StallAfter: 30 * time.Second,
-		Capture: CapturePoll, Slot: DefaultSlot, OnFailed: string(outbox.HoldFailed),
+		Capture: CapturePoll, Slot: DefaultSlot, OnFailed: string(outboxstore.HoldFailed),
 		Audit: true, AuditInterval: 10 * time.Second, AuditDelay: 3 * time.Minute, AuditLookback: 10 * time.Minute,
 		Atomic: AtomicEvent,
 	}
@@ -167,7 +167,7 @@ func (c Config) Validate() error {
 	v.Positive("relay.shutdown_timeout", c.ShutdownTimeout)
 	v.Positive("relay.stall_after", c.StallAfter)
 	v.OneOf("relay.capture", c.Capture, CapturePoll, CaptureWAL)
-	v.OneOf("relay.on_failed", c.OnFailed, string(outbox.HoldFailed), string(outbox.SkipFailed))
+	v.OneOf("relay.on_failed", c.OnFailed, string(outboxstore.HoldFailed), string(outboxstore.SkipFailed))
 	v.OneOf("relay.atomic", c.Atomic, AtomicEvent, AtomicTransaction)
 	if c.Atomic == AtomicTransaction {
 		if c.MaxInFlight < atomicMax {

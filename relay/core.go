@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/testhooks"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -25,7 +25,7 @@ type core struct {
 	cfg    Config
 	stream stream.Config
 	pool   *pgxpool.Pool
-	store  *outbox.Store
+	store  *outboxstore.Store
 	nc     *nats.Conn
 	js     jetstream.JetStream
 	logger *slog.Logger

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -106,7 +106,7 @@ func (d *delivery) beforeRecord(ctx context.Context, rows []row) {
 // in deliveries of their own (continueAsync), so that a busy backlog
 // keeps several batches in flight, as the claim loop does. It is nil when
 // there is nothing to go on with or the relay is stopping.
-func (d *delivery) nextClaim(rows []row, results []outcome, claimNext bool, held *int64) (*outbox.NextClaim, [][]row) {
+func (d *delivery) nextClaim(rows []row, results []outcome, claimNext bool, held *int64) (*outboxstore.NextClaim, [][]row) {
 	if !claimNext || d.hooks.Unordered {
 		return nil, nil
 	}
@@ -149,7 +149,7 @@ func (d *delivery) nextClaim(rows []row, results []outcome, claimNext bool, held
 			break
 		}
 	}
-	return &outbox.NextClaim{Published: published, Token: newLeaseToken(), Depth: depth, N: int(*held)}, rest
+	return &outboxstore.NextClaim{Published: published, Token: newLeaseToken(), Depth: depth, N: int(*held)}, rest
 }
 
 // nextDepth is how many events of each of n aggregates a delivery claims
@@ -204,12 +204,12 @@ func (d *delivery) continueAsync(ctx context.Context, published []row) {
 // If it still cannot, the rows stay `sending` and the reaper returns them;
 // their second publish is dropped by JetStream as a duplicate. It returns
 // whether it recorded them, and the rows next claimed with them (see
-// outbox.Outcomes.Next).
-func (d *delivery) record(ctx context.Context, rows []row, token pgtype.UUID, results []outcome, next *outbox.NextClaim) ([]row, bool) {
+// outboxstore.Outcomes.Next).
+func (d *delivery) record(ctx context.Context, rows []row, token pgtype.UUID, results []outcome, next *outboxstore.NextClaim) ([]row, bool) {
 	var sentIDs, retryIDs, failedIDs, returnedIDs []int64
 	var retryReasons, failedReasons []string
 	var published []Published
-	var landed []outbox.Landed
+	var landed []outboxstore.Landed
 	for i, res := range results {
 		id := rows[i].ID
 		switch {
@@ -217,7 +217,7 @@ func (d *delivery) record(ctx context.Context, rows []row, token pgtype.UUID, re
 			sentIDs = append(sentIDs, id)
 			published = append(published, Published{ID: id, CreatedAt: rows[i].CreatedAt.Time, AckedAt: res.ackedAt, Duplicate: res.duplicate})
 			if res.seq > 0 {
-				landed = append(landed, outbox.Landed{ID: id, Seq: res.seq})
+				landed = append(landed, outboxstore.Landed{ID: id, Seq: res.seq})
 			}
 		case res.permanent:
 			failedIDs = append(failedIDs, id)
@@ -234,7 +234,7 @@ func (d *delivery) record(ctx context.Context, rows []row, token pgtype.UUID, re
 	var claimed []row
 	op := func() (struct{}, error) {
 		var err error
-		sent, claimed, err = d.store.Record(ctx, token, outbox.Outcomes{
+		sent, claimed, err = d.store.Record(ctx, token, outboxstore.Outcomes{
 			Sent:  sentIDs,
 			Retry: retryIDs, RetryReasons: retryReasons, RetryMin: d.cfg.RetryMin, RetryMax: d.cfg.RetryMax,
 			Failed: failedIDs, FailedReasons: failedReasons,
@@ -381,7 +381,7 @@ func wavesOf(rows []row) waves {
 // publishes nothing more (its later rows are returned). It returns false
 // if ctx ended first.
 func (d *delivery) publishWaveByWave(ctx context.Context, rows []row, w waves, results []outcome) bool {
-	skip := d.store.OnFailed == outbox.SkipFailed
+	skip := d.store.OnFailed == outboxstore.SkipFailed
 	stopped := map[aggregateKey]bool{}
 	for wave := range w.n {
 		var idx []int

@@ -78,7 +78,7 @@
 // that one stands for every earlier one), so an aggregate has at most one
 // event in flight; when rows wait beyond a batch (a backlog), the relay
 // claims the next events of each aggregate it published in the
-// transaction that records the batch (deliver, outbox.Outcomes.Next),
+// transaction that records the batch (deliver, outboxstore.Outcomes.Next),
 // since the claim loop's floor may have passed them. Without a backlog,
 // the next events are new rows the next claims find. A wal relay publishes
 // rows from concurrent chunks that retry on their own, so each row waits
@@ -98,7 +98,7 @@
 // A failed row holds its aggregate's later events (relay.on_failed hold):
 // the poll claim leaves them pending, and a wal relay, which leaves
 // published rows pending too, marks them failed behind it
-// (outbox.HeldBehindReason). outbox retry-failed returns failed rows one
+// (outboxstore.HeldBehindReason). outbox retry-failed returns failed rows one
 // per aggregate per statement, in order, so that a wal relay decodes them
 // in order; outbox skip marks a row skipped and returns what was held
 // behind it. relay.on_failed skip lets them pass.
@@ -231,7 +231,7 @@
 // the rows held behind a failed one failed behind it, and records when
 // none is left. With relay.atomic transaction it claims the backlog by
 // writer transactions: those visible in the snapshot the bound was read
-// in (outbox.SlotBacklog); one in flight then is the slot's, whole.
+// in (outboxstore.SlotBacklog); one in flight then is the slot's, whole.
 //
 // Switching back to poll: a poll relay that finds the slot takes over from
 // the wal relays before its first claim (handover.go), so the rows they
@@ -285,7 +285,7 @@
 //   - config.go, metrics.go and observer.go: the settings, the metrics and
 //     what the relay reports.
 //
-// Every query on the outbox's tables is an outbox.Store method, beside its
+// Every query on the outbox's tables is an outboxstore.Store method, beside its
 // reasoning. What the relay asks Postgres itself is about the server and
 // the replication slot: the replication protocol (create the slot, stream,
 // confirm), pg_replication_slots, dropping a slot the server invalidated,

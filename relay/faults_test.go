@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/jackc/pgx/v5/pgtype"
 )
@@ -156,7 +156,7 @@ func TestStaleLeaseCannotMark(t *testing.T) {
 	if _, err := h.db.Pool.Exec(ctx, `UPDATE outbox SET claimed_at = now() - interval '1 hour'`); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := outbox.NewStore(h.db.Pool).Reap(ctx, time.Minute); err != nil {
+	if _, err := outboxstore.New(h.db.Pool).Reap(ctx, time.Minute); err != nil {
 		t.Fatal(err)
 	}
 	currentToken := newLeaseToken()

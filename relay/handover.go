@@ -8,7 +8,7 @@ import (
 	"math"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/jackc/pglogrepl"
 )
 
@@ -169,7 +169,7 @@ func (w *walCapture) waitHandover(softCtx, hardCtx context.Context) bool {
 // whole, so claiming its rows below the bound would publish it in parts.
 // A record made before that snapshot was kept (migration 00023) has
 // none: that backlog goes event by event.
-func (w *walCapture) drainBacklog(ctx, hardCtx context.Context, b outbox.SlotBacklog) {
+func (w *walCapture) drainBacklog(ctx, hardCtx context.Context, b outboxstore.SlotBacklog) {
 	if w.cfg.Atomic == AtomicTransaction && !w.hooks.BacklogByEvent {
 		if b.Snapshot != "" {
 			w.tx.claimIn(ctx, hardCtx, &b, func() bool { return w.backlogFinished(ctx, b) })
@@ -189,7 +189,8 @@ func (w *walCapture) drainBacklog(ctx, hardCtx context.Context, b outbox.SlotBac
 			return
 		}
 		token := newLeaseToken()
-		rows, err := w.store.ClaimThrough(hardCtx, w.cfg.BatchSize, token, b.Through)
+		claimed, err := w.store.ClaimRows(hardCtx, outboxstore.RowsClaim{N: w.cfg.BatchSize, Token: token, After: math.MinInt64, Through: b.Through})
+		rows := claimed.Claimed
 		w.slots.Release(batch - int64(len(rows)))
 		if err != nil || len(rows) == 0 {
 			if err != nil {
@@ -218,9 +219,9 @@ func (w *walCapture) drainBacklog(ctx, hardCtx context.Context, b outbox.SlotBac
 // backlogFinished records the slot's backlog b done if none of its rows is
 // still to publish (marking those held behind a failed event first), and
 // says whether it did.
-func (w *walCapture) backlogFinished(ctx context.Context, b outbox.SlotBacklog) bool {
+func (w *walCapture) backlogFinished(ctx context.Context, b outboxstore.SlotBacklog) bool {
 	left, err := w.store.UnsentThrough(ctx, b.Through, b.Snapshot)
-	if err == nil && left == 0 && w.store.OnFailed != outbox.SkipFailed {
+	if err == nil && left == 0 && w.store.OnFailed != outboxstore.SkipFailed {
 		_, err = w.store.MarkHeldThrough(ctx, b.Through, b.Snapshot)
 	}
 	if err == nil && left == 0 {

@@ -14,6 +14,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
@@ -115,7 +116,7 @@ func (h *harness) newRelay(mutate func(*Config), obs Observer) *Relay {
 // identity is the test database's identity.
 func (h *harness) identity() *outbox.Identity {
 	h.t.Helper()
-	ident, err := outbox.NewStore(h.db.Pool).ReadIdentity(context.Background())
+	ident, err := outboxstore.New(h.db.Pool).ReadIdentity(context.Background())
 	if err != nil {
 		h.t.Fatal(err)
 	}

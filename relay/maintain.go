@@ -8,7 +8,7 @@ import (
 	"math"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -166,8 +166,8 @@ func (m *maintainer) keepRanges(ctx context.Context) error {
 // retirement says what a range must meet to be dropped; ok is false when
 // this relay cannot tell (a wal relay that has not yet opened its slot:
 // the one that streams drops the ranges).
-func (m *maintainer) retirement(ctx context.Context) (ret outbox.Retirement, ok bool, err error) {
-	ret = outbox.Retirement{Retention: m.cfg.SentRetention, BacklogThrough: math.MinInt64, RequireAudit: m.cfg.Audit}
+func (m *maintainer) retirement(ctx context.Context) (ret outboxstore.Retirement, ok bool, err error) {
+	ret = outboxstore.Retirement{Retention: m.cfg.SentRetention, BacklogThrough: math.MinInt64, RequireAudit: m.cfg.Audit}
 	if m.cfg.Capture != CaptureWAL {
 		return ret, true, nil
 	}

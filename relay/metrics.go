@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/metrics"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -131,7 +131,7 @@ func (m *Metrics) SlotLag(bytes int64, stuck time.Duration) {
 
 // outboxCollector reads the backlog from Postgres on each scrape.
 type outboxCollector struct {
-	store                   *outbox.Store
+	store                   *outboxstore.Store
 	logger                  *slog.Logger
 	backlog, oldest, failed *prometheus.Desc
 	held                    *prometheus.Desc
@@ -141,8 +141,8 @@ type outboxCollector struct {
 // the age of the oldest pending row, failed rows, and the events they hold
 // back under the relays' onFailed (relay.on_failed).
 func NewOutboxCollector(pool *pgxpool.Pool, onFailed string, logger *slog.Logger) prometheus.Collector {
-	store := outbox.NewStore(pool)
-	store.OnFailed = outbox.OnFailed(onFailed)
+	store := outboxstore.New(pool)
+	store.OnFailed = outboxstore.OnFailed(onFailed)
 	return &outboxCollector{
 		store: store, logger: logger,
 		backlog: prometheus.NewDesc("fanout_outbox_backlog_rows", "Outbox rows not yet published (pending or sending).", nil, nil),

@@ -6,7 +6,7 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 )
 
 // aggregateKey names one aggregate.
@@ -26,7 +26,7 @@ func keyOf(rw row) aggregateKey { return aggregateKey{rw.AggregateType, rw.Aggre
 // previous row of its aggregate to be done (acked, or marked failed)
 // before it is published. It also remembers the aggregates held by a
 // failed event (relay.on_failed hold): their later events are marked
-// failed behind it (outbox.HeldBehindReason) and go back, in order, when
+// failed behind it (outboxstore.HeldBehindReason) and go back, in order, when
 // an operator retries or skips it.
 type aggregateOrder struct {
 	mu   sync.Mutex
@@ -156,7 +156,7 @@ func (o *aggregateOrder) heldBehind(rw row) (int64, bool) {
 
 // loadHolds reads the failed events that hold their aggregates, as the
 // table has them when a stream starts.
-func (o *aggregateOrder) loadHolds(ctx context.Context, store *outbox.Store) error {
+func (o *aggregateOrder) loadHolds(ctx context.Context, store *outboxstore.Store) error {
 	holding, err := store.HoldingEvents(ctx)
 	if err != nil {
 		return err
@@ -177,7 +177,7 @@ func (o *aggregateOrder) loadHolds(ctx context.Context, store *outbox.Store) err
 // stopped first, or a row before one of these was abandoned.
 func (w *walCapture) publishOrdered(softCtx, hardCtx context.Context, c *ordered) bool {
 	defer w.order.abandon(c) // a no-op for the rows done
-	hold := w.store.OnFailed != outbox.SkipFailed
+	hold := w.store.OnFailed != outboxstore.SkipFailed
 	left := make([]int, len(c.rows))
 	for i := range left {
 		left[i] = i
@@ -252,7 +252,7 @@ func (w *walCapture) publishReady(softCtx, hardCtx context.Context, c *ordered, 
 		rw := c.rows[i]
 		if by, ok := w.order.heldBehind(rw); ok && hold {
 			heldIDs = append(heldIDs, rw.ID)
-			heldReasons = append(heldReasons, outbox.HeldBehindReason(by))
+			heldReasons = append(heldReasons, outboxstore.HeldBehindReason(by))
 			continue
 		}
 		publish = append(publish, rw)
@@ -330,7 +330,7 @@ func (w *walCapture) publishChainCaptured(softCtx, hardCtx context.Context, c *o
 		rw := c.rows[i]
 		if by, isHeld := w.order.heldBehind(rw); isHeld && hold && !chained[by] {
 			heldIDs = append(heldIDs, rw.ID)
-			heldReasons = append(heldReasons, outbox.HeldBehindReason(by))
+			heldReasons = append(heldReasons, outboxstore.HeldBehindReason(by))
 			continue
 		}
 		publish = append(publish, rw)
@@ -349,11 +349,11 @@ func (w *walCapture) publishChainCaptured(softCtx, hardCtx context.Context, c *o
 		return false, false
 	}
 	published := make([]Published, len(publish))
-	landed := make([]outbox.Landed, len(publish))
+	landed := make([]outboxstore.Landed, len(publish))
 	for j, rw := range publish {
 		res := results[j]
 		published[j] = Published{ID: rw.ID, CreatedAt: rw.CreatedAt.Time, AckedAt: res.ackedAt}
-		landed[j] = outbox.Landed{ID: rw.ID, Seq: res.seq}
+		landed[j] = outboxstore.Landed{ID: rw.ID, Seq: res.seq}
 	}
 	if !w.recordCaptured(hardCtx, landed) {
 		return false, false

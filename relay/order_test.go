@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
 )
@@ -150,7 +151,7 @@ func TestAggregateOrderUnderPublishFailures(t *testing.T) {
 func TestFailedEventHoldsItsAggregate(t *testing.T) {
 	forEachCapture(t, func(t *testing.T, h *harness) {
 		ctx := context.Background()
-		store := outbox.NewStore(h.db.Pool)
+		store := outboxstore.New(h.db.Pool)
 		good := func(agg string) int64 {
 			return write(t, h.db.Pool, outbox.Event{AggregateType: "order", AggregateID: agg, Type: "order.updated", Payload: map[string]string{"order": agg}})[0]
 		}
@@ -229,7 +230,7 @@ VALUES ('order', $1, 'order.updated', '{}', '{"x-count": 1}') RETURNING id`, agg
 func TestFailedEventSkippedByPolicy(t *testing.T) {
 	forEachCapture(t, func(t *testing.T, h *harness) {
 		ctx := context.Background()
-		r := h.newRelay(func(c *Config) { c.OnFailed = string(outbox.SkipFailed) }, nil)
+		r := h.newRelay(func(c *Config) { c.OnFailed = string(outboxstore.SkipFailed) }, nil)
 		var ids []int64
 		h.launch(r, func() {
 			ids = write(t, h.db.Pool, outbox.Event{AggregateType: "order", AggregateID: "a", Type: "order.updated", Payload: map[string]int{"n": 1}})
@@ -306,7 +307,7 @@ func TestAggregateOrderWhenARelayStallsMidBatch(t *testing.T) {
 func TestUnnumberedEventsGoBesideNumberedOnes(t *testing.T) {
 	forEachCapture(t, func(t *testing.T, h *harness) {
 		ctx := context.Background()
-		if err := outbox.NewStore(h.db.Pool).SetNumbering(ctx, []string{"order.noted"}); err != nil {
+		if err := outboxstore.New(h.db.Pool).SetNumbering(ctx, []string{"order.noted"}); err != nil {
 			t.Fatal(err)
 		}
 		var relays []*Relay

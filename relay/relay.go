@@ -10,7 +10,7 @@ import (
 
 	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/internal/testhooks"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -85,7 +85,7 @@ func New(opts Options) (*Relay, error) {
 		cfg:      opts.Relay,
 		stream:   opts.Stream,
 		pool:     opts.Pool,
-		store:    outbox.NewStore(opts.Pool),
+		store:    outboxstore.New(opts.Pool),
 		nc:       opts.Conn,
 		js:       js,
 		logger:   opts.Logger,
@@ -94,7 +94,7 @@ func New(opts Options) (*Relay, error) {
 		stopping: make(chan struct{}),
 		slots:    semaphore.NewWeighted(int64(opts.Relay.MaxInFlight)),
 	}
-	c.store.OnFailed = outbox.OnFailed(c.cfg.OnFailed)
+	c.store.OnFailed = outboxstore.OnFailed(c.cfg.OnFailed)
 	c.origin = &originGuard{core: c}
 	r := &Relay{core: c, drift: stream.NewDrift(opts.Logger, obs.ConfigDifferences)}
 	r.publisher = newPublisher(c)

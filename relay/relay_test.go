@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
@@ -270,7 +271,7 @@ RETURNING id`, string(big)).Scan(&bigID); err != nil {
 			t.Fatalf("%d in the stream, want %d: a row written failed was published", got, n+1)
 		}
 
-		store := outbox.NewStore(h.db.Pool)
+		store := outboxstore.New(h.db.Pool)
 		if k, err := store.RetryFailed(ctx); err != nil || k != 1 {
 			t.Fatalf("retry-failed: %d rows (%v), want 1", k, err)
 		}

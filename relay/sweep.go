@@ -5,7 +5,7 @@ import (
 	"math"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 )
 
 // sweeper claims, once a second, the rows at or below the claim floor: a
@@ -17,7 +17,7 @@ type sweeper struct {
 	*core
 	delivery *delivery
 	floor    *claimFloor
-	after    outbox.AggregateKey // where the walk round the aggregates goes on (heads)
+	after    outboxstore.AggregateKey // where the walk round the aggregates goes on (heads)
 	// testWindow, when set, replaces window (tests walk a backlog below
 	// the floor in windows of a few rows).
 	testWindow int
@@ -66,7 +66,7 @@ func (s *sweeper) run(softCtx, hardCtx context.Context) {
 // (the lowest id again once a window reached the floor), or false if it
 // could not finish (NATS or Postgres unreachable, a stop), leaving the
 // window to the next one. Its first claim finds the window's end in the
-// same statement (ClaimWindow). That is still two walks over the rows
+// same statement (a windowed ClaimRows). That is still two walks over the rows
 // below the floor, and under a held snapshot each steps over every row
 // published since it was taken (docs/design.md, "Under a held snapshot").
 func (s *sweeper) sweep(softCtx, hardCtx context.Context, from int64) (int64, bool) {
@@ -85,20 +85,18 @@ func (s *sweeper) sweep(softCtx, hardCtx context.Context, from int64) (int64, bo
 		}
 		token := newLeaseToken()
 		start := time.Now()
-		var rows []row
-		var err error
+		// The first claim walks a window and finds its end (through is
+		// still the floor); the next ones claim up to that end. On
+		// hardCtx, as the claim loop's: a claim cancelled after the server
+		// committed would strand its rows until their lease ends.
+		c := outboxstore.RowsClaim{N: s.cfg.BatchSize, Token: token, After: after, Through: through}
 		if first {
-			// On hardCtx, as the claim loop's: a claim cancelled after the
-			// server committed would strand its rows until their lease ends.
-			var w outbox.Window
-			if w, err = s.store.ClaimWindow(hardCtx, s.cfg.BatchSize, token, after, floor, s.window()); err == nil {
-				rows = w.Claimed
-				if w.Full {
-					through, inside = w.End, true
-				}
-			}
-		} else {
-			rows, err = s.store.ClaimRange(hardCtx, s.cfg.BatchSize, token, after, through)
+			c.Window = s.window()
+		}
+		w, err := s.store.ClaimRows(hardCtx, c)
+		rows := w.Claimed
+		if first && err == nil && w.Full {
+			through, inside = w.End, true
 		}
 		s.slots.Release(batch - int64(len(rows)))
 		if err != nil {
@@ -151,7 +149,7 @@ func (s *sweeper) heads(softCtx, hardCtx context.Context) bool {
 	}
 	s.after = h.Last
 	if h.Seen < s.cfg.MaxInFlight {
-		s.after = outbox.AggregateKey{}
+		s.after = outboxstore.AggregateKey{}
 	}
 	if len(h.Claimed) > 0 {
 		s.obs.Claimed(len(h.Claimed), time.Since(start))

@@ -8,7 +8,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/nats-io/nats.go"
 	"github.com/synadia-io/orbit.go/jetstreamext"
@@ -34,7 +34,7 @@ const txClaimAhead = 2
 // false: a hard stop), which publishes and records them in the
 // background. It returns nil if c is its transaction's last chunk or the
 // relay is stopping.
-func (t *txDelivery) follow(ctx context.Context, c *outbox.TxChunk, token pgtype.UUID) func(published, ok bool, stoppedBy map[aggregateKey]int64) {
+func (t *txDelivery) follow(ctx context.Context, c *outboxstore.TxChunk, token pgtype.UUID) func(published, ok bool, stoppedBy map[aggregateKey]int64) {
 	if !c.More || c.XID == "" || len(c.Rows) == 0 {
 		return nil
 	}
@@ -43,7 +43,7 @@ func (t *txDelivery) follow(ctx context.Context, c *outbox.TxChunk, token pgtype
 		return nil
 	default:
 	}
-	claimed := make(chan outbox.TxChunk, txClaimAhead-1)
+	claimed := make(chan outboxstore.TxChunk, txClaimAhead-1)
 	quit := make(chan struct{})
 	lease := newLeaseToken()
 	t.chunks.stream(c.XID, true)
@@ -71,7 +71,7 @@ func (t *txDelivery) follow(ctx context.Context, c *outbox.TxChunk, token pgtype
 // other, under leases[1], and hands each on, with its slots and counted
 // as unrecorded; until one is not ready, the last is claimed, quit is
 // closed, or the relay is stopping.
-func (t *txDelivery) claimChunks(ctx context.Context, c *outbox.TxChunk, leases []pgtype.UUID, claimed chan<- outbox.TxChunk, quit <-chan struct{}) {
+func (t *txDelivery) claimChunks(ctx context.Context, c *outboxstore.TxChunk, leases []pgtype.UUID, claimed chan<- outboxstore.TxChunk, quit <-chan struct{}) {
 	// Slots free up as the chunks before are recorded, which waits on
 	// nothing here; the wait ends with a stop or quit.
 	waitCtx, cancel := context.WithCancel(ctx)
@@ -119,7 +119,7 @@ func (t *txDelivery) claimChunks(ctx context.Context, c *outbox.TxChunk, leases 
 // wait with it, to follow it again (no attempt counted); after a hard
 // stop (ok false), they stay sending for the reaper. stoppedBy holds the
 // aggregates stopped by a failed event in the chunks before.
-func (t *txDelivery) publishChunks(ctx context.Context, claimed <-chan outbox.TxChunk, quit chan struct{}, lease pgtype.UUID, published, ok bool, stoppedBy map[aggregateKey]int64) {
+func (t *txDelivery) publishChunks(ctx context.Context, claimed <-chan outboxstore.TxChunk, quit chan struct{}, lease pgtype.UUID, published, ok bool, stoppedBy map[aggregateKey]int64) {
 	var records sync.WaitGroup
 	var quitOnce sync.Once
 	stop := func() { quitOnce.Do(func() { close(quit) }) }
@@ -177,7 +177,7 @@ func publishedWhole(res []outcome) bool {
 // behind an earlier failed event, of this chunk or of the chunks of its
 // transaction before it (stoppedBy, which it adds to). It returns each
 // row's outcome, or false if ctx ended first.
-func (t *txDelivery) publishChunk(ctx context.Context, c *outbox.TxChunk, stoppedBy map[aggregateKey]int64) ([]outcome, bool) {
+func (t *txDelivery) publishChunk(ctx context.Context, c *outboxstore.TxChunk, stoppedBy map[aggregateKey]int64) ([]outcome, bool) {
 	results := make([]outcome, len(c.Rows))
 	part, err := t.partOf(ctx, c)
 	if err != nil {
@@ -256,8 +256,8 @@ func (t *txDelivery) publishChunk(ctx context.Context, c *outbox.TxChunk, stoppe
 // says which rows those are: the others can never be published (results
 // says why), or are held behind a failed event (stoppedBy, which it adds
 // to).
-func (t *txDelivery) chunkMessages(c *outbox.TxChunk, part txPart, stoppedBy map[aggregateKey]int64, results []outcome) (publish []int, msgs []*nats.Msg) {
-	hold := t.store.OnFailed != outbox.SkipFailed
+func (t *txDelivery) chunkMessages(c *outboxstore.TxChunk, part txPart, stoppedBy map[aggregateKey]int64, results []outcome) (publish []int, msgs []*nats.Msg) {
+	hold := t.store.OnFailed != outboxstore.SkipFailed
 	maxPayload := t.nc.MaxPayload()
 	for i, rw := range c.Rows {
 		numbered := hold && rw.AggregateSeq.Valid
@@ -267,7 +267,7 @@ func (t *txDelivery) chunkMessages(c *outbox.TxChunk, part txPart, stoppedBy map
 				by = b
 			}
 			if by != 0 {
-				results[i] = outcome{permanent: true, err: outbox.HeldBehindReason(by)}
+				results[i] = outcome{permanent: true, err: outboxstore.HeldBehindReason(by)}
 				stoppedBy[keyOf(rw)] = by
 				continue
 			}
@@ -330,7 +330,7 @@ const txChunksMax = 1024
 // number. A chunk after the first is the one after the chunk this relay
 // last published of the transaction if that one ends just below it, and
 // otherwise is counted from the rows below it.
-func (t *txDelivery) partOf(ctx context.Context, c *outbox.TxChunk) (txPart, error) {
+func (t *txDelivery) partOf(ctx context.Context, c *outboxstore.TxChunk) (txPart, error) {
 	p := txPart{tx: c.XID, chunk: 1, last: !c.More}
 	if c.XID == "" {
 		// Written before the outbox kept transactions: one of its own.
@@ -358,7 +358,7 @@ func (t *txDelivery) partOf(ctx context.Context, c *outbox.TxChunk) (txPart, err
 }
 
 // published remembers a chunk published (partOf).
-func (t *txDelivery) published(c *outbox.TxChunk, p txPart) {
+func (t *txDelivery) published(c *outboxstore.TxChunk, p txPart) {
 	if c.XID == "" {
 		return
 	}
@@ -375,7 +375,7 @@ func (t *txDelivery) published(c *outbox.TxChunk, p txPart) {
 }
 
 // rowIDs returns the ids of rows[i] for each i of which.
-func rowIDs(rows []outbox.Claimed, which []int) []int64 {
+func rowIDs(rows []outboxstore.Claimed, which []int) []int64 {
 	ids := make([]int64, len(which))
 	for j, i := range which {
 		ids[j] = rows[i].ID

@@ -6,7 +6,7 @@ import (
 	"slices"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/jackc/pgx/v5/pgtype"
 	"golang.org/x/sync/errgroup"
 )
@@ -24,7 +24,7 @@ import (
 // behind events further up), the next claim looks at the window after
 // it, checking each transaction's rows below, and so on round the
 // backlog: the first transaction committed among the unpublished is
-// always ready (outbox/transactions.go).
+// always ready (outboxstore/transactions.go).
 
 // txCandidatesMax bounds the transactions one claim looks at.
 const txCandidatesMax = 512
@@ -56,7 +56,7 @@ func (t *txDelivery) run(softCtx, hardCtx context.Context) {
 // stops: all of the outbox's (in nil), or those of a wal slot's backlog
 // (drainBacklog), until finished, asked whenever a claim finds nothing,
 // says they are all done.
-func (t *txDelivery) claimIn(softCtx, hardCtx context.Context, in *outbox.SlotBacklog, finished func() bool) {
+func (t *txDelivery) claimIn(softCtx, hardCtx context.Context, in *outboxstore.SlotBacklog, finished func() bool) {
 	batch := int64(max(t.cfg.BatchSize, atomicMax))
 	after := int64(math.MinInt64)
 	probed := false
@@ -127,7 +127,7 @@ func (t *txDelivery) claimIn(softCtx, hardCtx context.Context, in *outbox.SlotBa
 
 // claim finds the transactions ready in the window above
 // after (of the backlog in, if not nil) and claims up to n of their rows.
-func (t *txDelivery) claim(ctx context.Context, after int64, in *outbox.SlotBacklog, token pgtype.UUID, n int) ([]outbox.TxChunk, outbox.TxWindow, error) {
+func (t *txDelivery) claim(ctx context.Context, after int64, in *outboxstore.SlotBacklog, token pgtype.UUID, n int) ([]outboxstore.TxChunk, outboxstore.TxWindow, error) {
 	window := t.cfg.claimWindow()
 	if t.testWindow > 0 {
 		window = t.testWindow
@@ -139,7 +139,7 @@ func (t *txDelivery) claim(ctx context.Context, after int64, in *outbox.SlotBack
 	// A transaction this relay is publishing chunk by chunk is its
 	// stream's to claim (follow): claimed here, it could only
 	// wait for the chunks before it.
-	cands := slices.DeleteFunc(slices.Clone(w.Candidates), func(c outbox.TxCandidate) bool { return t.chunks.streaming(c.XID) })
+	cands := slices.DeleteFunc(slices.Clone(w.Candidates), func(c outboxstore.TxCandidate) bool { return t.chunks.streaming(c.XID) })
 	if len(cands) == 0 {
 		return nil, w, nil
 	}
@@ -165,7 +165,7 @@ func (t *txDelivery) claim(ctx context.Context, after int64, in *outbox.SlotBack
 // ready ones only as its walk came round (under a snapshot held open,
 // where each walk steps over every row published since, it fell behind
 // 1000 writes/s for good).
-func (t *txDelivery) deliverAsync(hardCtx context.Context, chunks []outbox.TxChunk, token pgtype.UUID, n int, claimNext bool) {
+func (t *txDelivery) deliverAsync(hardCtx context.Context, chunks []outboxstore.TxChunk, token pgtype.UUID, n int, claimNext bool) {
 	t.batches.Add(1)
 	go func() {
 		defer t.batches.Done()
@@ -200,12 +200,12 @@ const nextForSmall = 16
 // claimNext claims, under a new lease, up to n rows of the
 // ready transactions that hold the next events of the aggregates of
 // published.
-func (t *txDelivery) claimNext(ctx context.Context, published []row, n int) ([]outbox.TxChunk, pgtype.UUID) {
+func (t *txDelivery) claimNext(ctx context.Context, published []row, n int) ([]outboxstore.TxChunk, pgtype.UUID) {
 	token := newLeaseToken()
 	start := time.Now()
 	cands, err := t.store.NextTransactions(ctx, published)
-	cands = slices.DeleteFunc(cands, func(c outbox.TxCandidate) bool { return t.chunks.streaming(c.XID) })
-	var chunks []outbox.TxChunk
+	cands = slices.DeleteFunc(cands, func(c outboxstore.TxCandidate) bool { return t.chunks.streaming(c.XID) })
+	var chunks []outboxstore.TxChunk
 	if err == nil && len(cands) > 0 {
 		chunks, err = t.store.ClaimTransactions(ctx, cands, token, atomicMax, n, true)
 	}
@@ -229,7 +229,7 @@ func (t *txDelivery) claimNext(ctx context.Context, published []row, n int) ([]o
 // side (at most atomicInFlight at once, as publishAtomic allows), then
 // records every row's outcome in one statement. A batch the stream did
 // not store leaves its rows to back off and come back together.
-func (t *txDelivery) deliver(ctx context.Context, chunks []outbox.TxChunk, token pgtype.UUID, n int) (published []row) {
+func (t *txDelivery) deliver(ctx context.Context, chunks []outboxstore.TxChunk, token pgtype.UUID, n int) (published []row) {
 	t.unrecorded.Add(int64(n))
 	defer t.unrecorded.Add(-int64(n))
 	results := make([][]outcome, len(chunks))

@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/nats-io/nats.go"
 )
 
@@ -121,7 +121,7 @@ func (w *walCapture) publishCaptured(softCtx, hardCtx context.Context, rows []ro
 			failedIDs        []int64
 			failedReasons    []string
 			published        []Published
-			landed           []outbox.Landed
+			landed           []outboxstore.Landed
 			firstRetryReason string
 			repaired         int
 		)
@@ -135,7 +135,7 @@ func (w *walCapture) publishCaptured(softCtx, hardCtx context.Context, rows []ro
 						"event_id", rows[i].ID, "stream_seq", rows[i].LandedSeq, "new_stream_seq", res.seq)
 				}
 				if res.seq > 0 {
-					landed = append(landed, outbox.Landed{ID: rows[i].ID, Seq: res.seq})
+					landed = append(landed, outboxstore.Landed{ID: rows[i].ID, Seq: res.seq})
 				}
 			case res.permanent:
 				failedIDs = append(failedIDs, rows[i].ID)
@@ -184,7 +184,7 @@ func (w *walCapture) publishCaptured(softCtx, hardCtx context.Context, rows []ro
 
 // recordCaptured records where a wal relay's published rows landed,
 // retrying while Postgres is unreachable.
-func (w *walCapture) recordCaptured(ctx context.Context, landed []outbox.Landed) bool {
+func (w *walCapture) recordCaptured(ctx context.Context, landed []outboxstore.Landed) bool {
 	if len(landed) == 0 {
 		return true
 	}

@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -137,7 +137,7 @@ var errSlotLost = errors.New("replication slot invalidated")
 // ensureSlot creates the slot if it does not exist and returns the bound of
 // the rows it does not capture (those committed before it), and whether
 // they have all been published.
-func (w *walCapture) ensureSlot(ctx context.Context, conn *pgconn.PgConn, create bool) (backlog outbox.SlotBacklog, err error) {
+func (w *walCapture) ensureSlot(ctx context.Context, conn *pgconn.PgConn, create bool) (backlog outboxstore.SlotBacklog, err error) {
 	var (
 		plugin, walStatus string
 		database          string

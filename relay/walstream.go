@@ -9,7 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
@@ -166,7 +166,7 @@ func (w *walCapture) streamSlot(softCtx, hardCtx context.Context, until pglogrep
 	// The failed events that hold their aggregates (relay.on_failed hold),
 	// as the table has them now: the stream starts from the confirmed
 	// position, and marked them failed before it.
-	if w.store.OnFailed != outbox.SkipFailed {
+	if w.store.OnFailed != outboxstore.SkipFailed {
 		loadCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
 		err := w.order.loadHolds(loadCtx, w.store)
 		cancel()

@@ -5,7 +5,7 @@ import (
 	"errors"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/nats-io/nats.go"
 	"github.com/synadia-io/orbit.go/jetstreamext"
 )
@@ -29,7 +29,7 @@ func (w *walCapture) publishTransaction(softCtx, hardCtx context.Context, c *ord
 	if !w.afterEarlierEvents(softCtx, c) {
 		return false
 	}
-	hold := w.store.OnFailed != outbox.SkipFailed
+	hold := w.store.OnFailed != outboxstore.SkipFailed
 	m := w.transactionMessages(c, p, hold)
 	if len(m.publish) > 0 && !w.publishTransactionBatch(softCtx, hardCtx, p, m.publish, m.msgs) {
 		return false
@@ -112,7 +112,7 @@ func (w *walCapture) transactionMessages(c *ordered, p txPart, hold bool) txMess
 				}
 			}
 			if held {
-				m.failedIDs, m.failedReasons = append(m.failedIDs, rw.ID), append(m.failedReasons, outbox.HeldBehindReason(by))
+				m.failedIDs, m.failedReasons = append(m.failedIDs, rw.ID), append(m.failedReasons, outboxstore.HeldBehindReason(by))
 				m.held++
 				continue
 			}
@@ -155,7 +155,7 @@ func (w *walCapture) publishTransactionBatch(softCtx, hardCtx context.Context, p
 		// One event needs no atomic batch (see txDelivery.publishChunk): one
 		// publish, tried again until stored, its landing recorded.
 		failed, ok := w.publishCaptured(softCtx, hardCtx, rows, p.setHeaders)
-		if rw := rows[0]; ok && failed[rw.ID] && w.store.OnFailed != outbox.SkipFailed && rw.AggregateSeq.Valid {
+		if rw := rows[0]; ok && failed[rw.ID] && w.store.OnFailed != outboxstore.SkipFailed && rw.AggregateSeq.Valid {
 			w.order.hold(rw) // marked failed: its aggregate's next events wait behind it
 		}
 		return ok
@@ -166,10 +166,10 @@ func (w *walCapture) publishTransactionBatch(softCtx, hardCtx context.Context, p
 		if err == nil {
 			now := time.Now()
 			published := make([]Published, len(rows))
-			landed := make([]outbox.Landed, len(rows))
+			landed := make([]outboxstore.Landed, len(rows))
 			for i, rw := range rows {
 				published[i] = Published{ID: rw.ID, CreatedAt: rw.CreatedAt.Time, AckedAt: now}
-				landed[i] = outbox.Landed{ID: rw.ID, Seq: seqs[i]}
+				landed[i] = outboxstore.Landed{ID: rw.ID, Seq: seqs[i]}
 			}
 			if !w.recordCaptured(hardCtx, landed) {
 				return false

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/fanout/fanout/subscribers/fulfilment"
@@ -97,7 +98,7 @@ func TestOrderedSubscriberRefusesUnnumberedEventTypes(t *testing.T) {
 	env := subscribertest.NewEnv(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	store := outbox.NewStore(env.DB.Pool)
+	store := outboxstore.New(env.DB.Pool)
 	if err := store.SetNumbering(ctx, []string{"order.paid", "product.updated"}); err != nil {
 		t.Fatal(err)
 	}

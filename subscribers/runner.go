@@ -395,7 +395,7 @@ func (r *Runner) checkStore(ctx context.Context) error {
 }
 
 // checkNumbered refuses an ordered subscriber that reads an event type
-// the outbox does not number (outbox.Store.SetNumbering): its events would
+// the outbox does not number (outboxstore.Store.SetNumbering): its events would
 // come with no number and in no order.
 func (r *Runner) checkNumbered(ctx context.Context, tx pgx.Tx) error {
 	skipped, err := outbox.Unnumbered(ctx, tx)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/nats-io/nats.go"
@@ -30,7 +31,7 @@ func MsgID(origin string, rowID int64) string {
 // (which would stall every row, not just this one). The operator tools
 // read an event from its row through it, exactly as the relay published
 // it.
-func Encode(cfg stream.Config, ident *outbox.Identity, rw outbox.Claimed, maxPayload int64) (*nats.Msg, error) {
+func Encode(cfg stream.Config, ident *outbox.Identity, rw outboxstore.Claimed, maxPayload int64) (*nats.Msg, error) {
 	if err := outbox.ValidEventType(rw.EventType); err != nil {
 		return nil, err
 	}

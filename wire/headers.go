@@ -24,7 +24,7 @@ const (
 	// RepairedHeader is set on an event the auditor published again
 	// because the stream had lost it: the sequence it was lost from ("0":
 	// published with no landing recorded). A wal relay that decodes again
-	// an event it had published sets it too (outbox.Claimed.LandedSeq):
+	// an event it had published sets it too (outboxstore.Claimed.LandedSeq):
 	// JetStream drops that copy as a duplicate, unless the stream lost the
 	// earlier one. Such a copy enters the stream after later events of its
 	// aggregate; the ordered subscribers hold those back until it arrives

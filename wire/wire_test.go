@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -30,8 +31,8 @@ func identity(t testing.TB) *outbox.Identity {
 	return ident
 }
 
-func claimed(id int64, eventType, aggregateID, headers, payload string, seq int64) outbox.Claimed {
-	return outbox.Claimed{
+func claimed(id int64, eventType, aggregateID, headers, payload string, seq int64) outboxstore.Claimed {
+	return outboxstore.Claimed{
 		ID: id, EventType: eventType, AggregateType: "product", AggregateID: aggregateID,
 		Headers: []byte(headers), Payload: []byte(payload),
 		AggregateSeq: pgtype.Int8{Int64: seq, Valid: seq > 0},
@@ -46,7 +47,7 @@ func TestEncodeThenDecode(t *testing.T) {
 	ident := identity(t)
 	for _, c := range []struct {
 		name string
-		row  outbox.Claimed
+		row  outboxstore.Claimed
 	}{
 		{"plain", claimed(42, "product.updated", "42", `{}`, `{"price_cents": 1999}`, 3)},
 		{"writer headers", claimed(43, "order.created", "o-7", `{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}`, `[1]`, 1)},
@@ -97,7 +98,7 @@ func TestEncodeRefusesWhatCanNeverBePublished(t *testing.T) {
 	ident := identity(t)
 	for _, c := range []struct {
 		name string
-		row  outbox.Claimed
+		row  outboxstore.Claimed
 		want error
 	}{
 		{"subject with a space", claimed(1, "product updated", "1", `{}`, `{}`, 1), outbox.ErrInvalidEvent},

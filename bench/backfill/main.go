@@ -28,6 +28,7 @@ import (
 
 	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/connect"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
@@ -253,8 +254,8 @@ func (b *bench) runOnce(ctx context.Context, round int) (result, error) {
 	// Every order ends with one invoice, once the live events are
 	// published and handled.
 	for deadline := time.Now().Add(2 * time.Minute); ; {
-		var unsent int
-		if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&unsent); err != nil {
+		unsent, err := outboxstore.New(b.pool).Unsent(ctx, nil)
+		if err != nil {
 			return res, err
 		}
 		if unsent == 0 {

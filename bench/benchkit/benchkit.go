@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
@@ -53,8 +54,8 @@ func Publish(ctx context.Context, pool *pgxpool.Pool, nc *nats.Conn, rc relay.Co
 	}
 	defer r.Stop(ctx) //nolint:errcheck
 	for {
-		var left int
-		if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&left); err != nil {
+		left, err := outboxstore.New(pool).Unsent(ctx, nil)
+		if err != nil {
 			return err
 		}
 		if left == 0 {

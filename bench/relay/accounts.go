@@ -23,7 +23,7 @@ import (
 	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/repo"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
@@ -75,7 +75,7 @@ func benchAccounts(ctx context.Context) error {
 			return 0, err
 		}
 		defer db.Close()
-		if _, err := outbox.NewStore(db.Pool).ExtendPartitions(ctx, relay.DefaultPartitionSize, 2, 1); err != nil {
+		if _, err := outboxstore.New(db.Pool).ExtendPartitions(ctx, relay.DefaultPartitionSize, 2, 1); err != nil {
 			return 0, err
 		}
 		if err := fillOutbox(ctx, db.Pool, *rows); err != nil {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
@@ -243,7 +244,7 @@ func relayMessages(nc *nats.Conn) (func(stream.Config) func(i int) (*nats.Msg, e
 		return func(i int) (*nats.Msg, error) {
 			g := i + 1
 			product := g%1000 + 1
-			rw := outbox.Claimed{ID: int64(g), AggregateType: "product", AggregateID: strconv.Itoa(product), EventType: "product.updated",
+			rw := outboxstore.Claimed{ID: int64(g), AggregateType: "product", AggregateID: strconv.Itoa(product), EventType: "product.updated",
 				Headers:      []byte(`{}`),
 				Payload:      fmt.Appendf(nil, `{"version": %d, "product_id": %d, "price_cents": %d}`, g, product, 1000+g%90000),
 				CreatedAt:    created,

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
@@ -143,7 +143,7 @@ func newRelayEnv(ctx context.Context, nc *nats.Conn) (_ *relayEnv, err error) {
 	// The outbox's ranges as a running installation has them, ahead of
 	// the ids: without them, a fresh database's first rows go to
 	// outbox_default (the margin), and the run would measure that.
-	if _, err = outbox.NewStore(e.db.Pool).ExtendPartitions(ctx, relay.DefaultPartitionSize, 2, 1); err != nil {
+	if _, err = outboxstore.New(e.db.Pool).ExtendPartitions(ctx, relay.DefaultPartitionSize, 2, 1); err != nil {
 		return nil, fmt.Errorf("add the outbox's first ranges: %w", err)
 	}
 	stream, done, err := freshStream(nc)

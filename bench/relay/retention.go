@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
 )
@@ -58,7 +58,7 @@ func retentionRun(ctx context.Context, dropRange bool) (c retentionCost, err err
 		return c, err
 	}
 	defer db.Close()
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	n := *retentionRows
 	// One range from id 2 (a margin of 1: nothing writes meanwhile), and
 	// n+1 rows: id 1 in outbox_default, the rest filling the range.
@@ -89,7 +89,7 @@ FROM generate_series(1, $1::bigint) g`, n+1); err != nil {
 	}
 	start := time.Now()
 	if dropRange {
-		r := outbox.Retirement{Captured: true, ConfirmedLSN: startLSN, BacklogThrough: math.MinInt64}
+		r := outboxstore.Retirement{Captured: true, ConfirmedLSN: startLSN, BacklogThrough: math.MinInt64}
 		for range 2 { // the first notes when the slot confirmed past the range
 			ok, _, reason, err := store.RetirePartition(ctx, name, r)
 			if err != nil {

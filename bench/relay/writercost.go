@@ -14,6 +14,7 @@ import (
 
 	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
@@ -54,7 +55,7 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 	// The same event under a type the outbox does not number (fanout
 	// outbox numbering --skip): what the numbering trigger costs.
 	const unnumberedType = "product.repriced"
-	if err := outbox.NewStore(pool).SetNumbering(ctx, []string{unnumberedType}); err != nil {
+	if err := outboxstore.New(pool).SetNumbering(ctx, []string{unnumberedType}); err != nil {
 		return err
 	}
 	unnumbered := func(w *outbox.Writer) func(context.Context, pgx.Tx, int64, int64) error {

@@ -14,7 +14,7 @@ import (
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/internal/opsserver"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema"
 	"github.com/fanout/fanout/shop"
@@ -169,7 +169,7 @@ func progress(ctx context.Context, a *app, pool *pgxpool.Pool, d *demo.Driver, p
 		case <-t.C:
 		}
 		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		b, err := outbox.NewStore(pool).Backlog(qctx)
+		b, err := outboxstore.New(pool).Backlog(qctx)
 		pending, sending, failed := b.Pending, b.Sending, b.Failed
 		cancel()
 		if err != nil {

@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/subscribers"
 )
@@ -22,7 +22,7 @@ func TestOutboxNumberingCommand(t *testing.T) {
 	defer cancel()
 	unnumbered := func() []string {
 		t.Helper()
-		got, err := outbox.NewStore(db.Pool).Unnumbered(ctx)
+		got, err := outboxstore.New(db.Pool).Unnumbered(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/spf13/cobra"
 )
@@ -25,7 +26,7 @@ func outboxCommand(a *app) *cobra.Command {
 
 // openOutbox loads the configuration and opens the outbox as the database
 // role; closeOutbox releases its pool.
-func openOutbox(ctx context.Context, a *app, role string) (store *outbox.Store, closeOutbox func(), err error) {
+func openOutbox(ctx context.Context, a *app, role string) (store *outboxstore.Store, closeOutbox func(), err error) {
 	if err := a.load(); err != nil {
 		return nil, nil, err
 	}
@@ -33,7 +34,7 @@ func openOutbox(ctx context.Context, a *app, role string) (store *outbox.Store, 
 	if err != nil {
 		return nil, nil, err
 	}
-	return outbox.NewStore(pool), pool.Close, nil
+	return outboxstore.New(pool), pool.Close, nil
 }
 
 func outboxRetryFailedCommand(a *app) *cobra.Command {
@@ -153,7 +154,7 @@ func outboxRowIDs(args []string) ([]int64, error) {
 }
 
 // reportSkipped prints the rows skipped, and fails if one of ids was not.
-func reportSkipped(w io.Writer, ids []int64, skipped []outbox.Skipped) error {
+func reportSkipped(w io.Writer, ids []int64, skipped []outboxstore.Skipped) error {
 	done := map[int64]bool{}
 	for _, s := range skipped {
 		done[s.ID] = true

@@ -11,7 +11,7 @@ import (
 
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/operator"
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/spf13/cobra"
 )
@@ -123,7 +123,7 @@ func printSlot(w io.Writer, c operator.CaptureStatus) {
 }
 
 // printAudits prints the newest audits of the stream against the outbox.
-func printAudits(w io.Writer, audits []outbox.Audit) {
+func printAudits(w io.Writer, audits []outboxstore.Audit) {
 	if len(audits) == 0 {
 		fmt.Fprintf(w, "audit    none yet (the relays audit the stream against the outbox: relay.audit)\n")
 	}

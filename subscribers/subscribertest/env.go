@@ -20,6 +20,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
@@ -356,11 +357,11 @@ func (e *Env) Republish(id int64) {
 func (e *Env) WaitAllSent() {
 	e.T.Helper()
 	WaitFor(e.T, time.Minute, "every event published", func() (bool, string) {
-		var unsent int
-		if err := e.DB.Pool.QueryRow(context.Background(), `SELECT count(*) FROM outbox WHERE status <> 'sent'`).Scan(&unsent); err != nil {
+		unsent, err := outboxstore.New(e.DB.Pool).Unsent(context.Background(), nil)
+		if err != nil {
 			return false, err.Error()
 		}
-		return unsent == 0, strconv.Itoa(unsent) + " unsent"
+		return unsent == 0, strconv.FormatInt(unsent, 10) + " unsent"
 	})
 }
 
@@ -368,14 +369,15 @@ func (e *Env) WaitAllSent() {
 // rows are sent), so that a following WaitIdle means they were handled.
 func (e *Env) WaitSent(ids ...int64) {
 	e.T.Helper()
+	if len(ids) == 0 {
+		return
+	}
 	WaitFor(e.T, time.Minute, "events published", func() (bool, string) {
-		var unsent int
-		err := e.DB.Pool.QueryRow(context.Background(),
-			`SELECT count(*) FROM outbox WHERE id = ANY($1) AND status <> 'sent'`, ids).Scan(&unsent)
+		unsent, err := outboxstore.New(e.DB.Pool).Unsent(context.Background(), ids)
 		if err != nil {
 			return false, err.Error()
 		}
-		return unsent == 0, strconv.Itoa(unsent) + " unsent"
+		return unsent == 0, strconv.FormatInt(unsent, 10) + " unsent"
 	})
 }
 

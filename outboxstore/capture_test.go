@@ -1,4 +1,4 @@
-package outbox_test
+package outboxstore_test
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 )
 
@@ -21,7 +22,7 @@ func TestCaptureRecord(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	const slot = "fanout_test_slot"
 
 	if _, _, ok, err := store.ReadCapture(ctx, slot); err != nil || ok {
@@ -83,7 +84,7 @@ func TestSlotBacklogByTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	const slot = "fanout_test_slot"
 
 	inFlight, err := db.Pool.Begin(ctx)
@@ -112,7 +113,7 @@ func TestSlotBacklogByTransaction(t *testing.T) {
 		t.Fatalf("backlog through %d; want %d, above the in-flight transaction's rows %v", b.Through, committed[1], late)
 	}
 
-	firsts := func(in *outbox.SlotBacklog) []int64 {
+	firsts := func(in *outboxstore.SlotBacklog) []int64 {
 		t.Helper()
 		w, err := store.TransactionCandidates(ctx, math.MinInt64, in, 100, 10)
 		if err != nil {
@@ -127,7 +128,7 @@ func TestSlotBacklogByTransaction(t *testing.T) {
 	if got, want := firsts(&b), []int64{committed[0]}; !slices.Equal(got, want) {
 		t.Errorf("the backlog's transactions start at %v, want %v: only the one committed before the bound was read", got, want)
 	}
-	if got, want := firsts(&outbox.SlotBacklog{Through: b.Through}), []int64{late[0], committed[0]}; !slices.Equal(got, want) {
+	if got, want := firsts(&outboxstore.SlotBacklog{Through: b.Through}), []int64{late[0], committed[0]}; !slices.Equal(got, want) {
 		t.Errorf("up to the bound without the snapshot, transactions start at %v, want %v", got, want)
 	}
 	if got, want := firsts(nil), []int64{late[0], committed[0], after[0]}; !slices.Equal(got, want) {

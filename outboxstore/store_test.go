@@ -1,4 +1,4 @@
-package outbox_test
+package outboxstore_test
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -22,14 +23,14 @@ func TestStore(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	// Six orders, one event each: the claims below take any of them (an
 	// order's own events go one at a time: TestClaimKeepsEachAggregatesOrder).
 	var ids []int64
 	for order := range 6 {
 		ids = append(ids, writeOrders(t, db.Pool, 1, strconv.Itoa(order+1))...)
 	}
-	backlog := func() outbox.Backlog {
+	backlog := func() outboxstore.Backlog {
 		t.Helper()
 		b, err := store.Backlog(ctx)
 		if err != nil {
@@ -42,7 +43,7 @@ func TestStore(t *testing.T) {
 	}
 
 	token := pgtype.UUID{Bytes: [16]byte{1}, Valid: true}
-	claimed, err := store.Claim(ctx, 4, token)
+	claimed, err := claimAll(ctx, t, store, 4, token)
 	if err != nil || len(claimed) != 4 || claimed[0].ID != ids[0] || string(claimed[0].Headers) == "" {
 		t.Fatalf("claim 4: %d rows %+v (%v)", len(claimed), claimed, err)
 	}
@@ -50,10 +51,10 @@ func TestStore(t *testing.T) {
 		t.Fatalf("after the claim: %+v", b)
 	}
 	// Another relay's token changes nothing.
-	if sent, _, err := store.Record(ctx, pgtype.UUID{Bytes: [16]byte{2}, Valid: true}, outbox.Outcomes{Sent: ids[:4]}); err != nil || sent != 0 {
+	if sent, _, err := store.Record(ctx, pgtype.UUID{Bytes: [16]byte{2}, Valid: true}, outboxstore.Outcomes{Sent: ids[:4]}); err != nil || sent != 0 {
 		t.Fatalf("record under a stale token: %d marked (%v)", sent, err)
 	}
-	sent, _, err := store.Record(ctx, token, outbox.Outcomes{
+	sent, _, err := store.Record(ctx, token, outboxstore.Outcomes{
 		Sent:  ids[:2],
 		Retry: ids[2:3], RetryReasons: []string{"nats down"}, RetryMin: time.Hour, RetryMax: 2 * time.Hour,
 		Failed: ids[3:4], FailedReasons: []string{"too big"},
@@ -67,8 +68,14 @@ func TestStore(t *testing.T) {
 	if n, err := store.CountSent(ctx); err != nil || n != 2 {
 		t.Fatalf("sent rows: %d (%v)", n, err)
 	}
+	if n, err := store.Unsent(ctx, nil); err != nil || n != 4 {
+		t.Fatalf("unsent rows: %d (%v), want 4 (one retried, one failed, two never claimed)", n, err)
+	}
+	if n, err := store.Unsent(ctx, ids[1:4]); err != nil || n != 2 {
+		t.Fatalf("unsent among %v: %d (%v), want 2", ids[1:4], n, err)
+	}
 	// The retried row backs off: only the two never claimed are due.
-	if again, err := store.Claim(ctx, 10, token); err != nil || len(again) != 2 || again[0].ID != ids[4] {
+	if again, err := claimAll(ctx, t, store, 10, token); err != nil || len(again) != 2 || again[0].ID != ids[4] {
 		t.Fatalf("claim after a retry: %+v (%v), want the two rows never claimed", again, err)
 	}
 	// Their relay dies: the reaper returns them once their lease is over.
@@ -158,13 +165,13 @@ func TestClaimKeepsEachAggregatesOrder(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	x := writeOrders(t, db.Pool, 3, "7")
 	y := writeOrders(t, db.Pool, 1, "8")
 	token := pgtype.UUID{Bytes: [16]byte{1}, Valid: true}
 	claim := func() []int64 {
 		t.Helper()
-		claimed, err := store.Claim(ctx, 10, token)
+		claimed, err := claimAll(ctx, t, store, 10, token)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -174,7 +181,7 @@ func TestClaimKeepsEachAggregatesOrder(t *testing.T) {
 		}
 		return ids
 	}
-	first, err := store.Claim(ctx, 10, token)
+	first, err := claimAll(ctx, t, store, 10, token)
 	if err != nil || len(first) != 2 || first[0].ID != x[0] || first[1].ID != y[0] || first[0].AggregateSeq.Int64 != 1 {
 		t.Fatalf("first claim: %+v (%v), want the first event of each order", first, err)
 	}
@@ -182,9 +189,9 @@ func TestClaimKeepsEachAggregatesOrder(t *testing.T) {
 		t.Fatalf("claim while the first events are in flight: %v, want none", got)
 	}
 	// The next events are claimed with the record, in its transaction.
-	_, next, err := store.Record(ctx, token, outbox.Outcomes{
+	_, next, err := store.Record(ctx, token, outboxstore.Outcomes{
 		Sent: []int64{x[0], y[0]},
-		Next: &outbox.NextClaim{Published: first, Token: token, Depth: 1, N: 10},
+		Next: &outboxstore.NextClaim{Published: first, Token: token, Depth: 1, N: 10},
 	})
 	if err != nil || len(next) != 1 || next[0].ID != x[1] || next[0].AggregateSeq.Int64 != 2 {
 		t.Fatalf("claim the next events: %+v (%v), want order 7's second", next, err)
@@ -192,7 +199,7 @@ func TestClaimKeepsEachAggregatesOrder(t *testing.T) {
 	if again, err := store.ClaimNext(ctx, first, token, 1, 10); err != nil || len(again) != 0 {
 		t.Fatalf("claim the next events again: %+v (%v), want none (claimed already)", again, err)
 	}
-	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Failed: []int64{x[1]}, FailedReasons: []string{"too big"}}); err != nil {
+	if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Failed: []int64{x[1]}, FailedReasons: []string{"too big"}}); err != nil {
 		t.Fatal(err)
 	}
 	if got := claim(); len(got) != 0 {
@@ -201,13 +208,13 @@ func TestClaimKeepsEachAggregatesOrder(t *testing.T) {
 	if rows, aggs, err := store.Held(ctx); err != nil || rows != 1 || aggs != 1 {
 		t.Fatalf("held: %d rows of %d aggregates (%v), want 1 of 1", rows, aggs, err)
 	}
-	store.OnFailed = outbox.SkipFailed
+	store.OnFailed = outboxstore.SkipFailed
 	if got := claim(); len(got) != 1 || got[0] != x[2] {
 		t.Fatalf("claim past a failed event with on_failed skip: %v, want %d", got, x[2])
 	}
 }
 
-// ClaimWindow walks a bounded window of unpublished rows by id and says
+// A windowed ClaimRows walks a bounded window of unpublished rows by id and says
 // whether more lie beyond it; ClaimHeads finds each aggregate's first
 // unpublished event anywhere, one probe per aggregate, and goes round the
 // aggregates from where it stopped.
@@ -215,35 +222,35 @@ func TestClaimWindowAndClaimHeads(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	a := writeOrders(t, db.Pool, 5, "1")
 	b := writeOrders(t, db.Pool, 5, "2")
 	c := writeOrders(t, db.Pool, 1, "3")
 	token := pgtype.UUID{Bytes: [16]byte{3}, Valid: true}
 
 	// Up to order 1's second event, a window of 3 rows is not full.
-	w, err := store.ClaimWindow(ctx, 10, token, 0, a[1], 3)
+	w, err := store.ClaimRows(ctx, outboxstore.RowsClaim{N: 10, Token: token, After: 0, Through: a[1], Window: 3})
 	if err != nil || len(w.Claimed) != 1 || w.Claimed[0].ID != a[0] || w.Full || w.Newest != c[0] {
 		t.Fatalf("claim a window of 3 through %d: %+v (%v), want order 1's first event, not full, newest %d", a[1], w, err, c[0])
 	}
-	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Returned: []int64{a[0]}}); err != nil {
+	if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Returned: []int64{a[0]}}); err != nil {
 		t.Fatal(err)
 	}
 	// A window of 3 rows holds order 1's first three events: one head.
-	w, err = store.ClaimWindow(ctx, 10, token, 0, math.MaxInt64, 3)
+	w, err = store.ClaimRows(ctx, outboxstore.RowsClaim{N: 10, Token: token, After: 0, Through: math.MaxInt64, Window: 3})
 	if err != nil || len(w.Claimed) != 1 || w.Claimed[0].ID != a[0] || !w.Full || w.End != a[2] || w.Newest != c[0] {
 		t.Fatalf("claim a window of 3: %+v (%v), want order 1's first event, full, ending at %d, newest %d", w, err, a[2], c[0])
 	}
 	// Order 1 is in flight; the heads of orders 2 and 3 are found beyond
 	// any window, and order 1's next events are not taken.
-	h, err := store.ClaimHeads(ctx, 10, token, outbox.AggregateKey{}, 10)
-	if err != nil || len(h.Claimed) != 2 || h.Claimed[0].ID != b[0] || h.Claimed[1].ID != c[0] || h.Seen != 3 || h.Last != (outbox.AggregateKey{Type: "order", ID: "3"}) {
+	h, err := store.ClaimHeads(ctx, 10, token, outboxstore.AggregateKey{}, 10)
+	if err != nil || len(h.Claimed) != 2 || h.Claimed[0].ID != b[0] || h.Claimed[1].ID != c[0] || h.Seen != 3 || h.Last != (outboxstore.AggregateKey{Type: "order", ID: "3"}) {
 		t.Fatalf("claim heads: %+v (%v), want the first events of orders 2 and 3, 3 aggregates seen, the last order 3", h, err)
 	}
 	// Going round two aggregates at a time: orders 1 and 2 (in flight,
 	// nothing to claim), then order 3 (in flight too), then the end.
-	h, err = store.ClaimHeads(ctx, 10, token, outbox.AggregateKey{}, 2)
-	if err != nil || len(h.Claimed) != 0 || h.Seen != 2 || h.Last != (outbox.AggregateKey{Type: "order", ID: "2"}) {
+	h, err = store.ClaimHeads(ctx, 10, token, outboxstore.AggregateKey{}, 2)
+	if err != nil || len(h.Claimed) != 0 || h.Seen != 2 || h.Last != (outboxstore.AggregateKey{Type: "order", ID: "2"}) {
 		t.Fatalf("claim heads, 2 aggregates: %+v (%v), want none claimed, 2 seen, the last order 2", h, err)
 	}
 	if h, err = store.ClaimHeads(ctx, 10, token, h.Last, 2); err != nil || h.Seen != 1 {
@@ -254,18 +261,18 @@ func TestClaimWindowAndClaimHeads(t *testing.T) {
 	}
 	// Order 2's first event published: its second is its head now; a
 	// failed event holds its order unless failed events are skipped.
-	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Sent: []int64{b[0]}, Failed: []int64{a[0]}, FailedReasons: []string{"too big"}}); err != nil {
+	if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Sent: []int64{b[0]}, Failed: []int64{a[0]}, FailedReasons: []string{"too big"}}); err != nil {
 		t.Fatal(err)
 	}
-	if h, err = store.ClaimHeads(ctx, 10, token, outbox.AggregateKey{}, 10); err != nil || len(h.Claimed) != 1 || h.Claimed[0].ID != b[1] || h.Claimed[0].AggregateSeq.Int64 != 2 {
+	if h, err = store.ClaimHeads(ctx, 10, token, outboxstore.AggregateKey{}, 10); err != nil || len(h.Claimed) != 1 || h.Claimed[0].ID != b[1] || h.Claimed[0].AggregateSeq.Int64 != 2 {
 		t.Fatalf("claim heads after order 2's first event: %+v (%v), want its second", h, err)
 	}
-	store.OnFailed = outbox.SkipFailed
-	if h, err = store.ClaimHeads(ctx, 10, token, outbox.AggregateKey{}, 10); err != nil || len(h.Claimed) != 1 || h.Claimed[0].ID != a[1] {
+	store.OnFailed = outboxstore.SkipFailed
+	if h, err = store.ClaimHeads(ctx, 10, token, outboxstore.AggregateKey{}, 10); err != nil || len(h.Claimed) != 1 || h.Claimed[0].ID != a[1] {
 		t.Fatalf("claim heads past a failed event with on_failed skip: %+v (%v), want order 1's second", h, err)
 	}
 	// A window with nothing beyond it is not full.
-	if w, err = store.ClaimWindow(ctx, 10, token, c[0], math.MaxInt64, 3); err != nil || w.Full || len(w.Claimed) != 0 || w.Newest != c[0] {
+	if w, err = store.ClaimRows(ctx, outboxstore.RowsClaim{N: 10, Token: token, After: c[0], Through: math.MaxInt64, Window: 3}); err != nil || w.Full || len(w.Claimed) != 0 || w.Newest != c[0] {
 		t.Fatalf("claim above the newest row: %+v (%v), want nothing, not full", w, err)
 	}
 }
@@ -291,4 +298,11 @@ func writeOrders(t *testing.T, pool *pgxpool.Pool, n int, order string) []int64 
 		t.Fatal(err)
 	}
 	return ids
+}
+
+// claimAll claims up to n due rows of the whole outbox.
+func claimAll(ctx context.Context, t *testing.T, store *outboxstore.Store, n int, token pgtype.UUID) ([]outboxstore.Claimed, error) {
+	t.Helper()
+	w, err := store.ClaimRows(ctx, outboxstore.RowsClaim{N: n, Token: token, After: math.MinInt64, Through: math.MaxInt64})
+	return w.Claimed, err
 }

@@ -1,11 +1,11 @@
-package outbox_test
+package outboxstore_test
 
 import (
 	"context"
 	"strings"
 	"testing"
 
-	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 )
 
@@ -18,7 +18,7 @@ func TestOriginFunctionsHoldTheirBounds(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	writeOrders(t, db.Pool, 3, "1")
 	last := func() int64 {
 		t.Helper()

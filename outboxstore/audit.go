@@ -1,4 +1,4 @@
-package outbox
+package outboxstore
 
 // Where each published event landed in the stream, and the audits that
 // check the stream against it (schema migration 00017; the auditor is

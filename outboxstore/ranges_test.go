@@ -1,4 +1,4 @@
-package outbox_test
+package outboxstore_test
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -22,14 +23,14 @@ func TestOutboxRanges(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	exec := func(sql string, args ...any) {
 		t.Helper()
 		if _, err := db.Pool.Exec(ctx, sql, args...); err != nil {
 			t.Fatalf("%s: %v", sql, err)
 		}
 	}
-	ranges := func() []outbox.Partition {
+	ranges := func() []outboxstore.Partition {
 		t.Helper()
 		ps, err := store.Partitions(ctx)
 		if err != nil {
@@ -37,7 +38,7 @@ func TestOutboxRanges(t *testing.T) {
 		}
 		return ps
 	}
-	retire := func(name string, r outbox.Retirement) (bool, int64, string) {
+	retire := func(name string, r outboxstore.Retirement) (bool, int64, string) {
 		t.Helper()
 		ok, moved, reason, err := store.RetirePartition(ctx, name, r)
 		if err != nil {
@@ -87,7 +88,7 @@ func TestOutboxRanges(t *testing.T) {
 	if sealed, err := store.SealPartition(ctx, "outbox_34"); err != nil || sealed {
 		t.Fatalf("seal the empty range outbox_34: %t (%v); want not sealed", sealed, err)
 	}
-	poll := outbox.Retirement{BacklogThrough: math.MinInt64}
+	poll := outboxstore.Retirement{BacklogThrough: math.MinInt64}
 	if ok, _, reason := retire("outbox_34", poll); ok || reason != "not sealed" {
 		t.Fatalf("retire an unsealed range: %t %q", ok, reason)
 	}
@@ -132,7 +133,7 @@ func TestOutboxRanges(t *testing.T) {
 	if err := db.Pool.QueryRow(ctx, `SELECT sealed_lsn::text FROM outbox_partitions WHERE name = 'outbox_19'`).Scan(&sealedLSN); err != nil {
 		t.Fatal(err)
 	}
-	wal := outbox.Retirement{Retention: time.Second, Captured: true, ConfirmedLSN: "0/1", BacklogThrough: 20}
+	wal := outboxstore.Retirement{Retention: time.Second, Captured: true, ConfirmedLSN: "0/1", BacklogThrough: 20}
 	if ok, _, reason := retire("outbox_19", wal); ok || reason != "the slot has not confirmed its rows" {
 		t.Fatalf("retire before the slot confirmed: %t %q", ok, reason)
 	}
@@ -176,7 +177,7 @@ func TestWritersSurviveRangesAddedUnderThem(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	stop := make(chan struct{})
 	errs := make(chan error, 4)
 	for w := range 4 {

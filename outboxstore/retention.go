@@ -1,4 +1,4 @@
-package outbox
+package outboxstore
 
 import (
 	"context"

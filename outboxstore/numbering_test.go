@@ -1,4 +1,4 @@
-package outbox_test
+package outboxstore_test
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/jackc/pgx/v5"
 )
@@ -22,7 +23,7 @@ func TestSkippedEventTypesAreNotNumbered(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	// write writes one event of type typ for aggregate id and returns its
 	// number, 0 for none.
 	write := func(aggType, typ string) int64 {

@@ -1,4 +1,4 @@
-package outbox
+package outboxstore
 
 import (
 	"context"
@@ -28,6 +28,16 @@ func (s *Store) Backlog(ctx context.Context) (Backlog, error) {
 	err := s.pool.QueryRow(ctx, backlogSQL).Scan(&b.Pending, &b.Sending, &b.Failed, &oldest)
 	b.OldestPending = time.Duration(oldest * float64(time.Second))
 	return b, err
+}
+
+// Unsent counts the rows not marked sent (pending, sending, failed or
+// skipped) among ids, or in the whole outbox if ids is nil: what a test
+// or a benchmark waits on until a poll relay has published everything (a
+// wal relay marks nothing sent).
+func (s *Store) Unsent(ctx context.Context, ids []int64) (int64, error) {
+	var n int64
+	err := s.pool.QueryRow(ctx, `SELECT count(*) FROM outbox WHERE status <> 'sent' AND ($1::bigint[] IS NULL OR id = ANY($1))`, ids).Scan(&n)
+	return n, err
 }
 
 // CountSent counts the sent rows still retained: a scan of the table.

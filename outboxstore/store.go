@@ -1,4 +1,4 @@
-package outbox
+package outboxstore
 
 import (
 	"strconv"
@@ -6,15 +6,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// Store holds every query on the outbox's tables (outbox and its ranges,
-// outbox_default, outbox_partitions, relay_capture) besides the writers'
-// own inserts (Write, Queue): the relay's claims (claim.go), the marks that
-// record a batch's outcomes and the reaper's (record.go), what a wal relay
-// reads and marks, and its slot's record (capture.go), retention
-// (retention.go), and what status, the metrics (status.go) and the
-// operator commands (operator.go) read and change. Package relay runs no
-// SQL on these tables. A role needs only the grants of the methods it
-// calls (see deploy/postgres/roles.sql).
+// Store is the outbox's queries over one pool (see the package doc for
+// which are where).
 type Store struct {
 	pool *pgxpool.Pool
 	// OnFailed says whether a failed row holds its aggregate's later
@@ -39,8 +32,8 @@ const (
 	SkipFailed OnFailed = "skip"
 )
 
-// NewStore returns the outbox queries over pool.
-func NewStore(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
+// New returns the outbox queries over pool.
+func New(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 
 // HeldBehindPrefix starts the last error of a row a wal relay marked
 // failed because an earlier event of its aggregate failed (relay.on_failed

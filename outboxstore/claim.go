@@ -1,9 +1,8 @@
-package outbox
+package outboxstore
 
 import (
 	"context"
 	"fmt"
-	"math"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -202,51 +201,53 @@ type Claimed struct {
 	LandedSeq uint64
 }
 
-// Claim moves up to n pending rows that are due to `sending` under the
-// lease token, and returns them in the order they were picked.
-func (s *Store) Claim(ctx context.Context, n int, token pgtype.UUID) ([]Claimed, error) {
-	return s.ClaimRange(ctx, n, token, math.MinInt64, math.MaxInt64)
+// RowsClaim is what ClaimRows takes: up to N due heads (an aggregate's
+// first event still to publish, or any due row with Store.Unordered)
+// among the unpublished rows with ids above After and up to Through (all
+// of them: math.MinInt64 and math.MaxInt64), under the lease token Token.
+// With Window set,
+// the claim walks at most the first Window unpublished rows of that span,
+// oldest first, so that its walk is bounded however large the backlog of
+// events waiting for the one before them, and it reports what it saw
+// (Window.Newest, Full, End, Unsent); without, it walks the span to its
+// end.
+type RowsClaim struct {
+	N              int
+	Token          pgtype.UUID
+	After, Through int64
+	Window         int
 }
 
-// ClaimThrough is Claim of rows with ids up to maxID only.
-func (s *Store) ClaimThrough(ctx context.Context, n int, token pgtype.UUID, maxID int64) ([]Claimed, error) {
-	return s.ClaimRange(ctx, n, token, math.MinInt64, maxID)
-}
-
-// ClaimRange is Claim of rows with ids above after and up to through.
-func (s *Store) ClaimRange(ctx context.Context, n int, token pgtype.UUID, after, through int64) ([]Claimed, error) {
-	query := claimSQL
-	if s.Unordered {
-		query = claimUnorderedSQL
+// ClaimRows moves the rows c picks to `sending` under c.Token, and returns
+// them in the order they were picked. It is what the relay's claim loop,
+// its sweeper and a wal relay's backlog drain claim with. A windowed
+// claim that returns fewer than N rows looked at every row of the window,
+// or up to the newest id if the window was not full, whose transaction had
+// committed; it is one statement, which finds the window's end once:
+// under a held snapshot every walk over the index steps over the entries
+// of every row published since.
+func (s *Store) ClaimRows(ctx context.Context, c RowsClaim) (Window, error) {
+	hold := s.OnFailed != SkipFailed
+	if c.Window == 0 {
+		query := claimSQL
+		if s.Unordered {
+			query = claimUnorderedSQL
+		}
+		rows, err := s.pool.Query(ctx, query, c.N, c.Token, c.Through, c.After, hold)
+		if err != nil {
+			return Window{}, fmt.Errorf("claim outbox batch: %w", err)
+		}
+		claimed, err := pgx.CollectRows(rows, scanClaimed)
+		if err != nil {
+			return Window{}, fmt.Errorf("claim outbox batch: %w", err)
+		}
+		return Window{Claimed: claimed}, nil
 	}
-	rows, err := s.pool.Query(ctx, query, n, token, through, after, s.OnFailed != SkipFailed)
-	if err != nil {
-		return nil, fmt.Errorf("claim outbox batch: %w", err)
-	}
-	claimed, err := pgx.CollectRows(rows, scanClaimed)
-	if err != nil {
-		return nil, fmt.Errorf("claim outbox batch: %w", err)
-	}
-	return claimed, nil
-}
-
-// ClaimWindow is what the relay's claim loop and sweeper claim with: up to
-// n due heads (as ClaimRange) among the first window unpublished rows
-// above after and up to through, oldest first, so that a claim's walk is
-// bounded however large the backlog of events waiting for the one before
-// them. It also reports the newest id in the outbox as the claim began
-// and whether the window was full (more unpublished rows lie up to
-// through). A claim that returns fewer than n rows looked at every row of
-// the window, or up to the newest id if the window was not full, whose
-// transaction had committed. It is one statement, which finds the
-// window's end once: under a held snapshot every walk over the index
-// steps over the entries of every row published since.
-func (s *Store) ClaimWindow(ctx context.Context, n int, token pgtype.UUID, after, through int64, window int) (Window, error) {
 	query := claimWindowSQL
 	if s.Unordered {
 		query = claimUnorderedWindowSQL
 	}
-	rows, err := s.pool.Query(ctx, query, n, token, through, after, s.OnFailed != SkipFailed, max(window, 1)-1)
+	rows, err := s.pool.Query(ctx, query, c.N, c.Token, c.Through, c.After, hold, c.Window-1)
 	if err != nil {
 		return Window{}, fmt.Errorf("claim outbox batch: %w", err)
 	}
@@ -259,7 +260,7 @@ func (s *Store) ClaimWindow(ctx context.Context, n int, token pgtype.UUID, after
 	return w, nil
 }
 
-// Window is what ClaimWindow claimed and saw.
+// Window is what ClaimRows claimed, and, for a windowed claim, saw.
 type Window struct {
 	Claimed []Claimed
 	Newest  int64 // the newest id in the outbox as the claim began
@@ -375,7 +376,7 @@ func (s *Store) ClaimHeads(ctx context.Context, n int, token pgtype.UUID, after 
 }
 
 // scanClaimedAnd reads the rows of a claim that also reports what it saw
-// (ClaimWindow, ClaimHeads): each row is a claimed row followed by the
+// (ClaimRows, ClaimHeads): each row is a claimed row followed by the
 // columns read into also, the same on every row, and one row with no
 // claimed row in it (all NULL) stands for a claim that took nothing.
 func scanClaimedAnd(rows pgx.Rows, also ...any) ([]Claimed, error) {

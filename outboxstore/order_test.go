@@ -1,4 +1,4 @@
-package outbox_test
+package outboxstore_test
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package outbox_test
+package outboxstore_test
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -24,7 +25,7 @@ func TestClaimTransactions(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	token := pgtype.UUID{Bytes: [16]byte{7}, Valid: true}
 
 	// t1: order 1's first two events and order 2's first; t2: order 1's
@@ -32,7 +33,7 @@ func TestClaimTransactions(t *testing.T) {
 	t1 := writeTx(t, db, "1", "1", "2")
 	t2 := writeTx(t, db, "1")
 	t3 := writeTx(t, db, "3")
-	claim := func(after int64, n int) []outbox.TxChunk {
+	claim := func(after int64, n int) []outboxstore.TxChunk {
 		t.Helper()
 		w, err := store.TransactionCandidates(ctx, after, nil, 100, 100)
 		if err != nil {
@@ -44,7 +45,7 @@ func TestClaimTransactions(t *testing.T) {
 		}
 		return chunks
 	}
-	idsOf := func(chunks []outbox.TxChunk) [][]int64 {
+	idsOf := func(chunks []outboxstore.TxChunk) [][]int64 {
 		var ids [][]int64
 		for _, c := range chunks {
 			var cids []int64
@@ -80,13 +81,13 @@ func TestClaimTransactions(t *testing.T) {
 	if ids := idsOf(claim(math.MinInt64, 100)); len(ids) != 0 {
 		t.Fatalf("claim while t1 is in flight: %v, want none (t2 waits behind order 1's second event)", ids)
 	}
-	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Sent: append(slices.Clone(t1), t3...)}); err != nil {
+	if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Sent: append(slices.Clone(t1), t3...)}); err != nil {
 		t.Fatal(err)
 	}
 	if ids := idsOf(claim(math.MinInt64, 100)); len(ids) != 1 || !slices.Equal(ids[0], t2) {
 		t.Fatalf("claim after t1: %v, want t2 %v", ids, t2)
 	}
-	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Failed: t2, FailedReasons: []string{"too big"}}); err != nil {
+	if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Failed: t2, FailedReasons: []string{"too big"}}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -97,7 +98,7 @@ func TestClaimTransactions(t *testing.T) {
 	if ids := idsOf(got); len(ids) != 1 || !slices.Equal(ids[0], t4) || !slices.Equal(got[0].HeldBy, []int64{t2[0], 0}) {
 		t.Fatalf("claim behind a failed event: %v %+v, want t4 %v, its first row held behind %d", ids, got, t4, t2[0])
 	}
-	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Sent: t4}); err != nil {
+	if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Sent: t4}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -123,7 +124,7 @@ func TestClaimTransactions(t *testing.T) {
 		if ids := idsOf(claim(math.MinInt64, 100)); len(ids) != 0 {
 			t.Fatalf("chunk %d in flight, claimed %v besides", i+1, ids)
 		}
-		if _, _, err := store.Record(ctx, token, outbox.Outcomes{Sent: want}); err != nil {
+		if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Sent: want}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -137,13 +138,13 @@ func TestClaimTransactions(t *testing.T) {
 	if ids := idsOf(got); len(ids) != 1 || !slices.Equal(ids[0], old[:1]) || got[0].XID != "" {
 		t.Fatalf("claim rows without a transaction, at most 1: %v %+v, want %d alone", ids, got, old[0])
 	}
-	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Sent: old[:1]}); err != nil {
+	if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Sent: old[:1]}); err != nil {
 		t.Fatal(err)
 	}
 	if ids := idsOf(claim(math.MinInt64, 100)); len(ids) != 1 || !slices.Equal(ids[0], old[1:]) {
 		t.Fatalf("claim: %v, want %d", ids, old[1])
 	}
-	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Sent: old[1:]}); err != nil {
+	if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Sent: old[1:]}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -189,7 +190,7 @@ func TestClaimTransactionNext(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	first := pgtype.UUID{Bytes: [16]byte{1}, Valid: true}
 	stream := pgtype.UUID{Bytes: [16]byte{2}, Valid: true}
 	other := pgtype.UUID{Bytes: [16]byte{3}, Valid: true}
@@ -203,7 +204,7 @@ func TestClaimTransactionNext(t *testing.T) {
 		t.Fatalf("first chunk: %+v (%v), want 1000 rows and more", got, err)
 	}
 	xid := got[0].XID
-	next := func(after int64, below ...pgtype.UUID) (outbox.TxChunk, bool) {
+	next := func(after int64, below ...pgtype.UUID) (outboxstore.TxChunk, bool) {
 		t.Helper()
 		c, ok, err := store.ClaimTransactionNext(ctx, xid, after, below, stream, 1000)
 		if err != nil {
@@ -222,10 +223,10 @@ func TestClaimTransactionNext(t *testing.T) {
 	}
 	// The first chunk published, the second sent back to wait: the
 	// chunk after them is not claimed.
-	if _, _, err := store.Record(ctx, first, outbox.Outcomes{Sent: big[:1000]}); err != nil {
+	if _, _, err := store.Record(ctx, first, outboxstore.Outcomes{Sent: big[:1000]}); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := store.Record(ctx, stream, outbox.Outcomes{Returned: big[1000:2000]}); err != nil {
+	if _, _, err := store.Record(ctx, stream, outboxstore.Outcomes{Returned: big[1000:2000]}); err != nil {
 		t.Fatal(err)
 	}
 	if c, ok := next(big[2999], first, stream); ok {
@@ -244,7 +245,7 @@ func TestNextTransactions(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
-	store := outbox.NewStore(db.Pool)
+	store := outboxstore.New(db.Pool)
 	token := pgtype.UUID{Bytes: [16]byte{9}, Valid: true}
 
 	// t1 publishes orders 1, 2, 3 and 4; t2 holds order 1's next event
@@ -254,11 +255,11 @@ func TestNextTransactions(t *testing.T) {
 	t2 := writeTx(t, db, "5", "1")
 	t3 := writeTx(t, db, "2", "1")
 	t4 := writeTx(t, db, "3")
-	claimed, err := store.ClaimTransactions(ctx, []outbox.TxCandidate{{XID: xidOf(t, db, t1[0]), First: t1[0]}}, token, 1000, 1000, false)
+	claimed, err := store.ClaimTransactions(ctx, []outboxstore.TxCandidate{{XID: xidOf(t, db, t1[0]), First: t1[0]}}, token, 1000, 1000, false)
 	if err != nil || len(claimed) != 1 || len(claimed[0].Rows) != 4 {
 		t.Fatalf("claim t1: %+v (%v)", claimed, err)
 	}
-	if _, _, err := store.Record(ctx, token, outbox.Outcomes{Sent: t1}); err != nil {
+	if _, _, err := store.Record(ctx, token, outboxstore.Outcomes{Sent: t1}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := db.Pool.Exec(ctx, `UPDATE outbox SET status = 'sending', lease_token = gen_random_uuid(), claimed_at = now() WHERE id = $1`, t4[0]); err != nil {
@@ -268,7 +269,7 @@ func TestNextTransactions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []outbox.TxCandidate{{XID: xidOf(t, db, t2[0]), First: t2[0]}, {XID: xidOf(t, db, t3[0]), First: t3[0]}}
+	want := []outboxstore.TxCandidate{{XID: xidOf(t, db, t2[0]), First: t2[0]}, {XID: xidOf(t, db, t3[0]), First: t3[0]}}
 	if !slices.Equal(cands, want) {
 		t.Fatalf("next transactions: %+v, want t2 and t3 by their first rows: %+v", cands, want)
 	}
