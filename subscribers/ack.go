@@ -13,7 +13,7 @@ import (
 
 // processed returns the ids among ids already in the checkpoint.
 func (r *Runner) processed(ctx context.Context, ids []int64) ([]int64, error) {
-	ctx, cancel := r.bookkeeping(ctx)
+	ctx, cancel := bounded(ctx, r.cfg)
 	defer cancel()
 	done, err := r.store.CheckpointList(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: ids})
 	if err != nil {
@@ -26,7 +26,7 @@ func (r *Runner) processed(ctx context.Context, ids []int64) ([]int64, error) {
 // event done with, in one round trip (a batch runs as one implicit
 // transaction).
 func (r *Runner) checkpoint(ctx context.Context, handled []*delivery, forget []int64) error {
-	ctx, cancel := r.bookkeeping(ctx)
+	ctx, cancel := bounded(ctx, r.cfg)
 	defer cancel()
 	return r.store.CheckpointRecord(ctx, bookkeeping.CheckpointRecordParams{Subscriber: r.name, Handled: eventIDs(handled), Forget: forget})
 }

@@ -3,7 +3,9 @@ package subscribers
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/fanout/fanout/subscribers/bookkeeping"
@@ -29,26 +31,40 @@ import (
 // only failures and redeliveries do. The statements are bookkeeping.Store's
 // Attempt* methods.
 
-// bookkeeping bounds a statement of the runtime's own: a Postgres that
-// stops answering mid-statement (a network that drops packets) must become
-// an outage, not a worker stuck until the kernel gives up on the socket.
-func (r *Runner) bookkeeping(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(ctx, r.cfg.HandlerTimeout)
+// attempts keeps those counts for one runner.
+type attempts struct {
+	store   bookkeeping.Store
+	name    string
+	timeout time.Duration // subscribers.handler_timeout: see bounded
+	logger  *slog.Logger
+	// crashed is the runner's: a runner whose process is taken for dead
+	// (tests) writes nothing more.
+	crashed *atomic.Bool
 }
 
-func (r *Runner) lookupAttempts(ctx context.Context, ids []int64) (map[int64]bookkeeping.AttemptState, error) {
-	ctx, cancel := r.bookkeeping(ctx)
+// bounded bounds a statement of the runtime's own (by
+// subscribers.handler_timeout): a Postgres that stops answering
+// mid-statement (a network that drops packets) must become an outage, not
+// a worker stuck until the kernel gives up on the socket.
+func bounded(ctx context.Context, cfg Config) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, cfg.HandlerTimeout)
+}
+
+// lookup reads, for the redelivered events ids, whether each is in the
+// checkpoint and what its attempts were.
+func (a *attempts) lookup(ctx context.Context, ids []int64) (map[int64]bookkeeping.AttemptState, error) {
+	ctx, cancel := context.WithTimeout(ctx, a.timeout)
 	defer cancel()
-	out, err := r.store.AttemptList(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: ids})
+	out, err := a.store.AttemptList(ctx, bookkeeping.CheckpointParams{Subscriber: a.name, EventIDs: ids})
 	if err != nil {
 		return nil, fmt.Errorf("read the checkpoint and attempts: %w", err)
 	}
 	return out, nil
 }
 
-// openAttempts records that the handling of the redeliveries among ds
-// begins (an attempt already open, held through an outage, stays as is).
-func (r *Runner) openAttempts(ctx context.Context, ds []*delivery) error {
+// open records that the handling of the redeliveries among ds begins (an
+// attempt already open, held through an outage, stays as is).
+func (a *attempts) open(ctx context.Context, ds []*delivery) error {
 	var opening []*delivery
 	for _, d := range ds {
 		if d.mark && !d.opened {
@@ -58,9 +74,9 @@ func (r *Runner) openAttempts(ctx context.Context, ds []*delivery) error {
 	if len(opening) == 0 {
 		return nil
 	}
-	ctx, cancel := r.bookkeeping(ctx)
+	ctx, cancel := context.WithTimeout(ctx, a.timeout)
 	defer cancel()
-	if err := r.store.AttemptOpen(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: eventIDs(opening)}); err != nil {
+	if err := a.store.AttemptOpen(ctx, bookkeeping.CheckpointParams{Subscriber: a.name, EventIDs: eventIDs(opening)}); err != nil {
 		return fmt.Errorf("record attempts: %w", err)
 	}
 	for _, d := range opening {
@@ -69,13 +85,13 @@ func (r *Runner) openAttempts(ctx context.Context, ds []*delivery) error {
 	return nil
 }
 
-// closeAttempts records that the open attempts of ds ended without an
-// outcome worth counting (an outage, a snooze, a stop), and reports whether
-// none is left open. Best effort: an attempt that cannot be closed stays
-// open; this process knows it is its own while it holds the delivery, but if
-// the process stops or dies first, it counts as one crash.
-func (r *Runner) closeAttempts(ds []*delivery) bool {
-	if r.crashed.Load() {
+// close records that the open attempts of ds ended without an outcome
+// worth counting (an outage, a snooze, a stop), and reports whether none
+// is left open. Best effort: an attempt that cannot be closed stays open;
+// this process knows it is its own while it holds the delivery, but if the
+// process stops or dies first, it counts as one crash.
+func (a *attempts) close(ds []*delivery) bool {
+	if a.crashed.Load() {
 		return false
 	}
 	var open []*delivery
@@ -89,8 +105,8 @@ func (r *Runner) closeAttempts(ds []*delivery) bool {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	if err := r.store.AttemptClose(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: eventIDs(open)}); err != nil {
-		r.logger.Debug("close attempts (each stays open, and counts as a crash if this process lets its event go)", "error", err)
+	if err := a.store.AttemptClose(ctx, bookkeeping.CheckpointParams{Subscriber: a.name, EventIDs: eventIDs(open)}); err != nil {
+		a.logger.Debug("close attempts (each stays open, and counts as a crash if this process lets its event go)", "error", err)
 		return false
 	}
 	for _, d := range open {
@@ -99,13 +115,13 @@ func (r *Runner) closeAttempts(ds []*delivery) bool {
 	return true
 }
 
-// recordFailure counts a failure of the handler on d's event and returns
-// the failures so far.
-func (r *Runner) recordFailure(ctx context.Context, d *delivery, cause error) (int, error) {
+// fail counts a failure of the handler on d's event and returns the
+// failures so far.
+func (a *attempts) fail(ctx context.Context, d *delivery, cause error) (int, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	failures, err := r.store.AttemptFail(ctx, bookkeeping.AttemptFailParams{
-		Subscriber: r.name, EventID: d.ev.key(), Error: truncate(cause.Error(), 2000), Closing: d.opened})
+	failures, err := a.store.AttemptFail(ctx, bookkeeping.AttemptFailParams{
+		Subscriber: a.name, EventID: d.ev.key(), Error: truncate(cause.Error(), 2000), Closing: d.opened})
 	if err != nil {
 		return 0, fmt.Errorf("record the failure: %w", err)
 	}
@@ -113,17 +129,17 @@ func (r *Runner) recordFailure(ctx context.Context, d *delivery, cause error) (i
 	return failures, nil
 }
 
-// forgetAttempts deletes the rows of events that are done with (handled,
-// skipped or dead-lettered), best effort: pruning removes what is left.
-func (r *Runner) forgetAttempts(ctx context.Context, ds []*delivery) {
+// forget deletes the rows of events that are done with (handled, skipped
+// or dead-lettered), best effort: pruning removes what is left.
+func (a *attempts) forget(ctx context.Context, ds []*delivery) {
 	ids := rowIDs(ds)
 	if len(ids) == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
-	if err := r.store.AttemptDelete(ctx, bookkeeping.CheckpointParams{Subscriber: r.name, EventIDs: ids}); err != nil {
-		r.logger.Debug("forget attempts (pruning will)", "error", err)
+	if err := a.store.AttemptDelete(ctx, bookkeeping.CheckpointParams{Subscriber: a.name, EventIDs: ids}); err != nil {
+		a.logger.Debug("forget attempts (pruning will)", "error", err)
 	}
 }
 

@@ -5,6 +5,7 @@ package subscribers
 
 import (
 	"context"
+	"log/slog"
 	"math/rand/v2"
 	"time"
 
@@ -14,7 +15,15 @@ import (
 // pruneInterval is how often each instance prunes (with jitter).
 const pruneInterval = 10 * time.Minute
 
-func (r *Runner) pruneLoop(ctx context.Context) {
+// pruner prunes one subscriber's rows.
+type pruner struct {
+	store  bookkeeping.Store
+	name   string
+	maxAge time.Duration // stream.max_age
+	logger *slog.Logger
+}
+
+func (p *pruner) loop(ctx context.Context) {
 	for {
 		wait := pruneInterval/2 + rand.N(pruneInterval)
 		select {
@@ -22,21 +31,23 @@ func (r *Runner) pruneLoop(ctx context.Context) {
 			return
 		case <-time.After(wait):
 		}
-		if n, err := r.Prune(ctx); err != nil && ctx.Err() == nil {
-			r.logger.Warn("prune checkpoint", "error", err)
+		if n, err := p.prune(ctx); err != nil && ctx.Err() == nil {
+			p.logger.Warn("prune checkpoint", "error", err)
 		} else if n > 0 {
-			r.logger.Info("pruned checkpoint", "rows", n)
+			p.logger.Info("pruned checkpoint", "rows", n)
 		}
 	}
 }
 
 // Prune deletes the subscriber's checkpoint rows older than the stream's
 // max age and returns how many.
-func (r *Runner) Prune(ctx context.Context) (int64, error) {
-	p := bookkeeping.PruneParams{Subscriber: r.name, OlderThan: r.opts.Stream.MaxAge}
+func (r *Runner) Prune(ctx context.Context) (int64, error) { return r.pruner.prune(ctx) }
+
+func (p *pruner) prune(ctx context.Context) (int64, error) {
+	params := bookkeeping.PruneParams{Subscriber: p.name, OlderThan: p.maxAge}
 	var total int64
 	for ctx.Err() == nil {
-		n, err := r.store.CheckpointPrune(ctx, p)
+		n, err := p.store.CheckpointPrune(ctx, params)
 		if err != nil {
 			return total, err
 		}
@@ -47,7 +58,7 @@ func (r *Runner) Prune(ctx context.Context) (int64, error) {
 	}
 	// Attempt rows of events long gone from the stream (one whose event was
 	// neither handled nor dead-lettered: its consumer was reset).
-	if err := r.store.AttemptPrune(ctx, p); err != nil {
+	if err := p.store.AttemptPrune(ctx, params); err != nil {
 		return total, err
 	}
 	return total, ctx.Err()

@@ -137,7 +137,7 @@ func (r *Runner) process(softCtx, hardCtx context.Context, batch received) (all 
 	}
 	first := make(map[identity]*delivery, len(batch.msgs))
 	for i, m := range batch.msgs {
-		ev, err := r.parse(m)
+		ev, err := EventFromMsg(m, r.opts.Stream.SubjectPrefix)
 		d := &delivery{msg: m, ev: ev, deliveredAt: batch.at}
 		if i < len(batch.order) {
 			d.order = batch.order[i]
@@ -163,10 +163,10 @@ func (r *Runner) process(softCtx, hardCtx context.Context, batch received) (all 
 		if !r.health.WaitUp(softCtx) {
 			// Stopping during an outage: let the events go; another
 			// instance (or the next start) gets them after the ack wait.
-			r.closeAttempts(ds)
+			r.attempts.close(ds)
 			return all
 		}
-		if err := r.keyEvents(hardCtx, ds); err != nil {
+		if err := r.origins.keyEvents(hardCtx, ds); err != nil {
 			r.health.MarkDown(DependencyPostgres, err)
 			continue
 		}
@@ -204,10 +204,6 @@ func (r *Runner) keepAlive(ds []*delivery) (stop func()) {
 		close(done)
 		wg.Wait()
 	}
-}
-
-func (r *Runner) parse(m jetstream.Msg) (Event, error) {
-	return EventFromMsg(m, r.opts.Stream.SubjectPrefix)
 }
 
 // EventFromMsg reads the event a relayed message carries; subjectPrefix is

@@ -21,7 +21,7 @@ func Crash(r *Runner) {
 // afterGap, given up waiting for the ones before it.
 func Advance(ctx context.Context, r *Runner, tx pgx.Tx, ev Event, prev int64, afterGap bool) error {
 	d := &delivery{ev: ev, order: orderInfo{prev: prev, afterGap: afterGap}}
-	return r.advance(ctx, tx, []*delivery{d}, map[int64]bool{ev.ID: true})
+	return r.aggregates.advance(ctx, tx, []*delivery{d}, map[int64]bool{ev.ID: true})
 }
 
 // AdvanceBatch moves the per-aggregate checkpoints of several events in
@@ -32,12 +32,12 @@ func AdvanceBatch(ctx context.Context, r *Runner, tx pgx.Tx, evs []Event, prevs 
 	for i, ev := range evs {
 		ds[i] = &delivery{ev: ev, order: orderInfo{prev: prevs[i]}}
 	}
-	if err := r.keyEvents(ctx, ds); err != nil {
+	if err := r.origins.keyEvents(ctx, ds); err != nil {
 		return err
 	}
 	fresh := map[int64]bool{}
 	for _, d := range ds {
 		fresh[d.ev.key()] = true
 	}
-	return r.advance(ctx, tx, ds, fresh)
+	return r.aggregates.advance(ctx, tx, ds, fresh)
 }

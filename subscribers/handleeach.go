@@ -5,84 +5,9 @@ package subscribers
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"runtime/debug"
 	"slices"
 	"time"
 )
-
-// callEach runs the handler on each event: in one call for a
-// BatchEventHandler, else one by one.
-func (r *Runner) callEach(ctx context.Context, ds []*delivery) []error {
-	errs := make([]error, len(ds))
-	if len(ds) == 0 {
-		return errs
-	}
-	if bh, ok := r.eventH.(BatchEventHandler); ok && len(ds) > 1 {
-		evs := make([]Event, len(ds))
-		for i, d := range ds {
-			evs[i] = d.ev
-		}
-		func() {
-			defer func() {
-				if p := recover(); p != nil {
-					for i := range errs {
-						errs[i] = fmt.Errorf("handler panicked on a batch: %v\n%s", p, debug.Stack())
-					}
-				}
-			}()
-			hctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
-			defer cancel()
-			sctx, span := r.batchContext(hctx, evs)
-			defer span.End()
-			got := bh.HandleBatch(sctx, evs)
-			for i := range got {
-				got[i] = r.timedOut(ctx, hctx, got[i])
-			}
-			if len(got) != len(errs) {
-				err := fmt.Errorf("handler returned %d outcomes for %d events", len(got), len(errs))
-				for i := range errs {
-					errs[i] = err
-				}
-				return
-			}
-			copy(errs, got)
-		}()
-		return errs
-	}
-	for i, d := range ds {
-		errs[i] = r.call(ctx, d.ev)
-	}
-	return errs
-}
-
-func (r *Runner) call(ctx context.Context, ev Event) (err error) {
-	defer RecoverHandler(ev, &err)
-	hctx, cancel := context.WithTimeout(ctx, r.cfg.HandlerTimeout) // see txBatch
-	defer cancel()
-	hctx, span := r.eventContext(hctx, ev)
-	defer span.End()
-	return r.timedOut(ctx, hctx, r.eventH.Handle(hctx, ev))
-}
-
-// timedOut says so when a handler's error comes from its own deadline
-// (subscribers.handler_timeout) rather than from a stop.
-func (r *Runner) timedOut(ctx, hctx context.Context, err error) error {
-	if err != nil && ctx.Err() == nil && errors.Is(hctx.Err(), context.DeadlineExceeded) {
-		return fmt.Errorf("handler did not finish within subscribers.handler_timeout (%s): %w", r.cfg.HandlerTimeout, err)
-	}
-	return err
-}
-
-// RecoverHandler, deferred around a call of a handler on ev, makes the
-// handler's panic the call's error (*err), naming the event, with its
-// stack: for the live runtime and the backfill alike.
-func RecoverHandler(ev Event, err *error) {
-	if p := recover(); p != nil {
-		*err = fmt.Errorf("handler panicked on event %d: %v\n%s", ev.ID, p, debug.Stack())
-	}
-}
 
 // handleEach handles the batch's events (their effects are outside
 // Postgres), then checkpoints the ones that succeeded.
@@ -116,14 +41,14 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 		todo = append(todo, d)
 		todoAt = append(todoAt, i)
 	}
-	errs := r.callEach(ctx, todo)
-	if _, batched := r.eventH.(BatchEventHandler); batched && sameFailure(errs) && r.judge(ctx, errs[0]).kind == OutcomeFailed {
+	errs := r.call.each(ctx, todo)
+	if _, batched := r.call.eventH.(BatchEventHandler); batched && sameFailure(errs) && r.judge(ctx, errs[0]).kind == OutcomeFailed {
 		// A batch handler that failed as a whole may have failed on one of
 		// its events: each is tried alone, so that one bad event is not
 		// charged to all of them (as handleTx does).
 		r.logger.Debug("batch failed as a whole, handling its events one by one", "events", len(todo), "error", errs[0])
 		for j, d := range todo {
-			errs[j] = r.call(ctx, d.ev)
+			errs[j] = r.call.event(ctx, d.ev)
 		}
 	}
 	var handled []*delivery

@@ -72,7 +72,7 @@ func (r *Runner) txBatch(ctx context.Context, ds []*delivery) (fresh []int64, er
 		}
 		err = tx.Commit(actx)
 	}
-	err = r.timedOut(ctx, actx, err)
+	err = r.call.timedOut(ctx, actx, err)
 	var ee *eventError
 	if errors.As(err, &ee) {
 		err = ee.err
@@ -96,7 +96,7 @@ func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forge
 	if r.ordered && !r.hooks.Unordered {
 		// Before the handler: the checkpoint's row lock keeps another
 		// instance off the aggregate, and an event out of turn does no work.
-		if err := r.advance(ctx, tx, ds, todo); err != nil {
+		if err := r.aggregates.advance(ctx, tx, ds, todo); err != nil {
 			return nil, err
 		}
 	}
@@ -107,13 +107,13 @@ func (r *Runner) inTx(ctx context.Context, tx pgx.Tx, ds []*delivery, ids, forge
 			evs = append(evs, d.ev)
 		}
 	}
-	if bh, ok := r.txH.(BatchTxHandler); ok && len(evs) > 1 {
-		if err := r.callBatchTx(ctx, bh, tx, evs); err != nil {
+	if bh, ok := r.call.txH.(BatchTxHandler); ok && len(evs) > 1 {
+		if err := r.call.batchTx(ctx, bh, tx, evs); err != nil {
 			return nil, fmt.Errorf("batch of %d events: %w", len(evs), err)
 		}
 	} else {
 		for _, ev := range evs {
-			if err := r.callTx(ctx, tx, ev); err != nil {
+			if err := r.call.tx(ctx, tx, ev); err != nil {
 				return nil, &eventError{id: ev.ID, err: err}
 			}
 		}
@@ -133,17 +133,3 @@ type eventError struct {
 }
 
 func (e *eventError) Error() string { return fmt.Sprintf("event %d: %v", e.id, e.err) }
-
-func (r *Runner) callTx(ctx context.Context, tx pgx.Tx, ev Event) (err error) {
-	defer RecoverHandler(ev, &err)
-	ctx, span := r.eventContext(ctx, ev)
-	defer span.End()
-	return r.txH.HandleTx(ctx, tx, ev)
-}
-
-func (r *Runner) callBatchTx(ctx context.Context, bh BatchTxHandler, tx pgx.Tx, evs []Event) (err error) {
-	defer RecoverHandler(evs[0], &err)
-	ctx, span := r.batchContext(ctx, evs)
-	defer span.End()
-	return bh.HandleBatchTx(ctx, tx, evs)
-}

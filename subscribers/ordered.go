@@ -61,17 +61,21 @@ type orderedDispatch struct {
 // most one event per aggregate, the next one of each, and the next only
 // when the one before it is done. finished returns each batch's
 // deliveries when its worker is done with them.
-func (r *Runner) dispatchOrdered(hardCtx context.Context, batches chan<- received, finished <-chan []*delivery) {
+func dispatchOrdered(r *Runner, hardCtx context.Context, batches chan<- received, finished <-chan []*delivery) {
+	od := &orderedDispatch{r: r, lines: map[aggregateKey]*aggregateLine{}}
+	od.run(hardCtx, batches, finished)
+}
+
+func (od *orderedDispatch) run(hardCtx context.Context, batches chan<- received, finished <-chan []*delivery) {
 	defer close(batches)
 	incoming := make(chan []jetstream.Msg)
 	reading := make(chan struct{})
 	go func() {
 		defer close(reading)
-		r.readOrdered(hardCtx, incoming)
+		od.read(hardCtx, incoming)
 	}()
 	defer func() { <-reading }()
-	od := &orderedDispatch{r: r, lines: map[aggregateKey]*aggregateLine{}}
-	keepAlive := time.NewTicker(r.cfg.AckWait / 3)
+	keepAlive := time.NewTicker(od.r.cfg.AckWait / 3)
 	defer keepAlive.Stop()
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
@@ -117,17 +121,17 @@ func (r *Runner) dispatchOrdered(hardCtx context.Context, batches chan<- receive
 	}
 }
 
-// readOrdered forwards received messages to the dispatcher, a few at a
+// read forwards received messages to the dispatcher, a few at a
 // time (what arrives within gatherWait: their aggregates' checkpoints are
 // then read in one query), until the iterator is drained or stopped. It
 // reads on through an outage (the workers hold their events then): an
 // instance that stopped reading would stop pulling, and lose its pin to
 // another instance after subscribers.pinned_ttl while still holding
 // events.
-func (r *Runner) readOrdered(hardCtx context.Context, out chan<- []jetstream.Msg) {
+func (od *orderedDispatch) read(hardCtx context.Context, out chan<- []jetstream.Msg) {
 	defer close(out)
 	for {
-		msgs, closed := r.receive(hardCtx)
+		msgs, closed := od.r.receive(hardCtx)
 		if len(msgs) > 0 {
 			select {
 			case out <- msgs:

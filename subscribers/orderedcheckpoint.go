@@ -20,6 +20,14 @@ import (
 // earlier dead-lettered event of its aggregate: the id of that event.
 const DeadHeldByHeader = "Fanout-Dead-Held-By"
 
+// aggregates is an ordered subscriber's per-aggregate checkpoint.
+type aggregates struct {
+	name    string
+	store   bookkeeping.Store
+	origins *originKeys
+	cfg     Config // on_dead_letter, and handler_timeout (see bounded)
+}
+
 // errOutOfTurn: the checkpoint of the event's aggregate is not where the
 // dispatcher thought (another instance moved it, or an earlier event is
 // still missing). Not the event's fault: it is tried again.
@@ -40,8 +48,8 @@ func (e *heldError) Error() string {
 // events in ds, in the handler's transaction. An event that may not be
 // applied now is an error: held or late (the dead letters), or out of
 // turn (tried again).
-func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh map[int64]bool) error {
-	p := bookkeeping.AggregateAdvanceParams{Subscriber: r.name}
+func (a *aggregates) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh map[int64]bool) error {
+	p := bookkeeping.AggregateAdvanceParams{Subscriber: a.name}
 	late := map[int64]bool{}
 	epochs := map[int64]int{}
 	idOf := map[int64]int64{} // checkpoint key -> event id, for the messages
@@ -57,7 +65,7 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 		// too (last_event_id, held_by_event): two databases' event 42 are
 		// two events.
 		key := d.ev.key()
-		p.Keys = append(p.Keys, aggregateKey{DB: r.origins.database(d.ev.Origin), Type: d.ev.AggregateType, ID: d.ev.AggregateID})
+		p.Keys = append(p.Keys, a.keyOf(d.ev))
 		p.Seqs, p.Prevs, p.Events = append(p.Seqs, d.ev.AggregateSeq), append(p.Prevs, prev), append(p.Events, key)
 		p.AfterGap = append(p.AfterGap, d.order.afterGap)
 		late[key] = d.order.lateOK
@@ -89,7 +97,7 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 			left, lseq, lev = append(left, p.Keys[i]), append(lseq, p.Seqs[i]), append(lev, id)
 		}
 	}
-	states, err := r.aggregateStates(ctx, store, left)
+	states, err := a.states(ctx, store, left)
 	if err != nil {
 		return err
 	}
@@ -121,9 +129,14 @@ func (r *Runner) advance(ctx context.Context, tx pgx.Tx, ds []*delivery, fresh m
 	return nil
 }
 
-// aggregateStates reads the checkpoints of the aggregates keys.
-func (r *Runner) aggregateStates(ctx context.Context, store bookkeeping.Store, keys []aggregateKey) (map[aggregateKey]bookkeeping.AggregateState, error) {
-	states, err := store.AggregateList(ctx, bookkeeping.AggregateListParams{Subscriber: r.name, Keys: keys})
+// keyOf is the aggregate of ev.
+func (a *aggregates) keyOf(ev Event) aggregateKey {
+	return aggregateKey{DB: a.origins.database(ev.Origin), Type: ev.AggregateType, ID: ev.AggregateID}
+}
+
+// states reads the checkpoints of the aggregates keys.
+func (a *aggregates) states(ctx context.Context, store bookkeeping.Store, keys []aggregateKey) (map[aggregateKey]bookkeeping.AggregateState, error) {
+	states, err := store.AggregateList(ctx, bookkeeping.AggregateListParams{Subscriber: a.name, Keys: keys})
 	if err != nil {
 		return nil, fmt.Errorf("read the aggregates' checkpoints: %w", err)
 	}
@@ -133,17 +146,16 @@ func (r *Runner) aggregateStates(ctx context.Context, store bookkeeping.Store, k
 // afterDeadLetter records what a dead-lettered event of an ordered
 // subscriber does to its aggregate: holds it (on_dead_letter=hold) or lets
 // it pass (skip). An event held behind another changes nothing.
-func (r *Runner) afterDeadLetter(ctx context.Context, d *delivery) error {
-	if !r.ordered || d.ev.AggregateSeq == 0 || d.heldBy != 0 {
+func (a *aggregates) afterDeadLetter(ctx context.Context, d *delivery) error {
+	if d.ev.AggregateSeq == 0 || d.heldBy != 0 {
 		return nil
 	}
-	ctx, cancel := r.bookkeeping(ctx)
+	ctx, cancel := bounded(ctx, a.cfg)
 	defer cancel()
-	p := bookkeeping.AggregateDeadLetterParams{Subscriber: r.name, Seq: d.ev.AggregateSeq, Event: d.ev.key(),
-		Key: aggregateKey{DB: r.origins.database(d.ev.Origin), Type: d.ev.AggregateType, ID: d.ev.AggregateID}}
-	record := r.store.AggregateHold
-	if r.cfg.OnDeadLetter == "skip" {
-		record = r.store.AggregatePass
+	p := bookkeeping.AggregateDeadLetterParams{Subscriber: a.name, Seq: d.ev.AggregateSeq, Event: d.ev.key(), Key: a.keyOf(d.ev)}
+	record := a.store.AggregateHold
+	if a.cfg.OnDeadLetter == "skip" {
+		record = a.store.AggregatePass
 	}
 	if err := record(ctx, p); err != nil {
 		return fmt.Errorf("record the dead letter in its aggregate's checkpoint: %w", err)

@@ -145,8 +145,8 @@ func (od *orderedDispatch) load(ctx context.Context) {
 	for i, l := range lines {
 		keys[i] = l.key
 	}
-	qctx, cancel := od.r.bookkeeping(ctx)
-	states, err := od.r.aggregateStates(qctx, od.r.store, keys)
+	qctx, cancel := bounded(ctx, od.r.cfg)
+	states, err := od.r.aggregates.states(qctx, od.r.store, keys)
 	cancel()
 	if err != nil {
 		if ctx.Err() == nil {

@@ -15,22 +15,39 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // originShift leaves ids below 2^48 (281 trillion) to every origin.
 const originShift = 48
 
-// originKeys numbers origins, once each per process.
+// originKeys numbers origins, once each per process, and gives events
+// their checkpoint keys.
 type originKeys struct {
-	store bookkeeping.Store
-	own   string // this database's first epoch: keys are plain ids
-	ownDB string // this database, as an origin names it
-	mu    sync.Mutex
-	nums  map[string]int64
+	store   bookkeeping.Store
+	pool    *pgxpool.Pool // where the database's own identity is read
+	timeout time.Duration // subscribers.handler_timeout: see bounded
+	// own and ownDB are set (known) by the runner's start, or by a
+	// redrive's first keyEvents: this database's first epoch (its events'
+	// keys are plain ids), and this database as an origin names it.
+	own, ownDB string
+	known      bool
+	mu         sync.Mutex
+	nums       map[string]int64
+}
+
+func newOriginKeys(store bookkeeping.Store, pool *pgxpool.Pool, timeout time.Duration) *originKeys {
+	return &originKeys{store: store, pool: pool, timeout: timeout, nums: map[string]int64{}}
+}
+
+// setDatabase records the identity of the subscriber's own database.
+func (k *originKeys) setDatabase(db outbox.Database) {
+	k.own, k.ownDB, k.known = outbox.Origin{Database: db, Epoch: 1}.String(), db.String(), true
 }
 
 // errNoKey is a verdict on one event: no checkpoint key can be made for it
@@ -74,20 +91,20 @@ func (k *originKeys) key(ctx context.Context, origin string, id int64) (int64, e
 // keyEvents gives each delivery its checkpoint key. An event that can have
 // none is marked for the dead letters; an error is Postgres's (an outage),
 // never the events'.
-func (r *Runner) keyEvents(ctx context.Context, ds []*delivery) error {
-	if r.origins == nil { // a runner that did not start: a redrive's
-		db, err := outbox.ReadDatabase(ctx, r.opts.Pool)
+func (k *originKeys) keyEvents(ctx context.Context, ds []*delivery) error {
+	if !k.known { // a runner that did not start: a redrive's
+		db, err := outbox.ReadDatabase(ctx, k.pool)
 		if err != nil {
 			return err
 		}
-		r.origins = newOriginKeys(r.store, db)
+		k.setDatabase(db)
 	}
 	for _, d := range ds {
 		if d.ev.ckey != 0 || d.deadReason != "" {
 			continue
 		}
-		ctx, cancel := r.bookkeeping(ctx)
-		key, err := r.origins.key(ctx, d.ev.Origin, d.ev.ID)
+		ctx, cancel := context.WithTimeout(ctx, k.timeout)
+		key, err := k.key(ctx, d.ev.Origin, d.ev.ID)
 		cancel()
 		var noKey *errNoKey
 		if errors.As(err, &noKey) {
@@ -121,10 +138,6 @@ func CheckpointKey(ctx context.Context, q bookkeeping.DB, db outbox.Database, or
 		return 0, false, nil
 	}
 	return num<<originShift | id, true, nil
-}
-
-func newOriginKeys(store bookkeeping.Store, db outbox.Database) *originKeys {
-	return &originKeys{store: store, own: outbox.Origin{Database: db, Epoch: 1}.String(), ownDB: db.String(), nums: map[string]int64{}}
 }
 
 // database is the database part of an ordered checkpoint's key for an

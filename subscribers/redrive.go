@@ -15,11 +15,11 @@ func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err er
 	// aggregate's holder first); one its aggregate moved past is applied
 	// where the operator says so, its checkpoint left as it is.
 	d := &delivery{ev: ev, hasRow: true, order: orderInfo{lateOK: true}}
-	if err := r.keyEvents(ctx, []*delivery{d}); err != nil {
+	if err := r.origins.keyEvents(ctx, []*delivery{d}); err != nil {
 		return false, err
 	}
 	ev = d.ev
-	if r.txH != nil {
+	if r.call.txH != nil {
 		fresh, err := r.txBatch(ctx, []*delivery{d})
 		return len(fresh) == 1, err
 	}
@@ -30,7 +30,7 @@ func (r *Runner) HandleOnce(ctx context.Context, ev Event) (handled bool, err er
 	if done {
 		return false, nil
 	}
-	if err := r.call(ctx, ev); err != nil {
+	if err := r.call.event(ctx, ev); err != nil {
 		return false, err
 	}
 	err = r.checkpoint(ctx, []*delivery{d}, []int64{ev.key()})

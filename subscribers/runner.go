@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -42,32 +41,39 @@ type Options struct {
 }
 
 // Runner runs one subscriber: its consumer, its workers, its dead letters.
+// It starts and stops its parts, each a type of its own: the handler's
+// calls (call.go), the attempts' bookkeeping (attempts.go), the dead
+// letters (deadletter.go), an ordered subscriber's checkpoint
+// (orderedcheckpoint.go), the dependency breakers (health.go), the stall
+// watchdog (watchdog.go), the checks while it runs (checks.go) and the
+// pruner (checkpoint.go).
 type Runner struct {
 	opts    Options
-	store   bookkeeping.Store    // the subscribers' tables, on opts.Pool
-	origins *originKeys          // checkpoint keys of events' identities (origin.go)
-	hooks   testhooks.Subscriber // zero but in tests (internal/testhooks)
 	name    string
 	ordered bool
-	eventH  EventHandler
-	txH     TxHandler
 	cfg     Config
+	hooks   testhooks.Subscriber // zero but in tests (internal/testhooks)
 	logger  *slog.Logger
 	obs     Observer
-	js      jetstream.JetStream
-	stream  jetstream.Stream
-	cons    jetstream.Consumer
-	iter    jetstream.MessagesContext
-	health  *Health
-	stall   stallWatch
-	// drift is what the live streams and the consumer differ in from the
-	// configuration, as of the last check (readiness reads it).
-	drift *stream.Drift
-	// unnumberedRead lists, as of watchNumbering's last look, the event
-	// types an ordered subscriber reads that the outbox does not number.
-	unnumberedRead atomic.Pointer[string]
-	workers        sync.WaitGroup
-	loops          sync.WaitGroup
+
+	store      bookkeeping.Store // the subscribers' tables, on opts.Pool
+	call       caller
+	origins    *originKeys // checkpoint keys of events' identities (origin.go)
+	attempts   *attempts
+	aggregates *aggregates
+	dead       *deadLetters
+	stall      stallWatch
+	config     *configWatch
+	numbering  *numbering
+	pruner     *pruner
+	health     *Health // from the start
+
+	js   jetstream.JetStream
+	cons jetstream.Consumer
+	iter jetstream.MessagesContext
+
+	workers sync.WaitGroup
+	loops   sync.WaitGroup
 	// exclusive: a suspect (an event whose earlier attempt died with its
 	// process) is handled with every other worker paused, so that a crash
 	// it causes is charged to it alone.
@@ -97,19 +103,30 @@ func New(opts Options) (*Runner, error) {
 	if err := d.runs(h); err != nil {
 		return nil, err
 	}
-	r := &Runner{opts: opts, store: bookkeeping.New(opts.Pool), name: d.Name, ordered: d.Ordered, cfg: opts.Config, obs: opts.Observer}
-	r.logger = opts.Logger.With("subscriber", d.Name)
-	if r.obs == nil {
-		r.obs = NopObserver{}
-	}
-	r.drift = stream.NewDrift(r.logger, func(object string, n int) { r.obs.ConfigDifferences(r.name, object, n) })
-	// The handler's kind was chosen where it was made (Tx or Each).
-	r.txH, r.eventH = h.tx, h.each
 	js, err := jetstream.New(opts.Conn)
 	if err != nil {
 		return nil, err
 	}
-	r.js = js
+	r := &Runner{opts: opts, name: d.Name, ordered: d.Ordered, cfg: opts.Config, obs: opts.Observer, js: js, store: bookkeeping.New(opts.Pool)}
+	r.logger = opts.Logger.With("subscriber", d.Name)
+	if r.obs == nil {
+		r.obs = NopObserver{}
+	}
+	// The handler's kind was chosen where it was made (Tx or Each).
+	r.call = caller{name: r.name, txH: h.tx, eventH: h.each, timeout: r.cfg.HandlerTimeout}
+	r.origins = newOriginKeys(r.store, opts.Pool, r.cfg.HandlerTimeout)
+	r.attempts = &attempts{store: r.store, name: r.name, timeout: r.cfg.HandlerTimeout, logger: r.logger, crashed: &r.crashed}
+	r.aggregates = &aggregates{name: r.name, store: r.store, origins: r.origins, cfg: r.cfg}
+	r.stall = stallWatch{name: r.name, after: r.cfg.StallAfter, logger: r.logger, obs: r.obs}
+	r.dead = &deadLetters{name: r.name, cfg: r.cfg, subjectPrefix: opts.Stream.SubjectPrefix, js: js, conn: opts.Conn, store: r.store,
+		attempts: r.attempts, stall: &r.stall, obs: r.obs, logger: r.logger}
+	if r.ordered {
+		r.dead.aggregates = r.aggregates
+	}
+	r.config = &configWatch{name: r.name, eventTypes: d.EventTypes, ordered: r.ordered, cfg: r.cfg, streamCfg: opts.Stream, js: js, logger: r.logger,
+		drift: stream.NewDrift(r.logger, func(object string, n int) { r.obs.ConfigDifferences(r.name, object, n) })}
+	r.numbering = &numbering{name: r.name, eventTypes: d.EventTypes, pool: opts.Pool, logger: r.logger}
+	r.pruner = &pruner{store: r.store, name: r.name, maxAge: opts.Stream.MaxAge, logger: r.logger}
 	return r, nil
 }
 
@@ -135,11 +152,29 @@ func (r *Runner) start(ctx context.Context) error {
 	}); err != nil {
 		return err
 	}
+	if err := r.bind(ctx); err != nil {
+		return err
+	}
+	hardCtx, cancelHard := context.WithCancel(context.WithoutCancel(ctx))
+	softCtx, cancelSoft := context.WithCancel(hardCtx)
+	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
+	r.health = NewHealth(hardCtx, r.name, r.logger, r.obs, r.dependencies())
+	r.dead.health, r.stall.health, r.stall.cons = r.health, r.health, r.cons
+	r.run(ctx, softCtx, hardCtx)
+	info := r.cons.CachedInfo()
+	r.logger.Info("subscriber started", "consumer", info.Name, "filter_subjects", info.Config.FilterSubjects,
+		"pending", info.NumPending, "concurrency", r.cfg.Concurrency, "batch_size", r.cfg.BatchSize,
+		"max_failures", r.cfg.MaxFailures, "max_crashes", r.cfg.MaxCrashes, "ordered", r.ordered)
+	return nil
+}
+
+// bind provisions (per stream.provision) or binds the subscriber's
+// consumer on the events stream, and opens its messages.
+func (r *Runner) bind(ctx context.Context) error {
 	events, err := r.waitForStream(ctx)
 	if err != nil {
 		return fmt.Errorf("subscriber %s: stream %s: %w", r.name, r.opts.Stream.Name, err)
 	}
-	r.stream = events
 	want := ConsumerConfig(r.name, r.opts.Declaration.EventTypes, r.ordered, r.cfg, r.opts.Stream)
 	if want.DeliverPolicy != jetstream.DeliverAllPolicy {
 		if err := r.startFromFirstIfNotNew(ctx, &want); err != nil {
@@ -155,7 +190,7 @@ func (r *Runner) start(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("subscriber %s: %w", r.name, err)
 	}
-	r.cons = cons
+	r.cons, r.config.events, r.config.bound = cons, events, cons
 	// A small buffer: a draining instance finishes what it holds, so what
 	// it holds should be little.
 	pull := []jetstream.PullMessagesOpt{jetstream.PullMaxMessages(r.cfg.BatchSize * r.cfg.Concurrency)}
@@ -169,12 +204,13 @@ func (r *Runner) start(ctx context.Context) error {
 		return fmt.Errorf("subscriber %s: consume: %w", r.name, err)
 	}
 	r.iter = iter
+	return nil
+}
 
-	hardCtx, cancelHard := context.WithCancel(context.WithoutCancel(ctx))
-	softCtx, cancelSoft := context.WithCancel(hardCtx)
-	r.cancelHard, r.cancelSoft = cancelHard, cancelSoft
-	r.health = NewHealth(hardCtx, r.name, r.logger, r.obs, r.dependencies())
-
+// run starts the runner's loops and workers: the dispatcher and the
+// workers it feeds stop with hardCtx (after draining, at a soft stop), the
+// watchers with softCtx.
+func (r *Runner) run(ctx, softCtx, hardCtx context.Context) {
 	batches := make(chan received)
 	// An ordered subscriber's dispatcher learns what became of each batch.
 	inOrder := r.ordered && !r.hooks.Unordered
@@ -183,46 +219,27 @@ func (r *Runner) start(ctx context.Context) error {
 		finished = make(chan []*delivery, r.cfg.Concurrency)
 	}
 	if r.opts.Stream.Provision != "off" {
-		r.checkConfig(ctx)
-		r.loops.Add(1)
-		go func() {
-			defer r.loops.Done()
-			stream.Watch(softCtx, r.opts.Stream.CheckInterval, r.checkConfig)
-		}()
+		r.config.check(ctx)
+		r.loops.Go(func() { stream.Watch(softCtx, r.opts.Stream.CheckInterval, r.config.check) })
 	}
 	if r.ordered {
-		r.loops.Add(1)
-		go func() {
-			defer r.loops.Done()
-			stream.Watch(softCtx, r.opts.Stream.CheckInterval, r.watchNumbering)
-		}()
+		r.loops.Go(func() { stream.Watch(softCtx, r.opts.Stream.CheckInterval, r.numbering.watch) })
 	}
 	r.stall.finished() // the clock starts now
 	if r.cfg.StallAfter > 0 {
 		r.obs.Stalled(r.name, false)
-		r.loops.Add(1)
-		go func() {
-			defer r.loops.Done()
-			r.watchdogLoop(softCtx)
-		}()
+		r.loops.Go(func() { r.stall.loop(softCtx) })
 	}
-	r.loops.Add(2)
-	go func() {
-		defer r.loops.Done()
+	r.loops.Go(func() {
 		if inOrder {
-			r.dispatchOrdered(hardCtx, batches, finished)
+			dispatchOrdered(r, hardCtx, batches, finished)
 		} else {
 			r.dispatch(softCtx, hardCtx, batches)
 		}
-	}()
-	go func() {
-		defer r.loops.Done()
-		r.pruneLoop(softCtx)
-	}()
+	})
+	r.loops.Go(func() { r.pruner.loop(softCtx) })
 	for range r.cfg.Concurrency {
-		r.workers.Add(1)
-		go func() {
-			defer r.workers.Done()
+		r.workers.Go(func() {
 			for batch := range batches {
 				ds := r.process(softCtx, hardCtx, batch)
 				if finished != nil {
@@ -232,13 +249,8 @@ func (r *Runner) start(ctx context.Context) error {
 					}
 				}
 			}
-		}()
+		})
 	}
-	info := cons.CachedInfo()
-	r.logger.Info("subscriber started", "consumer", info.Name, "filter_subjects", info.Config.FilterSubjects,
-		"pending", info.NumPending, "concurrency", r.cfg.Concurrency, "batch_size", r.cfg.BatchSize,
-		"max_failures", r.cfg.MaxFailures, "max_crashes", r.cfg.MaxCrashes, "ordered", r.ordered)
-	return nil
 }
 
 // dependencies are Postgres (the checkpoint, always) and what the handler
@@ -267,53 +279,13 @@ func (r *Runner) Ready() error {
 	if err := r.health.ready(); err != nil {
 		return err
 	}
-	if err := r.drift.Err(); err != nil {
+	if err := r.config.drift.Err(); err != nil {
 		return fmt.Errorf("subscriber %s: %w", r.name, err)
 	}
-	if p := r.unnumberedRead.Load(); p != nil && *p != "" {
-		return fmt.Errorf("subscriber %s is ordered, and the outbox does not number %s, which it reads (fanout outbox numbering)", r.name, *p)
+	if err := r.numbering.err(); err != nil {
+		return err
 	}
 	return r.stall.err()
-}
-
-// checkConfig compares the live streams and the subscriber's consumer with
-// the configuration. A check that gets no answer changes nothing.
-func (r *Runner) checkConfig(ctx context.Context) {
-	want := map[string]jetstream.StreamConfig{r.opts.Stream.Name: stream.JetStreamConfig(r.opts.Stream)}
-	if r.cfg.DeadLetterProvision != "off" {
-		want[r.cfg.DeadLetterStream] = DeadLetterStreamConfig(r.cfg, r.opts.Stream.Replicas)
-	}
-	for name, sc := range want {
-		s, err := r.js.Stream(ctx, name)
-		if errors.Is(err, jetstream.ErrStreamNotFound) {
-			r.drift.Set("stream "+name, stream.Missing)
-			continue
-		}
-		if err != nil {
-			r.logger.Debug("stream check: no answer", "stream", name, "error", err)
-			continue
-		}
-		r.drift.Set("stream "+name, stream.StreamDifferences(s.CachedInfo().Config, sc))
-	}
-	object := "consumer " + r.name
-	c, err := r.stream.Consumer(ctx, r.name)
-	if errors.Is(err, jetstream.ErrConsumerNotFound) {
-		r.drift.Set(object, stream.Missing)
-		return
-	}
-	if err != nil {
-		r.logger.Debug("consumer check: no answer", "consumer", r.name, "error", err)
-		return
-	}
-	info := c.CachedInfo()
-	ds := ConsumerDifferences(info.Config, ConsumerConfig(r.name, r.opts.Declaration.EventTypes, r.ordered, r.cfg, r.opts.Stream))
-	// A consumer made again since this subscriber bound it may start
-	// anywhere (its start position is not compared): say so until a
-	// restart binds the new one.
-	if bound := r.cons.CachedInfo().Created; !info.Created.Equal(bound) {
-		ds = append(ds, stream.Difference{Field: "created", Have: info.Created.UTC().Format(time.RFC3339Nano), Want: bound.UTC().Format(time.RFC3339Nano) + " (the consumer this subscriber bound at start: it was deleted and made again since, and may start elsewhere)"})
-	}
-	r.drift.Set(object, ds)
 }
 
 // startFromFirstIfNotNew makes a consumer created for a subscriber that
@@ -360,9 +332,9 @@ func (r *Runner) checkStore(ctx context.Context) error {
 			if err != nil {
 				return err
 			}
-			r.origins = newOriginKeys(r.store, db)
+			r.origins.setDatabase(db)
 			if r.ordered {
-				if err := r.checkNumbered(ctx, tx); err != nil {
+				if err := r.numbering.check(ctx, tx); err != nil {
 					return err
 				}
 			}
@@ -391,61 +363,6 @@ func (r *Runner) checkStore(ctx context.Context) error {
 		case <-time.After(wait):
 		}
 		wait = min(2*wait, 2*time.Second)
-	}
-}
-
-// checkNumbered refuses an ordered subscriber that reads an event type
-// the outbox does not number (outboxstore.Store.SetNumbering): its events would
-// come with no number and in no order.
-func (r *Runner) checkNumbered(ctx context.Context, tx pgx.Tx) error {
-	skipped, err := outbox.Unnumbered(ctx, tx)
-	if errors.Is(err, outbox.ErrNoNumbering) {
-		return refusedStart{fmt.Errorf("subscriber %s is ordered: %w", r.name, err)}
-	}
-	if err != nil {
-		return err // checkStore judges it: Postgres unreachable is waited out
-	}
-	if read := r.readUnnumbered(skipped); len(read) > 0 {
-		return refusedStart{fmt.Errorf("subscriber %s is ordered, but the outbox does not number %s, which it reads: "+
-			"number them again (fanout outbox numbering, with --skip not naming them)", r.name, strings.Join(read, ", "))}
-	}
-	return nil
-}
-
-// readUnnumbered returns the types of skipped (the outbox does not number
-// them) that the subscriber reads, by name or by a pattern.
-func (r *Runner) readUnnumbered(skipped []string) []string {
-	var read []string
-	for _, t := range skipped {
-		if slices.ContainsFunc(r.opts.Declaration.EventTypes, func(p string) bool { return SubjectMatches(p, t) }) {
-			read = append(read, t)
-		}
-	}
-	return read
-}
-
-// watchNumbering looks again, while an ordered subscriber runs, at the
-// event types the outbox does not number (checkNumbered looked at start):
-// one it reads, skipped since (by a fanout binary that does not know this
-// subscriber), comes with no number and in no order. The subscriber then
-// reports not ready and logs an error, until the type is numbered again.
-func (r *Runner) watchNumbering(ctx context.Context) {
-	skipped, err := outbox.Unnumbered(ctx, r.opts.Pool)
-	if err != nil {
-		r.logger.Debug("numbering check: no answer", "error", err)
-		return
-	}
-	read := strings.Join(r.readUnnumbered(skipped), ", ")
-	var was string
-	if p := r.unnumberedRead.Swap(&read); p != nil {
-		was = *p
-	}
-	switch {
-	case read != "" && read != was:
-		r.logger.Error("the outbox no longer numbers event types this ordered subscriber reads: their events come with no number, in no order; this subscriber reports not ready until they are numbered again (fanout outbox numbering)",
-			"event_types", read)
-	case read == "" && was != "":
-		r.logger.Info("the outbox numbers every event type this ordered subscriber reads again", "event_types", was)
 	}
 }
 

@@ -12,7 +12,7 @@ import (
 
 // handle runs the handler on the deliveries and records the successes.
 func (r *Runner) handle(ctx context.Context, ds []*delivery) []result {
-	if r.txH != nil {
+	if r.call.txH != nil {
 		return r.handleTx(ctx, ds)
 	}
 	return r.handleEach(ctx, ds)
@@ -46,7 +46,7 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 			closing = append(closing, d)
 		}
 	}
-	closed := r.closeAttempts(closing)
+	closed := r.attempts.close(closing)
 	for i, d := range ds {
 		res := results[i]
 		switch res.kind {
@@ -57,11 +57,11 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 			if errors.As(res.err, &he) {
 				d.heldBy = he.by
 			}
-			if !r.deadLetter(ctx, d) {
+			if !r.dead.send(ctx, d) {
 				held = append(held, d)
 			}
 		case OutcomeFailed:
-			failures, err := r.recordFailure(ctx, d, res.err)
+			failures, err := r.attempts.fail(ctx, d, res.err)
 			if err != nil {
 				// The failure cannot be counted: the store is down.
 				held = append(held, r.heldBy(ctx, []*delivery{d}, err)...)
@@ -69,12 +69,12 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 			}
 			if failures >= r.cfg.MaxFailures {
 				d.deadReason = fmt.Sprintf("gave up after %d failures (subscribers.max_failures): %v", failures, res.err)
-				if !r.deadLetter(ctx, d) {
+				if !r.dead.send(ctx, d) {
 					held = append(held, d)
 				}
 				continue
 			}
-			delay := r.backoff(uint64(failures))
+			delay := r.cfg.Backoff(uint64(failures))
 			r.nak(d, delay)
 			r.logger.Warn("event failed, will retry", "event_id", d.ev.ID, "event_type", d.ev.Type,
 				"failures", failures, "max_failures", r.cfg.MaxFailures, "retry_in", delay, "error", res.err)
@@ -87,7 +87,7 @@ func (r *Runner) settle(ctx context.Context, ds []*delivery, results []result) (
 			}
 			delay := res.delay
 			if res.kind == OutcomeRetry {
-				delay = r.backoff(d.ev.Delivery)
+				delay = r.cfg.Backoff(d.ev.Delivery)
 				r.logger.Warn("event failed on a broken connection or a conflict with another transaction; retrying without counting it against the event",
 					"event_id", d.ev.ID, "event_type", d.ev.Type, "retry_in", delay, "error", res.err)
 			}
@@ -114,6 +114,3 @@ func (r *Runner) nak(d *delivery, delay time.Duration) {
 	r.stall.finished() // a verdict, if not a success: not a stall
 	r.obs.Retried(r.name, 1)
 }
-
-// backoff is Config.Backoff with the runner's settings.
-func (r *Runner) backoff(n uint64) time.Duration { return r.cfg.Backoff(n) }

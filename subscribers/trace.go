@@ -31,24 +31,24 @@ func (h headerCarrier) Keys() []string {
 }
 
 // eventContext continues the event's trace (its traceparent header) in a
-// span for this subscriber's handling.
-func (r *Runner) eventContext(ctx context.Context, ev Event) (context.Context, trace.Span) {
+// span for subscriber's handling.
+func eventContext(ctx context.Context, subscriber string, ev Event) (context.Context, trace.Span) {
 	if ev.Headers != nil {
 		ctx = w3c.Extract(ctx, headerCarrier(ev.Headers))
 	}
-	return tracer.Start(ctx, r.name+" "+ev.Type,
+	return tracer.Start(ctx, subscriber+" "+ev.Type,
 		trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithAttributes(
 			attribute.String("messaging.system", "nats"),
 			attribute.String("messaging.destination.name", ev.Subject),
 			attribute.Int64("fanout.event_id", ev.ID),
-			attribute.String("fanout.subscriber", r.name),
+			attribute.String("fanout.subscriber", subscriber),
 		))
 }
 
 // batchContext is the span of a batch handled at once, linked to each
 // event's trace.
-func (r *Runner) batchContext(ctx context.Context, evs []Event) (context.Context, trace.Span) {
+func batchContext(ctx context.Context, subscriber string, evs []Event) (context.Context, trace.Span) {
 	links := make([]trace.Link, 0, len(evs))
 	for _, ev := range evs {
 		if ev.Headers == nil {
@@ -58,8 +58,8 @@ func (r *Runner) batchContext(ctx context.Context, evs []Event) (context.Context
 			links = append(links, trace.Link{SpanContext: sc})
 		}
 	}
-	return tracer.Start(ctx, r.name+" batch",
+	return tracer.Start(ctx, subscriber+" batch",
 		trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithLinks(links...),
-		trace.WithAttributes(attribute.Int("fanout.batch_size", len(evs)), attribute.String("fanout.subscriber", r.name)))
+		trace.WithAttributes(attribute.Int("fanout.batch_size", len(evs)), attribute.String("fanout.subscriber", subscriber)))
 }

@@ -14,7 +14,7 @@ func (r *Runner) attempt(ctx context.Context, ds []*delivery) (held []*delivery)
 	for _, d := range ds {
 		if d.deadReason == "" {
 			todo = append(todo, d)
-		} else if !r.deadLetter(ctx, d) {
+		} else if !r.dead.send(ctx, d) {
 			held = append(held, d)
 		}
 	}
@@ -45,13 +45,13 @@ func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, 
 	if len(redelivered) == 0 {
 		return ds, nil, nil
 	}
-	states, err := r.lookupAttempts(ctx, redelivered)
+	states, err := r.attempts.lookup(ctx, redelivered)
 	if err != nil {
 		if ctx.Err() == nil {
 			r.health.MarkDown(DependencyPostgres, err)
 			return nil, nil, ds
 		}
-		r.closeAttempts(ds)
+		r.attempts.close(ds)
 		return nil, nil, nil
 	}
 	var skipped []*delivery
@@ -78,14 +78,14 @@ func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, 
 		default:
 			normal = append(normal, d)
 		}
-		if d.deadReason != "" && !r.deadLetter(ctx, d) {
+		if d.deadReason != "" && !r.dead.send(ctx, d) {
 			held = append(held, d)
 		}
 	}
 	if len(skipped) > 0 {
-		r.closeAttempts(skipped)
+		r.attempts.close(skipped)
 		r.ack(ctx, skipped, false)
-		r.forgetAttempts(ctx, skipped)
+		r.attempts.forget(ctx, skipped)
 		r.obs.Skipped(r.name, len(skipped))
 	}
 	return normal, suspects, held
@@ -96,7 +96,7 @@ func (r *Runner) triage(ctx context.Context, ds []*delivery) (normal, suspects, 
 // crash must not be charged to events that had not started.
 func (r *Runner) attemptTogether(ctx context.Context, ds []*delivery) (held []*delivery) {
 	r.exclusive.RLock()
-	if err := r.openAttempts(ctx, ds); err != nil {
+	if err := r.attempts.open(ctx, ds); err != nil {
 		r.exclusive.RUnlock()
 		return r.heldBy(ctx, ds, err)
 	}
@@ -110,7 +110,7 @@ func (r *Runner) attemptSuspect(ctx context.Context, d *delivery) (held []*deliv
 	r.exclusive.Lock()
 	defer r.exclusive.Unlock()
 	one := []*delivery{d}
-	if err := r.openAttempts(ctx, one); err != nil {
+	if err := r.attempts.open(ctx, one); err != nil {
 		return r.heldBy(ctx, one, err)
 	}
 	r.logger.Warn("handling an event alone: an earlier attempt on it never ended (its process died)", "event_id", d.ev.ID, "event_type", d.ev.Type, "delivery", d.ev.Delivery)
@@ -121,7 +121,7 @@ func (r *Runner) attemptSuspect(ctx context.Context, d *delivery) (held []*deliv
 // checkpoint store is down (or the runner stops, and they are let go).
 func (r *Runner) heldBy(ctx context.Context, ds []*delivery, err error) []*delivery {
 	if ctx.Err() != nil {
-		r.closeAttempts(ds)
+		r.attempts.close(ds)
 		return nil
 	}
 	r.health.MarkDown(DependencyPostgres, err)
