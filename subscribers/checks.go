@@ -100,9 +100,9 @@ func (n *numbering) err() error {
 	return nil
 }
 
-// check refuses an ordered subscriber that reads an event type
-// the outbox does not number (outboxstore.Store.SetNumbering): its events would
-// come with no number and in no order.
+// check refuses an ordered subscriber that reads an event type the
+// outbox does not number (outboxstore.Store.SetNumbering): its events
+// would come with no number and in no order.
 func (n *numbering) check(ctx context.Context, tx pgx.Tx) error {
 	skipped, err := outbox.Unnumbered(ctx, tx)
 	if errors.Is(err, outbox.ErrNoNumbering) {

@@ -180,9 +180,7 @@ func (r *Runner) process(softCtx, hardCtx context.Context, batch received) (all 
 func (r *Runner) keepAlive(ds []*delivery) (stop func()) {
 	done := make(chan struct{})
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		t := time.NewTicker(r.cfg.AckWait / 3)
 		defer t.Stop()
 		for {
@@ -199,7 +197,7 @@ func (r *Runner) keepAlive(ds []*delivery) (stop func()) {
 				}
 			}
 		}
-	}()
+	})
 	return func() {
 		close(done)
 		wg.Wait()

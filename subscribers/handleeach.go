@@ -26,21 +26,7 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 		}
 		return results
 	}
-	seen := make(map[int64]bool, len(ds))
-	for _, id := range done {
-		seen[id] = true
-	}
-	var ok, todo, skipped []*delivery
-	var todoAt []int
-	for i, d := range ds {
-		if seen[d.ev.key()] {
-			ok = append(ok, d)
-			skipped = append(skipped, d)
-			continue
-		}
-		todo = append(todo, d)
-		todoAt = append(todoAt, i)
-	}
+	skipped, todo, todoAt := unseen(ds, done)
 	errs := r.call.each(ctx, todo)
 	if _, batched := r.call.eventH.(BatchEventHandler); batched && sameFailure(errs) && r.judge(ctx, errs[0]).kind == OutcomeFailed {
 		// A batch handler that failed as a whole may have failed on one of
@@ -51,6 +37,7 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 			errs[j] = r.call.event(ctx, d.ev)
 		}
 	}
+	ok := slices.Clone(skipped)
 	var handled []*delivery
 	for j, d := range todo {
 		if errs[j] != nil {
@@ -64,29 +51,19 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 		if err := r.checkpoint(ctx, handled, rowIDs(ok)); err != nil {
 			// The effects happened; held, the (idempotent) handler runs
 			// again once Postgres answers, and the checkpoint follows.
+			kind := OutcomeAbandoned
 			if ctx.Err() == nil {
 				r.health.MarkDown(DependencyPostgres, err)
+				kind = OutcomeOutage
 			}
-			for i, d := range ds {
-				if slices.Contains(ok, d) {
-					results[i] = result{kind: OutcomeOutage, err: err}
-					if ctx.Err() != nil {
-						results[i].kind = OutcomeAbandoned
-					}
-				}
-			}
-			return results
+			return setResults(results, ds, ok, result{kind: kind, err: err})
 		}
 	}
 	handledAt := time.Now() // checkpointed; the ack is not part of the stage
 	r.beforeAck(ctx, ok)
 	if ctx.Err() != nil {
-		for i, d := range ds {
-			if slices.Contains(ok, d) {
-				results[i] = result{kind: OutcomeAbandoned}
-			}
-		}
-		return results // hard stop: the events come back after the ack wait
+		// Hard stop: the events come back after the ack wait.
+		return setResults(results, ds, ok, result{kind: OutcomeAbandoned})
 	}
 	r.ack(ctx, ok, false)
 	if len(handled) > 0 {
@@ -97,6 +74,34 @@ func (r *Runner) handleEach(ctx context.Context, ds []*delivery) []result {
 	r.logger.Debug("batch handled", "events", len(handled), "skipped", len(skipped), "redelivered", redelivered(ds), "took", time.Since(start))
 	if len(skipped) > 0 {
 		r.obs.Skipped(r.name, len(skipped))
+	}
+	return results
+}
+
+// unseen splits ds into the deliveries whose events are in the checkpoint
+// already (done), and the others (todo), with their places in ds.
+func unseen(ds []*delivery, done []int64) (skipped, todo []*delivery, todoAt []int) {
+	seen := make(map[int64]bool, len(done))
+	for _, id := range done {
+		seen[id] = true
+	}
+	for i, d := range ds {
+		if seen[d.ev.key()] {
+			skipped = append(skipped, d)
+			continue
+		}
+		todo = append(todo, d)
+		todoAt = append(todoAt, i)
+	}
+	return skipped, todo, todoAt
+}
+
+// setResults gives res to the results of ds's deliveries among some.
+func setResults(results []result, ds, some []*delivery, res result) []result {
+	for i, d := range ds {
+		if slices.Contains(some, d) {
+			results[i] = res
+		}
 	}
 	return results
 }

@@ -71,15 +71,13 @@ func NewHealth(ctx context.Context, subscriber string, logger *slog.Logger, obs 
 		h.deps[d.Name] = &dependencyState{probe: d.Probe}
 		obs.DependencyUp(subscriber, d.Name, 0)
 	}
-	h.probes.Add(1)
-	go h.watch()
+	h.probes.Go(h.watch)
 	return h
 }
 
 // watch probes the dependencies that are up, every watchEvery, until the
 // runner stops.
 func (h *Health) watch() {
-	defer h.probes.Done()
 	t := time.NewTicker(watchEvery)
 	defer t.Stop()
 	for {
@@ -112,8 +110,7 @@ func (h *Health) MarkDown(name string, err error) {
 		// The same outage: the trial use failed. Back off further, quietly.
 		d.trial, d.down = false, true
 		d.backoff = min(2*d.backoff, probeMax)
-		h.probes.Add(1)
-		go h.probeUntilUp(name, d)
+		h.probes.Go(func() { h.probeUntilUp(name, d) })
 		return
 	}
 	now := time.Now()
@@ -126,12 +123,10 @@ func (h *Health) MarkDown(name string, err error) {
 	h.logger.Warn("dependency unavailable: holding the events in hand and taking no new ones until it answers",
 		"dependency", name, "error", err, "retry_in", d.backoff)
 	h.obs.DependencyDown(h.subscriber, name)
-	h.probes.Add(1)
-	go h.probeUntilUp(name, d)
+	h.probes.Go(func() { h.probeUntilUp(name, d) })
 }
 
 func (h *Health) probeUntilUp(name string, d *dependencyState) {
-	defer h.probes.Done()
 	h.mu.Lock()
 	wait := d.backoff
 	h.mu.Unlock()
@@ -256,16 +251,14 @@ func (h *Health) ProbeAll(ctx context.Context) bool {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for name, probe := range probes {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), probeTimeout)
 			defer cancel()
 			err := probe(pctx)
 			mu.Lock()
 			errs[name] = err
 			mu.Unlock()
-		}()
+		})
 	}
 	wg.Wait()
 	for name, err := range errs {

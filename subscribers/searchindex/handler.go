@@ -111,35 +111,7 @@ func (h *Handler) Handle(ctx context.Context, ev subscribers.Event) error {
 // HandleBatch indexes the products a batch of events changed, each product
 // once, in bulk, and reports each event's outcome.
 func (h *Handler) HandleBatch(ctx context.Context, evs []subscribers.Event) []error {
-	errs := make([]error, len(evs))
-	products := make([][]int64, len(evs)) // the products each event names
-	brands := map[int64][]int{}           // brand id -> events renaming it
-	categories := map[int64][]int{}       // category id -> events renaming it
-	for i, ev := range evs {
-		switch ev.Type {
-		case shop.BrandUpdated:
-			var p shop.BrandEvent
-			if err := json.Unmarshal(ev.Payload, &p); err != nil || p.BrandID <= 0 {
-				errs[i] = subscribers.Permanent(fmt.Errorf("malformed brand.updated payload %.200q: %v", ev.Payload, err))
-				continue
-			}
-			brands[p.BrandID] = append(brands[p.BrandID], i)
-		case shop.CategoryUpdated:
-			var p shop.CategoryEvent
-			if err := json.Unmarshal(ev.Payload, &p); err != nil || p.CategoryID <= 0 {
-				errs[i] = subscribers.Permanent(fmt.Errorf("malformed category.updated payload %.200q: %v", ev.Payload, err))
-				continue
-			}
-			categories[p.CategoryID] = append(categories[p.CategoryID], i)
-		default:
-			id, err := productID(ev)
-			if err != nil {
-				errs[i] = subscribers.Permanent(err)
-				continue
-			}
-			products[i] = []int64{id}
-		}
-	}
+	errs, products, brands, categories := targets(evs)
 	if len(brands) > 0 {
 		if err := groupProducts(ctx, h.pool, productsOfBrands, brands, products); err != nil {
 			return fill(errs, fmt.Errorf("products of renamed brands: %w", err))
@@ -190,6 +162,42 @@ func (h *Handler) HandleBatch(ctx context.Context, evs []subscribers.Event) []er
 		}
 	}
 	return errs
+}
+
+// targets reads what each event names: the products it changed
+// (products, by event), or the brands and categories it renamed (by id,
+// the events renaming each). An event that names nothing it can read has
+// its permanent error in errs.
+func targets(evs []subscribers.Event) (errs []error, products [][]int64, brands, categories map[int64][]int) {
+	errs = make([]error, len(evs))
+	products = make([][]int64, len(evs))
+	brands, categories = map[int64][]int{}, map[int64][]int{}
+	for i, ev := range evs {
+		switch ev.Type {
+		case shop.BrandUpdated:
+			var p shop.BrandEvent
+			if err := json.Unmarshal(ev.Payload, &p); err != nil || p.BrandID <= 0 {
+				errs[i] = subscribers.Permanent(fmt.Errorf("malformed brand.updated payload %.200q: %v", ev.Payload, err))
+				continue
+			}
+			brands[p.BrandID] = append(brands[p.BrandID], i)
+		case shop.CategoryUpdated:
+			var p shop.CategoryEvent
+			if err := json.Unmarshal(ev.Payload, &p); err != nil || p.CategoryID <= 0 {
+				errs[i] = subscribers.Permanent(fmt.Errorf("malformed category.updated payload %.200q: %v", ev.Payload, err))
+				continue
+			}
+			categories[p.CategoryID] = append(categories[p.CategoryID], i)
+		default:
+			id, err := productID(ev)
+			if err != nil {
+				errs[i] = subscribers.Permanent(err)
+				continue
+			}
+			products[i] = []int64{id}
+		}
+	}
+	return errs, products, brands, categories
 }
 
 func productID(ev subscribers.Event) (int64, error) {

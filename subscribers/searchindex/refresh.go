@@ -71,13 +71,11 @@ func (r *refresher) written(n int, at time.Time) {
 	}
 	if !r.running && !r.closed {
 		r.running = true
-		r.done.Add(1)
-		go r.run()
+		r.done.Go(r.run)
 	}
 }
 
 func (r *refresher) run() {
-	defer r.done.Done()
 	for {
 		r.mu.Lock()
 		if len(r.waiting) == 0 {

@@ -113,23 +113,7 @@ func (r *Reindexer) Reindex(ctx context.Context) (ReindexReport, error) {
 	r.Logger.Info("reindex: loading", "from", rep.From, "to", rep.To, "stream_seq", mark)
 
 	// 3. The load.
-	loadStart := time.Now()
-	snapshot, loaded, failures, err := r.load(ctx, rep.To)
-	rep.Snapshot, rep.Loaded, rep.Failures, rep.LoadTime = snapshot, loaded, failures, time.Since(loadStart)
-	if rep.LoadTime > 0 {
-		rep.DocsPerSec = float64(loaded) / rep.LoadTime.Seconds()
-	}
-	if err == nil {
-		err = r.Client.SetRefreshInterval(ctx, rep.To, refresh)
-	}
-	if err == nil {
-		err = r.Client.Refresh(ctx, rep.To)
-	}
-	if err == nil && len(failures) > r.Search.ReindexMaxFailures {
-		err = fmt.Errorf("%w: %d of %d documents (search.reindex_max_failures is %d); first: %s",
-			ErrTooManyFailures, len(failures), loaded+int64(len(failures)), r.Search.ReindexMaxFailures, describe(failures, 10))
-	}
-	if err != nil {
+	if err := r.fill(ctx, &rep, refresh); err != nil {
 		r.abandon(rep.To)
 		return rep, fmt.Errorf("reindex into %s aborted before the swap (the alias still points at %q; %s deleted): %w", rep.To, rep.From, rep.To, err)
 	}
@@ -159,6 +143,29 @@ func (r *Reindexer) Reindex(ctx context.Context) (ReindexReport, error) {
 	r.Logger.Info("reindex: swapped", "alias", alias, "from", rep.From, "to", rep.To, "docs", rep.Loaded,
 		"replayed_events", rep.Replayed, "took", rep.TotalTime)
 	return rep, nil
+}
+
+// fill loads the new index (rep.To) from SQL and makes it searchable
+// (its refresh interval back to refresh), with the load's figures in rep;
+// more failed documents than search.reindex_max_failures fail it.
+func (r *Reindexer) fill(ctx context.Context, rep *ReindexReport, refresh string) error {
+	loadStart := time.Now()
+	snapshot, loaded, failures, err := r.load(ctx, rep.To)
+	rep.Snapshot, rep.Loaded, rep.Failures, rep.LoadTime = snapshot, loaded, failures, time.Since(loadStart)
+	if rep.LoadTime > 0 {
+		rep.DocsPerSec = float64(loaded) / rep.LoadTime.Seconds()
+	}
+	if err == nil {
+		err = r.Client.SetRefreshInterval(ctx, rep.To, refresh)
+	}
+	if err == nil {
+		err = r.Client.Refresh(ctx, rep.To)
+	}
+	if err == nil && len(failures) > r.Search.ReindexMaxFailures {
+		err = fmt.Errorf("%w: %d of %d documents (search.reindex_max_failures is %d); first: %s",
+			ErrTooManyFailures, len(failures), loaded+int64(len(failures)), r.Search.ReindexMaxFailures, describe(failures, 10))
+	}
+	return err
 }
 
 // loadSettings is the mapping with refresh disabled, and the refresh

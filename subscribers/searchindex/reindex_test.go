@@ -69,17 +69,14 @@ func TestReindexDuringUpdatesAndSearches(t *testing.T) {
 
 	ctx, stopLoad := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 150, Rand: rand.New(rand.NewPCG(4, 4)), Logger: f.env.Logger,
 			Mix: demo.Mix{Price: 40, Stock: 30, Create: 10, Delete: 10, RenameBrand: 5, RenameCategory: 5}}
 		_ = d.Run(ctx)
-	}()
+	})
 	var searches, failed atomic.Int64
 	var firstFailure atomic.Value
-	go func() {
-		defer wg.Done()
+	wg.Go(func() {
 		for ctx.Err() == nil {
 			res, err := f.client.Search(context.Background(), f.alias, map[string]any{"size": 1, "query": map[string]any{"match_all": map[string]any{}}})
 			searches.Add(1)
@@ -89,7 +86,7 @@ func TestReindexDuringUpdatesAndSearches(t *testing.T) {
 			}
 			time.Sleep(5 * time.Millisecond)
 		}
-	}()
+	})
 
 	time.Sleep(500 * time.Millisecond)
 	rep, err := f.reindexer().Reindex(context.Background())

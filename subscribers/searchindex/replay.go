@@ -79,119 +79,148 @@ func replayFilters(events stream.Config) []string {
 // connection) and, on one, starts a new consumer after the last message it
 // has: what an ordered consumer does, under a name a permission can name.
 func ReadEvents(ctx context.Context, js jetstream.JetStream, events stream.Config, after, upTo uint64, fn func([]subscribers.Event) error) (read int, pos uint64, err error) {
-	pos = after
 	if upTo <= after {
-		return 0, pos, nil
+		return 0, after, nil
 	}
 	s, err := js.Stream(ctx, events.Name)
 	if err != nil {
-		return 0, pos, fmt.Errorf("stream %s: %w", events.Name, err)
+		return 0, after, fmt.Errorf("stream %s: %w", events.Name, err)
 	}
-	start := func() (jetstream.Consumer, error) {
-		// A consumer of this name is left over from a reindex that died, or
-		// from this one before a gap: either way it is done with.
-		if err := s.DeleteConsumer(ctx, stream.ReindexConsumer); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-			return nil, fmt.Errorf("delete consumer %s: %w", stream.ReindexConsumer, err)
-		}
-		c, err := s.CreateConsumer(ctx, replayConsumerConfig(events, pos+1))
-		if err != nil {
-			return nil, fmt.Errorf("create consumer %s: %w", stream.ReindexConsumer, err)
-		}
-		return c, nil
+	rr := &replayReader{ctx: ctx, s: s, events: events, pos: after}
+	if err := rr.start(); err != nil {
+		return 0, rr.pos, err
 	}
-	cons, err := start()
-	if err != nil {
-		return 0, pos, err
-	}
-	defer func() {
-		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		defer cancel()
-		_ = s.DeleteConsumer(dctx, stream.ReindexConsumer) // if this fails, the inactive threshold removes it
-	}()
-	var delivered uint64 // the last consumer sequence received
-	restarts := 0
-	restart := func(cause error) error {
-		if restarts++; restarts > replayRestarts {
-			return fmt.Errorf("replay consumer %s: restarted %d times, last because of: %w", stream.ReindexConsumer, replayRestarts, cause)
-		}
-		var err error
-		cons, err = start()
-		delivered = 0
-		return err
-	}
-	for pos < upTo {
+	defer rr.close()
+	for rr.pos < upTo {
 		if err := ctx.Err(); err != nil {
-			return read, pos, err
+			return read, rr.pos, err
 		}
-		batch, err := cons.Fetch(replayFetch, jetstream.FetchMaxWait(time.Second))
+		n, done, err := rr.next(fn)
+		read += n
 		if err != nil {
-			if consumerGone(err) {
-				if err := restart(err); err != nil {
-					return read, pos, err
-				}
-				continue
-			}
-			return read, pos, err
+			return read, rr.pos, err
 		}
-		var evs []subscribers.Event
-		received, gap := 0, false
-		for m := range batch.Messages() {
-			received++
-			meta, err := m.Metadata()
-			if gap || err != nil || meta.Sequence.Consumer != delivered+1 {
-				gap = true // everything after the gap is read again
-				continue
-			}
-			delivered, pos = meta.Sequence.Consumer, meta.Sequence.Stream
-			ev, err := subscribers.EventFromMsg(m, events.SubjectPrefix)
-			if err != nil {
-				continue // not an outbox event: the indexer dead-letters it, a replay skips it
-			}
-			evs = append(evs, ev)
+		if done {
+			break
 		}
-		if len(evs) > 0 {
-			if err := fn(evs); err != nil {
-				return read, evs[0].StreamSeq - 1, err
-			}
-			read += len(evs)
+	}
+	return read, rr.pos, nil
+}
+
+// replayReader is ReadEvents' consumer: without acks, started again after
+// the last message it has when its sequence shows a gap.
+type replayReader struct {
+	ctx       context.Context
+	s         jetstream.Stream
+	events    stream.Config
+	cons      jetstream.Consumer
+	pos       uint64 // the stream position read up to
+	delivered uint64 // the last consumer sequence received
+	restarts  int
+}
+
+// start makes the consumer, after the position read up to.
+func (rr *replayReader) start() error {
+	// A consumer of this name is left over from a reindex that died, or
+	// from this one before a gap: either way it is done with.
+	if err := rr.s.DeleteConsumer(rr.ctx, stream.ReindexConsumer); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		return fmt.Errorf("delete consumer %s: %w", stream.ReindexConsumer, err)
+	}
+	c, err := rr.s.CreateConsumer(rr.ctx, replayConsumerConfig(rr.events, rr.pos+1))
+	if err != nil {
+		return fmt.Errorf("create consumer %s: %w", stream.ReindexConsumer, err)
+	}
+	rr.cons = c
+	return nil
+}
+
+// restart starts the consumer again, at most replayRestarts times.
+func (rr *replayReader) restart(cause error) error {
+	if rr.restarts++; rr.restarts > replayRestarts {
+		return fmt.Errorf("replay consumer %s: restarted %d times, last because of: %w", stream.ReindexConsumer, replayRestarts, cause)
+	}
+	rr.delivered = 0
+	return rr.start()
+}
+
+func (rr *replayReader) close() {
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(rr.ctx), 10*time.Second)
+	defer cancel()
+	_ = rr.s.DeleteConsumer(dctx, stream.ReindexConsumer) // if this fails, the inactive threshold removes it
+}
+
+// next fetches a batch and passes its events to fn. done: the consumer
+// has delivered everything there is, and all of it arrived.
+func (rr *replayReader) next(fn func([]subscribers.Event) error) (read int, done bool, err error) {
+	batch, err := rr.cons.Fetch(replayFetch, jetstream.FetchMaxWait(time.Second))
+	if err != nil {
+		if consumerGone(err) {
+			return 0, false, rr.restart(err)
 		}
-		if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, nats.ErrTimeout) {
-			if !consumerGone(err) {
-				return read, pos, err
-			}
+		return 0, false, err
+	}
+	evs, received, gap := rr.receive(batch)
+	if len(evs) > 0 {
+		if err := fn(evs); err != nil {
+			rr.pos = evs[0].StreamSeq - 1
+			return 0, false, err
+		}
+		read = len(evs)
+	}
+	if err := batch.Error(); err != nil && !errors.Is(err, jetstream.ErrNoMessages) && !errors.Is(err, nats.ErrTimeout) {
+		if !consumerGone(err) {
+			return read, false, err
+		}
+		gap = true
+	}
+	if gap {
+		return read, false, rr.restart(errors.New("a gap in the consumer sequence"))
+	}
+	if received < replayFetch {
+		done, err := rr.drained()
+		return read, done, err
+	}
+	return read, false, nil
+}
+
+// receive reads a batch's events, up to a gap in the consumer sequence (a
+// message lost on a broken connection): everything after it is read again.
+func (rr *replayReader) receive(batch jetstream.MessageBatch) (evs []subscribers.Event, received int, gap bool) {
+	for m := range batch.Messages() {
+		received++
+		meta, err := m.Metadata()
+		if gap || err != nil || meta.Sequence.Consumer != rr.delivered+1 {
 			gap = true
-		}
-		if gap {
-			if err := restart(errors.New("a gap in the consumer sequence")); err != nil {
-				return read, pos, err
-			}
 			continue
 		}
-		if received < replayFetch {
-			info, err := cons.Info(ctx)
-			if consumerGone(err) {
-				if err := restart(err); err != nil {
-					return read, pos, err
-				}
-				continue
-			}
-			if err != nil {
-				return read, pos, err
-			}
-			// Nothing left for the consumer to deliver, and everything it
-			// delivered arrived: the rest of the stream concerns no product.
-			// Messages delivered but lost on the way (a connection cut at the
-			// end of a fetch) leave no later message to reveal the gap; the
-			// delivered count does.
-			if info.NumPending == 0 {
-				if info.Delivered.Consumer == delivered {
-					break
-				}
-				if err := restart(errors.New("messages delivered but not received")); err != nil {
-					return read, pos, err
-				}
-			}
+		rr.delivered, rr.pos = meta.Sequence.Consumer, meta.Sequence.Stream
+		ev, err := subscribers.EventFromMsg(m, rr.events.SubjectPrefix)
+		if err != nil {
+			continue // not an outbox event: the indexer dead-letters it, a replay skips it
 		}
+		evs = append(evs, ev)
 	}
-	return read, pos, nil
+	return evs, received, gap
+}
+
+// drained reports whether the consumer has nothing left to deliver, and
+// everything it delivered arrived: the rest of the stream concerns no
+// product. Messages delivered but lost on the way (a connection cut at the
+// end of a fetch) leave no later message to reveal the gap; the delivered
+// count does.
+func (rr *replayReader) drained() (bool, error) {
+	info, err := rr.cons.Info(rr.ctx)
+	if consumerGone(err) {
+		return false, rr.restart(err)
+	}
+	if err != nil {
+		return false, err
+	}
+	if info.NumPending != 0 {
+		return false, nil
+	}
+	if info.Delivered.Consumer == rr.delivered {
+		return true, nil
+	}
+	return false, rr.restart(errors.New("messages delivered but not received"))
 }

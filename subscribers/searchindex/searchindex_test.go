@@ -398,13 +398,11 @@ func TestStormConverges(t *testing.T) {
 	// updates to the same product, racing across the two instances.
 	var wg sync.WaitGroup
 	for w := range 4 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			d := &demo.Driver{Pool: f.env.DB.Pool, Rate: 100, Rand: rand.New(rand.NewPCG(uint64(w), 3)), Logger: f.env.Logger,
 				Mix: demo.Mix{Price: 35, Stock: 35, Order: 0, Create: 10, Delete: 10, RenameBrand: 5, RenameCategory: 5}}
 			_ = d.Run(ctx)
-		}()
+		})
 	}
 	wg.Wait()
 	var ids []int64
