@@ -1,5 +1,11 @@
 package shop
 
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+)
+
 // Event types. Each becomes the subject events.<type>.
 const (
 	ProductCreated      = "product.created"
@@ -83,6 +89,23 @@ type OrderEvent struct {
 	OrderID  int64  `json:"order_id"`
 	Customer string `json:"customer"`
 	Lines    int    `json:"lines"`
+}
+
+// ErrMalformedOrderEvent is wrapped by ParseOrderEvent's errors: the
+// payload is not an order.created's.
+var ErrMalformedOrderEvent = errors.New("malformed order.created payload")
+
+// ParseOrderEvent reads an order.created payload, which must name an
+// order (a positive order_id).
+func ParseOrderEvent(payload []byte) (OrderEvent, error) {
+	var p OrderEvent
+	if err := json.Unmarshal(payload, &p); err != nil {
+		return p, fmt.Errorf("%w: %v", ErrMalformedOrderEvent, err)
+	}
+	if p.OrderID <= 0 {
+		return p, fmt.Errorf("%w: no order_id in %.200s", ErrMalformedOrderEvent, payload)
+	}
+	return p, nil
 }
 
 // OrderTransition is the payload of order.paid, order.shipped,

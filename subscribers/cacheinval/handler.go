@@ -33,14 +33,12 @@ func (h *Handler) Dependencies() []subscribers.Dependency {
 	return []subscribers.Dependency{{Name: Dependency, Probe: h.cache.Ping}}
 }
 
-// eventTypes: every product change, and brand and category renames (their
-// names are in each of their products' documents).
-var eventTypes = []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated}
-
 // Subscriber declares the cache invalidator to fanout.
 var Subscriber = subscribers.Declaration{
-	Name:       Name,
-	EventTypes: eventTypes,
+	Name: Name,
+	// Every product change, and brand and category renames (their
+	// names are in each of their products' documents).
+	EventTypes: []string{"product.>", shop.BrandUpdated, shop.CategoryUpdated},
 	Uses:       []subscribers.Service{subscribers.Redis},
 	// It reads the products a rename touches; the cache itself fills from
 	// the catalog (see Cache).

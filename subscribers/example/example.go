@@ -27,15 +27,13 @@ const Name = "example"
 // Subscriber is the declaration the registry lists.
 var Subscriber = subscribers.Declaration{
 	Name:       Name,
-	EventTypes: eventTypes,
+	EventTypes: []string{shop.OrderCreated},
 	// Exactly the statements HandleTx runs; the role gets nothing else.
 	Grants: []string{"SELECT ON orders, order_lines"},
 	New: func(d subscribers.Deps) (subscribers.Handler, error) {
 		return subscribers.Tx(&Handler{logger: d.Logger}), nil
 	},
 }
-
-var eventTypes = []string{shop.OrderCreated}
 
 // ErrMalformed and ErrUnknownOrder are the reasons an event goes to the
 // dead letters: the handler's own verdict, never an outage's.

@@ -35,12 +35,10 @@ type Handler struct{}
 // New returns the fulfilment handler.
 func New() Handler { return Handler{} }
 
-var eventTypes = []string{shop.OrderCreated, shop.OrderPaid, shop.OrderShipped, shop.OrderDelivered, shop.OrderCancelled}
-
 // Subscriber declares fulfilment to fanout.
 var Subscriber = subscribers.Declaration{
 	Name:       Name,
-	EventTypes: eventTypes,
+	EventTypes: []string{shop.OrderCreated, shop.OrderPaid, shop.OrderShipped, shop.OrderDelivered, shop.OrderCancelled},
 	Ordered:    true,
 	Grants: []string{
 		"SELECT, INSERT, UPDATE ON fulfilment_orders",

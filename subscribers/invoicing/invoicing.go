@@ -7,7 +7,6 @@ package invoicing
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 
@@ -25,13 +24,11 @@ type Handler struct{}
 // New returns the invoicing handler.
 func New() Handler { return Handler{} }
 
-var eventTypes = []string{shop.OrderCreated}
-
 // Subscriber declares invoicing to fanout: one line in the registry runs,
 // provisions and deploys it.
 var Subscriber = subscribers.Declaration{
 	Name:       Name,
-	EventTypes: eventTypes,
+	EventTypes: []string{shop.OrderCreated},
 	Grants: []string{
 		"SELECT ON orders, order_lines, products",
 		"INSERT ON invoices, invoice_lines",
@@ -53,7 +50,7 @@ var Subscriber = subscribers.Declaration{
 // snapshot whose product is gone) are the reasons an
 // order.created event goes to the dead letters.
 var (
-	ErrMalformed      = errors.New("malformed order.created payload")
+	ErrMalformed      = shop.ErrMalformedOrderEvent
 	ErrUnknownOrder   = errors.New("unknown order")
 	ErrMissingProduct = errors.New("order line references a missing product")
 )
@@ -97,12 +94,9 @@ WHERE coalesce(l.sku, p.sku) IS NOT NULL -- a line the check rejects: the transa
 // travel in one round trip; if the check fails, the returned error rolls the
 // insert back with the rest of the transaction.
 func (Handler) HandleTx(ctx context.Context, tx pgx.Tx, ev subscribers.Event) error {
-	var p shop.OrderEvent
-	if err := json.Unmarshal(ev.Payload, &p); err != nil {
-		return subscribers.Permanent(fmt.Errorf("%w: %v", ErrMalformed, err))
-	}
-	if p.OrderID <= 0 {
-		return subscribers.Permanent(fmt.Errorf("%w: no order_id in %s", ErrMalformed, truncate(ev.Payload)))
+	p, err := shop.ParseOrderEvent(ev.Payload)
+	if err != nil {
+		return subscribers.Permanent(err)
 	}
 	var (
 		exists                      bool
@@ -169,8 +163,8 @@ var errBatchHasBadOrders = errors.New("batch holds orders that cannot be invoice
 func (Handler) HandleBatchTx(ctx context.Context, tx pgx.Tx, evs []subscribers.Event) error {
 	ids := make([]int64, 0, len(evs))
 	for _, ev := range evs {
-		var p shop.OrderEvent
-		if err := json.Unmarshal(ev.Payload, &p); err != nil || p.OrderID <= 0 {
+		p, err := shop.ParseOrderEvent(ev.Payload)
+		if err != nil {
 			return errBatchHasBadOrders
 		}
 		ids = append(ids, p.OrderID)
@@ -190,11 +184,4 @@ func (Handler) HandleBatchTx(ctx context.Context, tx pgx.Tx, evs []subscribers.E
 		return fmt.Errorf("%w: %v", errBatchHasBadOrders, bad)
 	}
 	return nil
-}
-
-func truncate(b []byte) string {
-	if len(b) > 200 {
-		return string(b[:200]) + "..."
-	}
-	return string(b)
 }

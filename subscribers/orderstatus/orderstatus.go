@@ -30,13 +30,11 @@ import (
 // Name is the durable consumer's name.
 const Name = "orderstatus"
 
-var eventTypes = []string{"order.>"}
-
 // Subscriber is the declaration the registry lists (in a binary built with
 // the fanout_orderstatus tag).
 var Subscriber = subscribers.Declaration{
 	Name:       Name,
-	EventTypes: eventTypes,
+	EventTypes: []string{"order.>"},
 	Grants: []string{
 		"SELECT ON orders, order_transitions",
 		"SELECT, INSERT, UPDATE ON order_status_copy",

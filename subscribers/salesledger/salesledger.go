@@ -14,7 +14,6 @@ package salesledger
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"strconv"
@@ -33,12 +32,10 @@ type Handler struct{}
 // New returns the sales ledger handler.
 func New() Handler { return Handler{} }
 
-var eventTypes = []string{shop.OrderCreated}
-
 // Subscriber declares the sales ledger to fanout.
 var Subscriber = subscribers.Declaration{
 	Name:       Name,
-	EventTypes: eventTypes,
+	EventTypes: []string{shop.OrderCreated},
 	Grants: []string{
 		"SELECT ON orders, order_lines",
 		// It adds each order to its products' totals.
@@ -52,7 +49,7 @@ var Subscriber = subscribers.Declaration{
 // ErrMalformed and ErrUnknownOrder are the reasons an order.created event
 // goes to the dead letters.
 var (
-	ErrMalformed    = errors.New("malformed order.created payload")
+	ErrMalformed    = shop.ErrMalformedOrderEvent
 	ErrUnknownOrder = errors.New("unknown order")
 )
 
@@ -130,14 +127,8 @@ func add(ctx context.Context, tx pgx.Tx, ids []int64) error {
 }
 
 func orderID(ev subscribers.Event) (int64, error) {
-	var p shop.OrderEvent
-	if err := json.Unmarshal(ev.Payload, &p); err != nil {
-		return 0, fmt.Errorf("%w: %v", ErrMalformed, err)
-	}
-	if p.OrderID <= 0 {
-		return 0, fmt.Errorf("%w: no order_id in %.200s", ErrMalformed, ev.Payload)
-	}
-	return p.OrderID, nil
+	p, err := shop.ParseOrderEvent(ev.Payload)
+	return p.OrderID, err
 }
 
 // driftSQL lists the products whose ledger differs from the sum of their
