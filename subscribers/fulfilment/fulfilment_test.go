@@ -580,10 +580,8 @@ func TestFirstEventSeenAfterAStartNewIsMarked(t *testing.T) {
 	publishOrderEvent(t, env, 515151, 8000004, 4, shop.OrderDelivered, `{"order_id": 515151, "from": "shipped", "to": "delivered", "n": 4}`)
 	publishOrderEvent(t, env, 616161, 8000011, 1, shop.OrderCreated, `{"order_id": 616161, "customer": "new", "lines": 1}`)
 	subscribertest.WaitFor(t, time.Minute, "all three events checkpointed", func() (bool, string) {
-		var n int
-		err := env.DB.Pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE subscriber = $1 AND event_id IN (8000003, 8000004, 8000011)`,
-			fulfilment.Name).Scan(&n)
-		return err == nil && n == 3, fmt.Sprintf("%d (%v)", n, err)
+		done, err := bookkeeping.New(env.DB.Pool).CheckpointList(ctx, bookkeeping.CheckpointParams{Subscriber: fulfilment.Name, EventIDs: []int64{8000003, 8000004, 8000011}})
+		return err == nil && len(done) == 3, fmt.Sprintf("%v (%v)", done, err)
 	})
 	type violation struct {
 		EventID int64
