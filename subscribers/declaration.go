@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/fanout/fanout/search"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
@@ -107,15 +108,6 @@ func (d Declaration) UsesService(s Service) bool { return slices.Contains(d.Uses
 // subject token and part of a Postgres role name.
 var nameRE = regexp.MustCompile(`^[a-z][a-z0-9_]{0,40}$`)
 
-// OperatorConsumerPrefix starts the name of every consumer the operator
-// commands create on the events stream (a reindex's), so that the NATS
-// permissions can give them their own consumers without a subscriber's.
-const OperatorConsumerPrefix = "operator_"
-
-// RelayConsumerPrefix starts the name of the consumers the relay creates
-// on the events stream (its audit's): no subscriber may be called so.
-const RelayConsumerPrefix = "relay_"
-
 // reservedNames are the deployment's other NATS users and accounts
 // (deploy/nats/nats-server.conf names an account after each user, in upper
 // case, and after each stream): a subscriber called so would share them.
@@ -130,9 +122,9 @@ func (d Declaration) Validate() error {
 	if !nameRE.MatchString(d.Name) {
 		errs = append(errs, fmt.Errorf("name %q: want lower-case letters, digits and _, starting with a letter, at most 41 characters", d.Name))
 	}
-	if slices.Contains(reservedNames, d.Name) || strings.HasPrefix(d.Name, OperatorConsumerPrefix) || strings.HasPrefix(d.Name, RelayConsumerPrefix) {
+	if slices.Contains(reservedNames, d.Name) || strings.HasPrefix(d.Name, stream.OperatorConsumerPrefix) || strings.HasPrefix(d.Name, stream.RelayConsumerPrefix) {
 		errs = append(errs, fmt.Errorf("name %q is reserved: the deployment has users and accounts called %s, and consumers starting with %q are the operator's, with %q the relay's",
-			d.Name, strings.Join(reservedNames, ", "), OperatorConsumerPrefix, RelayConsumerPrefix))
+			d.Name, strings.Join(reservedNames, ", "), stream.OperatorConsumerPrefix, stream.RelayConsumerPrefix))
 	}
 	if len(d.EventTypes) == 0 {
 		errs = append(errs, errors.New("no event types"))
