@@ -92,11 +92,7 @@ type AggregateAdvanceParams struct {
 // the keys of the events it moved.
 func (s Store) AggregateAdvance(ctx context.Context, p AggregateAdvanceParams) ([]int64, error) {
 	dbs, types, ids := splitKeys(p.Keys)
-	rows, err := s.db.Query(ctx, aggregateAdvanceSQL, p.Subscriber, types, ids, p.Seqs, p.Prevs, p.Events, p.AfterGap, dbs)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, pgx.RowTo[int64])
+	return collect(ctx, s.db, pgx.RowTo[int64], aggregateAdvanceSQL, p.Subscriber, types, ids, p.Seqs, p.Prevs, p.Events, p.AfterGap, dbs)
 }
 
 // AggregateListParams names some aggregates of a subscriber.
@@ -156,25 +152,19 @@ type AggregateDeadLetterParams struct {
 // (subscribers.on_dead_letter hold), unless it is held already or moved
 // past it.
 func (s Store) AggregateHold(ctx context.Context, p AggregateDeadLetterParams) error {
-	_, err := s.db.Exec(ctx, aggregateHoldSQL, p.Subscriber, p.Key.Type, p.Key.ID, p.Seq, p.Event, p.Key.DB)
-	return err
+	return s.exec(ctx, aggregateHoldSQL, p.Subscriber, p.Key.Type, p.Key.ID, p.Seq, p.Event, p.Key.DB)
 }
 
 // AggregatePass moves the aggregate past the dead-lettered event
 // (subscribers.on_dead_letter skip).
 func (s Store) AggregatePass(ctx context.Context, p AggregateDeadLetterParams) error {
-	_, err := s.db.Exec(ctx, aggregatePassSQL, p.Subscriber, p.Key.Type, p.Key.ID, p.Seq, p.Event, p.Key.DB)
-	return err
+	return s.exec(ctx, aggregatePassSQL, p.Subscriber, p.Key.Type, p.Key.ID, p.Seq, p.Event, p.Key.DB)
 }
 
 // AggregateRelease moves the aggregate held behind the event (its dead
 // letter discarded) past it, and reports whether the event held one.
 func (s Store) AggregateRelease(ctx context.Context, p CheckpointKeyParams) (bool, error) {
-	ct, err := s.db.Exec(ctx, aggregateReleaseSQL, p.Subscriber, p.EventID)
-	if err != nil {
-		return false, err
-	}
-	return ct.RowsAffected() > 0, nil
+	return s.affected(ctx, aggregateReleaseSQL, p.Subscriber, p.EventID)
 }
 
 // AggregateCountHeld returns, per ordered subscriber, how many aggregates

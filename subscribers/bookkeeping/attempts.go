@@ -83,15 +83,13 @@ func (s Store) AttemptList(ctx context.Context, p CheckpointParams) (map[int64]A
 // AttemptOpen opens an attempt on each event (sorted keys): its handling
 // begins.
 func (s Store) AttemptOpen(ctx context.Context, p CheckpointParams) error {
-	_, err := s.db.Exec(ctx, attemptOpenSQL, p.Subscriber, p.EventIDs)
-	return err
+	return s.exec(ctx, attemptOpenSQL, p.Subscriber, p.EventIDs)
 }
 
 // AttemptClose closes an open attempt on each event: it ended without an
 // outcome worth counting.
 func (s Store) AttemptClose(ctx context.Context, p CheckpointParams) error {
-	_, err := s.db.Exec(ctx, attemptCloseSQL, p.Subscriber, p.EventIDs)
-	return err
+	return s.exec(ctx, attemptCloseSQL, p.Subscriber, p.EventIDs)
 }
 
 // AttemptFailParams is a failure of the handler on one event.
@@ -117,13 +115,11 @@ func (s Store) AttemptFail(ctx context.Context, p AttemptFailParams) (int, error
 
 // AttemptDelete deletes the attempts rows of events done with.
 func (s Store) AttemptDelete(ctx context.Context, p CheckpointParams) error {
-	_, err := s.db.Exec(ctx, attemptDeleteSQL, p.Subscriber, p.EventIDs)
-	return err
+	return s.exec(ctx, attemptDeleteSQL, p.Subscriber, p.EventIDs)
 }
 
 // AttemptPrune deletes up to 10,000 of the subscriber's attempts rows not
 // touched for p.OlderThan (events long gone from the stream).
 func (s Store) AttemptPrune(ctx context.Context, p PruneParams) error {
-	_, err := s.db.Exec(ctx, attemptPruneSQL, p.Subscriber, p.OlderThan.Seconds())
-	return err
+	return s.exec(ctx, attemptPruneSQL, p.Subscriber, p.OlderThan.Seconds())
 }

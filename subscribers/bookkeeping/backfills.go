@@ -3,6 +3,7 @@ package bookkeeping
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -102,11 +103,7 @@ func scanBackfill(row pgx.CollectableRow) (BackfillStatus, error) {
 // BackfillList returns every subscriber's backfill, running or finished,
 // by subscriber.
 func (s Store) BackfillList(ctx context.Context) ([]BackfillStatus, error) {
-	rows, err := s.db.Query(ctx, backfillStatusSQL+` ORDER BY b.subscriber`)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, scanBackfill)
+	return collect(ctx, s.db, scanBackfill, backfillStatusSQL+` ORDER BY b.subscriber`)
 }
 
 // BackfillGet returns the subscriber's backfill; ok is false if it never
@@ -140,30 +137,21 @@ type BackfillStartParams struct {
 func (s Store) BackfillStart(ctx context.Context, p BackfillStartParams) error {
 	return pgx.BeginFunc(ctx, s.db, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, backfillStartSQL, p.Subscriber, p.Where, p.HighKey, p.Total); err != nil {
-			return &stepError{"record the backfill in subscriber_backfills", err}
+			return fmt.Errorf("record the backfill in subscriber_backfills: %w", err)
 		}
 		for _, sql := range []string{backfillSegmentClearSQL, backfillFailureClearSQL} {
 			if _, err := tx.Exec(ctx, sql, p.Subscriber); err != nil {
-				return &stepError{"clear the last backfill", err}
+				return fmt.Errorf("clear the last backfill: %w", err)
 			}
 		}
 		for i, r := range p.Segments {
 			if _, err := tx.Exec(ctx, backfillSegmentAddSQL, p.Subscriber, i, r[0], r[1]); err != nil {
-				return &stepError{"record the backfill's segments", err}
+				return fmt.Errorf("record the backfill's segments: %w", err)
 			}
 		}
 		return nil
 	})
 }
-
-// stepError names the step of a multi-statement method that failed.
-type stepError struct {
-	step string
-	err  error
-}
-
-func (e *stepError) Error() string { return e.step + ": " + e.err.Error() }
-func (e *stepError) Unwrap() error { return e.err }
 
 // BackfillSegment is one worker's part of a backfill's key range: the keys
 // after Last up to To are left.
@@ -175,17 +163,7 @@ type BackfillSegment struct {
 // BackfillSegmentList returns the subscriber's backfill segments, in
 // order.
 func (s Store) BackfillSegmentList(ctx context.Context, subscriber string) ([]BackfillSegment, error) {
-	rows, err := s.db.Query(ctx, backfillSegmentListSQL, subscriber)
-	if err != nil {
-		return nil, err
-	}
-	var out []BackfillSegment
-	var sg BackfillSegment
-	_, err = pgx.ForEachRow(rows, []any{&sg.N, &sg.To, &sg.Last}, func() error {
-		out = append(out, sg)
-		return nil
-	})
-	return out, err
+	return collect(ctx, s.db, pgx.RowToStructByPos[BackfillSegment], backfillSegmentListSQL, subscriber)
 }
 
 // BackfillSegmentParams names one segment of a subscriber's backfill.
@@ -222,11 +200,7 @@ type BackfillSegmentAdvanceParams struct {
 // chunk's rows, last in the chunk's transaction. It reports false, and
 // changes nothing, if the backfill is paused.
 func (s Store) BackfillSegmentAdvance(ctx context.Context, p BackfillSegmentAdvanceParams) (bool, error) {
-	ct, err := s.db.Exec(ctx, backfillSegmentAdvanceSQL, p.Subscriber, p.Segment, p.LastKey, p.Done, p.Failed)
-	if err != nil {
-		return false, err
-	}
-	return ct.RowsAffected() > 0, nil
+	return s.affected(ctx, backfillSegmentAdvanceSQL, p.Subscriber, p.Segment, p.LastKey, p.Done, p.Failed)
 }
 
 // BackfillFinishParams names the backfill that started at StartedAt.
@@ -238,8 +212,7 @@ type BackfillFinishParams struct {
 // BackfillFinish marks the backfill finished if every segment is (and it
 // was not restarted since StartedAt).
 func (s Store) BackfillFinish(ctx context.Context, p BackfillFinishParams) error {
-	_, err := s.db.Exec(ctx, backfillFinishSQL, p.Subscriber, p.StartedAt)
-	return err
+	return s.exec(ctx, backfillFinishSQL, p.Subscriber, p.StartedAt)
 }
 
 // BackfillPauseParams pauses (or resumes) a subscriber's backfill.
@@ -251,11 +224,7 @@ type BackfillPauseParams struct {
 // BackfillPause pauses or resumes the subscriber's unfinished backfill and
 // reports whether it has one.
 func (s Store) BackfillPause(ctx context.Context, p BackfillPauseParams) (bool, error) {
-	ct, err := s.db.Exec(ctx, backfillPauseSQL, p.Subscriber, p.Paused)
-	if err != nil {
-		return false, err
-	}
-	return ct.RowsAffected() > 0, nil
+	return s.affected(ctx, backfillPauseSQL, p.Subscriber, p.Paused)
 }
 
 // BackfillFailure is a row the backfill could not apply: its dead letter.
@@ -275,16 +244,11 @@ type BackfillFailureRecordParams struct {
 // BackfillFailureRecord records (or records again) a row the backfill
 // could not apply, in its chunk's transaction.
 func (s Store) BackfillFailureRecord(ctx context.Context, p BackfillFailureRecordParams) error {
-	_, err := s.db.Exec(ctx, backfillFailureRecordSQL, p.Subscriber, p.Key, p.Reason)
-	return err
+	return s.exec(ctx, backfillFailureRecordSQL, p.Subscriber, p.Key, p.Reason)
 }
 
 // BackfillFailureList returns the rows the subscriber's backfill could not
 // apply, by key.
 func (s Store) BackfillFailureList(ctx context.Context, subscriber string) ([]BackfillFailure, error) {
-	rows, err := s.db.Query(ctx, backfillFailureListSQL, subscriber)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, pgx.RowToStructByPos[BackfillFailure])
+	return collect(ctx, s.db, pgx.RowToStructByPos[BackfillFailure], backfillFailureListSQL, subscriber)
 }

@@ -67,11 +67,7 @@ type CheckpointParams struct {
 // of their effects, and returns the keys that were not there before (the
 // events to handle now).
 func (s Store) CheckpointClaim(ctx context.Context, p CheckpointParams) ([]int64, error) {
-	rows, err := s.db.Query(ctx, checkpointClaimSQL, p.Subscriber, p.EventIDs)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, pgx.RowTo[int64])
+	return collect(ctx, s.db, pgx.RowTo[int64], checkpointClaimSQL, p.Subscriber, p.EventIDs)
 }
 
 // CheckpointRecordParams are events handled outside Postgres and the
@@ -102,11 +98,7 @@ func (s Store) CheckpointRecord(ctx context.Context, p CheckpointRecordParams) e
 // CheckpointList returns the keys among p.EventIDs already in the
 // checkpoint.
 func (s Store) CheckpointList(ctx context.Context, p CheckpointParams) ([]int64, error) {
-	rows, err := s.db.Query(ctx, checkpointListSQL, p.Subscriber, p.EventIDs)
-	if err != nil {
-		return nil, err
-	}
-	return pgx.CollectRows(rows, pgx.RowTo[int64])
+	return collect(ctx, s.db, pgx.RowTo[int64], checkpointListSQL, p.Subscriber, p.EventIDs)
 }
 
 // CheckpointKeyParams names one event of a subscriber.
@@ -125,8 +117,7 @@ func (s Store) CheckpointExists(ctx context.Context, p CheckpointKeyParams) (boo
 // CheckpointDelete deletes the event's checkpoint row (tests: a pruned
 // checkpoint).
 func (s Store) CheckpointDelete(ctx context.Context, p CheckpointKeyParams) error {
-	_, err := s.db.Exec(ctx, checkpointDeleteSQL, p.Subscriber, p.EventID)
-	return err
+	return s.exec(ctx, checkpointDeleteSQL, p.Subscriber, p.EventID)
 }
 
 // CheckpointAny reports whether the subscriber has checkpointed any event.

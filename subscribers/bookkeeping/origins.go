@@ -55,6 +55,5 @@ type DeadLetterVouchParams struct {
 // dead-letters the event (row-level security lets a role write rows under
 // its own name only).
 func (s Store) DeadLetterVouch(ctx context.Context, p DeadLetterVouchParams) error {
-	_, err := s.db.Exec(ctx, deadLetterVouchSQL, p.Subscriber, p.StreamSeq, p.EventID, p.Digest)
-	return err
+	return s.exec(ctx, deadLetterVouchSQL, p.Subscriber, p.StreamSeq, p.EventID, p.Digest)
 }

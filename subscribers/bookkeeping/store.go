@@ -78,6 +78,27 @@ func (s Store) AccessCheck(ctx context.Context, p AccessCheckParams) error {
 	return s.db.SendBatch(ctx, b).Close()
 }
 
+// exec runs a statement whose only answer is its error.
+func (s Store) exec(ctx context.Context, sql string, args ...any) error {
+	_, err := s.db.Exec(ctx, sql, args...)
+	return err
+}
+
+// affected runs a statement and reports whether it changed any row.
+func (s Store) affected(ctx context.Context, sql string, args ...any) (bool, error) {
+	ct, err := s.db.Exec(ctx, sql, args...)
+	return err == nil && ct.RowsAffected() > 0, err
+}
+
+// collect runs a query and gathers its rows with to.
+func collect[T any](ctx context.Context, db DB, to pgx.RowToFunc[T], sql string, args ...any) ([]T, error) {
+	rows, err := db.Query(ctx, sql, args...)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, to)
+}
+
 // countBySubscriber runs a query of (subscriber, count) rows.
 func (s Store) countBySubscriber(ctx context.Context, sql string) (map[string]int64, error) {
 	rows, err := s.db.Query(ctx, sql)
