@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net/http"
 	"slices"
 )
@@ -24,18 +25,11 @@ func (c *Client) Indices(ctx context.Context, pattern string) ([]string, error) 
 		Index string `json:"index"`
 	}
 	err := c.json(ctx, http.MethodGet, "/_cat/indices/"+esc(pattern)+"?format=json&h=index&expand_wildcards=all", nil, &out)
-	if IsNotFound(err) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
 	names := make([]string, 0, len(out))
 	for _, o := range out {
 		names = append(names, o.Index)
 	}
-	slices.Sort(names)
-	return names, nil
+	return sorted(names, err)
 }
 
 // AliasIndices returns the indices alias points to (none if it does not
@@ -43,15 +37,17 @@ func (c *Client) Indices(ctx context.Context, pattern string) ([]string, error) 
 func (c *Client) AliasIndices(ctx context.Context, alias string) ([]string, error) {
 	var out map[string]json.RawMessage
 	err := c.json(ctx, http.MethodGet, "/_alias/"+esc(alias), nil, &out)
+	return sorted(slices.Collect(maps.Keys(out)), err)
+}
+
+// sorted is a listing's answer: the names in order, or none when the engine
+// has nothing of that name (404).
+func sorted(names []string, err error) ([]string, error) {
 	if IsNotFound(err) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, err
-	}
-	names := make([]string, 0, len(out))
-	for n := range out {
-		names = append(names, n)
 	}
 	slices.Sort(names)
 	return names, nil
@@ -98,21 +94,19 @@ func (c *Client) Count(ctx context.Context, index string) (int64, error) {
 	return out.Count, nil
 }
 
-// Doc is a stored document.
+// Doc is a stored document, as the engine's answers name its fields.
 type Doc struct {
-	ID      string
-	Version int64
-	Source  json.RawMessage
+	ID      string          `json:"_id"`
+	Version int64           `json:"_version"`
+	Source  json.RawMessage `json:"_source"`
 }
 
 // MGet fetches documents by id; missing ones are absent from the map.
 func (c *Client) MGet(ctx context.Context, index string, ids []string) (map[string]Doc, error) {
 	var out struct {
 		Docs []struct {
-			ID      string          `json:"_id"`
-			Version int64           `json:"_version"`
-			Found   bool            `json:"found"`
-			Source  json.RawMessage `json:"_source"`
+			Doc
+			Found bool `json:"found"`
 		} `json:"docs"`
 	}
 	if err := c.json(ctx, http.MethodPost, "/"+esc(index)+"/_mget", map[string]any{"ids": ids}, &out); err != nil {
@@ -121,7 +115,7 @@ func (c *Client) MGet(ctx context.Context, index string, ids []string) (map[stri
 	docs := make(map[string]Doc, len(out.Docs))
 	for _, d := range out.Docs {
 		if d.Found {
-			docs[d.ID] = Doc{ID: d.ID, Version: d.Version, Source: d.Source}
+			docs[d.ID] = d.Doc
 		}
 	}
 	return docs, nil
@@ -142,10 +136,8 @@ func (c *Client) Search(ctx context.Context, index string, query any) (SearchRes
 				Value int64 `json:"value"`
 			} `json:"total"`
 			Hits []struct {
-				ID      string            `json:"_id"`
-				Version int64             `json:"_version"`
-				Source  json.RawMessage   `json:"_source"`
-				Sort    []json.RawMessage `json:"sort"`
+				Doc
+				Sort []json.RawMessage `json:"sort"`
 			} `json:"hits"`
 		} `json:"hits"`
 	}
@@ -154,7 +146,7 @@ func (c *Client) Search(ctx context.Context, index string, query any) (SearchRes
 	}
 	r := SearchResult{Total: out.Hits.Total.Value}
 	for _, h := range out.Hits.Hits {
-		r.Hits = append(r.Hits, Doc{ID: h.ID, Version: h.Version, Source: h.Source})
+		r.Hits = append(r.Hits, h.Doc)
 		r.sort = h.Sort
 	}
 	return r, nil

@@ -142,32 +142,22 @@ func CheckIDs(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index s
 	if len(ids) == 0 {
 		return d, nil
 	}
-	products, err := shop.LoadProducts(ctx, pool, ids)
-	if err != nil {
-		return d, err
-	}
-	strIDs := make([]string, len(ids))
-	for i, id := range ids {
-		strIDs[i] = strconv.FormatInt(id, 10)
-	}
-	docs, err := c.MGet(ctx, index, strIDs)
+	now, err := readBack(ctx, c, pool, index, ids)
 	if err != nil {
 		return d, err
 	}
 	for _, id := range ids {
-		p, inSQL := products[id]
-		doc, inIndex := docs[strconv.FormatInt(id, 10)]
-		switch {
-		case !inSQL && inIndex:
-			d.Extra = append(d.Extra, doc.ID)
-		case inSQL && !inIndex:
+		switch st := now[id]; {
+		case !st.inSQL && st.inIndex:
+			d.Extra = append(d.Extra, st.doc.ID)
+		case st.inSQL && !st.inIndex:
 			d.Missing = append(d.Missing, id)
-		case inSQL && !same(doc, p):
+		case st.inSQL && !st.sameDocs:
 			d.Different = append(d.Different, id)
 			if d.versions == nil {
 				d.versions = map[int64]versionPair{}
 			}
-			d.versions[id] = versionPair{sql: p.Version, index: doc.Version}
+			d.versions[id] = versionPair{sql: st.product.Version, index: st.doc.Version}
 		}
 	}
 	return d, nil

@@ -1,8 +1,11 @@
 package searchindex
 
 import (
+	"cmp"
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -36,12 +39,17 @@ func Versions(ctx context.Context, c *search.Client, alias string) ([]string, er
 		}
 	}
 	// Numeric order: v10 after v9.
-	for i := 1; i < len(out); i++ {
-		for j := i; j > 0 && indexVersion(alias, out[j]) < indexVersion(alias, out[j-1]); j-- {
-			out[j], out[j-1] = out[j-1], out[j]
-		}
-	}
+	slices.SortStableFunc(out, func(a, b string) int { return cmp.Compare(indexVersion(alias, a), indexVersion(alias, b)) })
 	return out, nil
+}
+
+// indices returns the index the alias points at ("" if none) and the
+// <alias>-vN indices, oldest first.
+func indices(ctx context.Context, c *search.Client, alias string) (current string, versions []string, err error) {
+	if current, err = Current(ctx, c, alias); err == nil {
+		versions, err = Versions(ctx, c, alias)
+	}
+	return current, versions, err
 }
 
 // Current returns the index the alias points at, or "" if none.
@@ -76,7 +84,7 @@ func EnsureIndex(ctx context.Context, c *search.Client, alias, provision string)
 	name := IndexName(alias, 1)
 	if err := c.CreateIndex(ctx, name, schema.ProductIndex); err != nil {
 		var e *search.Error
-		if !(asError(err, &e) && e.Type == "resource_already_exists_exception") {
+		if !(errors.As(err, &e) && e.Type == "resource_already_exists_exception") {
 			return fmt.Errorf("create index %s: %w", name, err)
 		}
 	}
@@ -92,11 +100,7 @@ func EnsureIndex(ctx context.Context, c *search.Client, alias, provision string)
 // repair did; when some documents could not be repaired, the alias has
 // moved all the same and the error wraps ErrNotRepaired.
 func Rollback(ctx context.Context, c *search.Client, pool *pgxpool.Pool, cfg Config) (from, to string, repair RepairReport, err error) {
-	from, err = Current(ctx, c, cfg.Alias)
-	if err != nil {
-		return "", "", repair, err
-	}
-	versions, err := Versions(ctx, c, cfg.Alias)
+	from, versions, err := indices(ctx, c, cfg.Alias)
 	if err != nil {
 		return "", "", repair, err
 	}
@@ -125,11 +129,7 @@ func Rollback(ctx context.Context, c *search.Client, pool *pgxpool.Pool, cfg Con
 
 // Cleanup deletes every <alias>-vN index the alias does not point at.
 func Cleanup(ctx context.Context, c *search.Client, alias string) ([]string, error) {
-	cur, err := Current(ctx, c, alias)
-	if err != nil {
-		return nil, err
-	}
-	versions, err := Versions(ctx, c, alias)
+	cur, versions, err := indices(ctx, c, alias)
 	if err != nil {
 		return nil, err
 	}

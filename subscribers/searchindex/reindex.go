@@ -80,13 +80,8 @@ var ErrTooManyFailures = errors.New("too many documents failed")
 func (r *Reindexer) Reindex(ctx context.Context) (ReindexReport, error) {
 	start := time.Now()
 	alias := r.Search.Alias
-	rep := ReindexReport{}
-	from, err := Current(ctx, r.Client, alias)
-	if err != nil {
-		return rep, err
-	}
-	rep.From = from
-	versions, err := Versions(ctx, r.Client, alias)
+	from, versions, err := indices(ctx, r.Client, alias)
+	rep := ReindexReport{From: from}
 	if err != nil {
 		return rep, err
 	}
@@ -114,8 +109,7 @@ func (r *Reindexer) Reindex(ctx context.Context) (ReindexReport, error) {
 
 	// 3. The load.
 	if err := r.fill(ctx, &rep, refresh); err != nil {
-		r.abandon(rep.To)
-		return rep, fmt.Errorf("reindex into %s aborted before the swap (the alias still points at %q; %s deleted): %w", rep.To, rep.From, rep.To, err)
+		return rep, r.abandon(rep, err)
 	}
 
 	// 4. Catch up with what happened during the load, and verify.
@@ -126,8 +120,7 @@ func (r *Reindexer) Reindex(ctx context.Context) (ReindexReport, error) {
 		rep.Replayed += n
 	}
 	if err != nil {
-		r.abandon(rep.To)
-		return rep, fmt.Errorf("reindex into %s aborted before the swap (the alias still points at %q; %s deleted): %w", rep.To, rep.From, rep.To, err)
+		return rep, r.abandon(rep, err)
 	}
 
 	// 5. The swap, atomic, then the events that raced it.
@@ -163,7 +156,7 @@ func (r *Reindexer) fill(ctx context.Context, rep *ReindexReport, refresh string
 	}
 	if err == nil && len(failures) > r.Search.ReindexMaxFailures {
 		err = fmt.Errorf("%w: %d of %d documents (search.reindex_max_failures is %d); first: %s",
-			ErrTooManyFailures, len(failures), loaded+int64(len(failures)), r.Search.ReindexMaxFailures, describe(failures, 10))
+			ErrTooManyFailures, len(failures), loaded+int64(len(failures)), r.Search.ReindexMaxFailures, describe(failures, 10, sayFailure))
 	}
 	return err
 }
@@ -185,12 +178,15 @@ func loadSettings() (body []byte, refresh string, err error) {
 	return body, refresh, err
 }
 
-func (r *Reindexer) abandon(index string) {
+// abandon deletes the new index of a reindex that failed (err) before the
+// swap, and says so.
+func (r *Reindexer) abandon(rep ReindexReport, err error) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := r.Client.DeleteIndex(ctx, index); err != nil {
-		r.Logger.Warn("delete abandoned index", "index", index, "error", err)
+	if err := r.Client.DeleteIndex(ctx, rep.To); err != nil {
+		r.Logger.Warn("delete abandoned index", "index", rep.To, "error", err)
 	}
+	return fmt.Errorf("reindex into %s aborted before the swap (the alias still points at %q; %s deleted): %w", rep.To, rep.From, rep.To, err)
 }
 
 func (r *Reindexer) streamLastSeq(ctx context.Context) (uint64, error) {
@@ -384,14 +380,18 @@ func (r *Reindexer) verify(ctx context.Context, index string, mark uint64, failu
 	}
 }
 
-func describe(fs []Failure, n int) string {
+// describe lists the first n of xs, each as say puts it, and counts the
+// rest.
+func describe[T any](xs []T, n int, say func(T) string) string {
 	var parts []string
-	for i, f := range fs {
+	for i, x := range xs {
 		if i == n {
-			parts = append(parts, fmt.Sprintf("and %d more", len(fs)-n))
+			parts = append(parts, fmt.Sprintf("and %d more", len(xs)-n))
 			break
 		}
-		parts = append(parts, fmt.Sprintf("document %s: %s %s", f.ID, f.Type, f.Reason))
+		parts = append(parts, say(x))
 	}
 	return strings.Join(parts, "; ")
 }
+
+func sayFailure(f Failure) string { return fmt.Sprintf("document %s: %s %s", f.ID, f.Type, f.Reason) }

@@ -40,22 +40,12 @@ type RepairReport struct {
 func (r RepairReport) String() string {
 	s := fmt.Sprintf("repaired %d of %d drifted documents", r.Fixed, r.Drifted)
 	if len(r.Unrepaired) > 0 {
-		s += fmt.Sprintf("; could not repair %d: %s", len(r.Unrepaired), describeUnrepaired(r.Unrepaired, 10))
+		s += fmt.Sprintf("; could not repair %d: %s", len(r.Unrepaired), describe(r.Unrepaired, 10, sayUnrepaired))
 	}
 	return s
 }
 
-func describeUnrepaired(us []Unrepaired, n int) string {
-	var parts []string
-	for i, u := range us {
-		if i == n {
-			parts = append(parts, fmt.Sprintf("and %d more", len(us)-n))
-			break
-		}
-		parts = append(parts, "document "+u.ID+": "+u.Reason)
-	}
-	return strings.Join(parts, "; ")
-}
+func sayUnrepaired(u Unrepaired) string { return "document " + u.ID + ": " + u.Reason }
 
 // repairRounds bounds how often Repair writes a document that still
 // differs after its write: SQL may have changed in between.
@@ -148,7 +138,7 @@ func Repair(ctx context.Context, c *search.Client, pool *pgxpool.Pool, index str
 	slices.SortFunc(rep.Unrepaired, func(a, b Unrepaired) int { return compareIDs(a.ID, b.ID) })
 	if len(rep.Unrepaired) > 0 {
 		return rep, fmt.Errorf("%w: %d of %d drifted documents in %s still differ from SQL: %s",
-			ErrNotRepaired, len(rep.Unrepaired), rep.Drifted, index, describeUnrepaired(rep.Unrepaired, 10))
+			ErrNotRepaired, len(rep.Unrepaired), rep.Drifted, index, describe(rep.Unrepaired, 10, sayUnrepaired))
 	}
 	return rep, nil
 }
@@ -168,8 +158,8 @@ func compareIDs(a, b string) int {
 	return strings.Compare(a, b)
 }
 
-// docState is a product's SQL state and its document, read after a repair
-// wrote it.
+// docState is a product's SQL state and its document, read together (by a
+// check, or after a repair wrote it).
 type docState struct {
 	product  shop.Product
 	inSQL    bool

@@ -160,8 +160,6 @@ func (s *syncer) bulk(ctx context.Context, index string, ops []search.Op, out ma
 	}
 }
 
-func asError(err error, target **search.Error) bool { return errors.As(err, target) }
-
 // Dependency is the search engine's name among the indexer's dependencies.
 const Dependency = "search"
 
@@ -173,7 +171,7 @@ const Dependency = "search"
 // an outage verdict would hold it, and everything behind it, forever).
 func engineError(ctx context.Context, err error) error {
 	var e *search.Error
-	if asError(err, &e) && e.Status >= 400 && e.Status < 500 && e.Status != http.StatusTooManyRequests {
+	if errors.As(err, &e) && e.Status >= 400 && e.Status < 500 && e.Status != http.StatusTooManyRequests {
 		return err
 	}
 	if ctx.Err() != nil {
