@@ -133,34 +133,31 @@ func (b *backfiller) failureCount(key int64) int {
 	return b.failures[key]
 }
 
-// verdict is the backfill's judgement of a failed row.
-type verdict int
-
-const (
-	verdictOutage verdict = iota
-	verdictAgain          // not the row's fault (a conflict, a snooze): again, uncounted
-	verdictFailed         // the handler's failure: counted towards max_failures
-	verdictDead           // permanent, or max_failures reached: a failure row
-)
-
-func (b *backfiller) judge(ctx context.Context, key int64, err error) (verdict, string) {
+// judge settles the handler's failure on a row as the live runtime judges
+// it: an outage is waited out (outage is the error to return); a permanent
+// failure, or the one that reaches max_failures, makes the row dead (its
+// failure row, with the reason); any other has the chunk handled again
+// (again), counted towards max_failures if it is the handler's own.
+func (b *backfiller) judge(ctx context.Context, key int64, err error, dead map[int64]string) (again bool, outage error) {
 	switch b.health.Judge(ctx, err) {
 	case subscribers.OutcomeAbandoned, subscribers.OutcomeOutage:
-		return verdictOutage, ""
+		return false, b.wrapOutage(ctx, err)
 	case subscribers.OutcomePermanent:
-		return verdictDead, err.Error()
+		dead[key] = err.Error()
+		return false, nil
 	case subscribers.OutcomeSnooze, subscribers.OutcomeRetry:
-		return verdictAgain, ""
+		return true, nil // not the row's fault (a conflict, a snooze): uncounted
 	}
 	b.mu.Lock()
 	b.failures[key]++
 	n := b.failures[key]
 	b.mu.Unlock()
 	if n >= b.opts.Config.MaxFailures {
-		return verdictDead, fmt.Sprintf("gave up after %d failures (subscribers.max_failures): %v", n, err)
+		dead[key] = fmt.Sprintf("gave up after %d failures (subscribers.max_failures): %v", n, err)
+		return false, nil
 	}
 	b.logger.Warn("backfill row failed, will retry", "key", key, "failures", n, "error", err)
-	return verdictFailed, ""
+	return true, nil
 }
 
 // apply hands a chunk to the handler and moves the segment's checkpoint
@@ -178,41 +175,46 @@ func (b *backfiller) apply(ctx context.Context, sg *segment, rows []row) error {
 		return fmt.Errorf("begin: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
-	locked, err := bookkeeping.New(tx).BackfillSegmentLock(actx, bookkeeping.BackfillSegmentParams{Subscriber: b.name, Segment: sg.n})
+	locked, err := bookkeeping.New(tx).BackfillSegmentLock(actx, bookkeeping.BackfillSegmentParams{Subscriber: b.name, Segment: sg.N})
 	if err != nil {
-		return fmt.Errorf("lock the backfill's segment %d: %w", sg.n, err)
+		return fmt.Errorf("lock the backfill's segment %d: %w", sg.N, err)
 	}
-	if locked.Last != sg.last || !locked.StartedAt.Equal(b.snapshot().StartedAt) || locked.Paused {
+	if locked.Last != sg.Last || !locked.StartedAt.Equal(b.snapshot().StartedAt) || locked.Paused {
 		return b.reload(sg, locked.Last, locked.StartedAt, locked.Paused)
+	}
+	evs := make([]subscribers.Event, len(rows))
+	for i, r := range rows {
+		evs[i] = b.event(r)
 	}
 	dead := map[int64]string{}
 	var failed bool
 	if th, ok := b.opts.Handler.TxHandler(); ok {
-		failed, err = b.applyTx(actx, tx, th, rows, dead)
+		failed, err = b.applyTx(actx, tx, th, rows, evs, dead)
 	} else {
 		eh, _ := b.opts.Handler.EventHandler()
-		failed, err = b.applyEach(actx, eh, rows, dead)
+		failed, err = b.applyEach(actx, eh, rows, evs, dead)
 	}
 	if err != nil {
 		return err
 	}
-	if failed {
-		// A row the handler failed on, not yet given up: the chunk again,
-		// after the backoff its failures earned.
-		n := 0
-		b.mu.Lock()
-		for _, r := range rows {
-			n = max(n, b.failures[r.key])
-		}
-		b.mu.Unlock()
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(b.opts.Config.Backoff(uint64(n))):
-		}
-		return errChunkAgain
+	if !failed {
+		b.health.HandlerWorked()
+		return b.commit(ctx, actx, tx, sg, rows, dead)
 	}
-	return b.commit(ctx, actx, tx, sg, rows, dead)
+	// A row the handler failed on, not yet given up: the chunk again,
+	// after the backoff its failures earned.
+	n := 0
+	b.mu.Lock()
+	for _, r := range rows {
+		n = max(n, b.failures[r.key])
+	}
+	b.mu.Unlock()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(b.opts.Config.Backoff(uint64(n))):
+	}
+	return errChunkAgain
 }
 
 // commit records the chunk's failed rows, moves its segment's checkpoint
@@ -224,7 +226,7 @@ func (b *backfiller) commit(ctx, actx context.Context, tx pgx.Tx, sg *segment, r
 		}
 		b.logger.Error("backfill row failed", "key", key, "reason", reason)
 	}
-	newLast := sg.to
+	newLast := sg.To
 	if len(rows) == b.chunk {
 		newLast = rows[len(rows)-1].key
 	}
@@ -241,18 +243,18 @@ func (b *backfiller) commit(ctx, actx context.Context, tx pgx.Tx, sg *segment, r
 		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // after a commit, a no-op
 	}
 	moved, err := bookkeeping.New(tx).BackfillSegmentAdvance(actx, bookkeeping.BackfillSegmentAdvanceParams{
-		Subscriber: b.name, Segment: sg.n, LastKey: newLast, Done: applied, Failed: int64(len(dead))})
+		Subscriber: b.name, Segment: sg.N, LastKey: newLast, Done: applied, Failed: int64(len(dead))})
 	if err != nil {
 		return fmt.Errorf("advance the backfill: %w", err)
 	}
 	if !moved {
 		// Paused while the chunk applied: undone, and done on resume.
-		return b.reload(sg, sg.last, b.snapshot().StartedAt, true)
+		return b.reload(sg, sg.Last, b.snapshot().StartedAt, true)
 	}
 	if err := tx.Commit(actx); err != nil {
 		return fmt.Errorf("commit the chunk: %w", err)
 	}
-	sg.last = newLast
+	sg.Last = newLast
 	b.mu.Lock()
 	for _, r := range rows {
 		delete(b.failures, r.key)
@@ -260,7 +262,7 @@ func (b *backfiller) commit(ctx, actx context.Context, tx pgx.Tx, sg *segment, r
 	b.status.Done += applied
 	b.status.Failed += int64(len(dead))
 	b.status.UpdatedAt = time.Now()
-	if newLast >= sg.to {
+	if newLast >= sg.To {
 		b.status.SegmentsDone++
 	}
 	b.mu.Unlock()
@@ -273,7 +275,7 @@ func (b *backfiller) reload(sg *segment, last int64, started time.Time, paused b
 	if !started.Equal(b.snapshot().StartedAt) {
 		return fmt.Errorf("subscriber %s: its backfill was restarted elsewhere", b.name)
 	}
-	sg.last = last
+	sg.Last = last
 	if paused {
 		b.mu.Lock()
 		b.status.Paused = true
@@ -285,18 +287,13 @@ func (b *backfiller) reload(sg *segment, last int64, started time.Time, paused b
 // applyTx runs the chunk in tx, with the checkpoint's move: as one batch
 // if the handler takes batches, else (or if the batch fails) row by row
 // under savepoints, so a bad row is recorded and the others applied.
-func (b *backfiller) applyTx(ctx context.Context, tx pgx.Tx, th subscribers.TxHandler, rows []row, dead map[int64]string) (failed bool, err error) {
+func (b *backfiller) applyTx(ctx context.Context, tx pgx.Tx, th subscribers.TxHandler, rows []row, evs []subscribers.Event, dead map[int64]string) (failed bool, err error) {
 	if bh, ok := th.(subscribers.BatchTxHandler); ok && len(rows) > 1 {
-		evs := make([]subscribers.Event, len(rows))
-		for i, r := range rows {
-			evs[i] = b.event(r)
-		}
 		err := inSavepoint(ctx, tx, func(tx pgx.Tx) (err error) {
 			defer subscribers.RecoverHandler(evs[0], &err)
 			return bh.HandleBatchTx(ctx, tx, evs)
 		})
 		if err == nil {
-			b.health.HandlerWorked()
 			return false, nil
 		}
 		if dep, ok := subscribers.IsUnavailable(err); ok {
@@ -307,8 +304,8 @@ func (b *backfiller) applyTx(ctx context.Context, tx pgx.Tx, th subscribers.TxHa
 		}
 		// Row by row, where each row's error is its own verdict.
 	}
-	for _, r := range rows {
-		ev := b.event(r)
+	for i, r := range rows {
+		ev := evs[i]
 		err := inSavepoint(ctx, tx, func(tx pgx.Tx) (err error) {
 			defer subscribers.RecoverHandler(ev, &err)
 			return th.HandleTx(ctx, tx, ev)
@@ -316,17 +313,11 @@ func (b *backfiller) applyTx(ctx context.Context, tx pgx.Tx, th subscribers.TxHa
 		if err == nil {
 			continue
 		}
-		switch v, reason := b.judge(ctx, r.key, err); v {
-		case verdictOutage:
-			return false, b.wrapOutage(ctx, err)
-		case verdictAgain, verdictFailed:
-			failed = true
-		case verdictDead:
-			dead[r.key] = reason
+		again, err := b.judge(ctx, r.key, err, dead)
+		if err != nil {
+			return false, err
 		}
-	}
-	if !failed {
-		b.health.HandlerWorked()
+		failed = failed || again
 	}
 	return failed, nil
 }
@@ -334,11 +325,7 @@ func (b *backfiller) applyTx(ctx context.Context, tx pgx.Tx, th subscribers.TxHa
 // applyEach hands the chunk to a handler whose effects live outside
 // Postgres: it is idempotent, so a chunk handled again after a crash does
 // no harm.
-func (b *backfiller) applyEach(ctx context.Context, eh subscribers.EventHandler, rows []row, dead map[int64]string) (failed bool, err error) {
-	evs := make([]subscribers.Event, len(rows))
-	for i, r := range rows {
-		evs[i] = b.event(r)
-	}
+func (b *backfiller) applyEach(ctx context.Context, eh subscribers.EventHandler, rows []row, evs []subscribers.Event, dead map[int64]string) (failed bool, err error) {
 	errs := make([]error, len(evs))
 	if bh, ok := eh.(subscribers.BatchEventHandler); ok && len(evs) > 1 {
 		func() {
@@ -366,17 +353,11 @@ func (b *backfiller) applyEach(ctx context.Context, eh subscribers.EventHandler,
 		if err == nil {
 			continue
 		}
-		switch v, reason := b.judge(ctx, rows[i].key, err); v {
-		case verdictOutage:
-			return false, b.wrapOutage(ctx, err)
-		case verdictAgain, verdictFailed:
-			failed = true
-		case verdictDead:
-			dead[rows[i].key] = reason
+		again, err := b.judge(ctx, rows[i].key, err, dead)
+		if err != nil {
+			return false, err
 		}
-	}
-	if !failed {
-		b.health.HandlerWorked()
+		failed = failed || again
 	}
 	return failed, nil
 }

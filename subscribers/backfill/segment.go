@@ -68,11 +68,9 @@ func newBackfiller(opts Options) *backfiller {
 	return b
 }
 
-// segment is one worker's part of the key range.
-type segment struct {
-	n        int
-	to, last int64
-}
+// segment is one worker's part of the key range; its Last moves as its
+// chunks commit.
+type segment = bookkeeping.BackfillSegment
 
 // begin resumes the subscriber's unfinished backfill, or starts one, and
 // returns its segments.
@@ -170,8 +168,8 @@ func (b *backfiller) segments(ctx context.Context) ([]*segment, error) {
 		return nil, fmt.Errorf("subscriber %s: its backfill has no segments (subscriber_backfill_segments): run it with --restart", b.name)
 	}
 	out := make([]*segment, len(rows))
-	for i, r := range rows {
-		out[i] = &segment{n: r.N, to: r.To, last: r.Last}
+	for i := range rows {
+		out[i] = &rows[i]
 	}
 	return out, nil
 }
@@ -225,7 +223,7 @@ func (b *backfiller) runSegment(ctx context.Context, sg *segment) error {
 	// trips and the apply's overlap, on two connections.
 	var ahead *readAhead
 	defer func() { ahead.discard() }()
-	for sg.last < sg.to {
+	for sg.Last < sg.To {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
@@ -244,11 +242,11 @@ func (b *backfiller) runSegment(ctx context.Context, sg *segment) error {
 		readStart := time.Now()
 		var rows []row
 		var err error
-		if ahead != nil && ahead.from == sg.last {
+		if ahead != nil && ahead.from == sg.Last {
 			rows, err = ahead.wait()
 		} else {
 			ahead.discard()
-			rows, err = b.read(ctx, sg.last, sg.to)
+			rows, err = b.read(ctx, sg.Last, sg.To)
 		}
 		ahead = nil
 		readTook := time.Since(readStart)
@@ -271,7 +269,7 @@ func (b *backfiller) runSegment(ctx context.Context, sg *segment) error {
 			}
 		}
 		if len(rows) == b.chunk {
-			ahead = b.readAhead(ctx, rows[len(rows)-1].key, sg.to)
+			ahead = b.readAhead(ctx, rows[len(rows)-1].key, sg.To)
 		}
 		applyStart := time.Now()
 		if err := b.apply(ctx, sg, rows); err != nil {
@@ -282,7 +280,7 @@ func (b *backfiller) runSegment(ctx context.Context, sg *segment) error {
 			}
 			return err
 		}
-		b.logger.Debug("backfill chunk", "segment", sg.n, "rows", len(rows), "last_key", sg.last, "read", readTook, "apply", time.Since(applyStart))
+		b.logger.Debug("backfill chunk", "segment", sg.N, "rows", len(rows), "last_key", sg.Last, "read", readTook, "apply", time.Since(applyStart))
 		b.report()
 	}
 	return nil
