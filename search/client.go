@@ -61,7 +61,6 @@ func (c *Client) Close() error {
 
 // Client talks to the engine.
 type Client struct {
-	engine    string
 	p         performer
 	timeout   time.Duration
 	transport http.RoundTripper
@@ -92,7 +91,7 @@ func New(cfg Config) (*Client, error) {
 		}
 		transport = t
 	}
-	c := &Client{engine: cfg.Engine, timeout: cfg.Timeout, transport: transport}
+	c := &Client{timeout: cfg.Timeout, transport: transport}
 	switch cfg.Engine {
 	case Elasticsearch:
 		es, err := newElasticsearchClient(cfg, transport)
@@ -114,9 +113,6 @@ func New(cfg Config) (*Client, error) {
 	}
 	return c, nil
 }
-
-// Engine names the implementation in use.
-func (c *Client) Engine() string { return c.engine }
 
 // Error is an error response from the engine.
 type Error struct {
