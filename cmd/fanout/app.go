@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
 )
 
 // app holds what every subcommand loads: the configuration and the logger.
@@ -48,6 +49,16 @@ func (a *app) load() error {
 	return nil
 }
 
+// loaded makes a command's RunE: fn runs once the configuration is loaded.
+func (a *app) loaded(fn func(cmd *cobra.Command, args []string) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		if err := a.load(); err != nil {
+			return err
+		}
+		return fn(cmd, args)
+	}
+}
+
 // close flushes what the process still holds (spans).
 func (a *app) close() {
 	if a.shutdownTracing != nil {
@@ -59,21 +70,17 @@ func (a *app) postgres(ctx context.Context, role string, opts ...connect.Postgre
 	return connect.Postgres(ctx, a.cfg.Postgres, role, opts...)
 }
 
-// relayPostgres opens the relay's pool: its sessions commit without
-// waiting for the WAL flush and plan without JIT (connect.AsyncCommit,
-// connect.NoJIT).
-func (a *app) relayPostgres(ctx context.Context) (*pgxpool.Pool, error) {
-	return a.postgres(ctx, "relay", connect.AsyncCommit(), connect.NoJIT())
-}
-
-func (a *app) nats(role string) (*nats.Conn, error) {
-	return connect.NATS(a.cfg.NATS, role, logging.Component(a.logger, "nats"))
+// relaySessions are the options of the relay's pool: its sessions commit
+// without waiting for the WAL flush and plan without JIT
+// (connect.AsyncCommit, connect.NoJIT).
+func relaySessions() []connect.PostgresOption {
+	return []connect.PostgresOption{connect.AsyncCommit(), connect.NoJIT()}
 }
 
 // jetStream connects to NATS as role and returns the connection, for the
 // caller to close, and its JetStream API.
 func (a *app) jetStream(role string) (*nats.Conn, jetstream.JetStream, error) {
-	nc, err := a.nats(role)
+	nc, err := connect.NATS(a.cfg.NATS, role, logging.Component(a.logger, "nats"))
 	if err != nil {
 		return nil, nil, err
 	}
@@ -83,4 +90,58 @@ func (a *app) jetStream(role string) (*nats.Conn, jetstream.JetStream, error) {
 		return nil, nil, err
 	}
 	return nc, js, nil
+}
+
+// What open connects to besides Postgres.
+const (
+	pgOnly   = false
+	withNATS = true
+)
+
+// conns are a command's connections, made as its role (open).
+type conns struct {
+	pool *pgxpool.Pool
+	nc   *nats.Conn // nil unless opened withNATS
+	js   jetstream.JetStream
+}
+
+// open loads the configuration and connects as role: to Postgres (with
+// opts), and withNATS to NATS and its JetStream API too. The caller
+// closes what it returns.
+func (a *app) open(ctx context.Context, role string, nc bool, opts ...connect.PostgresOption) (*conns, error) {
+	if err := a.load(); err != nil {
+		return nil, err
+	}
+	pool, err := a.postgres(ctx, role, opts...)
+	if err != nil {
+		return nil, err
+	}
+	c := &conns{pool: pool}
+	if nc {
+		if c.nc, c.js, err = a.jetStream(role); err != nil {
+			pool.Close()
+			return nil, err
+		}
+	}
+	return c, nil
+}
+
+func (c *conns) close() {
+	if c.nc != nil {
+		c.nc.Close()
+	}
+	c.pool.Close()
+}
+
+// connected makes a command's RunE: fn runs with the connections open
+// (see open), and they are closed after it.
+func (a *app) connected(role string, nc bool, fn func(cmd *cobra.Command, args []string, c *conns) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, args []string) error {
+		c, err := a.open(cmd.Context(), role, nc)
+		if err != nil {
+			return err
+		}
+		defer c.close()
+		return fn(cmd, args, c)
+	}
 }

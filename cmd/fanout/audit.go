@@ -31,10 +31,7 @@ lost its last writes. --dry-run only reports.
 It runs as the relay (its Postgres role and NATS user): it reads the stream
 by sequence and publishes events.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
+		RunE: a.loaded(func(cmd *cobra.Command, _ []string) error {
 			var from time.Time
 			if since != "" {
 				t, err := parseSince(since)
@@ -43,20 +40,15 @@ by sequence and publishes events.`,
 				}
 				from = t
 			}
-			pool, err := a.relayPostgres(cmd.Context())
+			c, err := a.open(cmd.Context(), "relay", withNATS, relaySessions()...)
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			nc, err := a.nats("relay")
-			if err != nil {
-				return err
-			}
-			defer nc.Close()
+			defer c.close()
 			out := cmd.OutOrStdout()
 			start := time.Now()
 			rep, err := relay.Audit(cmd.Context(), relay.Options{
-				Relay: a.cfg.Relay, Stream: a.cfg.Stream, Pool: pool, Conn: nc, Logger: logging.Component(a.logger, "audit"),
+				Relay: a.cfg.Relay, Stream: a.cfg.Stream, Pool: c.pool, Conn: c.nc, Logger: logging.Component(a.logger, "audit"),
 			}, from, dryRun, auditProgress(out, start))
 			if err != nil {
 				return err
@@ -69,7 +61,7 @@ by sequence and publishes events.`,
 				return fmt.Errorf("%d events missing from the stream", rep.Missing)
 			}
 			return nil
-		},
+		}),
 	}
 	cmd.Flags().StringVar(&since, "since", "", "check only the events published since TIME (RFC 3339, or a duration ago: 30m)")
 	cmd.Flags().BoolVar(&dryRun, "dry-run", false, "report, publish nothing")

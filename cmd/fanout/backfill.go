@@ -41,10 +41,7 @@ goes to stderr; ` + "`fanout status`" + ` shows a running backfill.
 --rate limits rows per second; --pause and --resume act on the backfill
 running elsewhere; --restart starts over.`,
 		Args: cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
+		RunE: a.loaded(func(cmd *cobra.Command, args []string) error {
 			decl, err := subscriberRegistry.Lookup(args[0])
 			if err != nil {
 				return err
@@ -108,7 +105,7 @@ running elsewhere; --restart starts over.`,
 				return fmt.Errorf("backfill of %s: %d rows could not be applied; see subscriber_backfill_failures (fanout status names them)", decl.Name, s.Failed)
 			}
 			return nil
-		},
+		}),
 	}
 	cmd.Flags().StringVar(&where, "where", "", "SQL condition on the table's rows (alias t), e.g. \"t.created_at < now() - interval '7 days'\"")
 	cmd.Flags().Float64Var(&rate, "rate", 0, "at most this many rows per second (0: no limit)")

@@ -29,29 +29,23 @@ func configCommand(a *app) *cobra.Command {
 		Use:   "print",
 		Short: "Print the merged configuration (defaults, file, environment) as YAML, secrets redacted",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
+		RunE: a.loaded(func(cmd *cobra.Command, _ []string) error {
 			out, err := yaml.Marshal(a.cfg.Redacted())
 			if err != nil {
 				return err
 			}
 			_, err = cmd.OutOrStdout().Write(out)
 			return err
-		},
+		}),
 	})
 	cmd.AddCommand(&cobra.Command{
 		Use:   "check",
 		Short: "Load and validate the configuration; exit non-zero naming every bad key",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
+		RunE: a.loaded(func(cmd *cobra.Command, _ []string) error {
 			fmt.Fprintln(cmd.OutOrStdout(), "configuration is valid")
 			return nil
-		},
+		}),
 	})
 	return cmd
 }

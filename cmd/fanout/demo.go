@@ -30,22 +30,14 @@ func demoCommand(a *app) *cobra.Command {
 		Use:   "demo",
 		Short: "Run the demo writer: price and stock changes, orders, renames, at demo.rate writes/s",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
-			pool, err := a.postgres(cmd.Context(), "demo")
+		RunE: a.connected("demo", pgOnly, func(cmd *cobra.Command, _ []string, c *conns) error {
+			d, err := newDriver(cmd.Context(), a, c.pool)
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			d, err := newDriver(cmd.Context(), a, pool)
-			if err != nil {
-				return err
-			}
-			go progress(cmd.Context(), a, pool, d, nil, nil, nil)
+			go progress(cmd.Context(), a, c.pool, d, nil, nil, nil)
 			return d.Run(cmd.Context())
-		},
+		}),
 	}
 }
 
@@ -54,16 +46,8 @@ func upCommand(a *app) *cobra.Command {
 		Use:   "up",
 		Short: "Migrate, then run the relay, every subscriber and the demo writer in one process, with a progress line (`go tool task up` starts the services first)",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
-			ctx := cmd.Context()
-			pool, err := a.postgres(ctx, "up")
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
+		RunE: a.connected("up", pgOnly, func(cmd *cobra.Command, _ []string, c *conns) error {
+			ctx, pool := cmd.Context(), c.pool
 			if _, err := schema.Migrate(ctx, pool, logging.Component(a.logger, "migrate")); err != nil {
 				return err
 			}
@@ -73,27 +57,23 @@ func upCommand(a *app) *cobra.Command {
 			defer func() { _ = running.stop() }()
 			var published atomic.Int64
 			reg := metrics.NewRegistry()
-			r, conns, err := startRelay(ctx, a, countPublished{Observer: relay.NewMetrics(reg), n: &published})
+			r, rc, err := startRelay(ctx, a, countPublished{Observer: relay.NewMetrics(reg), n: &published})
 			if err != nil {
 				return err
 			}
-			running.add(func() error { conns.close(); return nil })
+			running.add(func() error { rc.close(); return nil })
 			running.add(func() error { return stopRelay(a, r) })
 			names := subscriberNames()
 			sd := &deps{a: a, ctx: ctx, pool: pool, reg: reg, checks: []opsserver.Check{
-				natsCheck(conns.nc), {Name: "relay", Fn: func(context.Context) error { return r.Ready() }},
+				natsCheck(rc.nc), {Name: "relay", Fn: func(context.Context) error { return r.Ready() }},
 			}}
 			running.add(func() error { sd.close(); return nil })
-			stopSubscribers, err := startSubscribers(ctx, a, sd, names, conns.nc, subscribers.NewMetrics(reg))
+			stopSubscribers, err := startSubscribers(ctx, a, sd, names, rc.nc, subscribers.NewMetrics(reg))
 			if err != nil {
 				return err
 			}
 			running.add(stopSubscribers)
-			js, err := jetstream.New(conns.nc)
-			if err != nil {
-				return err
-			}
-			reg.MustRegister(relay.NewOutboxCollector(pool, a.cfg.Relay.OnFailed, a.logger), subscribers.NewConsumerCollector(js, a.cfg.Stream.Name, names, a.logger))
+			reg.MustRegister(relay.NewOutboxCollector(pool, a.cfg.Relay.OnFailed, a.logger), subscribers.NewConsumerCollector(rc.js, a.cfg.Stream.Name, names, a.logger))
 			stopOps, err := startOps(a, reg, sd.checks)
 			if err != nil {
 				return err
@@ -106,10 +86,10 @@ func upCommand(a *app) *cobra.Command {
 			fmt.Printf("fanout up: relay publishing to stream %s on %s, subscribers %s, demo writing %d/s.\n"+
 				"Try: .bin/nats stream info %s, or go run ./cmd/fanout status. Ctrl-C stops.\n",
 				a.cfg.Stream.Name, config.RedactURL(a.cfg.NATS.URL), strings.Join(names, ", "), a.cfg.Demo.Rate, a.cfg.Stream.Name)
-			go progress(ctx, a, pool, d, &published, js, names)
+			go progress(ctx, a, pool, d, &published, rc.js, names)
 			runErr := d.Run(ctx)
 			return errors.Join(runErr, running.stop())
-		},
+		}),
 	}
 }
 

@@ -13,47 +13,13 @@ import (
 	"github.com/fanout/fanout/internal/logging"
 	"github.com/fanout/fanout/operator"
 	"github.com/fanout/fanout/subscribers"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 )
 
 // dlqEnv is what the dead-letter commands work with.
 type dlqEnv struct {
 	*operator.DeadLetters
-	pool *pgxpool.Pool
-	nc   *nats.Conn
-}
-
-func openDLQ(ctx context.Context, a *app) (*dlqEnv, error) {
-	if err := a.load(); err != nil {
-		return nil, err
-	}
-	pool, err := a.postgres(ctx, "dlq")
-	if err != nil {
-		return nil, err
-	}
-	nc, err := a.nats("dlq")
-	if err != nil {
-		pool.Close()
-		return nil, err
-	}
-	js, err := jetstream.New(nc)
-	if err == nil {
-		var d *operator.DeadLetters
-		if d, err = operator.OpenDeadLetters(ctx, pool, js, a.cfg.Stream, a.cfg.Subscribers); err == nil {
-			return &dlqEnv{DeadLetters: d, pool: pool, nc: nc}, nil
-		}
-	}
-	nc.Close()
-	pool.Close()
-	return nil, err
-}
-
-func (e *dlqEnv) close() {
-	e.nc.Close()
-	e.pool.Close()
+	*conns
 }
 
 // targets resolves `<seq>` or `--subscriber S` into dead letters: the
@@ -77,16 +43,6 @@ func (e *dlqEnv) targets(ctx context.Context, args []string, subscriber string) 
 	return []operator.Letter{l}, nil
 }
 
-// comment is what the audit trail records beside the database role that
-// acted (the actor, which the database records itself): the operator's
-// reason, and the deprecated --actor's words if given.
-func comment(reason, actor string) string {
-	if actor != "" {
-		return strings.TrimSpace(reason + " (--actor " + actor + ")")
-	}
-	return reason
-}
-
 func dlqCommand(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "dlq",
@@ -99,14 +55,13 @@ func dlqCommand(a *app) *cobra.Command {
 // onDLQ makes a dead-letter subcommand's RunE: fn runs with the dead
 // letters open, and they are closed after it.
 func onDLQ(a *app, fn func(cmd *cobra.Command, e *dlqEnv, args []string) error) func(*cobra.Command, []string) error {
-	return func(cmd *cobra.Command, args []string) error {
-		e, err := openDLQ(cmd.Context(), a)
+	return a.connected("dlq", withNATS, func(cmd *cobra.Command, args []string, c *conns) error {
+		d, err := operator.OpenDeadLetters(cmd.Context(), c.pool, c.js, a.cfg.Stream, a.cfg.Subscribers)
 		if err != nil {
 			return err
 		}
-		defer e.close()
-		return fn(cmd, e, args)
-	}
+		return fn(cmd, &dlqEnv{DeadLetters: d, conns: c}, args)
+	})
 }
 
 // onLetters is onDLQ for the subcommands that act on `<seq>` or
@@ -137,7 +92,15 @@ func (l *letterAction) addFlags(cmd *cobra.Command, subscriberHelp, reasonHelp, 
 	_ = cmd.Flags().MarkDeprecated("actor", "the audit trail records the database role that acts; say more with --reason")
 }
 
-func (l *letterAction) comment() string { return comment(l.reason, l.actor) }
+// comment is what the audit trail records beside the database role that
+// acted (the actor, which the database records itself): the operator's
+// reason, and the deprecated --actor's words if given.
+func (l *letterAction) comment() string {
+	if l.actor != "" {
+		return strings.TrimSpace(l.reason + " (--actor " + l.actor + ")")
+	}
+	return l.reason
+}
 
 func dlqListCommand(a *app) *cobra.Command {
 	var subscriber string

@@ -14,16 +14,8 @@ func migrateCommand(a *app) *cobra.Command {
 		Use:   "migrate",
 		Short: "Apply the database migrations (safe to run twice, and from several processes at once)",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
-			pool, err := a.postgres(cmd.Context(), "migrate")
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
-			applied, err := schema.Migrate(cmd.Context(), pool, logging.Component(a.logger, "migrate"))
+		RunE: a.connected("migrate", pgOnly, func(cmd *cobra.Command, _ []string, c *conns) error {
+			applied, err := schema.Migrate(cmd.Context(), c.pool, logging.Component(a.logger, "migrate"))
 			if err != nil {
 				return err
 			}
@@ -33,7 +25,7 @@ func migrateCommand(a *app) *cobra.Command {
 				fmt.Fprintf(cmd.OutOrStdout(), "applied %d migration(s): %v\n", len(applied), applied)
 			}
 			return nil
-		},
+		}),
 	}
 	cmd.AddCommand(&cobra.Command{
 		Use:   "print",

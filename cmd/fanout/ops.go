@@ -47,10 +47,7 @@ func healthcheckCommand(a *app) *cobra.Command {
 		Use:   "healthcheck",
 		Short: "Ask this role's /readyz (http.addr) and exit 0 if ready: a probe for images without a shell",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
+		RunE: a.loaded(func(cmd *cobra.Command, _ []string) error {
 			if a.cfg.HTTP.Addr == "" {
 				return errors.New("http.addr is empty: the operations endpoint is disabled")
 			}
@@ -74,7 +71,7 @@ func healthcheckCommand(a *app) *cobra.Command {
 			}
 			fmt.Fprintln(cmd.OutOrStdout(), "ready")
 			return nil
-		},
+		}),
 	}
 }
 

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -24,37 +23,19 @@ func outboxCommand(a *app) *cobra.Command {
 	return cmd
 }
 
-// openOutbox loads the configuration and opens the outbox as the database
-// role; closeOutbox releases its pool.
-func openOutbox(ctx context.Context, a *app, role string) (store *outboxstore.Store, closeOutbox func(), err error) {
-	if err := a.load(); err != nil {
-		return nil, nil, err
-	}
-	pool, err := a.postgres(ctx, role)
-	if err != nil {
-		return nil, nil, err
-	}
-	return outboxstore.New(pool), pool.Close, nil
-}
-
 func outboxRetryFailedCommand(a *app) *cobra.Command {
 	return &cobra.Command{
 		Use:   "retry-failed",
 		Short: "Return every failed row to pending (after fixing what made it fail)",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			store, closeOutbox, err := openOutbox(cmd.Context(), a, "outbox")
-			if err != nil {
-				return err
-			}
-			defer closeOutbox()
-			n, err := store.RetryFailed(cmd.Context())
+		RunE: a.connected("outbox", pgOnly, func(cmd *cobra.Command, _ []string, c *conns) error {
+			n, err := outboxstore.New(c.pool).RetryFailed(cmd.Context())
 			if err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "%d failed rows returned to pending\n", n)
 			return nil
-		},
+		}),
 	}
 }
 
@@ -79,22 +60,19 @@ decoded them (set --since earlier by the slot's lag at the time of the loss,
 which fanout status shows). The wal relay publishes each one again as it
 decodes the update that returns it.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			// A configuration's error is reported before --since's
-			// (openOutbox then finds it loaded).
-			if err := a.load(); err != nil {
-				return err
-			}
+		// A configuration's error is reported before --since's (open then
+		// finds it loaded).
+		RunE: a.loaded(func(cmd *cobra.Command, _ []string) error {
 			t, err := parseSince(since)
 			if err != nil {
 				return err
 			}
-			store, closeOutbox, err := openOutbox(cmd.Context(), a, "outbox")
+			c, err := a.open(cmd.Context(), "outbox", pgOnly)
 			if err != nil {
 				return err
 			}
-			defer closeOutbox()
-			n, oldest, err := store.Republish(cmd.Context(), t)
+			defer c.close()
+			n, oldest, err := outboxstore.New(c.pool).Republish(cmd.Context(), t)
 			if err != nil {
 				return err
 			}
@@ -103,7 +81,7 @@ decodes the update that returns it.`,
 				fmt.Fprintf(cmd.OutOrStdout(), "note: the oldest published row retained is from %s; events published before that are no longer in the outbox\n", oldest.UTC().Format(time.RFC3339))
 			}
 			return nil
-		},
+		}),
 	}
 	republish.Flags().StringVar(&since, "since", "", "RFC 3339 time, or a duration ago (e.g. 30m)")
 	_ = republish.MarkFlagRequired("since")
@@ -126,12 +104,12 @@ held, and the failed rows' reasons are in the outbox's last_error column.`,
 			if err != nil {
 				return err
 			}
-			store, closeOutbox, err := openOutbox(cmd.Context(), a, "outbox")
+			c, err := a.open(cmd.Context(), "outbox", pgOnly)
 			if err != nil {
 				return err
 			}
-			defer closeOutbox()
-			skipped, err := store.Skip(cmd.Context(), ids)
+			defer c.close()
+			skipped, err := outboxstore.New(c.pool).Skip(cmd.Context(), ids)
 			if err != nil {
 				return err
 			}
@@ -219,11 +197,12 @@ Without a flag, it shows the list.`,
 					return err
 				}
 			}
-			store, closeOutbox, err := openOutbox(cmd.Context(), a, "migrate")
+			c, err := a.open(cmd.Context(), "migrate", pgOnly)
 			if err != nil {
 				return err
 			}
-			defer closeOutbox()
+			defer c.close()
+			store := outboxstore.New(c.pool)
 			if setting {
 				if err := store.SetNumbering(cmd.Context(), skip); err != nil {
 					return fmt.Errorf("outbox numbering: %w", err)

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 
 	"github.com/fanout/fanout/internal/jsretry"
@@ -38,10 +39,7 @@ purge would; in deploy/nats/nats-server.conf each stream's administrator
 is: admin for EVENTS, admin_deadletter for DEADLETTER); a lower limit also
 needs --allow-lower. --check changes nothing and lists every difference of
 the streams and consumers from the configuration.`,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
+		RunE: a.loaded(func(cmd *cobra.Command, args []string) error {
 			if allowLower && len(updates) == 0 {
 				return errors.New("--allow-lower goes with --update-stream")
 			}
@@ -65,7 +63,7 @@ the streams and consumers from the configuration.`,
 				return provisionUpdate(cmd, a, js, updates, allowLower, logger)
 			}
 			return provisionAll(cmd, a, js, decls, logger)
-		},
+		}),
 	}
 	cmd.Flags().StringSliceVar(&updates, "update-stream", nil, "bring this existing stream to the configuration, and do nothing else (as an identity allowed to update it; repeatable)")
 	cmd.Flags().BoolVar(&allowLower, "allow-lower", false, "with --update-stream, also lower a stream's limits (drops the events beyond the new limit)")
@@ -156,13 +154,10 @@ func provisionConsumers(cmd *cobra.Command, a *app, js jetstream.JetStream, decl
 // second dead-letter stream in the events' account.
 func provisionUpdate(cmd *cobra.Command, a *app, js jetstream.JetStream, names []string, allowLower bool, logger *slog.Logger) error {
 	ctx := cmd.Context()
-	wants := map[string]jetstream.StreamConfig{}
-	for _, want := range []jetstream.StreamConfig{stream.JetStreamConfig(a.cfg.Stream), subscribers.DeadLetterStreamConfig(a.cfg.Subscribers, a.cfg.Stream.Replicas)} {
-		wants[want.Name] = want
-	}
+	wants := streamConfigs(a)
 	for _, name := range names {
-		want, ok := wants[name]
-		if !ok {
+		i := slices.IndexFunc(wants, func(c jetstream.StreamConfig) bool { return c.Name == name })
+		if i < 0 {
 			return fmt.Errorf("--update-stream %s: fanout has streams %s and %s only", name, a.cfg.Stream.Name, a.cfg.Subscribers.DeadLetterStream)
 		}
 		if _, err := js.Stream(ctx, name); errors.Is(err, jetstream.ErrStreamNotFound) {
@@ -170,13 +165,19 @@ func provisionUpdate(cmd *cobra.Command, a *app, js jetstream.JetStream, names [
 		} else if err != nil {
 			return err
 		}
-		info, err := stream.Provision(ctx, js, want, stream.Changes{Update: true, AllowLower: allowLower, ReplaceOwner: true}, logger)
+		info, err := stream.Provision(ctx, js, wants[i], stream.Changes{Update: true, AllowLower: allowLower, ReplaceOwner: true}, logger)
 		if err != nil {
 			return err
 		}
 		fmt.Fprintf(cmd.OutOrStdout(), "stream %s: as configured (max age %s, %d replicas)\n", name, info.Config.MaxAge, info.Config.Replicas)
 	}
 	return nil
+}
+
+// streamConfigs are the two streams as the configuration makes them: the
+// events stream and the dead letters'.
+func streamConfigs(a *app) []jetstream.StreamConfig {
+	return []jetstream.StreamConfig{stream.JetStreamConfig(a.cfg.Stream), subscribers.DeadLetterStreamConfig(a.cfg.Subscribers, a.cfg.Stream.Replicas)}
 }
 
 // provisionCheck lists every setting of the streams and of the consumers of
@@ -186,49 +187,39 @@ func provisionCheck(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []
 	ctx := cmd.Context()
 	out := cmd.OutOrStdout()
 	found := 0
-	report := func(what string, have func() (any, error), diffs func(any) []stream.Difference) {
-		v, err := have()
-		if err != nil {
+	report := func(what string, ds []stream.Difference, err error) {
+		switch {
+		case err != nil:
 			fmt.Fprintf(out, "%s: %v\n", what, err)
 			found++
-			return
-		}
-		ds := diffs(v)
-		if len(ds) == 0 {
+		case len(ds) == 0:
 			fmt.Fprintf(out, "%s: as configured\n", what)
-			return
 		}
 		for _, d := range ds {
 			fmt.Fprintf(out, "%s: %s\n", what, d)
 		}
 		found += len(ds)
 	}
-	for _, want := range []jetstream.StreamConfig{stream.JetStreamConfig(a.cfg.Stream), subscribers.DeadLetterStreamConfig(a.cfg.Subscribers, a.cfg.Stream.Replicas)} {
-		report("stream "+want.Name, func() (any, error) {
-			s, err := js.Stream(ctx, want.Name)
-			if err != nil {
-				return nil, err
-			}
-			return s.CachedInfo().Config, nil
-		}, func(v any) []stream.Difference {
-			ds := append(stream.StreamDifferences(v.(jetstream.StreamConfig), want), stream.AdvisoryDifferences(v.(jetstream.StreamConfig), want)...)
-			if d, ok := stream.OwnerDifference(v.(jetstream.StreamConfig), want); ok {
+	for _, want := range streamConfigs(a) {
+		var ds []stream.Difference
+		s, err := js.Stream(ctx, want.Name)
+		if err == nil {
+			have := s.CachedInfo().Config
+			ds = append(stream.StreamDifferences(have, want), stream.AdvisoryDifferences(have, want)...)
+			if d, ok := stream.OwnerDifference(have, want); ok {
 				ds = append(ds, d)
 			}
-			return ds
-		})
+		}
+		report("stream "+want.Name, ds, err)
 	}
 	for _, d := range decls {
-		want := subscribers.ConsumerConfig(d.Name, d.EventTypes, d.Ordered, a.cfg.Subscriber(d.Name), a.cfg.Stream)
-		report("consumer "+d.Name, func() (any, error) {
-			c, err := js.Consumer(ctx, a.cfg.Stream.Name, d.Name)
-			if err != nil {
-				return nil, err
-			}
-			return c.CachedInfo().Config, nil
-		}, func(v any) []stream.Difference {
-			return subscribers.ConsumerDifferences(v.(jetstream.ConsumerConfig), want)
-		})
+		var ds []stream.Difference
+		c, err := js.Consumer(ctx, a.cfg.Stream.Name, d.Name)
+		if err == nil {
+			want := subscribers.ConsumerConfig(d.Name, d.EventTypes, d.Ordered, a.cfg.Subscriber(d.Name), a.cfg.Stream)
+			ds = subscribers.ConsumerDifferences(c.CachedInfo().Config, want)
+		}
+		report("consumer "+d.Name, ds, err)
 	}
 	if found > 0 {
 		return fmt.Errorf("%d differences from the configuration", found)

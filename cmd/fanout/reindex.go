@@ -15,32 +15,30 @@ import (
 	"github.com/spf13/cobra"
 )
 
-// openSQLAndSearch connects the reindex commands to Postgres and the
-// engine. With exclusive, it also takes the reindex lock of the alias
-// (searchindex.Lock), released by the returned close.
-func openSQLAndSearch(ctx context.Context, a *app, exclusive bool) (*pgxpool.Pool, *search.Client, func(), error) {
-	if err := a.load(); err != nil {
-		return nil, nil, nil, err
-	}
-	pool, err := a.postgres(ctx, "reindex")
-	if err != nil {
-		return nil, nil, nil, err
-	}
-	unlock := func() {}
-	if exclusive {
-		if unlock, err = searchindex.Lock(ctx, pool, a.cfg.Search.Alias); err != nil {
-			pool.Close()
-			return nil, nil, nil, err
+// onSearch makes a reindex command's RunE: fn runs connected to Postgres
+// and the engine, and if exclusive() holds with the reindex lock of the
+// alias taken (searchindex.Lock); all are released after it.
+func onSearch(a *app, exclusive func() bool, fn func(cmd *cobra.Command, pool *pgxpool.Pool, client *search.Client) error) func(*cobra.Command, []string) error {
+	return a.connected("reindex", pgOnly, func(cmd *cobra.Command, _ []string, c *conns) error {
+		if exclusive() {
+			unlock, err := searchindex.Lock(cmd.Context(), c.pool, a.cfg.Search.Alias)
+			if err != nil {
+				return err
+			}
+			defer unlock()
 		}
-	}
-	client, err := search.Connect(ctx, a.cfg.Search.Client())
-	if err != nil {
-		unlock()
-		pool.Close()
-		return nil, nil, nil, err
-	}
-	return pool, client, func() { _ = client.Close(); unlock(); pool.Close() }, nil
+		client, err := search.Connect(cmd.Context(), a.cfg.Search.Client())
+		if err != nil {
+			return err
+		}
+		defer client.Close()
+		return fn(cmd, c.pool, client)
+	})
 }
+
+// locked is onSearch's exclusive for the commands that always change the
+// index.
+func locked() bool { return true }
 
 func reindexCommand(a *app) *cobra.Command {
 	var check, repair bool
@@ -59,19 +57,13 @@ drift; --check --repair fixes it, and names every document it could not fix
 and why (a version above SQL's, a document the mapping rejects), then exits
 non-zero.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			ctx := cmd.Context()
-			// A plain --check only reads; everything else changes the index.
-			pool, client, closeAll, err := openSQLAndSearch(ctx, a, !check || repair)
-			if err != nil {
-				return err
-			}
-			defer closeAll()
+		// A plain --check only reads; everything else changes the index.
+		RunE: onSearch(a, func() bool { return !check || repair }, func(cmd *cobra.Command, pool *pgxpool.Pool, client *search.Client) error {
 			if check {
 				return reindexCheck(cmd, a, pool, client, repair)
 			}
 			return reindexBuild(cmd, a, pool, client, loaders)
-		},
+		}),
 	}
 	cmd.Flags().BoolVar(&check, "check", false, "compare SQL with the index (counts and every document) and report drift")
 	cmd.Flags().BoolVar(&repair, "repair", false, "with --check: write the SQL state of every drifted document, read it back and report what is still wrong")
@@ -134,14 +126,8 @@ func reindexRollbackCommand(a *app) *cobra.Command {
 		Use:   "rollback",
 		Short: "Point the alias back at the previous index, then repair what it missed since the swap",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			ctx := cmd.Context()
-			pool, client, closeAll, err := openSQLAndSearch(ctx, a, true)
-			if err != nil {
-				return err
-			}
-			defer closeAll()
-			from, to, rep, err := searchindex.Rollback(ctx, client, pool, a.cfg.Search)
+		RunE: onSearch(a, locked, func(cmd *cobra.Command, pool *pgxpool.Pool, client *search.Client) error {
+			from, to, rep, err := searchindex.Rollback(cmd.Context(), client, pool, a.cfg.Search)
 			out := cmd.OutOrStdout()
 			if to != "" && (err == nil || rep.Drifted > 0) {
 				// The alias moved; say so even if the repair fell short.
@@ -150,7 +136,7 @@ func reindexRollbackCommand(a *app) *cobra.Command {
 				return repairError(err, rep)
 			}
 			return err
-		},
+		}),
 	}
 }
 
@@ -159,18 +145,13 @@ func reindexCleanupCommand(a *app) *cobra.Command {
 		Use:   "cleanup",
 		Short: "Delete every index version the alias does not point at",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			// Locked too: the index a running reindex loads is one the alias
-			// does not point at yet.
-			_, client, closeAll, err := openSQLAndSearch(cmd.Context(), a, true)
-			if err != nil {
-				return err
-			}
-			defer closeAll()
+		// Locked too: the index a running reindex loads is one the alias
+		// does not point at yet.
+		RunE: onSearch(a, locked, func(cmd *cobra.Command, _ *pgxpool.Pool, client *search.Client) error {
 			deleted, err := searchindex.Cleanup(context.WithoutCancel(cmd.Context()), client, a.cfg.Search.Alias)
 			fmt.Fprintf(cmd.OutOrStdout(), "deleted %v\n", deleted)
 			return err
-		},
+		}),
 	}
 }
 

@@ -12,8 +12,6 @@ import (
 	"github.com/fanout/fanout/internal/opsserver"
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/relay"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
 	"github.com/spf13/cobra"
 )
 
@@ -22,10 +20,7 @@ func relayCommand(a *app) *cobra.Command {
 		Use:   "relay",
 		Short: "Publish committed outbox rows to the JetStream stream until SIGTERM",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
+		RunE: a.loaded(func(cmd *cobra.Command, _ []string) error {
 			gc := gctune.Apply()
 			gogc := gc.GOGC
 			if gogc == "" {
@@ -49,38 +44,21 @@ func relayCommand(a *app) *cobra.Command {
 			defer stopOps()
 			waitErr := untilStopOrClosed(cmd.Context(), deps.nc)
 			return errors.Join(waitErr, stopRelay(a, r))
-		},
+		}),
 	}
-}
-
-// relayDeps are a relay's connections.
-type relayDeps struct {
-	pool *pgxpool.Pool
-	nc   *nats.Conn
-}
-
-func (d relayDeps) close() {
-	d.nc.Close()
-	d.pool.Close()
 }
 
 // startRelay connects and starts a relay.
-func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, relayDeps, error) {
-	pool, err := a.relayPostgres(ctx)
+func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, *conns, error) {
+	c, err := a.open(ctx, "relay", withNATS, relaySessions()...)
 	if err != nil {
-		return nil, relayDeps{}, err
+		return nil, nil, err
 	}
-	nc, err := a.nats("relay")
-	if err != nil {
-		pool.Close()
-		return nil, relayDeps{}, err
-	}
-	deps := relayDeps{pool: pool, nc: nc}
 	r, err := relay.New(relay.Options{
 		Relay:    a.cfg.Relay,
 		Stream:   a.cfg.Stream,
-		Pool:     pool,
-		Conn:     nc,
+		Pool:     c.pool,
+		Conn:     c.nc,
 		Logger:   logging.Component(a.logger, "relay"),
 		Observer: obs,
 	})
@@ -88,10 +66,10 @@ func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, 
 		err = r.Start(testhooks.WithRelay(ctx, sabotage.relay))
 	}
 	if err != nil {
-		deps.close()
-		return nil, relayDeps{}, err
+		c.close()
+		return nil, nil, err
 	}
-	return r, deps, nil
+	return r, c, nil
 }
 
 // stopRelay drains the relay within relay.shutdown_timeout.

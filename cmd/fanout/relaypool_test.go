@@ -22,7 +22,7 @@ func TestRelaySessions(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	a := &app{cfg: cfg}
-	pool, err := a.relayPostgres(ctx)
+	pool, err := a.postgres(ctx, "relay", relaySessions()...)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -32,25 +32,17 @@ receives: the record says who did). A reset sent with the operator's NATS
 credential by other means than this command is not recorded: NATS keeps no
 trail of API calls.`,
 		Args: cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
+		RunE: a.loaded(func(cmd *cobra.Command, args []string) error {
 			if (fromTime == "") == (fromSeq == 0) {
 				return errors.New("give exactly one of --from-time and --from-seq")
 			}
 			ctx := cmd.Context()
-			pool, err := a.postgres(ctx, "replay")
+			c, err := a.open(ctx, "replay", withNATS)
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			nc, js, err := a.jetStream("replay")
-			if err != nil {
-				return err
-			}
-			defer nc.Close()
-			name := args[0]
+			defer c.close()
+			name, js := args[0], c.js
 			if _, err := js.Consumer(ctx, a.cfg.Stream.Name, name); err != nil {
 				return fmt.Errorf("subscriber %s: %w", name, err)
 			}
@@ -65,12 +57,12 @@ trail of API calls.`,
 					return err
 				}
 			}
-			if err := recordedReset(ctx, pool, js, a.cfg.Stream.Name, name, seq, reason); err != nil {
+			if err := recordedReset(ctx, c.pool, js, a.cfg.Stream.Name, name, seq, reason); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "subscriber %s will receive stream %s again from sequence %d; its checkpoint skips what it already handled\n", name, a.cfg.Stream.Name, seq)
 			return nil
-		},
+		}),
 	}
 	cmd.Flags().StringVar(&fromTime, "from-time", "", "RFC 3339 time, or a duration ago (e.g. 2h)")
 	cmd.Flags().Uint64Var(&fromSeq, "from-seq", 0, "stream sequence number")

@@ -30,22 +30,14 @@ comma-separated; FANOUT_HTTP_PEERS), or http.addr, where ` + "`fanout up`" + ` s
 them all.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
 			ctx, cancel := context.WithTimeout(cmd.Context(), 30*time.Second)
 			defer cancel()
-			pool, err := a.postgres(ctx, "status")
+			c, err := a.open(ctx, "status", withNATS)
 			if err != nil {
 				return err
 			}
-			defer pool.Close()
-			nc, js, err := a.jetStream("status")
-			if err != nil {
-				return err
-			}
-			defer nc.Close()
-			st, err := operator.ReadStatus(ctx, operator.Sources{Pool: pool, JS: js, Relay: a.cfg.Relay, Stream: a.cfg.Stream,
+			defer c.close()
+			st, err := operator.ReadStatus(ctx, operator.Sources{Pool: c.pool, JS: c.js, Relay: a.cfg.Relay, Stream: a.cfg.Stream,
 				Subscribers: a.cfg.Subscribers, Known: subscriberNames(), Ops: a.cfg.HTTP.PeerList()})
 			if err != nil {
 				return err

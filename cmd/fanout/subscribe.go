@@ -16,7 +16,6 @@ import (
 	"github.com/fanout/fanout/subscribers"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"github.com/spf13/cobra"
@@ -38,29 +37,29 @@ type deps struct {
 // build connects what d's declaration uses and builds its handler.
 func (d *deps) build(decl subscribers.Declaration) (subscribers.Handler, error) {
 	logger := logging.Component(d.a.logger, decl.Name)
-	if decl.UsesService(subscribers.Redis) && d.rdb == nil {
-		err := waitForDependency(d.ctx, logger, "redis", "ping", func() (err error) {
-			d.rdb, err = connect.Redis(d.ctx, d.a.cfg.Redis)
-			return err
-		})
-		if err != nil {
-			return subscribers.Handler{}, fmt.Errorf("subscriber %s: %w", decl.Name, err)
-		}
-	}
-	if decl.UsesService(subscribers.Search) && d.search == nil {
-		err := waitForDependency(d.ctx, logger, "search", "info", func() (err error) {
-			d.search, err = search.Connect(d.ctx, d.a.cfg.Search.Client())
-			return err
-		})
-		if err != nil {
-			return subscribers.Handler{}, fmt.Errorf("subscriber %s: %w", decl.Name, err)
-		}
-	}
 	deps := subscribers.Deps{Context: d.ctx, Pool: d.pool, Settings: d.a.cfg, Logger: logger}
 	if decl.UsesService(subscribers.Redis) {
+		if d.rdb == nil {
+			err := waitForDependency(d.ctx, logger, "redis", "ping", func() (err error) {
+				d.rdb, err = connect.Redis(d.ctx, d.a.cfg.Redis)
+				return err
+			})
+			if err != nil {
+				return subscribers.Handler{}, fmt.Errorf("subscriber %s: %w", decl.Name, err)
+			}
+		}
 		deps.Redis = d.rdb
 	}
 	if decl.UsesService(subscribers.Search) {
+		if d.search == nil {
+			err := waitForDependency(d.ctx, logger, "search", "info", func() (err error) {
+				d.search, err = search.Connect(d.ctx, d.a.cfg.Search.Client())
+				return err
+			})
+			if err != nil {
+				return subscribers.Handler{}, fmt.Errorf("subscriber %s: %w", decl.Name, err)
+			}
+		}
 		deps.Search = d.search
 	}
 	if d.reg != nil {
@@ -91,19 +90,10 @@ func startSubscribers(ctx context.Context, a *app, d *deps, names []string, nc *
 	stopAll = func() error {
 		sctx, cancel := context.WithTimeout(context.Background(), a.cfg.Subscribers.ShutdownTimeout)
 		defer cancel()
-		var errs []error
-		var mu sync.Mutex
+		errs := make([]error, len(runners))
 		var wg sync.WaitGroup
-		for _, r := range runners {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				if err := r.Stop(sctx); err != nil {
-					mu.Lock()
-					errs = append(errs, err)
-					mu.Unlock()
-				}
-			}()
+		for i, r := range runners {
+			wg.Go(func() { errs[i] = r.Stop(sctx) })
 		}
 		wg.Wait()
 		return errors.Join(errs...)
@@ -151,54 +141,38 @@ events are pulled, the ones in hand finish and are acked, then the process exits
 
 Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 		Args: cobra.MinimumNArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := a.load(); err != nil {
-				return err
-			}
+		RunE: a.loaded(func(cmd *cobra.Command, args []string) error {
 			if start != "" {
 				a.cfg.SetSubscriberStart(start)
 				if err := a.cfg.Validate(); err != nil {
 					return err
 				}
 			}
-			for _, name := range args {
-				if _, err := subscriberRegistry.Lookup(name); err != nil {
-					return err
-				}
-			}
-			ctx := cmd.Context()
-			pool, err := a.postgres(ctx, "subscribe")
-			if err != nil {
-				return err
-			}
-			defer pool.Close()
-			nc, err := a.nats("subscribe")
-			if err != nil {
-				return err
-			}
-			defer nc.Close()
-			d := &deps{a: a, ctx: ctx, pool: pool, reg: metrics.NewRegistry(), checks: []opsserver.Check{natsCheck(nc)}}
-			defer d.close()
-			obs := subscribers.NewMetrics(d.reg)
-
-			stopAll, err := startSubscribers(ctx, a, d, args, nc, obs)
-			if err != nil {
-				return err
-			}
-			js, err := jetstream.New(nc)
-			if err != nil {
-				_ = stopAll()
-				return err
-			}
-			d.reg.MustRegister(subscribers.NewConsumerCollector(js, a.cfg.Stream.Name, args, a.logger))
 			var ordered []string
 			for _, name := range args {
-				if decl, err := subscriberRegistry.Lookup(name); err == nil && decl.Ordered {
+				decl, err := subscriberRegistry.Lookup(name)
+				if err != nil {
+					return err
+				}
+				if decl.Ordered {
 					ordered = append(ordered, name)
 				}
 			}
+			ctx := cmd.Context()
+			c, err := a.open(ctx, "subscribe", withNATS)
+			if err != nil {
+				return err
+			}
+			defer c.close()
+			d := &deps{a: a, ctx: ctx, pool: c.pool, reg: metrics.NewRegistry(), checks: []opsserver.Check{natsCheck(c.nc)}}
+			defer d.close()
+			stopAll, err := startSubscribers(ctx, a, d, args, c.nc, subscribers.NewMetrics(d.reg))
+			if err != nil {
+				return err
+			}
+			d.reg.MustRegister(subscribers.NewConsumerCollector(c.js, a.cfg.Stream.Name, args, a.logger))
 			if len(ordered) > 0 {
-				d.reg.MustRegister(subscribers.NewHeldAggregatesCollector(pool, ordered, a.logger))
+				d.reg.MustRegister(subscribers.NewHeldAggregatesCollector(c.pool, ordered, a.logger))
 			}
 			stopOps, err := startOps(a, d.reg, d.checks)
 			if err != nil {
@@ -206,10 +180,10 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 				return err
 			}
 			defer stopOps()
-			waitErr := untilStopOrClosed(ctx, nc)
+			waitErr := untilStopOrClosed(ctx, c.nc)
 			a.logger.Info("draining subscribers", "subscribers", args)
 			return errors.Join(waitErr, stopAll())
-		},
+		}),
 	}
 	cmd.Flags().StringVar(&start, "start", "", "where a new subscriber's consumer starts: all, new or time (overrides subscribers.start)")
 	return cmd
