@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"reflect"
 	"slices"
@@ -172,12 +173,7 @@ func flatten(v reflect.Value, prefix string, out map[string]any) {
 func Keys(cfg any) []string {
 	m := map[string]any{}
 	flatten(reflect.ValueOf(cfg), "", m)
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	slices.Sort(keys)
-	return keys
+	return slices.Sorted(maps.Keys(m))
 }
 
 // ValidateSections calls the Validate method of each section of cfg (a

@@ -102,27 +102,17 @@ func redact(s string, found func(string)) string {
 func urlSegments(s string) []string {
 	var segs []string
 	start := 0
-	for i := 0; ; {
-		j := strings.Index(s[i:], "://")
-		if j < 0 {
-			break
+	for _, m := range schemeStart.FindAllStringIndex(s, -1) {
+		if m[0] > start {
+			segs = append(segs, s[start:m[0]])
+			start = m[0]
 		}
-		k := i + j
-		for k > start && isSchemeChar(s[k-1]) {
-			k--
-		}
-		if k > start {
-			segs = append(segs, s[start:k])
-			start = k
-		}
-		i += j + 3
 	}
 	return append(segs, s[start:])
 }
 
-func isSchemeChar(c byte) bool {
-	return 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '+' || c == '-' || c == '.'
-}
+// schemeStart finds a URL's scheme and the "://" after it.
+var schemeStart = regexp.MustCompile(`[A-Za-z0-9+.-]*://`)
 
 // redactSegment masks one URL (or scheme-less host list) of a segment.
 func redactSegment(seg string, found func(string)) string {
@@ -183,27 +173,22 @@ func redactUserinfo(scheme, ui string, found func(string)) string {
 // redactParams masks the secret values of a query or fragment
 // (a=1&password=2), keeping every other byte as it was.
 func redactParams(q string, found func(string)) string {
-	var b strings.Builder
-	for q != "" {
-		i := strings.IndexAny(q, "&;")
-		pair, sep := q, ""
-		if i >= 0 {
-			pair, sep = q[:i], q[i:i+1]
-		}
-		q = q[len(pair)+len(sep):]
-		key, value, ok := strings.Cut(pair, "=")
+	return param.ReplaceAllStringFunc(q, func(pair string) string {
+		key, value, _ := strings.Cut(pair, "=")
 		name, err := url.QueryUnescape(key)
 		if err != nil {
 			name = key
 		}
-		if ok && value != "" && SecretName(name) {
-			found(value)
-			pair = key + "=" + Mask
+		if value == "" || !SecretName(name) {
+			return pair
 		}
-		b.WriteString(pair + sep)
-	}
-	return b.String()
+		found(value)
+		return key + "=" + Mask
+	})
 }
+
+// param is a key=value pair of a query or fragment, between its '&' or ';'.
+var param = regexp.MustCompile(`[^&;=]*=[^&;]*`)
 
 // keywordValue matches the start of a libpq keyword/value connection
 // string ("host=db password=..."), which pgx accepts as well as URLs.
@@ -213,76 +198,39 @@ func isKeywordValue(s string) bool {
 	return !strings.Contains(s, "://") && keywordValue.MatchString(s)
 }
 
+// keywordPair is one pair of a libpq keyword/value string, read as libpq
+// reads it: the key and '=' with optional spaces around it (the head),
+// then the value, single-quoted with backslash escapes or up to the next
+// space.
+var keywordPair = regexp.MustCompile(`(?s)^(([^= \t\n\r]*)[ \t\n\r]*=[ \t\n\r]*)('(?:\\.|[^'\\])*(?:'|\\?$)|(?:\\.|[^ \t\n\r\\])*\\?)`)
+
 // redactKeywordValue masks the secret values of a libpq keyword/value
-// string, reading values as libpq does: single-quoted with backslash
-// escapes, or up to the next space. A part it cannot read is masked.
+// string. A part it cannot read is masked, with all that follows it.
 func redactKeywordValue(s string, found func(string)) string {
 	var b strings.Builder
-	i := 0
-	for i < len(s) {
-		// Spaces between pairs.
-		j := i
-		for j < len(s) && isSpace(s[j]) {
-			j++
+	for {
+		pair := strings.TrimLeft(s, " \t\n\r")
+		b.WriteString(s[:len(s)-len(pair)])
+		if pair == "" {
+			return b.String()
 		}
-		b.WriteString(s[i:j])
-		i = j
-		if i == len(s) {
-			break
+		m := keywordPair.FindStringSubmatch(pair)
+		if m == nil {
+			found(pair)
+			return b.String() + Mask
 		}
-		// key, then '=' with optional spaces around it.
-		for j < len(s) && s[j] != '=' && !isSpace(s[j]) {
-			j++
-		}
-		key := s[i:j]
-		for j < len(s) && isSpace(s[j]) {
-			j++
-		}
-		if j == len(s) || s[j] != '=' {
-			found(s[i:])
-			b.WriteString(Mask)
-			break
-		}
-		j++
-		for j < len(s) && isSpace(s[j]) {
-			j++
-		}
-		head := s[i:j] // key = (with its spaces)
-		v := j
-		if j < len(s) && s[j] == '\'' {
-			j++
-			for j < len(s) && s[j] != '\'' {
-				if s[j] == '\\' {
-					j++
-				}
-				j++
-			}
-			j = min(j+1, len(s))
-		} else {
-			for j < len(s) && !isSpace(s[j]) {
-				if s[j] == '\\' {
-					j++
-				}
-				j++
-			}
-			j = min(j, len(s))
-		}
-		value := s[v:j]
+		head, key, value := m[1], m[2], m[3]
 		if value != "" && SecretName(key) {
 			found(value)
 			if strings.HasPrefix(value, "'") {
 				found(strings.Trim(value, "'"))
 			}
-			b.WriteString(head + Mask)
-		} else {
-			b.WriteString(head + value)
+			value = Mask
 		}
-		i = j
+		b.WriteString(head + value)
+		s = pair[len(m[0]):]
 	}
-	return b.String()
 }
-
-func isSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }
 
 // textURL finds URLs in free text: a scheme, "://", then up to a space or
 // a quote (error messages quote URLs: parse "http://...": ...).
