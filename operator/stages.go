@@ -43,9 +43,7 @@ func ReadStages(ctx context.Context, endpoints []string) Stages {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for _, ep := range endpoints {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			ws, err := readStages(ctx, ep)
 			mu.Lock()
 			defer mu.Unlock()
@@ -61,7 +59,7 @@ func ReadStages(ctx context.Context, endpoints []string) Stages {
 					out.Unreachable = append(out.Unreachable, fmt.Sprintf("%s: %v", ep, err))
 				}
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	ws := make([]metrics.StageWindow, 0, len(merged))
