@@ -15,30 +15,19 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"runtime"
-	"slices"
-	"strconv"
 	"sync"
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/outboxstore"
-	"github.com/fanout/fanout/relay"
-	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/backfill"
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 )
 
 var (
@@ -48,64 +37,23 @@ var (
 	chunk    = flag.Int("chunk", backfill.DefaultChunk, "the backfill's rows per chunk (fanout backfill --chunk)")
 	workers  = flag.Int("workers", backfill.DefaultWorkers, "the backfill's workers (fanout backfill --workers)")
 	bfRate   = flag.Float64("backfill-rate", 0, "the backfill's rows per second (fanout backfill --rate; 0: no limit)")
-	natsURL  = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
-	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
 
-func main() {
-	flag.Parse()
-	if err := run(context.Background()); err != nil {
-		fmt.Fprintln(os.Stderr, "bench:", err)
-		os.Exit(1)
-	}
-}
+func main() { benchkit.Main(run) }
 
 type bench struct {
-	cfg      *benchkit.Config
-	db       *pgtest.DB
-	nc       *nats.Conn
-	js       jetstream.JetStream
-	pool     *pgxpool.Pool
+	*benchkit.Pipeline
 	products []int64
 }
 
 func run(ctx context.Context) error {
-	if err := benchkit.CheckRuns(); err != nil {
-		return err
-	}
-	cfg := benchkit.DefaultConfig()
-	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
-	cfg.Stream.Name = "BENCHBF_" + suffix
-	cfg.Stream.SubjectPrefix = "benchbf" + suffix
-	cfg.Subscribers.DeadLetterStream = "BENCHBF_DLQ_" + suffix
-	cfg.Subscribers.DeadLetterSubjectPrefix = "benchbfdlq" + suffix
-	cfg.Subscribers.Start = "new"
-	b := &bench{cfg: cfg}
-	var err error
-	if b.nc, err = nats.Connect(*natsURL); err != nil {
-		return fmt.Errorf("connect to nats (start the services: go tool task services): %w", err)
-	}
-	defer b.nc.Close()
-	if b.js, err = jetstream.New(b.nc); err != nil {
-		return err
-	}
-	defer func() {
-		_ = b.js.DeleteStream(context.Background(), cfg.Stream.Name)
-		_ = b.js.DeleteStream(context.Background(), cfg.Subscribers.DeadLetterStream)
-	}()
-	if b.db, err = pgtest.Create(ctx, *adminURL); err != nil {
-		return err
-	}
-	defer b.db.Close()
-	pc, err := pgxpool.ParseConfig(b.db.URL)
+	p, err := benchkit.Open(ctx, "BF", 24)
 	if err != nil {
 		return err
 	}
-	pc.MaxConns = 24
-	if b.pool, err = pgxpool.NewWithConfig(ctx, pc); err != nil {
-		return err
-	}
-	defer b.pool.Close()
+	defer p.Close()
+	p.Config.Subscribers.Start = "new"
+	b := &bench{Pipeline: p}
 
 	fmt.Printf("backfill benchmark, %s, GOMAXPROCS=%d: invoicing's backfill of %d orders (chunks of %d, %d workers) beside %d new orders/s handled live\n\n",
 		time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0), *orders, *chunk, *workers, *rate)
@@ -117,20 +65,20 @@ func run(ctx context.Context) error {
 
 	var rows, quietP50, quietP99, busyP50, busyP99, ratio benchkit.Figure
 	for round := range *benchkit.Runs {
-		res, err := b.runOnce(ctx, round)
+		res, err := b.runOnce(ctx)
 		if err != nil {
 			return fmt.Errorf("run %d: %w", round+1, err)
 		}
 		rows.Add(res.rowsPerSec)
-		quietP50.Add(ms(res.quiet.p50))
-		quietP99.Add(ms(res.quiet.p99))
-		busyP50.Add(ms(res.busy.p50))
-		busyP99.Add(ms(res.busy.p99))
-		ratio.Add(float64(res.busy.p99) / float64(res.quiet.p99))
+		quietP50.Add(benchkit.Ms(res.quiet.P50))
+		quietP99.Add(benchkit.Ms(res.quiet.P99))
+		busyP50.Add(benchkit.Ms(res.busy.P50))
+		busyP99.Add(benchkit.Ms(res.busy.P99))
+		ratio.Add(float64(res.busy.P99) / float64(res.quiet.P99))
 		fmt.Printf("    run %d of %d: backfill %d rows in %.1fs, %.0f rows/s; freshness p50/p99 %s/%s quiet (%d orders), %s/%s during the backfill (%d orders)\n",
 			round+1, *benchkit.Runs, res.rows, res.took.Seconds(), res.rowsPerSec,
-			res.quiet.p50.Round(time.Millisecond), res.quiet.p99.Round(time.Millisecond), res.quiet.n,
-			res.busy.p50.Round(time.Millisecond), res.busy.p99.Round(time.Millisecond), res.busy.n)
+			res.quiet.P50.Round(time.Millisecond), res.quiet.P99.Round(time.Millisecond), res.quiet.N,
+			res.busy.P50.Round(time.Millisecond), res.busy.P99.Round(time.Millisecond), res.busy.N)
 	}
 	fmt.Println()
 	fmt.Printf("%-58s %s (target >= 20000)\n", "backfill, invoicing (effect in Postgres)", rows.Format("%.0f rows/s"))
@@ -140,18 +88,16 @@ func run(ctx context.Context) error {
 	return nil
 }
 
-func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-
 // fill seeds a catalog and the orders, without events.
 func (b *bench) fill(ctx context.Context) error {
-	if _, err := shop.Seed(ctx, b.pool, 1000, rand.New(rand.NewPCG(1, 1))); err != nil {
+	if _, err := shop.Seed(ctx, b.Pool, 1000, rand.New(rand.NewPCG(1, 1))); err != nil {
 		return err
 	}
-	if _, err := b.pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
+	if _, err := b.Pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
 		return err
 	}
 	for done := 0; done < *orders; done += 100_000 {
-		_, err := b.pool.Exec(ctx, `
+		_, err := b.Pool.Exec(ctx, `
 WITH o AS (
     INSERT INTO orders (customer) SELECT 'bench-' || g FROM generate_series(1, $1) g RETURNING id
 )
@@ -163,84 +109,57 @@ JOIN LATERAL (SELECT id, sku, name, price FROM products ORDER BY id OFFSET (o.id
 			return err
 		}
 	}
-	rows, err := b.pool.Query(ctx, `SELECT id FROM products ORDER BY id`)
+	rows, err := b.Pool.Query(ctx, `SELECT id FROM products ORDER BY id`)
 	if err != nil {
 		return err
 	}
 	if b.products, err = pgx.CollectRows(rows, pgx.RowTo[int64]); err != nil {
 		return err
 	}
-	return benchkit.Settle(ctx, b.pool)
-}
-
-type latencies struct {
-	p50, p99 time.Duration
-	n        int
-}
-
-func percentiles(ls []time.Duration) latencies {
-	if len(ls) == 0 {
-		return latencies{}
-	}
-	slices.Sort(ls)
-	return latencies{p50: ls[len(ls)/2], p99: ls[len(ls)*99/100], n: len(ls)}
+	return benchkit.Settle(ctx, b.Pool)
 }
 
 type result struct {
 	rows        int64
 	took        time.Duration
 	rowsPerSec  float64
-	quiet, busy latencies
+	quiet, busy benchkit.Latencies
 }
 
 // runOnce resets the invoices, runs the live pipeline with its writers for
 // -quiet, then the backfill beside it, and checks the invoices.
-func (b *bench) runOnce(ctx context.Context, round int) (result, error) {
+func (b *bench) runOnce(ctx context.Context) (result, error) {
 	var res result
-	if err := b.js.DeleteConsumer(ctx, b.cfg.Stream.Name, invoicing.Name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) && !errors.Is(err, jetstream.ErrStreamNotFound) {
-		return res, err
-	}
-	// Settled before the truncate, not after (see bench/subscribers: an
-	// empty table analyzed as empty makes every foreign-key check of
-	// invoice_lines scan invoices).
-	if err := benchkit.Settle(ctx, b.pool); err != nil {
-		return res, err
-	}
-	if _, err := b.pool.Exec(ctx, `TRUNCATE invoice_lines, invoices, processed_events, subscriber_backfill_segments, subscriber_backfills, subscriber_backfill_failures`); err != nil {
-		return res, err
-	}
-	r, err := relay.New(relay.Options{Relay: b.cfg.Relay, Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: benchkit.Quiet})
+	err := b.Reset(ctx, invoicing.Name, "invoice_lines", "invoices", "processed_events",
+		"subscriber_backfill_segments", "subscriber_backfills", "subscriber_backfill_failures")
 	if err != nil {
 		return res, err
 	}
-	if err := r.Start(ctx); err != nil {
+	r, err := b.StartRelay(ctx, nil)
+	if err != nil {
 		return res, err
 	}
 	defer r.Stop(ctx) //nolint:errcheck
-	sub, err := subscribers.New(subscribers.Options{Declaration: invoicing.Subscriber, Handler: subscribers.Tx(invoicing.New()), Config: b.cfg.Subscribers,
-		Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: benchkit.Quiet})
+	sub, err := b.StartRunner(ctx, subscribers.Options{Declaration: invoicing.Subscriber, Handler: subscribers.Tx(invoicing.New()), Config: b.Config.Subscribers})
 	if err != nil {
-		return res, err
-	}
-	if err := sub.Start(ctx); err != nil {
 		return res, err
 	}
 	defer sub.Stop(ctx) //nolint:errcheck
 
-	live := newLiveOrders(b, round)
+	live := benchkit.NewPending() // order id -> commit
 	liveCtx, stopLive := context.WithCancel(ctx)
 	var wg sync.WaitGroup
-	wg.Go(func() { live.write(liveCtx) })
-	wg.Go(func() { live.watch(liveCtx) })
+	wg.Go(func() { b.writeOrders(liveCtx, live) })
+	wg.Go(func() { b.watchInvoices(liveCtx, live) })
 
 	time.Sleep(*quietFor)
-	res.quiet = percentiles(live.take())
+	res.quiet = benchkit.Quantiles(live.Take())
 
 	start := time.Now()
 	s, err := backfill.Run(ctx, backfill.Options{Declaration: invoicing.Subscriber,
-		Handler: subscribers.Tx(invoicing.New()), Config: b.cfg.Subscribers, Pool: b.pool, Logger: benchkit.Quiet, Chunk: *chunk, Rate: *bfRate, Workers: *workers})
+		Handler: subscribers.Tx(invoicing.New()), Config: b.Config.Subscribers, Pool: b.Pool, Logger: benchkit.Quiet, Chunk: *chunk, Rate: *bfRate, Workers: *workers})
 	res.took = time.Since(start)
-	res.busy = percentiles(live.take())
+	res.busy = benchkit.Quantiles(live.Take())
 	stopLive()
 	wg.Wait()
 	if err != nil {
@@ -253,120 +172,59 @@ func (b *bench) runOnce(ctx context.Context, round int) (result, error) {
 	}
 	// Every order ends with one invoice, once the live events are
 	// published and handled.
-	for deadline := time.Now().Add(2 * time.Minute); ; {
-		unsent, err := outboxstore.New(b.pool).Unsent(ctx, nil)
-		if err != nil {
-			return res, err
-		}
-		if unsent == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			return res, fmt.Errorf("%d outbox rows unsent 2 minutes after the writers stopped", unsent)
-		}
-		time.Sleep(100 * time.Millisecond)
+	if err := b.WaitSent(ctx, 2*time.Minute); err != nil {
+		return res, fmt.Errorf("once the writers stopped: %w", err)
 	}
-	if err := benchkit.WaitDrained(ctx, b.js, b.cfg.Stream.Name, invoicing.Name, 2*time.Minute); err != nil {
+	if err := b.WaitDrained(ctx, invoicing.Name, 2*time.Minute); err != nil {
 		return res, err
 	}
 	var uninvoiced, twice int
-	if err := b.pool.QueryRow(ctx, `
+	if err := b.Pool.QueryRow(ctx, `
 SELECT count(*) FILTER (WHERE n = 0), count(*) FILTER (WHERE n > 1)
 FROM (SELECT count(i.id) AS n FROM orders o LEFT JOIN invoices i ON i.order_id = o.id GROUP BY o.id) per_order`).Scan(&uninvoiced, &twice); err != nil {
 		return res, err
 	}
 	if uninvoiced != 0 || twice != 0 {
 		var lo, hi int64
-		_ = b.pool.QueryRow(ctx, `SELECT min(o.id), max(o.id) FROM orders o WHERE NOT EXISTS (SELECT FROM invoices i WHERE i.order_id = o.id)`).Scan(&lo, &hi)
+		_ = b.Pool.QueryRow(ctx, `SELECT min(o.id), max(o.id) FROM orders o WHERE NOT EXISTS (SELECT FROM invoices i WHERE i.order_id = o.id)`).Scan(&lo, &hi)
 		return res, fmt.Errorf("%d orders without an invoice (ids %d to %d; the backfill went to %d), %d with more than one", uninvoiced, lo, hi, s.HighKey, twice)
 	}
 	return res, nil
 }
 
-// liveOrders writes orders at -rate and measures, for each, the time from
-// its commit to its invoice being visible.
-type liveOrders struct {
-	b       *bench
-	rng     *rand.Rand
-	mu      sync.Mutex
-	pending map[int64]time.Time // order id -> commit time
-	lat     []time.Duration
-}
-
-func newLiveOrders(b *bench, round int) *liveOrders {
-	return &liveOrders{b: b, rng: rand.New(rand.NewPCG(uint64(round), 9)), pending: map[int64]time.Time{}}
-}
-
-func (l *liveOrders) write(ctx context.Context) {
-	const writers = 4
-	interval := time.Second * writers / time.Duration(*rate)
-	var wg sync.WaitGroup
-	for w := range writers {
-		wg.Go(func() {
-			rng := rand.New(rand.NewPCG(uint64(w), 13))
-			next := time.Now()
-			for ctx.Err() == nil {
-				time.Sleep(time.Until(next))
-				next = next.Add(interval)
-				product := l.b.products[rng.IntN(len(l.b.products))]
-				var id int64
-				err := pgx.BeginFunc(ctx, l.b.pool, func(tx pgx.Tx) error {
-					var err error
-					id, _, err = shop.CreateOrder(ctx, tx, "live", []shop.OrderLine{{ProductID: product, Quantity: 1}})
-					return err
-				})
-				if err == nil {
-					l.mu.Lock()
-					l.pending[id] = time.Now()
-					l.mu.Unlock()
-				}
-			}
+// writeOrders writes orders at -rate, noting each one's commit.
+func (b *bench) writeOrders(ctx context.Context, live *benchkit.Pending) {
+	benchkit.Pace{Workers: 4, Rate: *rate, Seed: 13}.Run(ctx, func(_, _ int, rng *rand.Rand) {
+		product := b.products[rng.IntN(len(b.products))]
+		var id int64
+		err := pgx.BeginFunc(ctx, b.Pool, func(tx pgx.Tx) error {
+			var err error
+			id, _, err = shop.CreateOrder(ctx, tx, "live", []shop.OrderLine{{ProductID: product, Quantity: 1}})
+			return err
 		})
-	}
-	wg.Wait()
+		if err == nil {
+			live.Committed(id)
+		}
+	})
 }
 
-// watch polls for the pending orders' invoices every 20 ms.
-func (l *liveOrders) watch(ctx context.Context) {
+// watchInvoices polls for the pending orders' invoices every 20 ms.
+func (b *bench) watchInvoices(ctx context.Context, live *benchkit.Pending) {
 	for ctx.Err() == nil {
 		time.Sleep(20 * time.Millisecond)
-		l.mu.Lock()
-		ids := make([]int64, 0, len(l.pending))
-		for id := range l.pending {
-			ids = append(ids, id)
-		}
-		l.mu.Unlock()
+		ids := live.Keys()
 		if len(ids) == 0 {
 			continue
 		}
 		// Planned at each poll (not a prepared statement's plan, made
 		// while invoices was empty: a scan of the whole table at every
 		// poll once the backfill filled it).
-		rows, err := l.b.pool.Query(ctx, `SELECT order_id FROM invoices WHERE order_id = ANY($1)`, pgx.QueryExecModeExec, ids)
+		rows, err := b.Pool.Query(ctx, `SELECT order_id FROM invoices WHERE order_id = ANY($1)`, pgx.QueryExecModeExec, ids)
 		if err != nil {
 			continue
 		}
-		seen, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-		if err != nil {
-			continue
+		if seen, err := pgx.CollectRows(rows, pgx.RowTo[int64]); err == nil {
+			live.Seen(time.Now(), seen...)
 		}
-		now := time.Now()
-		l.mu.Lock()
-		for _, id := range seen {
-			if c, ok := l.pending[id]; ok {
-				l.lat = append(l.lat, now.Sub(c))
-				delete(l.pending, id)
-			}
-		}
-		l.mu.Unlock()
 	}
-}
-
-// take returns the latencies measured since the last take.
-func (l *liveOrders) take() []time.Duration {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	lat := l.lat
-	l.lat = nil
-	return lat
 }

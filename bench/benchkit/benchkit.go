@@ -1,7 +1,9 @@
 // Package benchkit holds what the benchmark programs under bench/ share:
-// publishing a prepared outbox backlog, waiting for a subscriber to drain
-// it, settling the database after a setup, and measuring each figure over
-// several runs (-runs, default 3) to print their median and range.
+// their -nats, -postgres and -runs flags; the pipeline a subscriber
+// benchmark runs on (Pipeline: a fresh database and streams, publishing a
+// prepared outbox backlog, timing subscribers draining it); settling the
+// database after a setup; and measuring each figure over several runs
+// (-runs, default 3) to print their median and range.
 package benchkit
 
 import (
@@ -14,14 +16,11 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 )
 
 // Config is the settings a benchmark runs the pipeline with: each
@@ -42,51 +41,6 @@ func DefaultConfig() *Config {
 
 // Quiet is a logger that drops everything.
 var Quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
-
-// Publish runs a relay until every outbox row is sent.
-func Publish(ctx context.Context, pool *pgxpool.Pool, nc *nats.Conn, rc relay.Config, sc stream.Config) error {
-	r, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: pool, Conn: nc, Logger: Quiet})
-	if err != nil {
-		return err
-	}
-	if err := r.Start(ctx); err != nil {
-		return err
-	}
-	defer r.Stop(ctx) //nolint:errcheck
-	for {
-		left, err := outboxstore.New(pool).Unsent(ctx, nil)
-		if err != nil {
-			return err
-		}
-		if left == 0 {
-			return nil
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
-}
-
-// WaitDrained waits until the subscriber's consumer has received and acked
-// everything (and acked at least one event), for at most limit.
-func WaitDrained(ctx context.Context, js jetstream.JetStream, stream, name string, limit time.Duration) error {
-	deadline := time.Now().Add(limit)
-	for {
-		time.Sleep(50 * time.Millisecond)
-		c, err := js.Consumer(ctx, stream, name)
-		if err != nil {
-			return err
-		}
-		info, err := c.Info(ctx)
-		if err != nil {
-			return err
-		}
-		if info.NumPending == 0 && info.NumAckPending == 0 && info.AckFloor.Stream > 0 {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("%s not drained after %s: %d pending, %d ack pending", name, limit, info.NumPending, info.NumAckPending)
-		}
-	}
-}
 
 // Runs is how many times each figure is measured: every benchmark's -runs
 // flag. This machine is small and shared, so one run proves little; the
@@ -149,4 +103,23 @@ func Settle(ctx context.Context, pool *pgxpool.Pool) error {
 		return fmt.Errorf("settle the database: %w", err)
 	}
 	return nil
+}
+
+// Ms is d in milliseconds.
+func Ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// Latencies are a run's latencies: their median, 99th percentile and
+// maximum, and how many there were.
+type Latencies struct {
+	P50, P99, Max time.Duration
+	N             int
+}
+
+// Quantiles sorts ls and reads its Latencies (zero for none).
+func Quantiles(ls []time.Duration) Latencies {
+	if len(ls) == 0 {
+		return Latencies{}
+	}
+	slices.Sort(ls)
+	return Latencies{P50: ls[len(ls)/2], P99: ls[len(ls)*99/100], Max: ls[len(ls)-1], N: len(ls)}
 }

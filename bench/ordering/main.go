@@ -13,82 +13,29 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"math/rand/v2"
-	"os"
 	"runtime"
-	"strconv"
 	"strings"
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/fulfilment"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 )
 
-var (
-	orders   = flag.Int("orders", 10_000, "orders (aggregates), 4 events each")
-	natsURL  = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
-	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
-)
+var orders = flag.Int("orders", 10_000, "orders (aggregates), 4 events each")
 
-func main() {
-	flag.Parse()
-	if err := run(context.Background()); err != nil {
-		fmt.Fprintln(os.Stderr, "bench:", err)
-		os.Exit(1)
-	}
-}
+func main() { benchkit.Main(run) }
 
-type bench struct {
-	cfg  *benchkit.Config
-	nc   *nats.Conn
-	js   jetstream.JetStream
-	pool *pgxpool.Pool
-}
+type bench struct{ *benchkit.Pipeline }
 
 func run(ctx context.Context) error {
-	if err := benchkit.CheckRuns(); err != nil {
-		return err
-	}
-	cfg := benchkit.DefaultConfig()
-	var err error
-	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
-	cfg.Stream.Name = "BENCHORD_" + suffix
-	cfg.Stream.SubjectPrefix = "benchord" + suffix
-	cfg.Subscribers.DeadLetterStream = "BENCHORD_DLQ_" + suffix
-	cfg.Subscribers.DeadLetterSubjectPrefix = "benchorddlq" + suffix
-	b := &bench{cfg: cfg}
-	if b.nc, err = nats.Connect(*natsURL); err != nil {
-		return fmt.Errorf("connect to nats (start the services: go tool task services): %w", err)
-	}
-	defer b.nc.Close()
-	if b.js, err = jetstream.New(b.nc); err != nil {
-		return err
-	}
-	defer func() {
-		_ = b.js.DeleteStream(context.Background(), cfg.Stream.Name)
-		_ = b.js.DeleteStream(context.Background(), cfg.Subscribers.DeadLetterStream)
-	}()
-	db, err := pgtest.Create(ctx, *adminURL)
+	p, err := benchkit.Open(ctx, "ORD", 16)
 	if err != nil {
 		return err
 	}
-	defer db.Close()
-	pc, err := pgxpool.ParseConfig(db.URL)
-	if err != nil {
-		return err
-	}
-	pc.MaxConns = 16
-	if b.pool, err = pgxpool.NewWithConfig(ctx, pc); err != nil {
-		return err
-	}
-	defer b.pool.Close()
+	defer p.Close()
+	b, cfg := &bench{p}, p.Config
 
 	events := 4 * *orders
 	fmt.Printf("ordering benchmark, %s, GOMAXPROCS=%d, %d orders (aggregates), %d events per run, %d workers per instance, batch_size %d\n\n",
@@ -143,12 +90,12 @@ func run(ctx context.Context) error {
 // other, each step published through a relay before the next is written:
 // each aggregate's events are an order apart in the stream.
 func (b *bench) fill(ctx context.Context) error {
-	if _, err := b.pool.Exec(ctx, `INSERT INTO orders (customer) SELECT 'bench-' || g FROM generate_series(1, $1) g`, *orders); err != nil {
+	if _, err := b.Pool.Exec(ctx, `INSERT INTO orders (customer) SELECT 'bench-' || g FROM generate_series(1, $1) g`, *orders); err != nil {
 		return err
 	}
 	steps := []struct{ from, to string }{{"", shop.StatusCreated}, {shop.StatusCreated, shop.StatusPaid}, {shop.StatusPaid, shop.StatusShipped}, {shop.StatusShipped, shop.StatusDelivered}}
 	for n, s := range steps {
-		_, err := b.pool.Exec(ctx, `
+		_, err := b.Pool.Exec(ctx, `
 WITH t AS (
     INSERT INTO order_transitions (order_id, n, from_status, to_status)
     SELECT id, $1, nullif($2, ''), $3 FROM orders ORDER BY id
@@ -165,81 +112,43 @@ FROM t ORDER BY order_id`, n+1, s.from, s.to)
 		// Published step by step: the relay publishes an aggregate's
 		// waiting events one after the other, which would put each order's
 		// life in one run of the stream.
-		if err := benchkit.Publish(ctx, b.pool, b.nc, b.cfg.Relay, b.cfg.Stream); err != nil {
+		if err := b.Publish(ctx); err != nil {
 			return err
 		}
 	}
-	_, err := b.pool.Exec(ctx, `UPDATE orders SET status = 'delivered'`)
-	return err
-}
-
-// reset forgets fulfilment's state, checkpoints and consumer: the next run
-// starts from the stream's first event, on a settled database.
-func (b *bench) reset(ctx context.Context) error {
-	if err := b.js.DeleteConsumer(ctx, b.cfg.Stream.Name, fulfilment.Name); err != nil && err != jetstream.ErrConsumerNotFound {
-		return err
-	}
-	if err := benchkit.Settle(ctx, b.pool); err != nil {
-		return err
-	}
-	_, err := b.pool.Exec(ctx, `TRUNCATE fulfilment_orders, fulfilment_history, fulfilment_violations, processed_events, subscriber_aggregates`)
+	_, err := b.Pool.Exec(ctx, `UPDATE orders SET status = 'delivered'`)
 	return err
 }
 
 // fulfil runs the fulfilment handler, ordered or not, on instances
-// instances until the stream is drained, and returns events/s. An ordered
-// run must have applied every order's history, with no violation.
+// instances until the stream is drained, from its start on a settled
+// database, and returns events/s. An ordered run must have applied every
+// order's history, with no violation.
 func (b *bench) fulfil(ctx context.Context, ordered bool, instances int) (float64, error) {
-	if err := b.reset(ctx); err != nil {
+	err := b.Reset(ctx, fulfilment.Name, "fulfilment_orders", "fulfilment_history", "fulfilment_violations", "processed_events", "subscriber_aggregates")
+	if err != nil {
 		return 0, err
 	}
 	d := fulfilment.Subscriber
 	d.Ordered = ordered
-	var runners []*subscribers.Runner
-	for range instances {
-		nc, err := nats.Connect(*natsURL)
-		if err != nil {
-			return 0, err
-		}
-		defer nc.Close()
-		r, err := subscribers.New(subscribers.Options{Declaration: d, Handler: subscribers.Tx(fulfilment.New()), Config: b.cfg.Subscribers, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: benchkit.Quiet})
-		if err != nil {
-			return 0, err
-		}
-		runners = append(runners, r)
-	}
-	start := time.Now()
-	for _, r := range runners {
-		if err := r.Start(ctx); err != nil {
-			return 0, err
-		}
-	}
-	defer func() {
-		for _, r := range runners {
-			_ = r.Stop(ctx)
-		}
-	}()
-	if err := benchkit.WaitDrained(ctx, b.js, b.cfg.Stream.Name, fulfilment.Name, 15*time.Minute); err != nil {
+	opts := subscribers.Options{Declaration: d, Config: b.Config.Subscribers}
+	took, err := b.TimeDrain(ctx, instances, opts, func() subscribers.Handler { return subscribers.Tx(fulfilment.New()) })
+	if err != nil {
 		return 0, err
 	}
-	took := time.Since(start)
-	var done int
-	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE subscriber = $1`, fulfilment.Name).Scan(&done); err != nil {
+	if err := b.CheckCheckpointed(ctx, fulfilment.Name, 4**orders); err != nil {
 		return 0, err
-	}
-	if done != 4**orders {
-		return 0, fmt.Errorf("%d events checkpointed, want %d", done, 4**orders)
 	}
 	var violations, redelivered int
-	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM fulfilment_violations`).Scan(&violations); err != nil {
+	if err := b.Pool.QueryRow(ctx, `SELECT count(*) FROM fulfilment_violations`).Scan(&violations); err != nil {
 		return 0, err
 	}
-	if c, err := b.js.Consumer(ctx, b.cfg.Stream.Name, fulfilment.Name); err == nil {
+	if c, err := b.JS.Consumer(ctx, b.Config.Stream.Name, fulfilment.Name); err == nil {
 		redelivered = c.CachedInfo().NumRedelivered
 	}
 	fmt.Printf("      ordered %t, instances %d: %s, %d violations recorded, %d redelivered\n", ordered, instances, took.Round(time.Millisecond), violations, redelivered)
 	if ordered {
-		diffs, err := fulfilment.Compare(ctx, b.pool, 5)
+		diffs, err := fulfilment.Compare(ctx, b.Pool, 5)
 		if err != nil {
 			return 0, err
 		}
@@ -247,5 +156,5 @@ func (b *bench) fulfil(ctx context.Context, ordered bool, instances int) (float6
 			return 0, fmt.Errorf("the ordered run differs from the orders' history:\n%s", strings.Join(diffs, "\n"))
 		}
 	}
-	return float64(done) / took.Seconds(), nil
+	return float64(4**orders) / took.Seconds(), nil
 }

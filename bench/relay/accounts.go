@@ -23,9 +23,7 @@ import (
 	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/repo"
-	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
-	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers/registry"
 	"github.com/nats-io/nats.go"
@@ -70,26 +68,12 @@ func benchAccounts(ctx context.Context) error {
 		if err := fresh(); err != nil {
 			return 0, err
 		}
-		db, err := pgtest.Create(ctx, *adminURL)
+		env, err := newRelayEnv(ctx, nc, &streamCfg)
 		if err != nil {
 			return 0, err
 		}
-		defer db.Close()
-		if _, err := outboxstore.New(db.Pool).ExtendPartitions(ctx, relay.DefaultPartitionSize, 2, 1); err != nil {
-			return 0, err
-		}
-		if err := fillOutbox(ctx, db.Pool, *rows); err != nil {
-			return 0, err
-		}
-		if err := benchkit.Settle(ctx, db.Pool); err != nil {
-			return 0, err
-		}
-		pool, err := relayPool(ctx, db.URL)
-		if err != nil {
-			return 0, err
-		}
-		defer pool.Close()
-		res, _, err := timeDrain(ctx, relay.Options{Relay: relayConfig(), Stream: streamCfg, Pool: pool, Conn: nc, Logger: quiet})
+		defer env.close()
+		res, err := env.drain(ctx, relayConfig())
 		return res.rate, err
 	}
 	raw := func(nc *nats.Conn) (float64, error) {

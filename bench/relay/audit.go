@@ -47,13 +47,7 @@ func benchAudit(ctx context.Context, nc *nats.Conn) error {
 		rates := make([]float64, len(variants))
 		// Alternating within each run: off, on, eager, for each capture.
 		for i, v := range variants {
-			var res result
-			var err error
-			if v.wal {
-				res, err = drainWALWith(ctx, nc, v.audit)
-			} else {
-				res, err = drainWith(ctx, nc, v.audit)
-			}
+			res, err := drainWith(ctx, nc, v.wal, v.audit)
 			if err != nil {
 				return fmt.Errorf("%s: %w", v.name, err)
 			}
@@ -80,16 +74,10 @@ func benchAudit(ctx context.Context, nc *nats.Conn) error {
 	return nil
 }
 
-// drainWith is part a's drain with the relay configured by mutate.
-func drainWith(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (result, error) {
-	res, _, err := drainWithObserver(ctx, nc, mutate)
-	return res, err
-}
-
 // timeFullAudit publishes -auditrows rows (a poll relay drains them) and
 // times a dry-run audit of every one against the stream.
 func timeFullAudit(ctx context.Context, nc *nats.Conn) (float64, error) {
-	env, err := newRelayEnv(ctx, nc)
+	env, err := newRelayEnv(ctx, nc, nil)
 	if err != nil {
 		return 0, err
 	}
@@ -101,7 +89,7 @@ func timeFullAudit(ctx context.Context, nc *nats.Conn) (float64, error) {
 	rc.Audit = false
 	saved := *rows
 	*rows = *auditRows
-	_, _, err = timeDrain(ctx, relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet})
+	_, err = timeDrain(ctx, env.options(rc))
 	*rows = saved
 	if err != nil {
 		return 0, err
@@ -119,7 +107,7 @@ func timeFullAudit(ctx context.Context, nc *nats.Conn) (float64, error) {
 		_ = pprof.StartCPUProfile(f)
 		defer pprof.StopCPUProfile()
 	}
-	rep, err := relay.Audit(ctx, relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet}, time.Time{}, true, nil)
+	rep, err := relay.Audit(ctx, env.options(rc), time.Time{}, true, nil)
 	secs := time.Since(start).Seconds()
 	if err != nil {
 		return 0, err

@@ -113,7 +113,7 @@ func benchBigTx(ctx context.Context, nc *nats.Conn) error {
 // of 1000 are committed before the relay starts (a drain, as parts a and
 // w): committing them alongside would time the writer.
 func bigTxRun(ctx context.Context, nc *nats.Conn, mode, atomic string, shape aggregateShape, txRows int) (rate float64, peakMem uint64, err error) {
-	env, err := newRelayEnv(ctx, nc)
+	env, err := newRelayEnv(ctx, nc, nil)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -127,7 +127,7 @@ func bigTxRun(ctx context.Context, nc *nats.Conn, mode, atomic string, shape agg
 	if drain || mode == relay.CaptureWAL {
 		// A wal relay's slot is made by its first start; the drain's
 		// rows wait in it (or in the outbox) while the relay is stopped.
-		if err := startAndStop(ctx, nc, env, rc); err != nil {
+		if err := startAndStop(ctx, env, rc); err != nil {
 			return 0, 0, err
 		}
 	}
@@ -142,7 +142,9 @@ func bigTxRun(ctx context.Context, nc *nats.Conn, mode, atomic string, shape agg
 		}
 	}
 	obs := &counter{}
-	r, err := relay.New(relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet, Observer: obs})
+	opts := env.options(rc)
+	opts.Observer = obs
+	r, err := relay.New(opts)
 	if err != nil {
 		return 0, 0, err
 	}
@@ -160,7 +162,7 @@ func bigTxRun(ctx context.Context, nc *nats.Conn, mode, atomic string, shape agg
 				return 0, 0, err
 			}
 		}
-		if err := fillShapedOneTx(ctx, env.db.Pool, shape, *bigTxRows); err != nil {
+		if err := fillShaped(ctx, env.db.Pool, shape, 0, *bigTxRows); err != nil {
 			return 0, 0, err
 		}
 		start = time.Now()
@@ -199,8 +201,8 @@ func goMemory() uint64 {
 
 // startAndStop starts a relay once and stops it: a wal relay makes its
 // slot and records its backlog done.
-func startAndStop(ctx context.Context, nc *nats.Conn, env *relayEnv, rc relay.Config) error {
-	r, err := relay.New(relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet})
+func startAndStop(ctx context.Context, env *relayEnv, rc relay.Config) error {
+	r, err := relay.New(env.options(rc))
 	if err != nil {
 		return err
 	}
@@ -216,15 +218,19 @@ func startAndStop(ctx context.Context, nc *nats.Conn, env *relayEnv, rc relay.Co
 	return r.Stop(ctx)
 }
 
+// waitBacklogDone waits up to 30 s for the wal relay of slot to have made
+// its slot and published the backlog before it.
 func waitBacklogDone(ctx context.Context, env *relayEnv, slot string) error {
-	return waitFor(ctx, 30*time.Second, func() (bool, error) {
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		var done bool
 		err := env.db.Pool.QueryRow(ctx, `SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, slot).Scan(&done)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return false, nil
+		if done || err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return err
 		}
-		return done, err
-	})
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the slot %s: its backlog not done within 30s", slot)
+		}
+	}
 }
 
 // shapedInsert inserts events from+1 .. from+n of a shape, numbering them
@@ -242,19 +248,12 @@ SELECT 'product', agg::text, seq, 'product.updated',
        jsonb_build_object('product_id', agg, 'version', g, 'price_cents', 1000 + g % 90000)
 FROM ev ORDER BY g`
 
-// fillShaped commits events from+1 .. from+n in one transaction.
+// fillShaped commits events from+1 .. from+n in one transaction, inserted
+// a statement per 10,000 (as a bulk import would).
 func fillShaped(ctx context.Context, pool *pgxpool.Pool, shape aggregateShape, from, n int) error {
 	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		return insertShaped(ctx, tx, shape, from, n)
-	})
-}
-
-// fillShapedOneTx commits n events in one transaction, inserted a
-// statement per 10,000 (as a bulk import would).
-func fillShapedOneTx(ctx context.Context, pool *pgxpool.Pool, shape aggregateShape, n int) error {
-	return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		for from := 0; from < n; from += 10_000 {
-			if err := insertShaped(ctx, tx, shape, from, min(10_000, n-from)); err != nil {
+		for k := from; k < from+n; k += 10_000 {
+			if err := insertShaped(ctx, tx, shape, k, min(10_000, from+n-k)); err != nil {
 				return err
 			}
 		}

@@ -6,7 +6,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 	"sync/atomic"
@@ -39,111 +38,82 @@ func (c *counter) Claimed(n int, took time.Duration) { c.claims.Add(1); c.claimN
 func (c *counter) Published(ev []relay.Published) { c.n.Add(int64(len(ev))) }
 
 func benchDrain(ctx context.Context, nc *nats.Conn) (result, error) {
-	res, obs, err := drainWithObserver(ctx, nc, func(*relay.Config) {})
-	if err != nil {
-		return result{}, err
-	}
-	res.claimMs = float64(obs.claimNanos.Load()) / float64(obs.claims.Load()) / 1e6
-	return res, nil
-}
-
-// drainWithObserver is part a's drain with the relay configured by
-// mutate: -rows pending rows in a fresh database, settled, then timed.
-func drainWithObserver(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (result, *counter, error) {
-	env, err := newRelayEnv(ctx, nc)
-	if err != nil {
-		return result{}, nil, err
-	}
-	defer env.close()
-	if err := fillOutbox(ctx, env.db.Pool, *rows); err != nil {
-		return result{}, nil, err
-	}
-	if err := benchkit.Settle(ctx, env.db.Pool); err != nil {
-		return result{}, nil, err
-	}
-	rc := relayConfig()
-	mutate(&rc)
-	return timeDrain(ctx, relay.Options{Relay: rc, Stream: env.stream, Pool: env.relayPool, Conn: nc, Logger: quiet})
-}
-
-// timeDrain starts a relay with opts and times it until it published
-// -rows rows.
-func timeDrain(ctx context.Context, opts relay.Options) (result, *counter, error) {
-	obs := &counter{}
-	opts.Observer = obs
-	r, err := relay.New(opts)
-	if err != nil {
-		return result{}, nil, err
-	}
-	cpu := startCPU()
-	start := time.Now()
-	if err := r.Start(ctx); err != nil {
-		return result{}, nil, err
-	}
-	for obs.n.Load() < int64(*rows) {
-		time.Sleep(5 * time.Millisecond)
-	}
-	secs := time.Since(start).Seconds()
-	used := cpu()
-	_ = r.Stop(ctx)
-	return result{n: *rows, secs: secs, rate: float64(*rows) / secs, cpu: used}, obs, nil
+	return drainWith(ctx, nc, false, func(*relay.Config) {})
 }
 
 // benchDrainWAL measures a wal relay draining its slot: a relay creates
 // the slot and stops, rows are committed in transactions of 1000, and a new
 // relay publishes them from the slot.
 func benchDrainWAL(ctx context.Context, nc *nats.Conn) (result, error) {
-	return drainWALWith(ctx, nc, func(*relay.Config) {})
+	return drainWith(ctx, nc, true, func(*relay.Config) {})
 }
 
-// drainWALWith is benchDrainWAL with the relay configured by mutate.
-func drainWALWith(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (result, error) {
-	env, err := newRelayEnv(ctx, nc)
+// drainWith is part a's drain, or part w's if wal, with the relay
+// configured by mutate.
+func drainWith(ctx context.Context, nc *nats.Conn, wal bool, mutate func(*relay.Config)) (result, error) {
+	env, err := newRelayEnv(ctx, nc, nil)
 	if err != nil {
 		return result{}, err
 	}
 	defer env.close()
-	db, sc, rp := env.db, env.stream, env.relayPool
 	rc := relayConfig()
 	mutate(&rc)
-	rc.Capture, rc.Slot = relay.CaptureWAL, db.Name
-	first, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
-	if err != nil {
-		return result{}, err
-	}
-	if err := first.Start(ctx); err != nil {
-		return result{}, err
-	}
-	if err := waitFor(ctx, 30*time.Second, func() (bool, error) {
-		var done bool
-		err := db.Pool.QueryRow(ctx, `SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, rc.Slot).Scan(&done)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return false, nil
-		}
-		return done, err
-	}); err != nil {
-		return result{}, fmt.Errorf("the slot: %w", err)
-	}
-	if err := first.Stop(ctx); err != nil {
-		return result{}, err
-	}
-	for filled := 0; filled < *rows; filled += 1000 {
-		if err := fillOutbox(ctx, db.Pool, min(1000, *rows-filled)); err != nil {
+	if wal {
+		rc.Capture, rc.Slot = relay.CaptureWAL, env.db.Name
+		if err := startAndStop(ctx, env, rc); err != nil {
 			return result{}, err
 		}
 	}
-	if err := benchkit.Settle(ctx, db.Pool); err != nil {
+	return env.drain(ctx, rc)
+}
+
+// drain is -rows pending rows in the environment's database, settled,
+// then timed draining by a relay of rc.
+func (e *relayEnv) drain(ctx context.Context, rc relay.Config) (result, error) {
+	if err := fillOutbox(ctx, e.db.Pool, *rows); err != nil {
 		return result{}, err
 	}
-	res, _, err := timeDrain(ctx, relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
-	return res, err
+	if err := benchkit.Settle(ctx, e.db.Pool); err != nil {
+		return result{}, err
+	}
+	return timeDrain(ctx, e.options(rc))
+}
+
+// timeDrain starts a relay with opts and times it until it published
+// -rows rows; claimMs is its mean claim's time.
+func timeDrain(ctx context.Context, opts relay.Options) (result, error) {
+	obs := &counter{}
+	opts.Observer = obs
+	r, err := relay.New(opts)
+	if err != nil {
+		return result{}, err
+	}
+	cpu := startCPU()
+	start := time.Now()
+	if err := r.Start(ctx); err != nil {
+		return result{}, err
+	}
+	for obs.n.Load() < int64(*rows) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	res := timed(start, cpu)
+	_ = r.Stop(ctx)
+	res.claimMs = float64(obs.claimNanos.Load()) / float64(obs.claims.Load()) / 1e6
+	return res, nil
+}
+
+// timed is the result of -rows rows handled since start, with the CPU
+// time cpu counted.
+func timed(start time.Time, cpu func() benchkit.CPUTimes) result {
+	secs := time.Since(start).Seconds()
+	return result{n: *rows, secs: secs, rate: float64(*rows) / secs, cpu: cpu()}
 }
 
 // benchNaive runs the seeds' publisher: every 2 s it reads up to 50 pending
 // rows, publishes them one after another waiting for each PubAck, then marks
 // them sent.
 func benchNaive(ctx context.Context, nc *nats.Conn) (result, error) {
-	db, err := pgtest.Create(ctx, *adminURL)
+	db, err := pgtest.Create(ctx, *benchkit.AdminURL)
 	if err != nil {
 		return result{}, err
 	}
@@ -257,10 +227,7 @@ func relayMessages(nc *nats.Conn) (func(stream.Config) func(i int) (*nats.Msg, e
 // ensuredStream makes a fresh stream (freshStream) on the server, with a
 // JetStream context made with opts; done deletes it.
 func ensuredStream(ctx context.Context, nc *nats.Conn, opts ...jetstream.JetStreamOpt) (stream.Config, jetstream.JetStream, func(), error) {
-	sc, done, err := freshStream(nc)
-	if err != nil {
-		return sc, nil, nil, err
-	}
+	sc, done := freshStream(nc)
 	js, err := jetstream.New(nc, opts...)
 	if err == nil {
 		err = stream.Ensure(ctx, js, sc, 0, quiet)
@@ -314,12 +281,11 @@ func rawPublish(ctx context.Context, nc *nats.Conn, build func(stream.Config) (f
 	case <-time.After(2 * time.Minute):
 		return result{}, fmt.Errorf("raw publish did not complete")
 	}
-	secs := time.Since(start).Seconds()
-	used := cpu()
+	res := timed(start, cpu)
 	if failed.Load() > 0 {
 		return result{}, fmt.Errorf("%d raw publishes failed, the first: %v", failed.Load(), *firstErr.Load())
 	}
-	return result{n: *rows, secs: secs, rate: float64(*rows) / secs, cpu: used}, nil
+	return res, nil
 }
 
 // benchFastIngest is part f: part m's messages published as one
@@ -370,8 +336,7 @@ func benchFastIngest(ctx context.Context, nc *nats.Conn) (result, error) {
 			return result{}, fmt.Errorf("fast-ingest message %d: %w", i+1, err)
 		}
 	}
-	secs := time.Since(start).Seconds()
-	used := cpu()
+	res := timed(start, cpu)
 	if e := asyncErr.Load(); e != nil {
 		return result{}, fmt.Errorf("fast-ingest batch: %w", *e)
 	}
@@ -382,5 +347,5 @@ func benchFastIngest(ctx context.Context, nc *nats.Conn) (result, error) {
 	if info.State.Msgs != uint64(*rows) {
 		return result{}, fmt.Errorf("fast-ingest batch stored %d messages of %d", info.State.Msgs, *rows)
 	}
-	return result{n: *rows, secs: secs, rate: float64(*rows) / secs, cpu: used}, nil
+	return res, nil
 }

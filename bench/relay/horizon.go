@@ -28,9 +28,7 @@ const horizonTick = 10 * time.Second
 
 // horizonObserver records every PubAck and every claim.
 type horizonObserver struct {
-	relay.NopObserver
-	mu     sync.Mutex
-	acked  map[int64]time.Time
+	latencyObserver
 	claims []claimSample
 }
 
@@ -42,14 +40,6 @@ type claimSample struct {
 func (o *horizonObserver) Claimed(_ int, took time.Duration) {
 	o.mu.Lock()
 	o.claims = append(o.claims, claimSample{time.Now(), took})
-	o.mu.Unlock()
-}
-
-func (o *horizonObserver) Published(ev []relay.Published) {
-	o.mu.Lock()
-	for _, p := range ev {
-		o.acked[p.ID] = p.AckedAt
-	}
 	o.mu.Unlock()
 }
 
@@ -78,11 +68,9 @@ type horizonRun struct {
 }
 
 type horizonTickRow struct {
-	at              time.Duration // since the writes began
-	publishedPerSec float64
-	p99Ms           float64
-	claimMs         float64
-	sample          horizonSample
+	at time.Duration // since the writes began
+	horizonPhase
+	sample horizonSample
 }
 
 func benchHorizon(ctx context.Context, nc *nats.Conn) error {
@@ -161,7 +149,7 @@ func benchHorizon(ctx context.Context, nc *nats.Conn) error {
 
 func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle time.Duration) (horizonRun, error) {
 	var hr horizonRun
-	obs := &horizonObserver{acked: map[int64]time.Time{}}
+	obs := &horizonObserver{latencyObserver: latencyObserver{acked: map[int64]time.Time{}}}
 	env, err := startSteadyEnv(ctx, nc, func(c *relay.Config) {
 		c.Capture = capture
 		if *horizonAtomic != "" {
@@ -185,18 +173,9 @@ func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle t
 	runCtx, cancel := context.WithTimeout(ctx, total)
 	defer cancel()
 
-	var mu sync.Mutex
-	committed := map[int64]time.Time{}
+	var committed map[int64]time.Time
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		env.writeSteadily(runCtx, func(id int64, at time.Time) {
-			mu.Lock()
-			committed[id] = at
-			mu.Unlock()
-		})
-	}()
+	wg.Go(func() { committed = env.writeSteadily(runCtx) })
 
 	var samples []horizonSample
 	holdErr := make(chan error, 1)
@@ -261,10 +240,7 @@ func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle t
 	}
 	for _, s := range samples {
 		ph := window(committed, obs.acked, obs.claims, s.at.Add(-horizonTick), s.at)
-		hr.series = append(hr.series, horizonTickRow{
-			at: s.at.Sub(start).Round(time.Second), publishedPerSec: ph.publishedPerSec,
-			p99Ms: ph.p99Ms, claimMs: ph.claimMs, sample: s,
-		})
+		hr.series = append(hr.series, horizonTickRow{at: s.at.Sub(start).Round(time.Second), horizonPhase: ph, sample: s})
 	}
 	return hr, nil
 }
@@ -333,7 +309,7 @@ func window(committed, acked map[int64]time.Time, claims []claimSample, from, to
 	ph.publishedPerSec = float64(n) / to.Sub(from).Seconds()
 	if len(lat) > 0 {
 		slices.Sort(lat)
-		ph.p99Ms = ms(lat[len(lat)*99/100])
+		ph.p99Ms = benchkit.Ms(lat[len(lat)*99/100])
 	}
 	var took time.Duration
 	k := 0
@@ -344,7 +320,7 @@ func window(committed, acked map[int64]time.Time, claims []claimSample, from, to
 		}
 	}
 	if k > 0 {
-		ph.claimMs = ms(took / time.Duration(k))
+		ph.claimMs = benchkit.Ms(took / time.Duration(k))
 	}
 	return ph
 }

@@ -55,13 +55,13 @@ func benchLatency(ctx context.Context, nc *nats.Conn) error {
 	for run := range *benchkit.Runs {
 		for k := range variants {
 			i := (k + run) % len(variants)
-			p50, p99, max, _, err := measureLatency(ctx, nc, variants[i].mut)
+			l, err := measureLatency(ctx, nc, variants[i].mut)
 			if err != nil {
 				return fmt.Errorf("%s: %w", variants[i].name, err)
 			}
-			p50s[i].Add(ms(p50))
-			p99s[i].Add(ms(p99))
-			maxs[i].Add(ms(max))
+			p50s[i].Add(benchkit.Ms(l.P50))
+			p99s[i].Add(benchkit.Ms(l.P99))
+			maxs[i].Add(benchkit.Ms(l.Max))
 		}
 	}
 	for i, v := range variants {
@@ -71,25 +71,17 @@ func benchLatency(ctx context.Context, nc *nats.Conn) error {
 	return nil
 }
 
-func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
-
-func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (p50, p99, max time.Duration, n int, err error) {
+func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config)) (benchkit.Latencies, error) {
 	obs := &latencyObserver{acked: map[int64]time.Time{}}
 	env, err := startSteadyEnv(ctx, nc, mutate, obs)
 	if err != nil {
-		return
+		return benchkit.Latencies{}, err
 	}
 	defer env.close()
 
-	var mu sync.Mutex
-	committed := map[int64]time.Time{}
 	runCtx, cancel := context.WithTimeout(ctx, *latencyFor)
 	defer cancel()
-	env.writeSteadily(runCtx, func(eventID int64, at time.Time) {
-		mu.Lock()
-		committed[eventID] = at
-		mu.Unlock()
-	})
+	committed := env.writeSteadily(runCtx)
 	time.Sleep(time.Second) // the last PubAcks
 	var lat []time.Duration
 	obs.mu.Lock()
@@ -100,10 +92,9 @@ func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*relay.Confi
 	}
 	obs.mu.Unlock()
 	if len(lat) < len(committed) {
-		return 0, 0, 0, 0, fmt.Errorf("%d of %d committed events not published within a second of the end", len(committed)-len(lat), len(committed))
+		return benchkit.Latencies{}, fmt.Errorf("%d of %d committed events not published within a second of the end", len(committed)-len(lat), len(committed))
 	}
-	slices.Sort(lat)
-	return lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1], len(lat), nil
+	return benchkit.Quantiles(lat), nil
 }
 
 // dropSlot drops a replication slot, waiting up to 10 s for the walsender
@@ -123,20 +114,23 @@ func dropSlot(ctx context.Context, pool *pgxpool.Pool, slot string) error {
 // relayEnv is what a relay's run starts from: a fresh database, a stream
 // of its own, and the relay's pool on the database.
 type relayEnv struct {
+	nc        *nats.Conn
 	db        *pgtest.DB
 	stream    stream.Config
 	relayPool *pgxpool.Pool
 	cleanup   []func() // in the order to undo
 }
 
-func newRelayEnv(ctx context.Context, nc *nats.Conn) (_ *relayEnv, err error) {
-	e := &relayEnv{}
+// newRelayEnv makes a relayEnv whose relay publishes to sc, or, if sc is
+// nil, to a stream of its own (freshStream), deleted by close.
+func newRelayEnv(ctx context.Context, nc *nats.Conn, sc *stream.Config) (_ *relayEnv, err error) {
+	e := &relayEnv{nc: nc}
 	defer func() {
 		if err != nil {
 			e.close()
 		}
 	}()
-	if e.db, err = pgtest.Create(ctx, *adminURL); err != nil {
+	if e.db, err = pgtest.Create(ctx, *benchkit.AdminURL); err != nil {
 		return nil, err
 	}
 	e.cleanup = append(e.cleanup, e.db.Close)
@@ -146,17 +140,23 @@ func newRelayEnv(ctx context.Context, nc *nats.Conn) (_ *relayEnv, err error) {
 	if _, err = outboxstore.New(e.db.Pool).ExtendPartitions(ctx, relay.DefaultPartitionSize, 2, 1); err != nil {
 		return nil, fmt.Errorf("add the outbox's first ranges: %w", err)
 	}
-	stream, done, err := freshStream(nc)
-	if err != nil {
-		return nil, err
+	if sc != nil {
+		e.stream = *sc
+	} else {
+		var done func()
+		e.stream, done = freshStream(nc)
+		e.cleanup = append(e.cleanup, done)
 	}
-	e.stream = stream
-	e.cleanup = append(e.cleanup, done)
 	if e.relayPool, err = relayPool(ctx, e.db.URL); err != nil {
 		return nil, err
 	}
 	e.cleanup = append(e.cleanup, e.relayPool.Close)
 	return e, nil
+}
+
+// options are a relay's, of config rc, on the environment.
+func (e *relayEnv) options(rc relay.Config) relay.Options {
+	return relay.Options{Relay: rc, Stream: e.stream, Pool: e.relayPool, Conn: e.nc, Logger: quiet}
 }
 
 func (e *relayEnv) close() {
@@ -174,7 +174,7 @@ type steadyEnv struct {
 }
 
 func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*relay.Config), obs relay.Observer) (_ *steadyEnv, err error) {
-	env, err := newRelayEnv(ctx, nc)
+	env, err := newRelayEnv(ctx, nc, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -197,7 +197,9 @@ func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*relay.Confi
 	rc := relayConfig()
 	mutate(&rc)
 	rc.Slot = e.db.Name // slot names are cluster-wide
-	r, err := relay.New(relay.Options{Relay: rc, Stream: e.stream, Pool: e.relayPool, Conn: nc, Logger: quiet, Observer: obs})
+	opts := e.options(rc)
+	opts.Observer = obs
+	r, err := relay.New(opts)
 	if err != nil {
 		return nil, err
 	}
@@ -214,36 +216,28 @@ func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*relay.Confi
 }
 
 // writeSteadily commits price updates (each with its outbox event) at
-// -rate writes/s over 8 connections until ctx ends, and reports each
-// event's id and the moment its commit returned.
-func (e *steadyEnv) writeSteadily(ctx context.Context, committed func(eventID int64, at time.Time)) {
-	var wg sync.WaitGroup
-	const workers = 8
-	interval := time.Second * workers / time.Duration(*latencyRate)
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rng := rand.New(rand.NewPCG(uint64(w), 9))
-			next := time.Now().Add(time.Duration(w) * interval / workers)
-			for ctx.Err() == nil {
-				time.Sleep(time.Until(next))
-				next = next.Add(interval)
-				id := 1 + rng.Int64N(e.maxID)
-				price := 1000 + rng.Int64N(90000)
-				var eventID int64
-				err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
-					var err error
-					eventID, err = shop.UpdatePrice(ctx, tx, id, price)
-					return err
-				})
-				if err == nil {
-					committed(eventID, time.Now())
-				}
-			}
-		}()
-	}
-	wg.Wait()
+// -rate writes/s over 8 connections until ctx ends, and returns each
+// event's id with the moment its commit returned.
+func (e *steadyEnv) writeSteadily(ctx context.Context) map[int64]time.Time {
+	var mu sync.Mutex
+	committed := map[int64]time.Time{}
+	benchkit.Pace{Workers: 8, Rate: *latencyRate, Seed: 9, Staggered: true}.Run(ctx, func(_, _ int, rng *rand.Rand) {
+		id := 1 + rng.Int64N(e.maxID)
+		price := 1000 + rng.Int64N(90000)
+		var eventID int64
+		err := pgx.BeginFunc(ctx, e.pool, func(tx pgx.Tx) error {
+			var err error
+			eventID, err = shop.UpdatePrice(ctx, tx, id, price)
+			return err
+		})
+		if err == nil {
+			at := time.Now()
+			mu.Lock()
+			committed[eventID] = at
+			mu.Unlock()
+		}
+	})
+	return committed
 }
 
 // max0 clamps a negative latency (the PubAck raced ahead of the writer's

@@ -33,14 +33,11 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"io"
 	"log/slog"
-	"math/rand/v2"
 	"os"
 	"runtime"
 	"runtime/pprof"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -48,7 +45,6 @@ import (
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/gctune"
 	"github.com/fanout/fanout/relay"
-	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -64,13 +60,11 @@ var (
 	horizonFor    = flag.Duration("horizon", 2*time.Minute, "how long the held-horizon run holds its snapshot")
 	captureOnly   = flag.String("capture", "", "run the held-horizon part in this capture mode only: poll or wal")
 	horizonAtomic = flag.String("horizon-atomic", "", "the held-horizon part's relay.atomic (event, transaction; default: the relay's default)")
-	natsURL       = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	batchSize     = flag.Int("batch", 0, "override relay.batch_size")
 	maxInFlight   = flag.Int("inflight", 0, "override relay.max_in_flight")
 	only          = flag.String("only", "", "run only these parts (a comma-separated list): a, w, b, c, m, writer, latency, horizon, audit, fsync, retention; only when asked: f (fast-ingest batches), accounts (the production NATS layout's cost), auditfull, bigtx")
 	cpuProfile    = flag.String("cpuprofile", "", "write a CPU profile of this process")
 	relayLog      = flag.String("relaylog", "", "log the relays at this level (debug, info, warn) to stderr")
-	adminURL      = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create benchmark databases")
 )
 
 func main() {
@@ -105,7 +99,7 @@ func run(ctx context.Context) error {
 	if err := benchkit.CheckRuns(); err != nil {
 		return err
 	}
-	nc, err := nats.Connect(*natsURL, nats.ReconnectBufSize(-1))
+	nc, err := nats.Connect(*benchkit.NATSURL, nats.ReconnectBufSize(-1))
 	if err != nil {
 		return fmt.Errorf("connect to nats (start the services: go tool task services): %w", err)
 	}
@@ -116,105 +110,8 @@ func run(ctx context.Context) error {
 	}
 
 	want := func(part string) bool { return *only == "" || slices.Contains(strings.Split(*only, ","), part) }
-	var a, w, b, c, claimMs, ac, wa, ab benchkit.Figure
-	var m, mc, am, wm, wc, ac2 benchkit.Figure // part m and the ceilings
-	var f benchkit.Figure                      // part f
-	var cpuA, cpuW, cpuC, cpuM, cpuF cpuFigure
-	var aBound, wBound benchkit.Figure // servedFloor over c
-	for run := range *benchkit.Runs {
-		var ra, rw, rb, rc, rm, rf result
-		if want("a") {
-			if ra, err = benchDrain(ctx, nc); err != nil {
-				return fmt.Errorf("(a): %w", err)
-			}
-			a.Add(ra.rate)
-			cpuA.add(ra)
-			claimMs.Add(ra.claimMs)
-		}
-		if want("w") {
-			if rw, err = benchDrainWAL(ctx, nc); err != nil {
-				return fmt.Errorf("(w): %w", err)
-			}
-			w.Add(rw.rate)
-			cpuW.add(rw)
-		}
-		if want("b") {
-			if rb, err = benchNaive(ctx, nc); err != nil {
-				return fmt.Errorf("(b): %w", err)
-			}
-			b.Add(rb.rate)
-		}
-		if want("c") {
-			if rc, err = benchRaw(ctx, nc); err != nil {
-				return fmt.Errorf("(c): %w", err)
-			}
-			c.Add(rc.rate)
-			cpuC.add(rc)
-		}
-		if want("m") {
-			if rm, err = benchRawRelayMessages(ctx, nc); err != nil {
-				return fmt.Errorf("(m): %w", err)
-			}
-			m.Add(rm.rate)
-			cpuM.add(rm)
-		}
-		if *only != "" && want("f") { // opt in
-			if rf, err = benchFastIngest(ctx, nc); err != nil {
-				return fmt.Errorf("(f): %w", err)
-			}
-			f.Add(rf.rate)
-			cpuF.add(rf)
-		}
-		if want("a") && want("w") && want("c") && want("m") {
-			// The ceilings, within one run: the parts ran minutes apart at most.
-			ac2.Add(ra.rate / rc.rate)
-			mc.Add(rm.rate / rc.rate)
-			am.Add(ra.rate / rm.rate)
-			wm.Add(rw.rate / rm.rate)
-			wc.Add(rw.rate / rc.rate)
-			if servedFloor(ra) > 0 && servedFloor(rw) > 0 {
-				aBound.Add(servedFloor(ra) / rc.rate)
-				wBound.Add(servedFloor(rw) / rc.rate)
-			}
-		}
-		if *only == "" {
-			// Ratios within one run: the parts ran minutes apart at most.
-			ac.Add(ra.rate / rc.rate)
-			wa.Add(rw.rate / ra.rate)
-			ab.Add(ra.rate / rb.rate)
-		}
-		if want("a") || want("w") || want("b") || want("c") {
-			fmt.Printf("    run %d of %d: a %.0f rows/s  w %.0f rows/s  b %.1f rows/s  c %.0f msgs/s  m %.0f msgs/s\n", run+1, *benchkit.Runs, ra.rate, rw.rate, rb.rate, rc.rate, rm.rate)
-		}
-	}
-	if want("a") {
-		fmt.Printf("(a) fanout relay (relay.capture poll) draining %d rows: %s; a claim took %s on average\n    %s\n", *rows, a.Format("%.0f rows/s"), claimMs.Format("%.1fms"), cpuA)
-	}
-	if want("w") {
-		fmt.Printf("(w) fanout relay (relay.capture wal) draining %d rows from its slot (committed in transactions of 1000 while it was stopped): %s\n    %s\n", *rows, w.Format("%.0f rows/s"), cpuW)
-	}
-	if want("b") {
-		fmt.Printf("(b) naive publisher (poll 2s, batch 50, sync publish, then mark) for %s: %s\n", *naiveFor, b.Format("%.1f rows/s"))
-	}
-	if want("c") {
-		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %s\n    %s\n", *rows, c.Format("%.0f msgs/s"), cpuC)
-	}
-	if want("m") {
-		fmt.Printf("(m) raw JetStream async publish of the relay's own messages (wire.Encode: its headers), %d msgs: %s\n    %s\n", *rows, m.Format("%.0f msgs/s"), cpuM)
-	}
-	if *only != "" && want("f") {
-		fmt.Printf("(f) the same messages as m in one fast-ingest batch (allow_batched, an acknowledgement per 100): %s\n    %s\n", f.Format("%.0f msgs/s"), cpuF)
-	}
-	if want("a") && want("w") && want("c") && want("m") {
-		fmt.Printf("    ceilings: a/c = %s (target >= 0.5)   w/c = %s (target >= 0.7)   m/c = %s (what the messages' headers leave of c)   a/m = %s   w/m = %s\n\n",
-			ac2.Format("%.2f"), wc.Format("%.2f"), mc.Format("%.2f"), am.Format("%.2f"), wm.Format("%.2f"))
-		if len(aBound.Values) > 0 {
-			fmt.Printf("    what nats-server and Postgres use a row leaves, on %d cores, to a relay using no CPU itself: a/c <= %s, w/c <= %s\n\n",
-				runtime.NumCPU(), aBound.Format("%.2f"), wBound.Format("%.2f"))
-		}
-	}
-	if *only == "" {
-		fmt.Printf("    a/c = %s (target >= 0.35)   a/b = %s (target >= 1000)   w/a = %s (target for wal: >= 1)\n\n", ac.Format("%.2f"), ab.Format("%.0f"), wa.Format("%.2f"))
+	if err := benchThroughput(ctx, nc, want); err != nil {
+		return err
 	}
 	if want("writer") {
 		if err := benchWriterCost(ctx, nc); err != nil {
@@ -268,6 +165,95 @@ func run(ctx context.Context) error {
 	return nil
 }
 
+// throughputPart is one of the parts measured once a run, side by side:
+// a, w, b, c, m and f.
+type throughputPart struct {
+	name  string
+	run   func(context.Context, *nats.Conn) (result, error)
+	optIn bool // run only when -only names it
+	rate  benchkit.Figure
+	cpu   cpuFigure
+}
+
+// benchThroughput runs the throughput parts -only selects, and prints
+// their figures and the ratios between them.
+func benchThroughput(ctx context.Context, nc *nats.Conn, want func(string) bool) error {
+	parts := []*throughputPart{{name: "a", run: benchDrain}, {name: "w", run: benchDrainWAL}, {name: "b", run: benchNaive},
+		{name: "c", run: benchRaw}, {name: "m", run: benchRawRelayMessages}, {name: "f", run: benchFastIngest, optIn: true}}
+	a, w, b, c, m, f := parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]
+	ceilings := want("a") && want("w") && want("c") && want("m")
+	var claimMs, wa, ab, ac, mc, am, wm, wc benchkit.Figure
+	var aBound, wBound benchkit.Figure // servedFloor over c
+	for run := range *benchkit.Runs {
+		got := map[*throughputPart]result{}
+		for _, p := range parts {
+			if !want(p.name) || p.optIn && *only == "" {
+				continue
+			}
+			res, err := p.run(ctx, nc)
+			if err != nil {
+				return fmt.Errorf("(%s): %w", p.name, err)
+			}
+			got[p] = res
+			p.rate.Add(res.rate)
+			p.cpu.add(res)
+		}
+		ra, rw, rb, rc, rm := got[a], got[w], got[b], got[c], got[m]
+		if want("a") {
+			claimMs.Add(ra.claimMs)
+		}
+		if ceilings {
+			// The ceilings, within one run: the parts ran minutes apart at most.
+			ac.Add(ra.rate / rc.rate)
+			mc.Add(rm.rate / rc.rate)
+			am.Add(ra.rate / rm.rate)
+			wm.Add(rw.rate / rm.rate)
+			wc.Add(rw.rate / rc.rate)
+			if servedFloor(ra) > 0 && servedFloor(rw) > 0 {
+				aBound.Add(servedFloor(ra) / rc.rate)
+				wBound.Add(servedFloor(rw) / rc.rate)
+			}
+		}
+		if *only == "" {
+			wa.Add(rw.rate / ra.rate)
+			ab.Add(ra.rate / rb.rate)
+		}
+		if want("a") || want("w") || want("b") || want("c") {
+			fmt.Printf("    run %d of %d: a %.0f rows/s  w %.0f rows/s  b %.1f rows/s  c %.0f msgs/s  m %.0f msgs/s\n", run+1, *benchkit.Runs, ra.rate, rw.rate, rb.rate, rc.rate, rm.rate)
+		}
+	}
+	if want("a") {
+		fmt.Printf("(a) fanout relay (relay.capture poll) draining %d rows: %s; a claim took %s on average\n    %s\n", *rows, a.rate.Format("%.0f rows/s"), claimMs.Format("%.1fms"), a.cpu)
+	}
+	if want("w") {
+		fmt.Printf("(w) fanout relay (relay.capture wal) draining %d rows from its slot (committed in transactions of 1000 while it was stopped): %s\n    %s\n", *rows, w.rate.Format("%.0f rows/s"), w.cpu)
+	}
+	if want("b") {
+		fmt.Printf("(b) naive publisher (poll 2s, batch 50, sync publish, then mark) for %s: %s\n", *naiveFor, b.rate.Format("%.1f rows/s"))
+	}
+	if want("c") {
+		fmt.Printf("(c) raw JetStream async publish, %d msgs with msg ids: %s\n    %s\n", *rows, c.rate.Format("%.0f msgs/s"), c.cpu)
+	}
+	if want("m") {
+		fmt.Printf("(m) raw JetStream async publish of the relay's own messages (wire.Encode: its headers), %d msgs: %s\n    %s\n", *rows, m.rate.Format("%.0f msgs/s"), m.cpu)
+	}
+	if *only != "" && want("f") {
+		fmt.Printf("(f) the same messages as m in one fast-ingest batch (allow_batched, an acknowledgement per 100): %s\n    %s\n", f.rate.Format("%.0f msgs/s"), f.cpu)
+	}
+	if ceilings {
+		fmt.Printf("    ceilings: a/c = %s (target >= 0.5)   w/c = %s (target >= 0.7)   m/c = %s (what the messages' headers leave of c)   a/m = %s   w/m = %s\n\n",
+			ac.Format("%.2f"), wc.Format("%.2f"), mc.Format("%.2f"), am.Format("%.2f"), wm.Format("%.2f"))
+		if len(aBound.Values) > 0 {
+			fmt.Printf("    what nats-server and Postgres use a row leaves, on %d cores, to a relay using no CPU itself: a/c <= %s, w/c <= %s\n\n",
+				runtime.NumCPU(), aBound.Format("%.2f"), wBound.Format("%.2f"))
+		}
+	}
+	if *only == "" {
+		fmt.Printf("    a/c = %s (target >= 0.35)   a/b = %s (target >= 1000)   w/a = %s (target for wal: >= 1)\n\n", ac.Format("%.2f"), ab.Format("%.0f"), wa.Format("%.2f"))
+	}
+	return nil
+}
+
 type result struct {
 	n       int
 	secs    float64
@@ -299,12 +285,12 @@ func startCPU() func() benchkit.CPUTimes {
 // newCPUClock finds the services' processes (those of -nats and
 // -postgres).
 func newCPUClock(ctx context.Context) (*benchkit.CPUClock, error) {
-	pool, err := pgxpool.New(ctx, *adminURL)
+	pool, err := pgxpool.New(ctx, *benchkit.AdminURL)
 	if err != nil {
 		return nil, err
 	}
 	defer pool.Close()
-	return benchkit.NewCPUClock(ctx, pool, *natsURL)
+	return benchkit.NewCPUClock(ctx, pool, *benchkit.NATSURL)
 }
 
 // servedFloor is the most rows/s a relay using no CPU at all could reach
@@ -340,7 +326,7 @@ func (f cpuFigure) String() string {
 
 // quiet is the relays' logger: nothing, unless -relaylog names a level
 // (their logs then go to stderr: a claim's time is logged at debug).
-var quiet = slog.New(slog.NewTextHandler(io.Discard, nil))
+var quiet = benchkit.Quiet
 
 func relayLogger(level string) (*slog.Logger, error) {
 	if level == "" {
@@ -355,11 +341,10 @@ func relayLogger(level string) (*slog.Logger, error) {
 
 // freshStream returns a stream config with a name and subject prefix of its
 // own, and deletes the stream when done is called.
-func freshStream(nc *nats.Conn) (stream.Config, func(), error) {
+func freshStream(nc *nats.Conn) (stream.Config, func()) {
 	s := stream.DefaultConfig()
-	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
-	s.Name = "BENCH_" + suffix
-	s.SubjectPrefix = "bench" + suffix
+	suffix := benchkit.Suffix()
+	s.Name, s.SubjectPrefix = "BENCH_"+suffix, "bench"+suffix
 	done := func() {
 		js, err := jetstream.New(nc)
 		if err == nil {
@@ -368,7 +353,7 @@ func freshStream(nc *nats.Conn) (stream.Config, func(), error) {
 			_ = js.DeleteStream(ctx, s.Name)
 		}
 	}
-	return s, done, nil
+	return s, done
 }
 
 func relayConfig() relay.Config {
@@ -399,25 +384,6 @@ FROM generate_series($1::bigint, $2::bigint) AS g`, from, min(from+chunk-1, n));
 		}
 	}
 	return nil
-}
-
-// waitFor polls cond every 10ms for up to timeout.
-func waitFor(ctx context.Context, timeout time.Duration, cond func() (bool, error)) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		ok, err := cond()
-		if err != nil || ok {
-			return err
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("not within %s", timeout)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
 }
 
 // relayPool is the pool `fanout relay` opens with the default

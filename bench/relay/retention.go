@@ -53,7 +53,7 @@ func benchRetention(ctx context.Context) error {
 }
 
 func retentionRun(ctx context.Context, dropRange bool) (c retentionCost, err error) {
-	db, err := pgtest.Create(ctx, *adminURL)
+	db, err := pgtest.Create(ctx, *benchkit.AdminURL)
 	if err != nil {
 		return c, err
 	}

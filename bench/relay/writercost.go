@@ -26,7 +26,7 @@ import (
 // benchWriterCost measures price-update transactions per second at 8
 // connections, with and without the outbox.
 func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
-	db, err := pgtest.Create(ctx, *adminURL)
+	db, err := pgtest.Create(ctx, *benchkit.AdminURL)
 	if err != nil {
 		return err
 	}
@@ -48,8 +48,8 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 		_, err := tx.Exec(ctx, update, id, price)
 		return err
 	}
-	event := func(id, price int64) outbox.Event {
-		return outbox.Event{AggregateType: "product", AggregateID: strconv.FormatInt(id, 10), Type: shop.ProductUpdated,
+	event := func(typ string, id, price int64) outbox.Event {
+		return outbox.Event{AggregateType: "product", AggregateID: strconv.FormatInt(id, 10), Type: typ,
 			Payload: shop.ProductEvent{ProductID: id, PriceCents: &price}}
 	}
 	// The same event under a type the outbox does not number (fanout
@@ -58,32 +58,20 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 	if err := outboxstore.New(pool).SetNumbering(ctx, []string{unnumberedType}); err != nil {
 		return err
 	}
-	unnumbered := func(w *outbox.Writer) func(context.Context, pgx.Tx, int64, int64) error {
-		return func(ctx context.Context, tx pgx.Tx, id, price int64) error {
-			b := &pgx.Batch{}
-			b.Queue(update, id, price)
-			e := event(id, price)
-			e.Type = unnumberedType
-			if err := w.Queue(b, e, nil); err != nil {
-				return err
-			}
-			return tx.SendBatch(ctx, b).Close()
-		}
-	}
 	ownRoundTrip := func(w *outbox.Writer) func(context.Context, pgx.Tx, int64, int64) error {
 		return func(ctx context.Context, tx pgx.Tx, id, price int64) error {
 			if _, err := tx.Exec(ctx, update, id, price); err != nil {
 				return err
 			}
-			_, err := w.Write(ctx, tx, event(id, price))
+			_, err := w.Write(ctx, tx, event(shop.ProductUpdated, id, price))
 			return err
 		}
 	}
-	pipelined := func(w *outbox.Writer) func(context.Context, pgx.Tx, int64, int64) error {
+	pipelined := func(w *outbox.Writer, typ string) func(context.Context, pgx.Tx, int64, int64) error {
 		return func(ctx context.Context, tx pgx.Tx, id, price int64) error {
 			b := &pgx.Batch{}
 			b.Queue(update, id, price)
-			if err := w.Queue(b, event(id, price), nil); err != nil {
+			if err := w.Queue(b, event(typ, id, price), nil); err != nil {
 				return err
 			}
 			return tx.SendBatch(ctx, b).Close()
@@ -100,12 +88,12 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 	}{
 		{"price update alone", plain, ""},
 		{"+ outbox.Write in its own round trip, no wake-up", ownRoundTrip(outbox.NewWriter(-1)), ""},
-		{"+ outbox.Queue pipelined with the update, NOTIFY in every tx", pipelined(outbox.NewWriter(0)), ""},
-		{"+ outbox.Queue pipelined, no wake-up", pipelined(outbox.NewWriter(-1)), ""},
-		{"+ outbox.Queue pipelined, no wake-up, its event type not numbered", unnumbered(outbox.NewWriter(-1)), ""},
+		{"+ outbox.Queue pipelined with the update, NOTIFY in every tx", pipelined(outbox.NewWriter(0), shop.ProductUpdated), ""},
+		{"+ outbox.Queue pipelined, no wake-up", pipelined(outbox.NewWriter(-1), shop.ProductUpdated), ""},
+		{"+ outbox.Queue pipelined, no wake-up, its event type not numbered", pipelined(outbox.NewWriter(-1), unnumberedType), ""},
 		{"shop.UpdatePrice: outbox.Queue + fanout wake-up (NOTIFY at most every " + outbox.DefaultWakeInterval.String() + ")", demo, ""},
 		{"shop.UpdatePrice, with a relay (capture poll) publishing", demo, relay.CapturePoll},
-		{"outbox.Queue pipelined, no wake-up, with a relay (capture wal) publishing", pipelined(outbox.NewWriter(-1)), relay.CaptureWAL},
+		{"outbox.Queue pipelined, no wake-up, with a relay (capture wal) publishing", pipelined(outbox.NewWriter(-1), shop.ProductUpdated), relay.CaptureWAL},
 	}
 	// withRelay runs fn while a relay of the capture publishes what the
 	// writers commit, to a stream of its own.
@@ -113,10 +101,7 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 		if capture == "" {
 			return fn()
 		}
-		sc, done, err := freshStream(nc)
-		if err != nil {
-			return err
-		}
+		sc, done := freshStream(nc)
 		defer done()
 		rp, err := relayPool(ctx, db.URL)
 		if err != nil {
@@ -191,9 +176,7 @@ func measureTPS(ctx context.Context, pool *pgxpool.Pool, maxID int64, fn func(co
 	var wg sync.WaitGroup
 	start := time.Now()
 	for w := range 8 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		wg.Go(func() {
 			rng := rand.New(rand.NewPCG(uint64(w), 7))
 			for runCtx.Err() == nil {
 				id := 1 + rng.Int64N(maxID)
@@ -206,7 +189,7 @@ func measureTPS(ctx context.Context, pool *pgxpool.Pool, maxID int64, fn func(co
 				}
 				n.Add(1)
 			}
-		}()
+		})
 	}
 	wg.Wait()
 	return float64(n.Load()) / time.Since(start).Seconds(), firstErr

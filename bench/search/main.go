@@ -11,7 +11,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"math/rand/v2"
@@ -27,19 +26,14 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/metrics"
 	"github.com/fanout/fanout/relay"
-	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -51,73 +45,46 @@ var (
 	pollEvery = flag.Duration("poll", 50*time.Millisecond, "how often the freshness searcher polls")
 	loaders   = flag.Int("loaders", 3, "bulk requests in flight in the loader")
 	refresh   = flag.Duration("refresh-after", -1, "override search.refresh_after (0: leave visibility to the index's refresh_interval, as before it existed)")
-	natsURL   = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	searchURL = flag.String("search", searchindex.DefaultURL, "search engine URL")
 	engine    = flag.String("engine", search.OpenSearch, "search engine implementation")
-	adminURL  = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
 
 var quiet = benchkit.Quiet
 
-func main() {
-	flag.Parse()
-	if err := run(context.Background()); err != nil {
-		fmt.Fprintln(os.Stderr, "bench:", err)
-		os.Exit(1)
-	}
-}
+func main() { benchkit.Main(run) }
 
 type bench struct {
-	cfg    *benchkit.Config
-	db     *pgtest.DB
-	pool   *pgxpool.Pool
-	nc     *nats.Conn
-	js     jetstream.JetStream
+	*benchkit.Pipeline
 	client *search.Client
 	env    []string // FANOUT_ settings for the fanout processes
 }
 
 func run(ctx context.Context) error {
-	if err := benchkit.CheckRuns(); err != nil {
+	p, err := benchkit.Open(ctx, "SEARCH", 16)
+	if err != nil {
 		return err
 	}
-	cfg := benchkit.DefaultConfig()
-	var err error
-	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
-	cfg.Stream.Name, cfg.Stream.SubjectPrefix = "BENCHSEARCH_"+suffix, "benchsearch"+suffix
-	cfg.Subscribers.DeadLetterStream, cfg.Subscribers.DeadLetterSubjectPrefix = "BENCHSEARCH_DLQ_"+suffix, "benchsearchdlq"+suffix
-	cfg.Search.Engine, cfg.Search.URL, cfg.Search.Alias = *engine, *searchURL, "bench"+suffix+"-products"
+	defer p.Close()
+	cfg := p.Config
+	cfg.Search.Engine, cfg.Search.URL, cfg.Search.Alias = *engine, *searchURL, "bench"+p.Suffix+"-products"
 	if *refresh >= 0 {
 		cfg.Search.RefreshAfter = *refresh
 	}
-	b := &bench{cfg: cfg}
-	if b.nc, err = nats.Connect(*natsURL); err != nil {
-		return fmt.Errorf("connect to nats (start the services: go tool task services): %w", err)
-	}
-	defer b.nc.Close()
-	if b.js, err = jetstream.New(b.nc); err != nil {
-		return err
-	}
+	b := &bench{Pipeline: p}
 	if b.client, err = search.Connect(ctx, cfg.Search.Client()); err != nil {
 		return err
 	}
 	defer b.client.Close()
-	defer b.cleanup()
-	if b.db, err = pgtest.Create(ctx, *adminURL); err != nil {
-		return err
-	}
-	defer b.db.Close()
-	pc, _ := pgxpool.ParseConfig(b.db.URL)
-	pc.MaxConns = 16
-	if b.pool, err = pgxpool.NewWithConfig(ctx, pc); err != nil {
-		return err
-	}
-	defer b.pool.Close()
-	if err := stream.Ensure(ctx, b.js, cfg.Stream, 0, quiet); err != nil {
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		_ = b.dropIndices(ctx, "")
+	}()
+	if err := stream.Ensure(ctx, b.JS, cfg.Stream, 0, quiet); err != nil {
 		return err
 	}
 	b.env = []string{
-		"FANOUT_POSTGRES_URL=" + b.db.URL, "FANOUT_NATS_URL=" + *natsURL,
+		"FANOUT_POSTGRES_URL=" + b.DB.URL, "FANOUT_NATS_URL=" + *benchkit.NATSURL,
 		"FANOUT_STREAM_NAME=" + cfg.Stream.Name, "FANOUT_STREAM_SUBJECT_PREFIX=" + cfg.Stream.SubjectPrefix,
 		"FANOUT_SEARCH_ENGINE=" + *engine, "FANOUT_SEARCH_URL=" + *searchURL, "FANOUT_SEARCH_ALIAS=" + cfg.Search.Alias,
 		"FANOUT_LOG_FORMAT=json", "FANOUT_SEARCH_REFRESH_AFTER=" + cfg.Search.RefreshAfter.String(),
@@ -141,30 +108,19 @@ func run(ctx context.Context) error {
 	return b.freshness(ctx)
 }
 
-func (b *bench) cleanup() {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	names, _ := b.client.Indices(ctx, b.cfg.Search.Alias+"-v*")
-	for _, n := range names {
-		_ = b.client.DeleteIndex(ctx, n)
-	}
-	_ = b.js.DeleteStream(ctx, b.cfg.Stream.Name)
-	_ = b.js.DeleteStream(ctx, b.cfg.Subscribers.DeadLetterStream)
-}
-
 // generate writes the products with plain SQL (no events: the load reads
 // SQL, not the stream).
 func (b *bench) generate(ctx context.Context) error {
-	if _, err := shop.Seed(ctx, b.pool, 1, rand.New(rand.NewPCG(1, 1))); err != nil {
+	if _, err := shop.Seed(ctx, b.Pool, 1, rand.New(rand.NewPCG(1, 1))); err != nil {
 		return err
 	}
-	if _, err := b.pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
+	if _, err := b.Pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
 		return err
 	}
 	const chunk = 100_000
 	for done := 0; done < *products; done += chunk {
 		n := min(chunk, *products-done)
-		_, err := b.pool.Exec(ctx, `
+		_, err := b.Pool.Exec(ctx, `
 WITH p AS (
     INSERT INTO products (sku, name, description, brand_id, category_id, price, rating, ram_gb, storage_gb)
     SELECT 'GEN-' || ($1 + g), 'Model ' || ($1 + g) || ' ' || (ARRAY['Pro','Max','Lite','Ultra','Mini'])[1 + g % 5],
@@ -178,7 +134,7 @@ INSERT INTO inventory (product_id, stock) SELECT id, id % 500 FROM p`, done, n)
 			return err
 		}
 	}
-	return benchkit.Settle(ctx, b.pool)
+	return benchkit.Settle(ctx, b.Pool)
 }
 
 // load runs `fanout reindex` as its own process and reads its peak RSS.
@@ -209,7 +165,13 @@ func (b *bench) load(ctx context.Context) error {
 		rssMB.Add(float64(rss) / 1024)
 		fmt.Printf("    run %d of %d: %.1fs, %.0f docs/s end to end, peak RSS %.0f MB; reindex said: %s", run+1, *benchkit.Runs, took.Seconds(),
 			float64(*products)/took.Seconds(), float64(rss)/1024, out.String())
-		if err := b.dropOldIndices(ctx); err != nil {
+		// A reindex keeps the index before its own: runs must not pile up
+		// millions of documents.
+		cur, err := searchindex.Current(ctx, b.client, b.Config.Search.Alias)
+		if err != nil {
+			return err
+		}
+		if err := b.dropIndices(ctx, cur); err != nil {
 			return err
 		}
 	}
@@ -217,19 +179,14 @@ func (b *bench) load(ctx context.Context) error {
 	return nil
 }
 
-// dropOldIndices deletes the indices a reindex left behind (it keeps the
-// previous one), so runs do not pile up millions of documents.
-func (b *bench) dropOldIndices(ctx context.Context) error {
-	cur, err := searchindex.Current(ctx, b.client, b.cfg.Search.Alias)
-	if err != nil {
-		return err
-	}
-	names, err := b.client.Indices(ctx, b.cfg.Search.Alias+"-v*")
+// dropIndices deletes the indices the runs made, but keep.
+func (b *bench) dropIndices(ctx context.Context, keep string) error {
+	names, err := b.client.Indices(ctx, b.Config.Search.Alias+"-v*")
 	if err != nil {
 		return err
 	}
 	for _, n := range names {
-		if n != cur {
+		if n != keep {
 			if err := b.client.DeleteIndex(ctx, n); err != nil {
 				return err
 			}
@@ -238,17 +195,9 @@ func (b *bench) dropOldIndices(ctx context.Context) error {
 	return nil
 }
 
-func (b *bench) publish(ctx context.Context, fill func(context.Context) error) error {
-	if err := fill(ctx); err != nil {
-		return err
-	}
-	return benchkit.Publish(ctx, b.pool, b.nc, b.cfg.Relay, b.cfg.Stream)
-}
-
 // steady measures the indexer draining a backlog of price updates.
 func (b *bench) steady(ctx context.Context) error {
-	err := b.publish(ctx, func(ctx context.Context) error {
-		_, err := b.pool.Exec(ctx, `
+	_, err := b.Pool.Exec(ctx, `
 WITH u AS (
     UPDATE products SET price = price + 1, version = version + 1
     WHERE id IN (SELECT (SELECT min(id) FROM products) + (g * 7919) % $2 FROM generate_series(1, $1) g)
@@ -256,12 +205,13 @@ WITH u AS (
 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
 SELECT 'product', u.id::text, 'product.updated', jsonb_build_object('product_id', u.id) FROM u, generate_series(1, $1 / (SELECT count(*) FROM u) + 1) r
 LIMIT $1`, *updates, *products)
-		return err
-	})
 	if err != nil {
 		return err
 	}
-	fmt.Printf("steady indexing of %d live update events (batch_size %d, %d workers per instance):\n", *updates, b.cfg.Subscribers.BatchSize, b.cfg.Subscribers.Concurrency)
+	if err := b.Publish(ctx); err != nil {
+		return err
+	}
+	fmt.Printf("steady indexing of %d live update events (batch_size %d, %d workers per instance):\n", *updates, b.Config.Subscribers.BatchSize, b.Config.Subscribers.Concurrency)
 	// A first pass, not counted: the first one after the bulk load read a
 	// quarter of the next ones' rate even on a settled database (the
 	// engine still busy with the loads' segments).
@@ -297,58 +247,27 @@ LIMIT $1`, *updates, *products)
 // steadyRun has instances indexers drain the whole stream from its start
 // and returns events/s.
 func (b *bench) steadyRun(ctx context.Context, instances int) (float64, error) {
-	if err := b.js.DeleteConsumer(ctx, b.cfg.Stream.Name, searchindex.Name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-		return 0, err
-	}
 	// Settled, then emptied: a checkpoint analyzed while empty would be
 	// read with a plan for an empty table until autovacuum (a minute apart)
-	// analyzes it again (see bench/subscribers' reset).
-	if err := benchkit.Settle(ctx, b.pool); err != nil {
+	// analyzes it again (benchkit's Reset).
+	if err := b.Reset(ctx, searchindex.Name, "processed_events"); err != nil {
 		return 0, err
 	}
-	if _, err := b.pool.Exec(ctx, `TRUNCATE processed_events`); err != nil {
+	opts := subscribers.Options{Declaration: searchindex.Subscriber, Config: b.Config.Subscribers}
+	took, err := b.TimeDrain(ctx, instances, opts, func() subscribers.Handler {
+		return subscribers.Each(searchindex.New(b.client, b.Pool, b.Config.Search, quiet))
+	})
+	if err != nil {
 		return 0, err
 	}
-	var runners []*subscribers.Runner
-	var conns []*nats.Conn
-	defer func() {
-		for _, r := range runners {
-			_ = r.Stop(ctx)
-		}
-		for _, nc := range conns { // after the runners have drained on them
-			nc.Close()
-		}
-	}()
-	for range instances {
-		nc, err := nats.Connect(*natsURL)
-		if err != nil {
-			return 0, err
-		}
-		conns = append(conns, nc)
-		h := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
-		r, err := subscribers.New(subscribers.Options{Declaration: searchindex.Subscriber, Handler: subscribers.Each(h), Config: b.cfg.Subscribers, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
-		if err != nil {
-			return 0, err
-		}
-		runners = append(runners, r)
-	}
-	start := time.Now()
-	for _, r := range runners {
-		if err := r.Start(ctx); err != nil {
-			return 0, err
-		}
-	}
-	if err := benchkit.WaitDrained(ctx, b.js, b.cfg.Stream.Name, searchindex.Name, 15*time.Minute); err != nil {
-		return 0, err
-	}
-	return float64(*updates) / time.Since(start).Seconds(), nil
+	return float64(*updates) / took.Seconds(), nil
 }
 
 // freshness measures commit → searchable, -runs times, and where the time
 // goes stage by stage.
 func (b *bench) freshness(ctx context.Context) error {
 	fmt.Printf("freshness, commit → searchable, at %d writes/s for %s (search.refresh_after %s, searcher polling every %s), %d runs:\n",
-		*rate, *freshFor, b.cfg.Search.RefreshAfter, *pollEvery, *benchkit.Runs)
+		*rate, *freshFor, b.Config.Search.RefreshAfter, *pollEvery, *benchkit.Runs)
 	var p50, p99, maxLat benchkit.Figure
 	stageP50 := map[string]*benchkit.Figure{}
 	stageP99 := map[string]*benchkit.Figure{}
@@ -357,11 +276,11 @@ func (b *bench) freshness(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		p50.Add(ms(res.p50))
-		p99.Add(ms(res.p99))
-		maxLat.Add(ms(res.max))
+		p50.Add(benchkit.Ms(res.P50))
+		p99.Add(benchkit.Ms(res.P99))
+		maxLat.Add(benchkit.Ms(res.Max))
 		fmt.Printf("    run %d of %d: p50 %.0fms  p99 %.0fms  max %.0fms  (%d writes seen, %d not seen: overwritten by a later write before it was searchable)\n",
-			run+1, *benchkit.Runs, ms(res.p50), ms(res.p99), ms(res.max), res.seen, res.unseen)
+			run+1, *benchkit.Runs, benchkit.Ms(res.P50), benchkit.Ms(res.P99), benchkit.Ms(res.Max), res.N, res.unseen)
 		for _, w := range res.stages {
 			if stageP50[w.Stage] == nil {
 				stageP50[w.Stage], stageP99[w.Stage] = &benchkit.Figure{}, &benchkit.Figure{}
@@ -382,9 +301,9 @@ func (b *bench) freshness(ctx context.Context) error {
 }
 
 type freshnessResult struct {
-	p50, p99, max time.Duration
-	seen, unseen  int
-	stages        []metrics.StageWindow
+	benchkit.Latencies
+	unseen int
+	stages []metrics.StageWindow
 }
 
 // freshnessRun writes price updates at a steady rate with a live relay and
@@ -392,123 +311,87 @@ type freshnessResult struct {
 // the pipeline recorded meanwhile.
 func (b *bench) freshnessRun(ctx context.Context, run int) (freshnessResult, error) {
 	var res freshnessResult
-	if err := b.js.DeleteConsumer(ctx, b.cfg.Stream.Name, searchindex.Name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-		return res, err
-	}
-	if err := benchkit.Settle(ctx, b.pool); err != nil {
+	if err := b.Reset(ctx, searchindex.Name); err != nil {
 		return res, err
 	}
 	reg := prometheus.NewRegistry()
 	stages := metrics.StagesOf(reg)
-	sc := b.cfg.Subscribers
+	sc := b.Config.Subscribers
 	sc.Start = "new"
-	r, err := relay.New(relay.Options{Relay: b.cfg.Relay, Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet, Observer: relay.NewMetrics(reg)})
+	r, err := b.StartRelay(ctx, relay.NewMetrics(reg))
 	if err != nil {
-		return res, err
-	}
-	if err := r.Start(ctx); err != nil {
 		return res, err
 	}
 	defer r.Stop(ctx) //nolint:errcheck
-	indexer := searchindex.New(b.client, b.pool, b.cfg.Search, quiet)
+	indexer := searchindex.New(b.client, b.Pool, b.Config.Search, quiet)
 	indexer.ObserveSearchable(func(took []time.Duration) { stages.Observe(metrics.StageSearchable, searchindex.Name, took...) })
-	sub, err := subscribers.New(subscribers.Options{Declaration: searchindex.Subscriber, Handler: subscribers.Each(indexer), Config: sc,
-		Stream: b.cfg.Stream, Pool: b.pool, Conn: b.nc, Logger: quiet, Observer: subscribers.NewMetrics(reg)})
+	sub, err := b.StartRunner(ctx, subscribers.Options{Declaration: searchindex.Subscriber, Handler: subscribers.Each(indexer), Config: sc,
+		Observer: subscribers.NewMetrics(reg)})
 	if err != nil {
-		return res, err
-	}
-	if err := sub.Start(ctx); err != nil {
 		return res, err
 	}
 	defer sub.Stop(ctx) //nolint:errcheck
 
 	// Each write sets a price no product has (a marker); a searcher polls
 	// for the markers not yet seen.
-	var mu sync.Mutex
-	pending := map[int64]time.Time{} // marker price -> commit time
-	var lat []time.Duration
-	runCtx, cancel := context.WithTimeout(ctx, *freshFor)
+	pending := benchkit.NewPending() // marker price -> commit
+	writing, cancel := context.WithTimeout(ctx, *freshFor)
 	defer cancel()
-	var wg sync.WaitGroup
-	const writers = 8
-	interval := time.Second * writers / time.Duration(*rate)
 	var minID int64
-	_ = b.pool.QueryRow(ctx, `SELECT min(id) FROM products`).Scan(&minID)
-	for w := range writers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rng := rand.New(rand.NewPCG(uint64(w), 11))
-			next := time.Now()
-			for i := 0; runCtx.Err() == nil; i++ {
-				time.Sleep(time.Until(next))
-				next = next.Add(interval)
-				marker := int64(10_000_000 + (run*writers+w)*1_000_000 + i) // no run sees an earlier run's markers
-				id := minID + rng.Int64N(int64(*products))
-				err := pgx.BeginFunc(runCtx, b.pool, func(tx pgx.Tx) error {
-					_, err := shop.UpdatePrice(runCtx, tx, id, marker)
-					return err
-				})
-				if err == nil {
-					mu.Lock()
-					pending[marker] = time.Now()
-					mu.Unlock()
-				}
+	_ = b.Pool.QueryRow(ctx, `SELECT min(id) FROM products`).Scan(&minID)
+	const writers = 8
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		benchkit.Pace{Workers: writers, Rate: *rate, Seed: 11}.Run(writing, func(w, i int, rng *rand.Rand) {
+			marker := int64(10_000_000 + (run*writers+w)*1_000_000 + i) // no run sees an earlier run's markers
+			id := minID + rng.Int64N(int64(*products))
+			err := pgx.BeginFunc(writing, b.Pool, func(tx pgx.Tx) error {
+				_, err := shop.UpdatePrice(writing, tx, id, marker)
+				return err
+			})
+			if err == nil {
+				pending.Committed(marker)
 			}
-		}()
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		deadline := time.Now().Add(*freshFor + 10*time.Second)
-		for time.Now().Before(deadline) {
-			mu.Lock()
-			markers := make([]int64, 0, len(pending))
-			for m := range pending {
-				markers = append(markers, m)
-			}
-			mu.Unlock()
-			if len(markers) == 0 && runCtx.Err() != nil {
-				return
-			}
-			slices.Sort(markers)
-			for chunk := range slices.Chunk(markers, 1000) {
-				found, err := b.client.Search(ctx, b.cfg.Search.Alias, map[string]any{
-					"size": len(chunk), "_source": []string{"price_cents"}, "track_total_hits": false,
-					"query": map[string]any{"terms": map[string]any{"price_cents": chunk}},
-				})
-				if err != nil {
-					continue
-				}
-				now := time.Now()
-				mu.Lock()
-				for _, h := range found.Hits {
-					var doc struct {
-						PriceCents int64 `json:"price_cents"`
-					}
-					if json.Unmarshal(h.Source, &doc) == nil {
-						if c, ok := pending[doc.PriceCents]; ok {
-							lat = append(lat, now.Sub(c))
-							delete(pending, doc.PriceCents)
-						}
-					}
-				}
-				mu.Unlock()
-			}
-			time.Sleep(*pollEvery)
-		}
-	}()
+		})
+	})
+	wg.Go(func() { b.searchMarkers(ctx, writing, pending) })
 	wg.Wait()
-	mu.Lock()
-	defer mu.Unlock()
+	lat := pending.Take()
 	if len(lat) == 0 {
 		return res, fmt.Errorf("no write became searchable")
 	}
-	slices.Sort(lat)
-	res.p50, res.p99, res.max = lat[len(lat)/2], lat[len(lat)*99/100], lat[len(lat)-1]
-	res.seen, res.unseen = len(lat), len(pending)
+	res.Latencies, res.unseen = benchkit.Quantiles(lat), pending.Unseen()
 	res.stages = stages.LastMinute()
 	return res, nil
 }
 
-func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+// searchMarkers polls the index for the pending markers every -poll until
+// none is left once writing has ended, for -fresh and 10 s at most.
+func (b *bench) searchMarkers(ctx, writing context.Context, pending *benchkit.Pending) {
+	for deadline := time.Now().Add(*freshFor + 10*time.Second); time.Now().Before(deadline); time.Sleep(*pollEvery) {
+		markers := pending.Keys()
+		if len(markers) == 0 && writing.Err() != nil {
+			return
+		}
+		for chunk := range slices.Chunk(markers, 1000) {
+			found, err := b.client.Search(ctx, b.Config.Search.Alias, map[string]any{
+				"size": len(chunk), "_source": []string{"price_cents"}, "track_total_hits": false,
+				"query": map[string]any{"terms": map[string]any{"price_cents": chunk}},
+			})
+			if err != nil {
+				continue
+			}
+			now := time.Now()
+			var seen []int64
+			for _, h := range found.Hits {
+				var doc struct {
+					PriceCents int64 `json:"price_cents"`
+				}
+				if json.Unmarshal(h.Source, &doc) == nil {
+					seen = append(seen, doc.PriceCents)
+				}
+			}
+			pending.Seen(now, seen...)
+		}
+	}
+}

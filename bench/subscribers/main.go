@@ -14,85 +14,33 @@ import (
 	"flag"
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"runtime"
-	"strconv"
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
-	"github.com/fanout/fanout/internal/connect"
-	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/cacheinval"
 	"github.com/fanout/fanout/subscribers/invoicing"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go"
-	"github.com/nats-io/nats.go/jetstream"
 	"github.com/redis/go-redis/v9"
 )
 
 var (
 	events   = flag.Int("events", 100_000, "events in the stream")
-	natsURL  = flag.String("nats", connect.DefaultNATSURL, "nats-server URL")
 	redisURL = flag.String("redis", "redis://127.0.0.1:56379/15", "Redis URL (a database of its own: it is flushed)")
-	adminURL = flag.String("postgres", pgtest.AdminURL(), "superuser URL to create the benchmark database")
 )
 
-var quiet = benchkit.Quiet
+func main() { benchkit.Main(run) }
 
-func main() {
-	flag.Parse()
-	if err := run(context.Background()); err != nil {
-		fmt.Fprintln(os.Stderr, "bench:", err)
-		os.Exit(1)
-	}
-}
-
-type bench struct {
-	cfg  *benchkit.Config
-	db   *pgtest.DB
-	nc   *nats.Conn
-	js   jetstream.JetStream
-	pool *pgxpool.Pool
-}
+type bench struct{ *benchkit.Pipeline }
 
 func run(ctx context.Context) error {
-	if err := benchkit.CheckRuns(); err != nil {
-		return err
-	}
-	cfg := benchkit.DefaultConfig()
-	var err error
-	suffix := strconv.FormatUint(rand.Uint64()%1_000_000_000, 36)
-	cfg.Stream.Name = "BENCHSUB_" + suffix
-	cfg.Stream.SubjectPrefix = "benchsub" + suffix
-	cfg.Subscribers.DeadLetterStream = "BENCHSUB_DLQ_" + suffix
-	cfg.Subscribers.DeadLetterSubjectPrefix = "benchsubdlq" + suffix
-	b := &bench{cfg: cfg}
-	if b.nc, err = nats.Connect(*natsURL); err != nil {
-		return fmt.Errorf("connect to nats (start the services: go tool task services): %w", err)
-	}
-	defer b.nc.Close()
-	if b.js, err = jetstream.New(b.nc); err != nil {
-		return err
-	}
-	defer func() {
-		_ = b.js.DeleteStream(context.Background(), cfg.Stream.Name)
-		_ = b.js.DeleteStream(context.Background(), cfg.Subscribers.DeadLetterStream)
-	}()
-	if b.db, err = pgtest.Create(ctx, *adminURL); err != nil {
-		return err
-	}
-	defer b.db.Close()
-	pc, err := pgxpool.ParseConfig(b.db.URL)
+	p, err := benchkit.Open(ctx, "SUB", 16)
 	if err != nil {
 		return err
 	}
-	pc.MaxConns = 16
-	if b.pool, err = pgxpool.NewWithConfig(ctx, pc); err != nil {
-		return err
-	}
-	defer b.pool.Close()
+	defer p.Close()
+	b, cfg := &bench{p}, p.Config
 
 	fmt.Printf("subscriber benchmark, %s, GOMAXPROCS=%d, %d events per run, %d workers per instance\n\n",
 		time.Now().Format(time.RFC3339), runtime.GOMAXPROCS(0), *events, cfg.Subscribers.Concurrency)
@@ -151,14 +99,14 @@ func run(ctx context.Context) error {
 
 // fill creates the orders and publishes their events through a relay.
 func (b *bench) fill(ctx context.Context) error {
-	if _, err := shop.Seed(ctx, b.pool, 1000, rand.New(rand.NewPCG(1, 1))); err != nil {
+	if _, err := shop.Seed(ctx, b.Pool, 1000, rand.New(rand.NewPCG(1, 1))); err != nil {
 		return err
 	}
 	// The seed's product.created events are not part of the benchmark.
-	if _, err := b.pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
+	if _, err := b.Pool.Exec(ctx, `DELETE FROM outbox`); err != nil {
 		return err
 	}
-	_, err := b.pool.Exec(ctx, `
+	_, err := b.Pool.Exec(ctx, `
 WITH o AS (
     INSERT INTO orders (customer) SELECT 'bench-' || g FROM generate_series(1, $1) g RETURNING id
 ), l AS (
@@ -171,101 +119,47 @@ SELECT 'order', o.id::text, 'order.created', jsonb_build_object('order_id', o.id
 	if err != nil {
 		return err
 	}
-	_, err = b.pool.Exec(ctx, `
+	_, err = b.Pool.Exec(ctx, `
 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
 SELECT 'product', p.id::text, 'product.updated', jsonb_build_object('product_id', p.id, 'price_cents', 1000 + g)
 FROM generate_series(1, $1) g JOIN products p ON p.id = (SELECT min(id) FROM products) + g % 1000`, *events)
 	if err != nil {
 		return err
 	}
-	return benchkit.Publish(ctx, b.pool, b.nc, b.cfg.Relay, b.cfg.Stream)
+	return b.Publish(ctx)
 }
 
-// reset forgets every invoice, checkpoint and consumer, so the next run
-// starts from the stream's first event, on a settled database.
-func (b *bench) reset(ctx context.Context, consumer string) error {
-	if err := b.js.DeleteConsumer(ctx, b.cfg.Stream.Name, consumer); err != nil && err != jetstream.ErrConsumerNotFound {
-		return err
-	}
-	// Settled before the truncate, not after: without statistics on the
-	// rows the setup wrote, the planner may scan order_lines once per batch
-	// (5x slower) until autovacuum happens to analyze it mid-run, and the
-	// last run's dirty pages would be written during this one. But an
-	// empty table analyzed as empty (reltuples 0) makes every foreign-key
-	// check of invoice_lines scan invoices, a plan each connection keeps
-	// until autovacuum (a minute apart) analyzes the growing table: the
-	// 1-instance figure then read 9k events/s in one round and 25k in the
-	// next. Truncated after, the tables have no statistics (reltuples -1)
-	// and the planner assumes a table of some size, as on a fresh install.
-	if err := benchkit.Settle(ctx, b.pool); err != nil {
-		return err
-	}
-	_, err := b.pool.Exec(ctx, `TRUNCATE invoice_lines, invoices, processed_events`)
-	return err
-}
-
-// drain starts the runners and returns events/s once the consumer has
-// nothing pending and nothing unacknowledged.
-func (b *bench) drain(ctx context.Context, name string, runners []*subscribers.Runner, want int) (float64, error) {
-	start := time.Now()
-	for _, r := range runners {
-		if err := r.Start(ctx); err != nil {
-			return 0, err
-		}
-	}
-	defer func() {
-		for _, r := range runners {
-			_ = r.Stop(ctx)
-		}
-	}()
-	if err := benchkit.WaitDrained(ctx, b.js, b.cfg.Stream.Name, name, 15*time.Minute); err != nil {
+// measure forgets every invoice, checkpoint and consumer (benchkit's
+// Reset), runs instances of the subscriber until they have drained the
+// stream, and returns events/s.
+func (b *bench) measure(ctx context.Context, instances int, opts subscribers.Options, handler func() subscribers.Handler) (float64, error) {
+	name := opts.Declaration.Name
+	if err := b.Reset(ctx, name, "invoice_lines", "invoices", "processed_events"); err != nil {
 		return 0, err
 	}
-	took := time.Since(start)
-	var done int
-	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE subscriber = $1`, name).Scan(&done); err != nil {
-		return 0, err
+	took, err := b.TimeDrain(ctx, instances, opts, handler)
+	if err == nil {
+		err = b.CheckCheckpointed(ctx, name, *events)
 	}
-	if done != want {
-		return 0, fmt.Errorf("%d events checkpointed, want %d", done, want)
-	}
-	return float64(want) / took.Seconds(), nil
+	return float64(*events) / took.Seconds(), err
 }
 
 func (b *bench) invoicing(ctx context.Context, instances, batch int) (float64, error) {
-	if err := b.reset(ctx, invoicing.Name); err != nil {
-		return 0, err
-	}
-	sc := b.cfg.Subscribers
+	sc := b.Config.Subscribers
 	sc.BatchSize = batch
-	var runners []*subscribers.Runner
-	for range instances {
-		nc, err := nats.Connect(*natsURL)
-		if err != nil {
-			return 0, err
-		}
-		defer nc.Close()
-		r, err := subscribers.New(subscribers.Options{Declaration: invoicing.Subscriber, Handler: subscribers.Tx(invoicing.New()), Config: sc, Stream: b.cfg.Stream, Pool: b.pool, Conn: nc, Logger: quiet})
-		if err != nil {
-			return 0, err
-		}
-		runners = append(runners, r)
-	}
-	rate, err := b.drain(ctx, invoicing.Name, runners, *events)
+	opts := subscribers.Options{Declaration: invoicing.Subscriber, Config: sc}
+	rate, err := b.measure(ctx, instances, opts, func() subscribers.Handler { return subscribers.Tx(invoicing.New()) })
 	if err != nil {
 		return 0, err
 	}
 	var invoices int
-	if err := b.pool.QueryRow(ctx, `SELECT count(*) FROM invoices`).Scan(&invoices); err != nil || invoices != *events {
+	if err := b.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices`).Scan(&invoices); err != nil || invoices != *events {
 		return 0, fmt.Errorf("%d invoices for %d orders (%v)", invoices, *events, err)
 	}
 	return rate, nil
 }
 
 func (b *bench) cacheInvalidation(ctx context.Context) (float64, error) {
-	if err := b.reset(ctx, cacheinval.Name); err != nil {
-		return 0, err
-	}
 	opts, err := redis.ParseURL(*redisURL)
 	if err != nil {
 		return 0, err
@@ -275,11 +169,7 @@ func (b *bench) cacheInvalidation(ctx context.Context) (float64, error) {
 	if err := rdb.FlushDB(ctx).Err(); err != nil {
 		return 0, fmt.Errorf("redis at %s: %w", opts.Addr, err)
 	}
-	cache := cacheinval.NewCache(rdb, b.pool, 2*time.Second, 10*time.Second)
-	r, err := subscribers.New(subscribers.Options{Declaration: cacheinval.Subscriber, Handler: subscribers.Each(cacheinval.New(cache, b.pool)), Config: b.cfg.Subscribers, Stream: b.cfg.Stream,
-		Pool: b.pool, Conn: b.nc, Logger: quiet})
-	if err != nil {
-		return 0, err
-	}
-	return b.drain(ctx, cacheinval.Name, []*subscribers.Runner{r}, *events)
+	cache := cacheinval.NewCache(rdb, b.Pool, 2*time.Second, 10*time.Second)
+	return b.measure(ctx, 1, subscribers.Options{Declaration: cacheinval.Subscriber, Config: b.Config.Subscribers},
+		func() subscribers.Handler { return subscribers.Each(cacheinval.New(cache, b.Pool)) })
 }
