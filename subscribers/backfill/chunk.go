@@ -16,6 +16,7 @@ import (
 	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype/zeronull"
 	"github.com/nats-io/nats.go"
 )
 
@@ -68,13 +69,8 @@ func (b *backfiller) read(ctx context.Context, from, to int64) ([]row, error) {
 		if err != nil {
 			return err
 		}
-		rows, err = pgx.CollectRows(rs, func(cr pgx.CollectableRow) (row, error) {
-			var r row
-			var id *string
-			err := cr.Scan(&r.key, &id, &r.payload)
-			if id != nil {
-				r.id = *id
-			}
+		rows, err = pgx.CollectRows(rs, func(cr pgx.CollectableRow) (r row, err error) {
+			err = cr.Scan(&r.key, (*zeronull.Text)(&r.id), &r.payload) // a NULL aggregate id is ""
 			return r, err
 		})
 		return err

@@ -4,6 +4,8 @@ import (
 	"context"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgtype/zeronull"
 )
 
 // The statements on subscriber_aggregates, the ordered subscribers'
@@ -110,18 +112,10 @@ func (s Store) AggregateList(ctx context.Context, p AggregateListParams) (map[Ag
 	}
 	out := make(map[AggregateKey]AggregateState, len(p.Keys))
 	var k AggregateKey
-	var last, heldBy, heldSeq *int64
-	_, err = pgx.ForEachRow(rows, []any{&k.DB, &k.Type, &k.ID, &last, &heldBy, &heldSeq}, func() error {
-		st := AggregateState{Exists: last != nil}
-		if last != nil {
-			st.Last = *last
-		}
-		if heldBy != nil {
-			st.HeldBy = *heldBy
-		}
-		if heldSeq != nil {
-			st.HeldSeq = *heldSeq
-		}
+	var st AggregateState
+	var last pgtype.Int8
+	_, err = pgx.ForEachRow(rows, []any{&k.DB, &k.Type, &k.ID, &last, (*zeronull.Int8)(&st.HeldBy), (*zeronull.Int8)(&st.HeldSeq)}, func() error {
+		st.Exists, st.Last = last.Valid, last.Int64
 		out[k] = st
 		return nil
 	})

@@ -5,6 +5,7 @@ import (
 	"errors"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // The statements on event_origins (schema migration 00015), the numbers
@@ -24,14 +25,9 @@ const (
 // ok is false when every number is taken. An origin the function refuses
 // is an error with code 22023 (invalid_parameter_value).
 func (s Store) OriginNumber(ctx context.Context, origin string) (num int64, ok bool, err error) {
-	var n *int64
-	if err := s.db.QueryRow(ctx, originNumberSQL, origin).Scan(&n); err != nil {
-		return 0, false, err
-	}
-	if n == nil {
-		return 0, false, nil
-	}
-	return *n, true, nil
+	var n pgtype.Int8
+	err = s.db.QueryRow(ctx, originNumberSQL, origin).Scan(&n)
+	return n.Int64, n.Valid, err
 }
 
 // OriginGet returns the origin's number; ok is false when it has none.
