@@ -28,12 +28,12 @@ func (r *report) note(log io.Writer, format string, args ...any) {
 // seen in (a program's, in its patterns' order).
 func (r *report) add(program string, s side, found []measure) {
 	for _, m := range found {
-		i := slices.IndexFunc(r.figures, func(f *sampled) bool { return f.program == program && f.name == m.name })
-		if i < 0 {
-			r.figures = append(r.figures, &sampled{program: program, name: m.name, unit: m.unit, better: m.better})
-			i = len(r.figures) - 1
+		f := r.find(program, m.name)
+		if f == nil {
+			f = &sampled{program: program, name: m.name, unit: m.unit, better: m.better}
+			r.figures = append(r.figures, f)
 		}
-		r.figures[i].values[s] = append(r.figures[i].values[s], m.value)
+		f.values[s] = append(f.values[s], m.value)
 	}
 }
 

@@ -220,11 +220,11 @@ func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle t
 	}
 	time.Sleep(2 * time.Second) // the last PubAcks
 
-	obs.mu.Lock()
-	defer obs.mu.Unlock()
-	if missing := len(committed) - countAcked(committed, obs.acked); missing > 0 {
+	if missing := len(committed) - len(obs.latencies(committed)); missing > 0 {
 		return hr, fmt.Errorf("%d of %d committed events not published within 2s of the end", missing, len(committed))
 	}
+	obs.mu.Lock()
+	defer obs.mu.Unlock()
 	bounds := []time.Time{start, holdFrom, holdTo, start.Add(total)}
 	for p := range horizonPhases {
 		ph := window(committed, obs.acked, obs.claims, bounds[p], bounds[p+1])
@@ -323,14 +323,4 @@ func window(committed, acked map[int64]time.Time, claims []claimSample, from, to
 		ph.claimMs = benchkit.Ms(took / time.Duration(k))
 	}
 	return ph
-}
-
-func countAcked(committed, acked map[int64]time.Time) int {
-	n := 0
-	for id := range committed {
-		if _, ok := acked[id]; ok {
-			n++
-		}
-	}
-	return n
 }

@@ -39,6 +39,20 @@ func (o *latencyObserver) Published(ev []relay.Published) {
 	o.mu.Unlock()
 }
 
+// latencies are the commit → PubAck times of the committed events acked
+// so far.
+func (o *latencyObserver) latencies(committed map[int64]time.Time) []time.Duration {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var lat []time.Duration
+	for id, c := range committed {
+		if a, ok := o.acked[id]; ok {
+			lat = append(lat, max0(a.Sub(c)))
+		}
+	}
+	return lat
+}
+
 func benchLatency(ctx context.Context, nc *nats.Conn) error {
 	fmt.Printf("latency: commit → PubAck at a steady %d writes/s for %s (price updates, 8 connections), %d runs of each\n", *latencyRate, *latencyFor, *benchkit.Runs)
 	variants := []struct {
@@ -83,14 +97,7 @@ func measureLatency(ctx context.Context, nc *nats.Conn, mutate func(*relay.Confi
 	defer cancel()
 	committed := env.writeSteadily(runCtx)
 	time.Sleep(time.Second) // the last PubAcks
-	var lat []time.Duration
-	obs.mu.Lock()
-	for id, c := range committed {
-		if a, ok := obs.acked[id]; ok {
-			lat = append(lat, max0(a.Sub(c)))
-		}
-	}
-	obs.mu.Unlock()
+	lat := obs.latencies(committed)
 	if len(lat) < len(committed) {
 		return benchkit.Latencies{}, fmt.Errorf("%d of %d committed events not published within a second of the end", len(committed)-len(lat), len(committed))
 	}
