@@ -132,36 +132,33 @@ func (h *Handler) HandleBatch(ctx context.Context, evs []subscribers.Event) []er
 	if err != nil {
 		return fill(errs, fmt.Errorf("index %d products: %w", len(ids), err))
 	}
-	writtenAt := time.Now()
-	defer func() {
-		written := 0
-		for _, err := range errs {
-			if err == nil {
-				written++
-			}
-		}
-		h.refresh.written(written, writtenAt)
-	}()
+	writtenAt, written := time.Now(), 0
 	for i := range evs {
-		if errs[i] != nil {
-			continue
-		}
-		var transient error
-		for _, id := range products[i] {
-			o := outcomes[id]
-			if o.permanent != nil {
-				errs[i] = subscribers.Permanent(o.permanent)
-				break
-			}
-			if o.transient != nil && transient == nil {
-				transient = o.transient
-			}
+		if errs[i] == nil {
+			errs[i] = eventOutcome(products[i], outcomes)
 		}
 		if errs[i] == nil {
-			errs[i] = transient
+			written++
 		}
 	}
+	h.refresh.written(written, writtenAt)
 	return errs
+}
+
+// eventOutcome is an event's outcome, from its products' documents': a
+// permanent error if one was rejected, else the first transient one.
+func eventOutcome(products []int64, outcomes map[int64]docOutcome) error {
+	var transient error
+	for _, id := range products {
+		o := outcomes[id]
+		if o.permanent != nil {
+			return subscribers.Permanent(o.permanent)
+		}
+		if transient == nil {
+			transient = o.transient
+		}
+	}
+	return transient
 }
 
 // targets reads what each event names: the products it changed
