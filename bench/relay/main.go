@@ -256,7 +256,6 @@ func benchThroughput(ctx context.Context, nc *nats.Conn, want func(string) bool)
 
 type result struct {
 	n       int
-	secs    float64
 	rate    float64
 	claimMs float64           // the drain's mean claim time
 	cpu     benchkit.CPUTimes // used while timed; zero without a CPU clock
