@@ -143,9 +143,7 @@ func (d *DeadLetters) List(ctx context.Context, subscriber string) ([]Letter, er
 		if err != nil {
 			return nil, err
 		}
-		l := d.describe(m, vouched)
-		l.Resolved = resolved[resolvedKey{l.Seq, l.Subscriber}]
-		out = append(out, l)
+		out = append(out, d.describe(m, vouched, resolved))
 		seq = m.Sequence + 1
 	}
 	return out, nil
@@ -165,9 +163,7 @@ func (d *DeadLetters) Get(ctx context.Context, seq uint64) (Letter, error) {
 	if err != nil {
 		return Letter{}, err
 	}
-	l := d.describe(m, vouched)
-	l.Resolved = resolved[resolvedKey{l.Seq, l.Subscriber}]
-	return l, nil
+	return d.describe(m, vouched, resolved), nil
 }
 
 // Unresolved keeps the letters no operator has resolved yet.
@@ -181,11 +177,13 @@ func Unresolved(ls []Letter) []Letter {
 	return out
 }
 
-func (d *DeadLetters) describe(m *jetstream.RawStreamMsg, vouched map[vouchKey][]byte) Letter {
+// describe reads m into a Letter, with what dead_letters (vouched) and
+// dead_letter_actions (resolved) say of it.
+func (d *DeadLetters) describe(m *jetstream.RawStreamMsg, vouched map[vouchKey][]byte, resolved map[resolvedKey]string) Letter {
 	p, err := subscribers.ParseDeadLetter(m, d.subs, d.events)
 	l := Letter{Seq: m.Sequence, Subscriber: p.Subscriber, EventID: m.Header.Get(wire.EventIDHeader),
 		EventType: m.Header.Get(wire.EventTypeHeader), Reason: p.Reason, Deliveries: p.Deliveries, At: p.At, parsed: p, Raw: m,
-		HeldBy: m.Header.Get(subscribers.DeadHeldByHeader)}
+		HeldBy: m.Header.Get(subscribers.DeadHeldByHeader), Resolved: resolved[resolvedKey{m.Sequence, p.Subscriber}]}
 	if err != nil {
 		l.Refused = err.Error()
 	}

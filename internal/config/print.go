@@ -24,12 +24,8 @@ func redactStruct(v reflect.Value) map[string]any {
 			out[key] = time.Duration(fv.Int()).String()
 		case fv.Kind() != reflect.String:
 			out[key] = fv.Interface()
-		case isSecret(key):
-			if fv.String() != "" {
-				out[key] = "<redacted>"
-			} else {
-				out[key] = ""
-			}
+		case isSecret(key) && fv.String() != "":
+			out[key] = "<redacted>"
 		case isURL(key):
 			out[key] = RedactURL(fv.String())
 		default:
