@@ -261,7 +261,10 @@ func runOnce(ctx context.Context, o options, rep *report, runLog io.Writer, j jo
 		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
 			runErr = fmt.Errorf("%w (not done within -run-timeout %s)", runErr, o.runTimeout)
 		}
-		return fmt.Errorf("round %d, %s, %s: %w\n%s", round+1, j, s, runErr, tail(stderr.String(), 40))
+		// What it printed last says where it was (the raw files go with a
+		// test's temporary directory).
+		return fmt.Errorf("round %d, %s, %s: %w\nits output ended:\n%s\nits errors ended:\n%s", round+1, j, s, runErr,
+			tail(stdout.String(), 20), tail(stderr.String(), 40))
 	}
 	found := parseFigures(j.program.figures, stdout.String())
 	summary := "no figures found: check " + base + ".txt"
