@@ -349,8 +349,13 @@ SELECT (SELECT count(*) FROM outbox o, relay_capture c
 // then finds the events the stream lost).
 const auditWait = time.Minute
 
-// lookedBack says whether the relays' auditor finished a lookback since
-// the last store rollback (true without one): the events it lost are
+// lookedBack says whether the relays' auditor has checked every landing
+// since the last store rollback (true without one): it finished a
+// lookback begun after the rollback, and its continuous audit has passed
+// every landing recorded so far. A lookback reads the landings recorded
+// when it began; a batch the stream acknowledged before the rollback but
+// whose landing was recorded after (its relay waiting out a Postgres
+// outage) is the continuous audit's. The events the stream lost are then
 // published again, and the drain waits for the subscribers to take them.
 func (r *run) lookedBack(ctx context.Context) bool {
 	r.lostMu.Lock()
@@ -359,10 +364,11 @@ func (r *run) lookedBack(ctx context.Context) bool {
 	if since.IsZero() {
 		return true
 	}
-	var n int
-	err := r.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_audits
-		WHERE kind = 'lookback' AND started_at > $1 AND scope NOT LIKE '%did not finish%'`, since).Scan(&n)
-	return err == nil && n > 0
+	var looked, tailDone bool
+	err := r.db.Pool.QueryRow(ctx, `SELECT
+		EXISTS (SELECT FROM outbox_audits WHERE kind = 'lookback' AND started_at > $1 AND scope NOT LIKE '%did not finish%'),
+		(SELECT tail_landing FROM outbox_audit_state) >= (SELECT coalesce(max(id), 0) FROM outbox_landings)`, since).Scan(&looked, &tailDone)
+	return err == nil && looked && tailDone
 }
 
 func (r *run) drain() {
@@ -389,7 +395,7 @@ func (r *run) drain() {
 		idle := err == nil && unsent == 0
 		state = fmt.Sprintf("unsent %d (%v)", unsent, err)
 		if idle && !r.lookedBack(ctx) && time.Since(drainStart) < auditWait {
-			idle, state = false, state+"; no lookback audit finished since the stores' rollback"
+			idle, state = false, state+"; the auditor has not checked every landing since the stores' rollback"
 		}
 		if done, why := r.backfillsDone(ctx); !done {
 			idle, state = false, state+"; "+why

@@ -159,7 +159,11 @@ func (r *run) roleEnv() []string {
 		"FANOUT_RELAY_PARTITION_SIZE=1000", "FANOUT_RELAY_CLEANUP_INTERVAL=2s",
 		// The auditor looks every 2s (a rollback is found by the relays'
 		// reconnect): the lost events are back before the drain's end.
-		"FANOUT_RELAY_AUDIT_INTERVAL=2s",
+		// Its continuous audit checks what landed 10s ago (3m by
+		// default): a landing recorded after the lookback began (a batch
+		// acknowledged before the rollback, recorded across a Postgres
+		// outage) is the continuous audit's, and the drain waits for it.
+		"FANOUT_RELAY_AUDIT_INTERVAL=2s", "FANOUT_RELAY_AUDIT_DELAY=10s",
 		"FANOUT_SUBSCRIBERS_ACK_WAIT=10s", "FANOUT_SUBSCRIBERS_RETRY_MIN=200ms", "FANOUT_SUBSCRIBERS_RETRY_MAX=5s",
 		"FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=8s", "FANOUT_SEARCH_TIMEOUT=5s",
 	)
