@@ -147,8 +147,14 @@ func TestTwoRelaysStoreEveryRowOnce(t *testing.T) {
 		if len(msgs) != n {
 			t.Fatalf("stream holds %d messages, want %d", len(msgs), n)
 		}
-		pa, _ := a.snapshot()
-		pb, _ := b.snapshot()
+		// The relays tell their observers after the record commits: the
+		// last batch's word may come just after the rows read as sent.
+		var pa, pb []Published
+		waitFor(t, 20*time.Second, "the relays' observers told of every row", func() (bool, string) {
+			pa, _ = a.snapshot()
+			pb, _ = b.snapshot()
+			return len(pa)+len(pb) >= n, fmt.Sprintf("%d+%d", len(pa), len(pb))
+		})
 		t.Logf("relay a published %d rows, relay b %d", len(pa), len(pb))
 		if len(pa)+len(pb) != n {
 			t.Errorf("relays recorded %d+%d published rows, want %d in all", len(pa), len(pb), n)
