@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -82,16 +81,48 @@ func (r *run) checkDelivered(ctx context.Context, stream *streamContents, dead [
 			}
 			wanted++
 			if !done[ev.id] && !deadIDs[name][ev.id] {
-				missing = append(missing, strconv.FormatInt(ev.id, 10))
+				missing = append(missing, r.describeMissed(ev))
 			}
 		}
 		if wanted == 0 {
 			rep.violate("1 ("+name+")", "no event in the stream matches its filters: the check proves nothing")
 		}
 		if len(missing) > 0 {
-			rep.violate("1 (every event checkpointed or dead-lettered)", fmt.Sprintf("%s: %d of %d events neither: %s", name, len(missing), wanted, head(missing)))
+			rep.violate("1 (every event checkpointed or dead-lettered)", fmt.Sprintf("%s: %d of %d events neither: %s (%s)", name, len(missing), wanted, head(missing), r.consumerState(ctx, name)))
 		}
 	}
+}
+
+// describeMissed names an event a subscriber has neither handled nor
+// dead-lettered with where the stream holds it: what tells a consumer
+// that skipped it from one that never got there.
+func (r *run) describeMissed(ev event) string {
+	s := fmt.Sprintf("%d (seq %d", ev.id, ev.seq)
+	if ev.repairedFrom != "" {
+		s += ", published again, lost from " + ev.repairedFrom
+	}
+	if ev.tx != "" {
+		s += ", tx " + ev.tx
+	}
+	return s + ")"
+}
+
+// consumerState is what JetStream says of a subscriber's consumer and
+// the sequences the run's store rollbacks took away.
+func (r *run) consumerState(ctx context.Context, name string) string {
+	r.lostMu.Lock()
+	lost := fmt.Sprint(r.lostSpans)
+	r.lostMu.Unlock()
+	c, err := r.js.Consumer(ctx, "EVENTS", name)
+	if err != nil {
+		return "its consumer: " + err.Error() + "; sequences lost to rollbacks " + lost
+	}
+	info, err := c.Info(ctx)
+	if err != nil {
+		return "its consumer: " + err.Error() + "; sequences lost to rollbacks " + lost
+	}
+	return fmt.Sprintf("its consumer: delivered through seq %d, acked through %d, %d pending, %d ack pending, %d redelivered; sequences lost to rollbacks %s",
+		info.Delivered.Stream, info.AckFloor.Stream, info.NumPending, info.NumAckPending, info.NumRedelivered, lost)
 }
 
 // matchesAny reports whether subject matches one of the NATS subject

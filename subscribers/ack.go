@@ -4,7 +4,9 @@ package subscribers
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/fanout/fanout/subscribers/bookkeeping"
@@ -78,19 +80,32 @@ func (r *Runner) beforeAck(ctx context.Context, ds []*delivery) {
 const ackParallelism = 64
 
 func (r *Runner) ack(ctx context.Context, ds []*delivery, double bool) {
+	var heldBack atomic.Int64
 	defer func() {
 		for _, d := range ds {
 			d.settled.Store(true)
 			d.fate.Store(fateAcked)
 		}
 		r.stall.finished()
+		if n := heldBack.Load(); n > 0 {
+			r.logger.Info("acks not sent: their messages came on an earlier connection to NATS (feed.go); JetStream redelivers them after the ack wait, and the checkpoint skips them then",
+				"messages", n, "first_event_id", ds[0].ev.ID)
+		}
 	}()
+	settle := func(d *delivery, err error) {
+		switch {
+		case errors.Is(err, errEarlierConnection):
+			heldBack.Add(1)
+		case err != nil:
+			// The effect is committed with its checkpoint: a redelivery
+			// will be skipped.
+			r.logger.Warn("ack", "event_id", d.ev.ID, "double", double, "error", err)
+		}
+	}
 	if !double {
 		for _, d := range ds {
 			for _, m := range d.msgs() {
-				if err := m.Ack(); err != nil {
-					r.logger.Warn("ack", "event_id", d.ev.ID, "error", err)
-				}
+				settle(d, m.Ack())
 			}
 		}
 		return
@@ -102,11 +117,7 @@ func (r *Runner) ack(ctx context.Context, ds []*delivery, double bool) {
 			g.Go(func() error {
 				actx, cancel := context.WithTimeout(gctx, 5*time.Second)
 				defer cancel()
-				if err := m.DoubleAck(actx); err != nil {
-					// The effect is committed with its checkpoint: a
-					// redelivery will be skipped.
-					r.logger.Warn("double ack", "event_id", d.ev.ID, "error", err)
-				}
+				settle(d, m.DoubleAck(actx))
 				return nil
 			})
 		}

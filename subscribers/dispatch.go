@@ -46,7 +46,7 @@ func (r *Runner) dispatch(softCtx, hardCtx context.Context, batches chan<- recei
 // gatherWait, up to a batch. closed: the iterator is drained or stopped
 // (or ctx ended), and nothing more will come.
 func (r *Runner) receive(ctx context.Context) (msgs []jetstream.Msg, closed bool) {
-	msg, err := r.iter.Next(jetstream.NextContext(ctx))
+	msg, err := r.feed.next(jetstream.NextContext(ctx))
 	if err != nil {
 		if errors.Is(err, jetstream.ErrMsgIteratorClosed) || ctx.Err() != nil {
 			return nil, true
@@ -56,7 +56,7 @@ func (r *Runner) receive(ctx context.Context) (msgs []jetstream.Msg, closed bool
 	}
 	msgs = []jetstream.Msg{msg}
 	for len(msgs) < r.cfg.BatchSize {
-		m, err := r.iter.Next(jetstream.NextMaxWait(gatherWait))
+		m, err := r.feed.next(jetstream.NextMaxWait(gatherWait))
 		if err != nil {
 			return msgs, errors.Is(err, jetstream.ErrMsgIteratorClosed)
 		}

@@ -70,7 +70,7 @@ type Runner struct {
 
 	js   jetstream.JetStream
 	cons jetstream.Consumer
-	iter jetstream.MessagesContext
+	feed *feed // the consumer's messages, each with its connection (feed.go)
 
 	workers sync.WaitGroup
 	loops   sync.WaitGroup
@@ -199,11 +199,9 @@ func (r *Runner) bind(ctx context.Context) error {
 		// pinned_ttl, even when idle.
 		pull = append(pull, jetstream.PullPriorityGroup(orderedGroup), jetstream.PullExpiry(r.cfg.PinnedTTL/3))
 	}
-	iter, err := cons.Messages(pull...)
-	if err != nil {
+	if r.feed, err = openFeed(cons, r.opts.Conn, pull); err != nil {
 		return fmt.Errorf("subscriber %s: consume: %w", r.name, err)
 	}
-	r.iter = iter
 	return nil
 }
 
@@ -408,7 +406,7 @@ func (r *Runner) Stop(ctx context.Context) error {
 		if r.cancelSoft == nil {
 			return
 		}
-		r.iter.Drain()
+		r.feed.drain()
 		r.cancelSoft()
 		done := make(chan struct{})
 		go func() {
@@ -421,7 +419,7 @@ func (r *Runner) Stop(ctx context.Context) error {
 		case <-ctx.Done():
 			r.stopErr = fmt.Errorf("subscriber %s: stop: events still in flight: %w", r.name, ctx.Err())
 			r.cancelHard()
-			r.iter.Stop()
+			r.feed.stop()
 			<-done
 		}
 		r.cancelHard()

@@ -62,6 +62,13 @@ func DefaultConfig() *Config {
 // are quick: a 1 s ack wait, retries from 100 ms, 5 deliveries.
 func NewEnv(t *testing.T) *Env {
 	t.Helper()
+	return NewEnvWith(t, nil)
+}
+
+// NewEnvWith is NewEnv with its settings adjusted by adjust (if not nil)
+// before the relay starts.
+func NewEnvWith(t *testing.T, adjust func(*Config)) *Env {
+	t.Helper()
 	cfg := DefaultConfig()
 	cfg.Relay.PollInterval = 50 * time.Millisecond
 	cfg.Subscribers.AckWait = time.Second
@@ -73,6 +80,9 @@ func NewEnv(t *testing.T) *Env {
 	// An ordered subscriber's standby takes over 3 s after its pinned
 	// instance stops pulling.
 	cfg.Subscribers.PinnedTTL = 3 * time.Second
+	if adjust != nil {
+		adjust(cfg)
+	}
 	e := &Env{T: t, DB: pgtest.NewDB(t), NATS: natstest.Start(t), Config: cfg, Logger: Logger(t)}
 	e.Conn = e.Connect()
 	var err error
@@ -148,10 +158,12 @@ func Logger(t *testing.T) *slog.Logger {
 	return slog.New(slog.NewTextHandler(io.Discard, nil))
 }
 
-// Connect returns a new connection to the test's server, closed at the end.
+// Connect returns a new connection to the test's server, closed at the
+// end. Like a role's (internal/connect), it reconnects forever and keeps
+// nothing to send while disconnected.
 func (e *Env) Connect() *nats.Conn {
 	e.T.Helper()
-	nc, err := nats.Connect(e.NATS.URL, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	nc, err := nats.Connect(e.NATS.URL, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond), nats.ReconnectBufSize(-1))
 	if err != nil {
 		e.T.Fatal(err)
 	}
