@@ -60,14 +60,20 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 		defer txn.chunks.Done()
 		defer s.w.order.abandon(c) // a no-op for the rows done
 		defer close(partDone)
+		// On the stream's flight context: a graceful stop lets the chunk
+		// finish (streamSlot).
+		flight := s.flight
+		if h := s.w.testHookChunk; h != nil {
+			h(c.rows)
+		}
 		// Every row of a transaction is dispatched at its commit or after
 		// it (a chunk that filled up earlier waits here the same way).
-		if err := s.w.visibility.wait(softCtx, txn.xid); err != nil {
+		if err := s.w.visibility.wait(flight, txn.xid); err != nil {
 			txn.abandoned.Store(true)
 			return
 		}
 		if len(refetch) > 0 {
-			kept, ok := s.w.refetchCaptured(softCtx, rows, refetch)
+			kept, ok := s.w.refetchCaptured(flight, rows, refetch)
 			if !ok {
 				txn.abandoned.Store(true)
 				return
@@ -75,7 +81,7 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 			c = s.w.order.keep(c, kept)
 		}
 		if slices.ContainsFunc(c.rows, func(rw row) bool { return rw.ID <= s.landedThrough }) {
-			if !s.w.replayed(softCtx, c.rows, s.landedThrough) {
+			if !s.w.replayed(flight, c.rows, s.landedThrough) {
 				txn.abandoned.Store(true)
 				return
 			}
@@ -85,14 +91,14 @@ func (s *walStream) dispatch(softCtx, hardCtx context.Context, last bool) error 
 			if before != nil {
 				select {
 				case <-before:
-				case <-softCtx.Done():
+				case <-flight.Done():
 					txn.abandoned.Store(true)
 					return
 				}
 			}
-			published = !txn.abandoned.Load() && s.w.publishTransaction(softCtx, hardCtx, c, part)
+			published = !txn.abandoned.Load() && s.w.publishTransaction(flight, hardCtx, c, part)
 		} else {
-			published = s.w.publishOrdered(softCtx, hardCtx, c)
+			published = s.w.publishOrdered(flight, hardCtx, c)
 		}
 		if !published {
 			txn.abandoned.Store(true)

@@ -68,6 +68,8 @@ type walCapture struct {
 	// transaction has its PubAck and before the slot may be confirmed
 	// past it.
 	testHookBeforeConfirm func(ctx context.Context, end pglogrepl.LSN)
+	// testHookChunk, when set, runs as each chunk's publishing begins.
+	testHookChunk func(rows []row)
 }
 
 func newWALCapture(c *core, pub *publisher, d *delivery, tx *txDelivery) *walCapture {
@@ -182,6 +184,14 @@ func (w *walCapture) streamSlot(softCtx, hardCtx context.Context, until pglogrep
 	// again after the restart.
 	streamCtx, endStream := context.WithCancelCause(softCtx)
 	defer endStream(nil)
+	// The chunks in flight finish at a graceful stop (softCtx ends), on
+	// hardCtx: what they publish is then confirmed, and the relay that
+	// takes the slot next does not publish it again (nor, confirmed past
+	// a transaction one of them left, everything after it). A server
+	// stopping abandons them with the stream: the next stream decodes
+	// them again.
+	flight, endFlight := context.WithCancelCause(hardCtx)
+	defer endFlight(nil)
 	landedCtx, cancel := context.WithTimeout(softCtx, 10*time.Second)
 	landedThrough, err := w.store.LandedThrough(landedCtx, w.stream.Name)
 	cancel()
@@ -189,12 +199,12 @@ func (w *walCapture) streamSlot(softCtx, hardCtx context.Context, until pglogrep
 		return err
 	}
 	s := &walStream{w: w, conn: conn, relations: map[uint32]*relationColumns{}, types: pgtype.NewMap(), queue: make(chan *walTxn, w.cfg.MaxInFlight+64), until: until,
-		landedThrough: landedThrough}
+		landedThrough: landedThrough, flight: flight}
 	s.progressAt.Store(time.Now().UnixNano())
 	drain.Add(1)
 	go func() {
 		defer drain.Done()
-		s.watchServerStopping(streamCtx, endStream)
+		s.watchServerStopping(streamCtx, func(cause error) { endFlight(cause); endStream(cause) })
 	}()
 	err = s.run(streamCtx, hardCtx)
 	if cause := context.Cause(streamCtx); err == nil && softCtx.Err() == nil && cause != nil {
@@ -313,11 +323,14 @@ type walStream struct {
 	// lags what was published: rows up to it may be decoded again, and
 	// their landings are looked up (replayed).
 	landedThrough int64
-	queue         chan *walTxn  // transactions in commit order, to confirm
-	queued        atomic.Int64  // transactions in queue or being waited on
-	confirmed     atomic.Uint64 // the position safe to confirm
-	progressAt    atomic.Int64  // unix nanoseconds when a transaction was last confirmed, or the queue last empty
-	stopped       atomic.Bool   // the confirmer met an abandoned transaction
+	// flight ends the chunks in flight: hardCtx, or the server stopping
+	// (streamSlot).
+	flight     context.Context
+	queue      chan *walTxn  // transactions in commit order, to confirm
+	queued     atomic.Int64  // transactions in queue or being waited on
+	confirmed  atomic.Uint64 // the position safe to confirm
+	progressAt atomic.Int64  // unix nanoseconds when a transaction was last confirmed, or the queue last empty
+	stopped    atomic.Bool   // the confirmer met an abandoned transaction
 }
 
 func (s *walStream) run(softCtx, hardCtx context.Context) (err error) {
