@@ -129,7 +129,8 @@ func (m *Metrics) SlotLag(bytes int64, stuck time.Duration) {
 	m.slotStuckSeconds.Set(stuck.Seconds())
 }
 
-// outboxCollector reads the backlog from Postgres on each scrape.
+// outboxCollector reads the backlog from Postgres when scraped (at most
+// every metrics.ScrapeFresh).
 type outboxCollector struct {
 	store                   *outboxstore.Store
 	logger                  *slog.Logger
@@ -137,20 +138,21 @@ type outboxCollector struct {
 	held                    *prometheus.Desc
 }
 
-// NewOutboxCollector reports, on each scrape, the outbox backlog (pending and sending rows),
-// the age of the oldest pending row, failed rows, and the events they hold
-// back under the relays' onFailed (relay.on_failed).
+// NewOutboxCollector reports the outbox backlog (pending and sending
+// rows), the age of the oldest pending row, failed rows, and the events
+// they hold back under the relays' onFailed (relay.on_failed), read from
+// Postgres at most every metrics.ScrapeFresh.
 func NewOutboxCollector(pool *pgxpool.Pool, onFailed string, logger *slog.Logger) prometheus.Collector {
 	store := outboxstore.New(pool)
 	store.OnFailed = outboxstore.OnFailed(onFailed)
-	return &outboxCollector{
+	return metrics.Cached(&outboxCollector{
 		store: store, logger: logger,
 		backlog: prometheus.NewDesc("fanout_outbox_backlog_rows", "Outbox rows not yet published (pending or sending).", nil, nil),
 		oldest:  prometheus.NewDesc("fanout_outbox_oldest_pending_age_seconds", "Age of the oldest pending outbox row (0 if none).", nil, nil),
 		failed:  prometheus.NewDesc("fanout_outbox_failed_rows", "Outbox rows marked failed.", nil, nil),
 		held: prometheus.NewDesc("fanout_relay_outbox_held_rows",
 			"Outbox events held behind a failed earlier event of their aggregate (relay.on_failed hold).", nil, nil),
-	}
+	}, metrics.ScrapeFresh)
 }
 
 func (c *outboxCollector) Describe(ch chan<- *prometheus.Desc) {

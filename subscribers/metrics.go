@@ -105,7 +105,8 @@ func (m *Metrics) Timed(s string, evs []EventTimes) {
 	m.stages.Observe(metrics.StageHandled, s, handled...)
 }
 
-// consumerCollector reads each subscriber's consumer state on each scrape.
+// consumerCollector reads each subscriber's consumer state when scraped
+// (at most every metrics.ScrapeFresh).
 type consumerCollector struct {
 	js                           jetstream.JetStream
 	stream                       string
@@ -115,15 +116,16 @@ type consumerCollector struct {
 }
 
 // NewConsumerCollector reports, per subscriber, its consumer's pending
-// (lag), ack-pending and redelivered counts.
+// (lag), ack-pending and redelivered counts, read at most every
+// metrics.ScrapeFresh.
 func NewConsumerCollector(js jetstream.JetStream, stream string, names []string, logger *slog.Logger) prometheus.Collector {
 	l := []string{"subscriber"}
-	return &consumerCollector{
+	return metrics.Cached(&consumerCollector{
 		js: js, stream: stream, names: names, logger: logger,
 		pending:    prometheus.NewDesc("fanout_subscriber_pending_events", "Events in the stream the subscriber has not received yet (its lag).", l, nil),
 		ackPending: prometheus.NewDesc("fanout_subscriber_ack_pending_events", "Events delivered to the subscriber and not acknowledged yet.", l, nil),
 		redeliv:    prometheus.NewDesc("fanout_subscriber_redelivered_events", "Events delivered more than once and not acknowledged yet.", l, nil),
-	}
+	}, metrics.ScrapeFresh)
 }
 
 func (c *consumerCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -154,11 +156,13 @@ func (c *consumerCollector) Collect(ch chan<- prometheus.Metric) {
 
 // NewHeldAggregatesCollector reports, for each ordered subscriber in
 // names, how many of its aggregates are held behind a dead-lettered event
-// (subscribers.on_dead_letter hold): each waits for an operator.
+// (subscribers.on_dead_letter hold): each waits for an operator. Read at
+// most every metrics.ScrapeFresh.
 func NewHeldAggregatesCollector(pool *pgxpool.Pool, names []string, logger *slog.Logger) prometheus.Collector {
-	return &heldAggregatesCollector{pool: pool, names: names, logger: logger,
+	return metrics.Cached(&heldAggregatesCollector{pool: pool, names: names, logger: logger,
 		held: prometheus.NewDesc("fanout_subscriber_held_aggregates",
-			"Aggregates an ordered subscriber holds behind a dead-lettered event (subscribers.on_dead_letter hold).", []string{"subscriber"}, nil)}
+			"Aggregates an ordered subscriber holds behind a dead-lettered event (subscribers.on_dead_letter hold).", []string{"subscriber"}, nil)},
+		metrics.ScrapeFresh)
 }
 
 type heldAggregatesCollector struct {
