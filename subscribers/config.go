@@ -85,7 +85,12 @@ type Config struct {
 	GapWait time.Duration `koanf:"gap_wait"`
 	// PinnedTTL is how long an ordered subscriber's pinned instance may go
 	// without pulling before JetStream pins another (a crashed instance's
-	// successor takes over after it). Default 15s, >= 3s.
+	// successor takes over after it). Default 0: AckWait and 5s more;
+	// else at least 3s and longer than AckWait. The events a crashed
+	// instance held come back only after the ack wait: a successor pinned
+	// before would see an aggregate's later event first, and one started
+	// from new events would take it for the first of an aggregate from
+	// before its start and apply it out of order.
 	PinnedTTL time.Duration `koanf:"pinned_ttl"`
 }
 
@@ -107,6 +112,19 @@ var OwnKeys = []string{"concurrency", "batch_size", "ack_wait", "handler_timeout
 const DeadLetterDuplicateWindow = 10 * time.Minute
 
 // gapWait is GapWait, with its default worked out.
+// pinnedTTL is PinnedTTL, or its default: AckWait and 5s more.
+func (c Config) pinnedTTL() time.Duration {
+	if c.PinnedTTL != 0 {
+		return c.PinnedTTL
+	}
+	return c.AckWait + pinnedAfterAckWait
+}
+
+// pinnedAfterAckWait is how long after the ack wait the pin moves by
+// default: time for JetStream to queue a crashed instance's events for
+// redelivery before the successor's first pull.
+const pinnedAfterAckWait = 5 * time.Second
+
 func (c Config) gapWait() time.Duration {
 	if c.GapWait != 0 {
 		return c.GapWait
@@ -131,7 +149,7 @@ func DefaultConfig() Config {
 		MaxFailures: 10, MaxCrashes: 3, MaxAckPending: 1000, RetryMin: time.Second, RetryMax: time.Minute,
 		Start: "all", DeadLetterStream: "DEADLETTER", DeadLetterSubjectPrefix: "deadletter", DeadLetterProvision: "auto",
 		DeadLetterMaxAge: 720 * time.Hour, ShutdownTimeout: 30 * time.Second, StallAfter: 2 * time.Minute,
-		OnDeadLetter: "hold", PinnedTTL: 15 * time.Second,
+		OnDeadLetter: "hold",
 	}
 }
 
@@ -177,8 +195,8 @@ func (c Config) Validate() error {
 	if c.GapWait != 0 && c.GapWait <= c.AckWait {
 		v.Bad("subscribers.gap_wait", "must be 0 (four times subscribers.ack_wait, at least 2m) or longer than subscribers.ack_wait (%s), or an event redelivered after a crash would count as missing (got %s)", c.AckWait, c.GapWait)
 	}
-	if c.PinnedTTL < 3*time.Second {
-		v.Bad("subscribers.pinned_ttl", "must be at least 3s (got %s)", c.PinnedTTL)
+	if c.PinnedTTL != 0 && (c.PinnedTTL < 3*time.Second || c.PinnedTTL <= c.AckWait) {
+		v.Bad("subscribers.pinned_ttl", "must be 0 (subscribers.ack_wait and 5s more) or at least 3s and longer than subscribers.ack_wait (%s), or a successor pinned before a crashed instance's events come back could apply an aggregate's later event first (got %s)", c.AckWait, c.PinnedTTL)
 	}
 
 	// A handler cut off by its timeout has stopped before JetStream would

@@ -40,7 +40,7 @@ func ConsumerConfig(name string, eventTypes []string, ordered bool, cfg Config, 
 	if ordered {
 		cc.PriorityPolicy = jetstream.PriorityPolicyPinned
 		cc.PriorityGroups = []string{orderedGroup}
-		cc.PinnedTTL = cfg.PinnedTTL
+		cc.PinnedTTL = cfg.pinnedTTL()
 		cc.Metadata["fanout.ordered"] = "true"
 	}
 	switch cfg.Start {

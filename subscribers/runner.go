@@ -197,7 +197,7 @@ func (r *Runner) bind(ctx context.Context) error {
 	if r.ordered {
 		// The pinned instance keeps its pin by pulling well within
 		// pinned_ttl, even when idle.
-		pull = append(pull, jetstream.PullPriorityGroup(orderedGroup), jetstream.PullExpiry(r.cfg.PinnedTTL/3))
+		pull = append(pull, jetstream.PullPriorityGroup(orderedGroup), jetstream.PullExpiry(r.cfg.pinnedTTL()/3))
 	}
 	if r.feed, err = openFeed(cons, r.opts.Conn, pull); err != nil {
 		return fmt.Errorf("subscriber %s: consume: %w", r.name, err)

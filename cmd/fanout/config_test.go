@@ -280,6 +280,8 @@ func TestSectionRules(t *testing.T) {
 		{[]string{"FANOUT_SUBSCRIBERS_ACK_WAIT=30s", "FANOUT_SUBSCRIBERS_HANDLER_TIMEOUT=1m"}, []string{"subscribers.ack_wait", "subscribers.handler_timeout"}},
 		{[]string{"FANOUT_SUBSCRIBERS_STALL_AFTER=30s"}, []string{"subscribers.stall_after", "subscribers.handler_timeout", "subscribers.retry_max"}}, // retry_max is 1m
 		{[]string{"FANOUT_SUBSCRIBERS_DEAD_LETTER_MAX_AGE=5m"}, []string{"subscribers.dead_letter_max_age", "subscribers.ack_wait"}},
+		{[]string{"FANOUT_SUBSCRIBERS_PINNED_TTL=30s"}, []string{"subscribers.pinned_ttl", "subscribers.ack_wait"}}, // ack_wait is 30s
+		{[]string{"FANOUT_SUBSCRIBERS_GAP_WAIT=30s"}, []string{"subscribers.gap_wait", "subscribers.ack_wait"}},
 		{[]string{"FANOUT_REDIS_TOMBSTONE_TTL=3s", "FANOUT_REDIS_TIMEOUT=2s"}, []string{"redis.tombstone_ttl", "redis.timeout"}},
 		{[]string{"FANOUT_RELAY_ATOMIC=transaction", "FANOUT_RELAY_CAPTURE=wal", "FANOUT_RELAY_MAX_IN_FLIGHT=999", "FANOUT_RELAY_BATCH_SIZE=500"}, []string{"relay.max_in_flight", "relay.atomic"}},
 		{[]string{"FANOUT_RELAY_ATOMIC=transaction", "FANOUT_RELAY_MAX_IN_FLIGHT=999", "FANOUT_RELAY_BATCH_SIZE=500"}, []string{"relay.max_in_flight", "relay.atomic"}},
