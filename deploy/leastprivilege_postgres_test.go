@@ -259,6 +259,16 @@ SELECT id FROM p`).Scan(&productID)
 			t.Errorf("fanout_operator records a replay: %v", err)
 		}
 		denied(t, pool, "fanout_operator", `INSERT INTO replays (subscriber, stream, from_seq, outcome, actor) VALUES ('invoicing', 'EVENTS', 1, 'moved', 'someone else')`)
+		// Another database sharing the stream, registered: recorded with
+		// the session's role, and its origins then numbered.
+		if added, err := store.AllowOrigin(ctx, outbox.Database{System: 1, Name: "theirs"}, "their relays share the stream"); err != nil || !added {
+			t.Errorf("fanout_operator registers another database: %t, %v", added, err)
+		}
+		var by string
+		if err := db.Pool.QueryRow(ctx, `SELECT registered_by FROM origin_databases WHERE database = 'theirs'`).Scan(&by); err != nil || by != "fanout_operator" {
+			t.Errorf("the registration's role: %q (%v), want fanout_operator", by, err)
+		}
+		denied(t, pool, "fanout_operator", `DELETE FROM origin_databases`)
 		if _, err := pool.Exec(ctx, `SELECT fanout_dead_letter_action('discard', 'invoicing', 0, 3, 3, 'discarded', '', 0)`); err == nil || !strings.Contains(err.Error(), "needs a reason") {
 			t.Errorf("fanout_operator discards a letter no subscriber vouches for, without a reason: %v; want refused", err)
 		}
@@ -299,6 +309,18 @@ SELECT id FROM p`).Scan(&productID)
 			denied(t, pool, role, `SELECT * FROM orders`)
 			denied(t, pool, role, `SELECT * FROM outbox`)
 			denied(t, pool, role, `INSERT INTO invoices (order_id, number, total) VALUES (1, 'x', 0)`)
+			// The origin numbers are every subscriber's: made-up origins
+			// take none (this attack took 32,766 of 32,767 as
+			// fanout_cacheinval before migration 00024, and salesledger then
+			// dead-lettered every event of a new epoch), nor does a
+			// registration of its own.
+			var numbered int
+			if err := pool.QueryRow(ctx, `SELECT count(fanout_origin_number(i || '/x/1')) FROM generate_series(1, 50) i`).Scan(&numbered); err == nil || !strings.Contains(err.Error(), "is not registered") {
+				t.Errorf("%s numbered %d made-up origins (%v), want refused", role, numbered, err)
+			}
+			denied(t, pool, role, `SELECT fanout_origin_allow('1', 'x', 'mine')`)
+			denied(t, pool, role, `INSERT INTO origin_databases (system_identifier, database, reason) VALUES ('1', 'x', 'mine')`)
+			denied(t, pool, role, `INSERT INTO event_origins (origin) VALUES ('1/x/1')`)
 		})
 	}
 

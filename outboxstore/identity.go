@@ -3,6 +3,8 @@ package outboxstore
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/fanout/fanout/outbox"
@@ -104,4 +106,17 @@ func (s *Store) NewEpoch(ctx context.Context, after, epoch int, firstID, past in
 		return 0, fmt.Errorf("begin outbox epoch %d at id %d: %w", epoch, firstID, err)
 	}
 	return got, nil
+}
+
+// AllowOrigin registers another database whose relays publish into the
+// same stream (fanout_origin_allow): the subscribers number its events'
+// origins only once it is. It reports whether it was new.
+func (s *Store) AllowOrigin(ctx context.Context, d outbox.Database, reason string) (bool, error) {
+	var added bool
+	// As the origins name it: the name escaped (outbox.Database.String).
+	_, name, _ := strings.Cut(d.String(), "/")
+	if err := s.pool.QueryRow(ctx, `SELECT fanout_origin_allow($1, $2, $3)`, strconv.FormatUint(d.System, 10), name, reason).Scan(&added); err != nil {
+		return false, fmt.Errorf("register database %d/%s: %w", d.System, d.Name, err)
+	}
+	return added, nil
 }

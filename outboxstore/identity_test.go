@@ -2,9 +2,11 @@ package outboxstore_test
 
 import (
 	"context"
+	"strconv"
 	"strings"
 	"testing"
 
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 )
@@ -13,7 +15,8 @@ import (
 // read from the sequence itself (a RESTART leaves pg_sequence_last_value
 // NULL, which would read as 0 and pass for a rewind), a new epoch that
 // cannot relabel ids not handed out yet nor run the ids out, and origins
-// numbered only when they read as origins.
+// numbered only when they read as origins and Postgres can vouch for them:
+// an epoch this database began, or a registered database's (at most 100).
 func TestOriginFunctionsHoldTheirBounds(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -67,11 +70,51 @@ func TestOriginFunctionsHoldTheirBounds(t *testing.T) {
 			t.Errorf("origin %q numbered: %v", bad, err)
 		}
 	}
-	if err := db.Pool.QueryRow(ctx, `SELECT fanout_origin_number('1/shop/1')`).Scan(&n); err != nil || n == nil {
-		t.Fatalf("a real origin: %v, %v", n, err)
+	number := func(origin string) (*int, error) {
+		var n *int
+		err := db.Pool.QueryRow(ctx, `SELECT fanout_origin_number($1)`, origin).Scan(&n)
+		return n, err
+	}
+	// Another database's origins, once an operator registered it.
+	if n, err := number("1/shop/1"); err == nil || !strings.Contains(err.Error(), "is not registered") {
+		t.Fatalf("an origin of a database never registered: %v, %v, want refused", n, err)
+	}
+	if added, err := store.AllowOrigin(ctx, outbox.Database{System: 1, Name: "shop"}, "a test"); err != nil || !added {
+		t.Fatalf("register 1/shop: %t, %v", added, err)
+	}
+	n, err = number("1/shop/1")
+	if err != nil || n == nil {
+		t.Fatalf("an origin of a registered database: %v, %v", n, err)
 	}
 	first := *n
-	if err := db.Pool.QueryRow(ctx, `SELECT fanout_origin_number('1/shop/1')`).Scan(&n); err != nil || n == nil || *n != first {
+	if n, err := number("1/shop/1"); err != nil || n == nil || *n != first {
 		t.Fatalf("the same origin again: %v, %v, want %d", n, err, first)
+	}
+	// This database's: the epochs its outbox began, and no other.
+	own, err := outbox.ReadDatabase(ctx, db.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := number(outbox.Origin{Database: own, Epoch: 2}.String()); err != nil || n == nil {
+		t.Errorf("this database's epoch 2 (begun above): %v, %v", n, err)
+	}
+	if n, err := number(outbox.Origin{Database: own, Epoch: 3}.String()); err == nil || !strings.Contains(err.Error(), "began no epoch 3") {
+		t.Errorf("an epoch this database's outbox never began: %v, %v, want refused", n, err)
+	}
+	// At most 100 epochs of a registered database: a role that numbers
+	// made-up epochs cannot take the numbers the others need.
+	if _, err := store.AllowOrigin(ctx, outbox.Database{System: 2, Name: "many"}, "a test"); err != nil {
+		t.Fatal(err)
+	}
+	for epoch := 1; epoch <= 100; epoch++ {
+		if n, err := number("2/many/" + strconv.Itoa(epoch)); err != nil || n == nil {
+			t.Fatalf("epoch %d of 2/many: %v, %v", epoch, n, err)
+		}
+	}
+	if n, err := number("2/many/101"); err != nil || n != nil {
+		t.Errorf("a 101st epoch of 2/many: %v, %v, want none (NULL)", n, err)
+	}
+	if n, err := number("1/shop/2"); err != nil || n == nil {
+		t.Errorf("another registered database's next epoch after 2/many's hundred: %v, %v", n, err)
 	}
 }

@@ -181,12 +181,18 @@ func (r *Relay) start(ctx context.Context) error {
 	if r.cfg.Audit && !r.hooks.NoAudit {
 		r.loops.Go(func() { r.auditor.run(softCtx) })
 	}
+	// The database as its events' origins name it: what another
+	// database's operators register (fanout outbox allow-origin).
+	database := ""
+	if ident := r.origin.identity.Load(); ident != nil {
+		database = ident.Database.String()
+	}
 	if wal {
-		r.logger.Info("relay started", "capture", r.cfg.Capture, "slot", r.cfg.Slot, "publication", Publication,
+		r.logger.Info("relay started", "database", database, "capture", r.cfg.Capture, "slot", r.cfg.Slot, "publication", Publication,
 			"stream", r.stream.Name, "subjects", r.stream.SubjectPrefix+".>",
 			"batch_size", r.cfg.BatchSize, "max_in_flight", r.cfg.MaxInFlight)
 	} else {
-		r.logger.Info("relay started", "capture", r.cfg.Capture,
+		r.logger.Info("relay started", "database", database, "capture", r.cfg.Capture,
 			"stream", r.stream.Name, "subjects", r.stream.SubjectPrefix+".>",
 			"batch_size", r.cfg.BatchSize, "max_in_flight", r.cfg.MaxInFlight,
 			"lease", r.cfg.Lease, "poll_interval", r.cfg.PollInterval, "listen", r.cfg.Listen)

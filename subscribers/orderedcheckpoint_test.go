@@ -79,7 +79,7 @@ func TestOrderedBatchKnowsEventsByTheirKeys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	other := outbox.Origin{Database: outbox.Database{System: db.System, Name: "another shop"}, Epoch: 1}.String()
+	other := anotherShop(t, env, db)
 	ours := subscribers.Event{ID: 42, Type: "order.paid", AggregateType: "order", AggregateID: "7", AggregateSeq: 1}
 	theirs := subscribers.Event{ID: 42, Origin: other, Type: "order.paid", AggregateType: "order", AggregateID: "7", AggregateSeq: 2}
 	err = pgx.BeginFunc(ctx, env.DB.Pool, func(tx pgx.Tx) error {

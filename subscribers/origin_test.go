@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/outbox"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/fanout/fanout/subscribers/subscribertest"
@@ -84,8 +85,8 @@ func TestCheckpointsKeyOnTheEventsOrigin(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			other := outbox.Origin{Database: outbox.Database{System: db.System, Name: "another shop"}, Epoch: 1}.String()
-			restored := outbox.Origin{Database: db, Epoch: 2}.String()
+			other := anotherShop(t, env, db)
+			restored := nextEpoch(t, env, db)
 			publish := func(origin, msgID string) {
 				t.Helper()
 				m := nats.NewMsg(env.Config.Stream.SubjectPrefix + ".thing.made")
@@ -145,6 +146,21 @@ func TestCheckpointsKeyOnTheEventsOrigin(t *testing.T) {
 			})
 			if e, n := h.count(); e != 3 || n != 3 {
 				t.Fatalf("after the bad origin: %d events handled %d times, want 3 once each", e, n)
+			}
+			// So is a database no operator registered: Postgres cannot
+			// vouch for it, and it takes none of the origin numbers every
+			// subscriber shares.
+			publish("7/unregistered/1", "unregistered")
+			subscribertest.WaitFor(t, 20*time.Second, "the event of an unregistered database dead-lettered", func() (bool, string) {
+				for _, dl := range env.DeadLetters(byOriginName) {
+					if strings.Contains(dl.Header.Get(subscribers.DeadReasonHeader), "is not registered (fanout outbox allow-origin)") {
+						return true, ""
+					}
+				}
+				return false, "no letter yet"
+			})
+			if _, ok, err := store.OriginGet(context.Background(), "7/unregistered/1"); err != nil || ok {
+				t.Fatalf("the unregistered database's origin numbered: %t (%v)", ok, err)
 			}
 
 			// An event that can have no checkpoint key (an id past the
@@ -234,7 +250,7 @@ func TestOrderedCheckpointsKeyOnTheDatabase(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	other := outbox.Origin{Database: outbox.Database{System: db.System, Name: "another shop"}, Epoch: 1}.String()
+	other := anotherShop(t, env, db)
 	publish := func(origin string, id, seq int64) {
 		t.Helper()
 		m := nats.NewMsg(env.Config.Stream.SubjectPrefix + ".thing.changed")
@@ -272,7 +288,7 @@ func TestOrderedCheckpointsKeyOnTheDatabase(t *testing.T) {
 	// This database restored from a backup taken after its number 3:
 	// epoch 2's first event of thing/1 is number 4 again. It is not
 	// dropped: it goes to the dead letters, and the reason says why.
-	publish(outbox.Origin{Database: db, Epoch: 2}.String(), 100, 4)
+	publish(nextEpoch(t, env, db), 100, 4)
 	subscribertest.WaitFor(t, 20*time.Second, "the restored database's event dead-lettered", func() (bool, string) {
 		for _, dl := range env.DeadLetters(orderedByDatabaseName) {
 			if reason := dl.Header.Get(subscribers.DeadReasonHeader); strings.Contains(reason, "restored from a backup") {
@@ -282,4 +298,32 @@ func TestOrderedCheckpointsKeyOnTheDatabase(t *testing.T) {
 		}
 		return false, "no letter yet"
 	})
+}
+
+// anotherShop registers another database whose relays share the stream,
+// as its operators would (fanout outbox allow-origin), and returns the
+// origin of its first epoch.
+func anotherShop(t *testing.T, env *subscribertest.Env, own outbox.Database) string {
+	t.Helper()
+	other := outbox.Database{System: own.System, Name: "another shop"}
+	if _, err := outboxstore.New(env.DB.Pool).AllowOrigin(context.Background(), other, "a test"); err != nil {
+		t.Fatal(err)
+	}
+	return outbox.Origin{Database: other, Epoch: 1}.String()
+}
+
+// nextEpoch begins this database's epoch 2 after its last id, as its relay
+// would after a restore, and returns its origin.
+func nextEpoch(t *testing.T, env *subscribertest.Env, own outbox.Database) string {
+	t.Helper()
+	ctx := context.Background()
+	store := outboxstore.New(env.DB.Pool)
+	last, err := store.LastID(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := store.NewEpoch(ctx, 1, 2, last+1, 0, "a test: a restore"); err != nil || got != 2 {
+		t.Fatalf("begin epoch 2: %d, %v", got, err)
+	}
+	return outbox.Origin{Database: own, Epoch: 2}.String()
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/url"
 	"strconv"
 	"strings"
 	"time"
@@ -17,9 +18,9 @@ import (
 func outboxCommand(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "outbox",
-		Short: "Operate on outbox rows: retry or skip failed ones, republish published ones",
+		Short: "Operate on outbox rows: retry or skip failed ones, republish published ones; register another database's events",
 	}
-	cmd.AddCommand(outboxRetryFailedCommand(a), outboxSkipCommand(a), numberingCommand(a), outboxRepublishCommand(a))
+	cmd.AddCommand(outboxRetryFailedCommand(a), outboxSkipCommand(a), numberingCommand(a), outboxRepublishCommand(a), allowOriginCommand(a))
 	return cmd
 }
 
@@ -249,4 +250,43 @@ func readByOrderedSubscriber(decls []subscribers.Declaration, skip []string) err
 		return fmt.Errorf("outbox numbering: --skip names %s; ordered subscribers need every event they read numbered", strings.Join(reads, ", "))
 	}
 	return nil
+}
+
+func allowOriginCommand(a *app) *cobra.Command {
+	var reason string
+	cmd := &cobra.Command{
+		Use:   "allow-origin SYSTEM/DATABASE --reason TEXT",
+		Short: "Register another database whose relays publish into the same stream: the subscribers take its events",
+		Long: `allow-origin registers a database by its system identifier and name (as the
+Fanout-Origin header of its events names it: SYSTEM/DATABASE/EPOCH; the
+database's own relay logs it at start). The subscribers number the origins of
+a registered database's events (at most 100 of its epochs) and dead-letter
+the events of any other database, naming it: a role cannot take the origin
+numbers every subscriber shares with made-up origins. This database's own
+epochs need no registration. Redrive the dead letters after registering.`,
+		Args: cobra.ExactArgs(1),
+		RunE: a.connected("outbox", pgOnly, func(cmd *cobra.Command, args []string, c *conns) error {
+			system, escaped, ok := strings.Cut(args[0], "/")
+			sys, err := strconv.ParseUint(system, 10, 64)
+			name, nameErr := url.PathUnescape(escaped)
+			if !ok || err != nil || nameErr != nil || name == "" || strings.Contains(escaped, "/") {
+				return fmt.Errorf("outbox allow-origin: %q is not SYSTEM/DATABASE (a system identifier, a slash, a database name)", args[0])
+			}
+			if strings.TrimSpace(reason) == "" {
+				return errors.New("outbox allow-origin: --reason is required (it is recorded with the database)")
+			}
+			added, err := outboxstore.New(c.pool).AllowOrigin(cmd.Context(), outbox.Database{System: sys, Name: name}, reason)
+			if err != nil {
+				return err
+			}
+			if added {
+				fmt.Fprintf(cmd.OutOrStdout(), "database %s registered: its events' origins are numbered\n", args[0])
+			} else {
+				fmt.Fprintf(cmd.OutOrStdout(), "database %s was registered already\n", args[0])
+			}
+			return nil
+		}),
+	}
+	cmd.Flags().StringVar(&reason, "reason", "", "why its events belong here (recorded)")
+	return cmd
 }

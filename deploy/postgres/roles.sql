@@ -240,7 +240,7 @@ WHERE c.relnamespace = 'public'::regnamespace
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
                     'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
-                    'outbox_epochs', 'event_origins', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
+                    'outbox_epochs', 'event_origins', 'origin_databases', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
                     'order_transitions', 'subscriber_backfills', 'subscriber_backfill_segments', 'subscriber_backfill_failures', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
@@ -251,7 +251,7 @@ WHERE i.inhparent = 'public.outbox'::regclass AND c.relowner <> 'fanout_migrate'
 SELECT format('ALTER FUNCTION %s OWNER TO fanout_migrate', p.oid::regprocedure)
 FROM pg_proc p
 WHERE p.pronamespace = 'public'::regnamespace
-  AND (p.proname LIKE 'fanout\_outbox\_%' OR p.proname IN ('fanout_dead_letter_action', 'fanout_record_replay', 'fanout_origin_number'))
+  AND (p.proname LIKE 'fanout\_outbox\_%' OR p.proname IN ('fanout_dead_letter_action', 'fanout_record_replay', 'fanout_origin_number', 'fanout_origin_allow'))
   AND p.proowner <> 'fanout_migrate'::regrole \gexec
 SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
 WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
@@ -421,6 +421,10 @@ GRANT SELECT ON dead_letters TO fanout_operator;
 -- Replays: recorded the same way.
 GRANT SELECT ON replays TO fanout_operator;
 GRANT EXECUTE ON FUNCTION fanout_record_replay(text, text, bigint, text, text) TO fanout_operator;
+-- Another database whose relays share the stream: registered through the
+-- function that records the session's role (migration 00024).
+GRANT EXECUTE ON FUNCTION fanout_origin_allow(text, text, text) TO fanout_operator;
+GRANT SELECT ON origin_databases TO fanout_operator;
 DROP POLICY IF EXISTS fanout_operator_dead_letters ON dead_letters;
 CREATE POLICY fanout_operator_dead_letters ON dead_letters FOR SELECT TO fanout_operator USING (true);
 GRANT SELECT ON relay_capture TO fanout_operator;

@@ -220,6 +220,9 @@ func TestOriginsAndDeadLetters(t *testing.T) {
 	ctx := context.Background()
 	s := bookkeeping.New(db.Pool)
 	origin := "7000000000000000001/other/1"
+	if _, err := db.Pool.Exec(ctx, `SELECT fanout_origin_allow('7000000000000000001', 'other', 'a test')`); err != nil {
+		t.Fatal(err)
+	}
 	if _, ok, err := s.OriginGet(ctx, origin); err != nil || ok {
 		t.Fatalf("an origin never seen has a number: %t (%v)", ok, err)
 	}
