@@ -424,6 +424,22 @@ SELECT id FROM p`).Scan(&productID)
 		// Turning numbering off would take ordered subscribers' order away:
 		// only the outbox's owner may (fanout outbox numbering).
 		denied(t, pool, "fanout_relay", `SELECT fanout_outbox_numbering('{order.paid}')`)
+		// An epoch begun below a published event would give it a second
+		// identity, and the audit would publish it again under it: as
+		// fanout_relay, fanout_outbox_new_epoch(1, 2, 1, NULL, 'x') did,
+		// and the sales ledger counted 5 orders twice (migration 00025).
+		if err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+			id, err := outbox.Write(ctx, tx, orderEvent(orderID))
+			if err == nil {
+				_, err = tx.Exec(ctx, `UPDATE outbox SET status = 'sent', published_at = now() WHERE id = $1`, id)
+			}
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := pool.Exec(ctx, `SELECT fanout_outbox_new_epoch(1, 2, 1, NULL, 'x')`); err == nil || !strings.Contains(err.Error(), "published already") {
+			t.Errorf("fanout_relay began an epoch below a published event: %v, want refused", err)
+		}
 		for _, role := range []string{"fanout_writer", "fanout_operator", "fanout_fulfilment"} {
 			asRole(t, db.Pool, role, func(tx pgx.Tx) {
 				denied(t, tx, role, `SELECT fanout_outbox_numbering('{order.paid}')`)

@@ -118,3 +118,29 @@ func TestOriginFunctionsHoldTheirBounds(t *testing.T) {
 		t.Errorf("another registered database's next epoch after 2/many's hundred: %v, %v", n, err)
 	}
 }
+
+// A new epoch begins after every event recorded as published: begun
+// lower, it would give published events a second identity, and the audit
+// would publish them again under it (the relay's role began one at id 1,
+// and the sales ledger counted 5 orders twice).
+func TestANewEpochBeginsAfterEveryPublishedEvent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	store := outboxstore.New(db.Pool)
+	ids := writeOrders(t, db.Pool, 6, "1")
+	if _, err := db.Pool.Exec(ctx, `INSERT INTO outbox_landings (stream, first_id, last_id, event_ids, seqs) VALUES ('EVENTS', $1, $2, ARRAY[$1, $2]::bigint[], '{1,2}')`, ids[0], ids[1]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.Pool.Exec(ctx, `UPDATE outbox SET status = 'sent', published_at = now() WHERE id = $1`, ids[3]); err != nil {
+		t.Fatal(err)
+	}
+	for _, first := range []int64{ids[0], ids[1], ids[3]} {
+		if _, err := store.NewEpoch(ctx, 1, 2, first, 0, "a test"); err == nil || !strings.Contains(err.Error(), "published already") {
+			t.Errorf("an epoch beginning at id %d, at or below a published event: %v, want refused", first, err)
+		}
+	}
+	if got, err := store.NewEpoch(ctx, 1, 2, ids[4], 0, "a test"); err != nil || got != 2 {
+		t.Errorf("an epoch beginning after every published event: %d, %v", got, err)
+	}
+}

@@ -55,6 +55,12 @@ func TestOutboxRanges(t *testing.T) {
 		return name
 	}
 
+	// A wal relay's slot, made before the rows (the wal part below): the
+	// retirement reads its confirmed position, whatever it is told.
+	slot := "ranges_" + db.Name
+	exec(`SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
+	t.Cleanup(func() { _, _ = db.Pool.Exec(context.Background(), `SELECT pg_drop_replication_slot($1)`, slot) })
+
 	// Rows written before any range exists go to outbox_default; the
 	// first range starts the margin above the next id.
 	early := writeOrders(t, db.Pool, 3, "1")
@@ -128,24 +134,40 @@ func TestOutboxRanges(t *testing.T) {
 
 	// Wal capture: the rows stay pending; a range goes once the slot
 	// confirmed past its seal, retention after that, and not while a row
-	// in it waits for the backlog's claim or was returned to the relays.
+	// in it waits for the backlog's claim, was returned to the relays, or
+	// has no landing. What the caller says of the slot is not taken: the
+	// function reads the slot and the backlog bound itself (the relay's
+	// role told it the slot had confirmed everything and there was no
+	// backlog, and a range of rows never published was dropped).
 	var sealedLSN string
 	if err := db.Pool.QueryRow(ctx, `SELECT sealed_lsn::text FROM outbox_partitions WHERE name = 'outbox_19'`).Scan(&sealedLSN); err != nil {
 		t.Fatal(err)
 	}
-	wal := outboxstore.Retirement{Retention: time.Second, Captured: true, ConfirmedLSN: "0/1", BacklogThrough: 20}
-	if ok, _, reason := retire("outbox_19", wal); ok || reason != "the slot has not confirmed its rows" {
-		t.Fatalf("retire before the slot confirmed: %t %q", ok, reason)
+	wal := outboxstore.Retirement{Retention: time.Second, Captured: true, ConfirmedLSN: "FFFFFFFF/FFFFFFFF", BacklogThrough: math.MinInt64}
+	// No wal relay recorded a slot: every pending row is unpublished.
+	if ok, _, reason := retire("outbox_19", wal); ok || reason != "10 rows not yet published" {
+		t.Fatalf("retire told of a slot no relay recorded: %t %q, want its 10 pending rows unpublished", ok, reason)
 	}
-	wal.ConfirmedLSN = sealedLSN
+	exec(`INSERT INTO relay_capture (slot_name, backlog_through) VALUES ($1, 20)`, slot)
+	if ok, _, reason := retire("outbox_19", wal); ok || reason != "the slot has not confirmed its rows" {
+		t.Fatalf("retire before the slot confirmed, told it confirmed everything: %t %q", ok, reason)
+	}
+	exec(`SELECT pg_replication_slot_advance($1, $2::pg_lsn)`, slot, sealedLSN)
 	if ok, _, reason := retire("outbox_19", wal); ok || reason != "the slot has just confirmed its rows" {
 		t.Fatalf("retire as the slot confirms: %t %q", ok, reason)
 	}
 	exec(`UPDATE outbox_partitions SET done_at = now() - interval '1 minute' WHERE name = 'outbox_19'`)
-	if ok, _, reason := retire("outbox_19", wal); ok || reason != "2 rows not yet published" {
-		t.Fatalf("retire with rows 19 and 20 in the backlog: %t %q", ok, reason)
+	if ok, _, reason := retire("outbox_19", wal); ok || reason != "10 rows not yet published" {
+		t.Fatalf("retire with rows 19 and 20 in the backlog and none landed, told there is no backlog: %t %q", ok, reason)
 	}
-	wal.BacklogThrough = math.MinInt64
+	// Where the slot's rows landed, but for row 26.
+	exec(`INSERT INTO outbox_landings (stream, first_id, last_id, event_ids, seqs) VALUES
+	      ('EVENTS', 21, 25, '{21,22,23,24,25}', '{1,2,3,4,5}'), ('EVENTS', 27, 28, '{27,28}', '{7,8}')`)
+	if ok, _, reason := retire("outbox_19", wal); ok || reason != "3 rows not yet published" {
+		t.Fatalf("retire with rows 19 and 20 in the backlog and row 26 not landed: %t %q", ok, reason)
+	}
+	exec(`UPDATE relay_capture SET backlog_done_at = now()`)
+	exec(`INSERT INTO outbox_landings (stream, first_id, last_id, event_ids, seqs) VALUES ('EVENTS', 19, 26, '{19,20,26}', '{9,10,6}')`)
 	exec(`UPDATE outbox SET available_at = now() WHERE id = 25`) // returned by an operator
 	if ok, _, reason := retire("outbox_19", wal); ok || reason != "rows published within retention" {
 		t.Fatalf("retire with a row returned just now: %t %q", ok, reason)
