@@ -107,7 +107,7 @@ func (a *auditor) suspects(ctx context.Context, ident *outbox.Identity, pairs []
 		}
 		run := pairs[i:j]
 		k := 0
-		err := readRange(ctx, a.js, s, a.consumer, a.consumerRead, run[0].Seq, run[len(run)-1].Seq, func(m *jetstream.RawStreamMsg) bool {
+		err := readRange(ctx, a.js, s, a.consumer, a.stream.Provision == "auto", a.consumerRead, run[0].Seq, run[len(run)-1].Seq, func(m *jetstream.RawStreamMsg) bool {
 			for k < len(run) && run[k].Seq < m.Sequence {
 				suspects = append(suspects, run[k]) // no message at its sequence
 				k++

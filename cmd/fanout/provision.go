@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,6 +13,7 @@ import (
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 )
@@ -21,10 +23,13 @@ func provisionCommand(a *app) *cobra.Command {
 	var allowLower, check bool
 	cmd := &cobra.Command{
 		Use:   "provision [subscriber]...",
-		Short: "Create the JetStream streams and the subscribers' consumers, as the one identity allowed to (a one-shot job)",
+		Short: "Create the JetStream streams and every consumer, as the one identity allowed to (a one-shot job)",
 		Long: `provision creates stream EVENTS (the relay's) and stream DEADLETTER if they do
 not exist, and creates or brings to its configuration the durable consumer of
-every subscriber (or of the ones named). Run it as the provisioning identity,
+every subscriber (or of the ones named), and the pull consumers the relay's
+audits and the operator's reindex read the stream through (relay_audit,
+relay_audit_command, operator_reindex_searchindex: one fixed configuration
+each; their users only move them and pull, and refuse one that differs). Run it as the provisioning identity,
 before the roles, and after adding a subscriber: with stream.provision and
 subscribers.dead_letter_provision set to verify, the relay and the
 subscribers then need no right to create or change any of them (see
@@ -145,7 +150,28 @@ func provisionConsumers(cmd *cobra.Command, a *app, js jetstream.JetStream, decl
 		info := c.CachedInfo()
 		fmt.Fprintf(cmd.OutOrStdout(), "consumer %s: filters %s, %d pending\n", name, strings.Join(info.Config.FilterSubjects, ", "), info.NumPending)
 	}
+	for _, want := range readerConsumerConfigs(a) {
+		if err := jsretry.Do(ctx, logger, "provision consumer "+want.Durable, func() error {
+			_, err := stream.EnsureReader(ctx, events, want, true)
+			return err
+		}); err != nil {
+			return err
+		}
+		fmt.Fprintf(cmd.OutOrStdout(), "consumer %s: a pull consumer without acks, its reader moves it\n", want.Durable)
+	}
 	return nil
+}
+
+// readerConsumerConfigs are the consumers the roles other than the
+// subscribers read the events stream through: the relay's audits and the
+// operator's reindex. Only the provisioner makes them (with
+// stream.provision verify or off); their users move them and pull.
+func readerConsumerConfigs(a *app) []jetstream.ConsumerConfig {
+	return []jetstream.ConsumerConfig{
+		stream.AuditConsumerConfig(stream.AuditConsumer),
+		stream.AuditConsumerConfig(stream.AuditCommandConsumer),
+		searchindex.ReplayConsumerConfig(a.cfg.Stream),
+	}
 }
 
 // provisionUpdate brings each named stream, which must exist where this
@@ -221,8 +247,33 @@ func provisionCheck(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []
 		}
 		report("consumer "+d.Name, ds, err)
 	}
+	for _, want := range readerConsumerConfigs(a) {
+		var ds []stream.Difference
+		have, err := readerConfig(ctx, js, a.cfg.Stream.Name, want.Durable)
+		if err == nil {
+			ds = stream.ReaderDifferences(have, want)
+		}
+		report("consumer "+want.Durable, ds, err)
+	}
 	if found > 0 {
 		return fmt.Errorf("%d differences from the configuration", found)
 	}
 	return nil
+}
+
+// readerConfig is the configuration of consumer name, pull or push (the
+// client binds a push consumer only as one).
+func readerConfig(ctx context.Context, js jetstream.JetStream, streamName, name string) (jetstream.ConsumerConfig, error) {
+	c, err := js.Consumer(ctx, streamName, name)
+	if errors.Is(err, jetstream.ErrNotPullConsumer) {
+		pc, err := js.PushConsumer(ctx, streamName, name)
+		if err != nil {
+			return jetstream.ConsumerConfig{}, err
+		}
+		return pc.CachedInfo().Config, nil
+	}
+	if err != nil {
+		return jetstream.ConsumerConfig{}, err
+	}
+	return c.CachedInfo().Config, nil
 }

@@ -22,7 +22,6 @@ import (
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers/searchindex"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/nats-io/nats.go/jetstream"
 )
 
 func (f *fixture) reindexer() *searchindex.Reindexer {
@@ -338,9 +337,10 @@ func TestReindexLockIsExclusive(t *testing.T) {
 	again()
 }
 
-// A reindex replaces a replay consumer a dead reindex left behind, reads
-// through it, and deletes it when done.
-func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
+// A reindex with stream.provision auto brings a replay consumer that
+// differs from its configuration (a filter of its own) to it, reads
+// through it, and leaves it as configured.
+func TestReindexBringsItsReplayConsumerToItsConfiguration(t *testing.T) {
 	t.Parallel()
 	f := newFixture(t, search.OpenSearch, 20)
 	f.env.StartRunner(f.subscriber(), nil)
@@ -350,7 +350,8 @@ func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	leftover := jetstream.ConsumerConfig{Name: stream.ReindexConsumer, AckPolicy: jetstream.AckNonePolicy, FilterSubject: "events.brand.updated"}
+	leftover := searchindex.ReplayConsumerConfig(f.env.Config.Stream)
+	leftover.FilterSubjects = []string{"events.brand.updated"}
 	if _, err := events.CreateConsumer(ctx, leftover); err != nil {
 		t.Fatal(err)
 	}
@@ -362,8 +363,12 @@ func TestReindexReplacesALeftoverReplayConsumer(t *testing.T) {
 	if rep.Replayed == 0 {
 		t.Errorf("reindex replayed no event: %+v", rep)
 	}
-	if _, err := events.Consumer(ctx, stream.ReindexConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
-		t.Errorf("replay consumer after the reindex: %v, want it deleted", err)
+	c, err := events.Consumer(ctx, stream.ReindexConsumer)
+	if err != nil {
+		t.Fatalf("replay consumer after the reindex: %v", err)
+	}
+	if ds := stream.ReaderDifferences(c.CachedInfo().Config, searchindex.ReplayConsumerConfig(f.env.Config.Stream)); len(ds) > 0 {
+		t.Errorf("replay consumer after the reindex: %s", stream.Join(ds))
 	}
 	f.env.Settle(searchindex.Name)
 	f.noDrift(t)

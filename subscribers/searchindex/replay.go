@@ -14,8 +14,8 @@ import (
 
 // The consumer `fanout reindex` reads the stream through is
 // stream.ReindexConsumer. Its name is fixed, not generated like an ordered
-// consumer's, so that an operator can tell it apart (and a leftover one is
-// replaced). A reindex runs as the operator identity: a consumer whose
+// consumer's, so that an operator can tell it apart and `fanout provision`
+// can make it before any reindex. A reindex runs as the operator identity: a consumer whose
 // filter its creator picks is no right to give a subscriber's user, which
 // could then read events that are not its own
 // (deploy/nats/nats-server.conf). Its name starts with
@@ -38,24 +38,18 @@ func consumerGone(err error) bool {
 		errors.Is(err, nats.ErrNoResponders) || errors.Is(err, jetstream.ErrNoHeartbeat)
 }
 
-// replayConsumerConfig reads the events the indexer handles (product
-// changes, brand and category renames) from sequence from on, without acks (the reader tracks its own position), and lives on
-// the server only while a reindex reads it: a reindex that died leaves it
-// behind for ten minutes at most. (A pull consumer is inactive while no
-// pull is waiting, which includes the time a batch is being indexed: the
-// threshold is long so that a slow engine does not delete it mid-replay.)
-func replayConsumerConfig(events stream.Config, from uint64) jetstream.ConsumerConfig {
-	return jetstream.ConsumerConfig{
-		Name:              stream.ReindexConsumer,
-		Description:       "fanout reindex: replays product, brand and category events onto a new search index; deleted when the reindex ends",
-		FilterSubjects:    replayFilters(events),
-		DeliverPolicy:     jetstream.DeliverByStartSequencePolicy,
-		OptStartSeq:       from,
-		AckPolicy:         jetstream.AckNonePolicy,
-		InactiveThreshold: 10 * time.Minute,
-		MemoryStorage:     true,
-		Replicas:          1,
-	}
+// ReplayConsumerConfig is the reindex's consumer: the events the indexer
+// handles (product changes, brand and category renames), without acks
+// (the reader tracks its own position), in stream.ReaderConsumerConfig's
+// one configuration. `fanout provision` makes it; a reindex moves it (a
+// reset) and pulls, and never creates it with stream.provision verify or
+// off, nor deletes it: an operator allowed to create it with a
+// configuration of its choosing could make it push any writer's event
+// into a subscriber's CONSUMER.RESET.
+func ReplayConsumerConfig(events stream.Config) jetstream.ConsumerConfig {
+	return stream.ReaderConsumerConfig(stream.ReindexConsumer,
+		"fanout reindex: replays product, brand and category events onto a new search index (made by fanout provision; a reindex resets it and pulls)",
+		replayFilters(events))
 }
 
 // replayFilters are the indexer's own filter subjects: a replay that missed
@@ -90,7 +84,6 @@ func ReadEvents(ctx context.Context, js jetstream.JetStream, events stream.Confi
 	if err := rr.start(); err != nil {
 		return 0, rr.pos, err
 	}
-	defer rr.close()
 	for rr.pos < upTo {
 		if err := ctx.Err(); err != nil {
 			return read, rr.pos, err
@@ -119,34 +112,25 @@ type replayReader struct {
 	restarts  int
 }
 
-// start makes the consumer, after the position read up to.
+// start checks the consumer (stream.EnsureReader: with stream.provision
+// auto it may create it) and moves it after the position read up to.
 func (rr *replayReader) start() error {
-	// A consumer of this name is left over from a reindex that died, or
-	// from this one before a gap: either way it is done with.
-	if err := rr.s.DeleteConsumer(rr.ctx, stream.ReindexConsumer); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-		return fmt.Errorf("delete consumer %s: %w", stream.ReindexConsumer, err)
-	}
-	c, err := rr.s.CreateConsumer(rr.ctx, replayConsumerConfig(rr.events, rr.pos+1))
+	c, err := stream.EnsureReader(rr.ctx, rr.s, ReplayConsumerConfig(rr.events), rr.events.Provision == "auto")
 	if err != nil {
-		return fmt.Errorf("create consumer %s: %w", stream.ReindexConsumer, err)
+		return err
 	}
 	rr.cons = c
-	return nil
+	rr.delivered = 0 // a reset starts the consumer sequence again at 1
+	return stream.ResetReader(rr.ctx, rr.s, stream.ReindexConsumer, rr.pos+1)
 }
 
-// restart starts the consumer again, at most replayRestarts times.
+// restart checks and moves the consumer again, at most replayRestarts
+// times: one the server lost is made again only with provisioning.
 func (rr *replayReader) restart(cause error) error {
 	if rr.restarts++; rr.restarts > replayRestarts {
 		return fmt.Errorf("replay consumer %s: restarted %d times, last because of: %w", stream.ReindexConsumer, replayRestarts, cause)
 	}
-	rr.delivered = 0
 	return rr.start()
-}
-
-func (rr *replayReader) close() {
-	dctx, cancel := context.WithTimeout(context.WithoutCancel(rr.ctx), 10*time.Second)
-	defer cancel()
-	_ = rr.s.DeleteConsumer(dctx, stream.ReindexConsumer) // if this fails, the inactive threshold removes it
 }
 
 // next fetches a batch and passes its events to fn. done: the consumer

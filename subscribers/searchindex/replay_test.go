@@ -2,6 +2,7 @@ package searchindex_test
 
 import (
 	"context"
+	"errors"
 	"slices"
 	"strconv"
 	"strings"
@@ -18,9 +19,10 @@ import (
 )
 
 // The replay reads every event once, even when the server loses
-// its consumer mid-replay, and when the consumer is replaced behind its
-// back (its sequence restarts: a gap the reader must notice).
-func TestReadEventsSurvivesALostOrReplacedConsumer(t *testing.T) {
+// its consumer mid-replay (with stream.provision auto it makes it again),
+// and when the consumer is moved behind its back (its sequence restarts:
+// a gap the reader must notice). The consumer stays, as provisioned.
+func TestReadEventsSurvivesALostOrMovedConsumer(t *testing.T) {
 	t.Parallel()
 	env := subscribertest.NewEnv(t)
 	ctx := context.Background()
@@ -49,12 +51,8 @@ func TestReadEventsSurvivesALostOrReplacedConsumer(t *testing.T) {
 			if err := events.DeleteConsumer(ctx, stream.ReindexConsumer); err != nil {
 				t.Fatal(err)
 			}
-		case 2: // replaced, starting further on
-			if err := events.DeleteConsumer(ctx, stream.ReindexConsumer); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := events.CreateConsumer(ctx, jetstream.ConsumerConfig{Name: stream.ReindexConsumer, AckPolicy: jetstream.AckNonePolicy,
-				DeliverPolicy: jetstream.DeliverByStartSequencePolicy, OptStartSeq: last - 10}); err != nil {
+		case 2: // moved further on
+			if _, err := events.ResetConsumerToSequence(ctx, stream.ReindexConsumer, last-10); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -71,8 +69,60 @@ func TestReadEventsSurvivesALostOrReplacedConsumer(t *testing.T) {
 		t.Errorf("replay: %d calls, read %d events up to seq %d; want each of the %d events once, up to %d (got %d events, %d distinct)",
 			calls, read, pos, len(ids), last, len(got), len(slices.Compact(slices.Clone(got))))
 	}
-	if _, err := events.Consumer(ctx, stream.ReindexConsumer); err == nil {
-		t.Error("the replay consumer outlived the replay")
+	c, err := events.Consumer(ctx, stream.ReindexConsumer)
+	if err != nil {
+		t.Fatalf("the replay consumer after the replay: %v", err)
+	}
+	if ds := stream.ReaderDifferences(c.CachedInfo().Config, searchindex.ReplayConsumerConfig(env.Config.Stream)); len(ds) > 0 {
+		t.Errorf("the replay consumer after the replay: %s", stream.Join(ds))
+	}
+}
+
+// Without provisioning (stream.provision verify or off, the production
+// layout) a replay makes no consumer, and reads through none that differs
+// from its configuration: one pushing events into a subscriber's
+// CONSUMER.RESET would move that subscriber's position.
+func TestReadEventsRefusesAConsumerItDidNotProvision(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	ctx := context.Background()
+	ids := env.Write(func(pgx.Tx) ([]outbox.Event, error) {
+		return []outbox.Event{{AggregateType: "product", AggregateID: "1", Type: "product.updated", Payload: map[string]int{"product_id": 1}}}, nil
+	})
+	env.WaitSent(ids...)
+	events, err := env.JS.Stream(ctx, env.Config.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	verify := env.Config.Stream
+	verify.Provision = "verify"
+	read := func() error {
+		_, _, err := searchindex.ReadEvents(ctx, env.JS, verify, 0, events.CachedInfo().State.LastSeq, func([]subscribers.Event) error { return nil })
+		return err
+	}
+	if err := read(); err == nil || !strings.Contains(err.Error(), "does not exist") || !strings.Contains(err.Error(), "fanout provision") {
+		t.Errorf("a replay without its consumer: %v, want a refusal naming fanout provision", err)
+	}
+	if _, err := events.Consumer(ctx, stream.ReindexConsumer); !errors.Is(err, jetstream.ErrConsumerNotFound) {
+		t.Errorf("the replay made its consumer with stream.provision verify: %v", err)
+	}
+	push := searchindex.ReplayConsumerConfig(env.Config.Stream)
+	push.DeliverSubject = "$JS.API.CONSUMER.RESET." + env.Config.Stream.Name + ".invoicing"
+	if _, err := events.CreateConsumer(ctx, push); err != nil {
+		t.Fatal(err)
+	}
+	err = read()
+	if !errors.Is(err, stream.ErrReaderDiffers) || !strings.Contains(err.Error(), "deliver_subject") || !strings.Contains(err.Error(), stream.ReindexConsumer) {
+		t.Errorf("a replay through a push consumer: %v, want a refusal naming the consumer and its deliver_subject", err)
+	}
+	if err := events.DeleteConsumer(ctx, stream.ReindexConsumer); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := events.CreateConsumer(ctx, searchindex.ReplayConsumerConfig(env.Config.Stream)); err != nil {
+		t.Fatal(err)
+	}
+	if err := read(); err != nil {
+		t.Errorf("a replay through its provisioned consumer: %v", err)
 	}
 }
 
