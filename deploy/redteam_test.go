@@ -120,18 +120,29 @@ func TestRedTeamNATS(t *testing.T) {
 	})
 
 	t.Run("the relay's audit consumer feeds no stream", func(t *testing.T) {
-		// The relay may create its audit consumers: as push consumers,
-		// delivering into the dead letters under invoicing's name, and
-		// into EVENTS itself (each message stored again).
-		for name, deliver := range map[string]string{stream.AuditConsumer: "deadletter.invoicing." + shop.OrderCreated, stream.AuditCommandConsumer: "events." + shop.OrderCreated} {
-			_, err := rel.js.CreateConsumer(ctx, cfg.Stream.Name, jetstream.ConsumerConfig{Name: name, DeliverSubject: deliver, AckPolicy: jetstream.AckNonePolicy})
+		// Its audit consumers, created by the relay as push consumers,
+		// would deliver into the dead letters under invoicing's name, and
+		// into EVENTS itself (each message stored again). Only the
+		// provisioner creates them (TestRedTeamReaderConsumers has the
+		// attacks through the JetStream API).
+		for _, push := range [][2]string{{stream.AuditConsumer, "deadletter.invoicing." + shop.OrderCreated}, {stream.AuditCommandConsumer, "events." + shop.OrderCreated}} {
+			name, deliver := push[0], push[1]
+			cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+			_, err := rel.js.CreateConsumer(cctx, cfg.Stream.Name, jetstream.ConsumerConfig{Name: name, DeliverSubject: deliver, AckPolicy: jetstream.AckNonePolicy})
+			cancel()
 			t.Logf("the relay creates its consumer %s pushing to %s: %v", name, deliver, err)
 		}
 		heldThrough(t, "the relay's audit consumer pushing into a stream")
 		for _, name := range []string{stream.AuditConsumer, stream.AuditCommandConsumer} {
-			if err := rel.js.DeleteConsumer(ctx, cfg.Stream.Name, name); err != nil && !errors.Is(err, jetstream.ErrConsumerNotFound) {
-				t.Errorf("the relay deletes its consumer %s: %v", name, err)
+			if err := admin.js.DeleteConsumer(ctx, cfg.Stream.Name, name); err == nil {
+				t.Errorf("the relay created its consumer %s", name)
+			} else if !errors.Is(err, jetstream.ErrConsumerNotFound) {
+				t.Fatal(err)
 			}
+		}
+		if !t.Failed() {
+			rel.waitViolation(t, "Publish", "$JS.API.CONSUMER.CREATE."+cfg.Stream.Name+"."+stream.AuditConsumer)
+			rel.waitViolation(t, "Publish", "$JS.API.CONSUMER.CREATE."+cfg.Stream.Name+"."+stream.AuditCommandConsumer)
 		}
 	})
 

@@ -83,6 +83,9 @@ type data struct {
 	// RelayAuditConsumers are the consumers the relay's audit and fanout
 	// audit read the events stream through, as the relay.
 	RelayAuditConsumers []string
+	// ReaderConsumers are those and the reindex's: the consumers only
+	// the provisioner creates, and their users only move and pull.
+	ReaderConsumers []string
 	// HBAConnectionTypes are the kinds of pg_hba.conf line: Unix socket
 	// (no address) and TCP.
 	HBAConnectionTypes []hbaConnectionType
@@ -93,6 +96,7 @@ type hbaConnectionType struct{ Type, Address string }
 func newData(decls []subscribers.Declaration) data {
 	d := data{OperatorReindexConsumer: stream.ReindexConsumer,
 		RelayAuditConsumers: []string{stream.AuditConsumer, stream.AuditCommandConsumer},
+		ReaderConsumers:     []string{stream.AuditConsumer, stream.AuditCommandConsumer, stream.ReindexConsumer},
 		HBAConnectionTypes:  []hbaConnectionType{{"local", "         "}, {"host ", "all      "}}}
 	for _, decl := range decls {
 		s := subscriber{
