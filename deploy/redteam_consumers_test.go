@@ -173,7 +173,7 @@ func TestRedTeamReaderConsumers(t *testing.T) {
 				}
 			}
 			for name, want := range readers {
-				have, err := consumerConfig(ctx, admin.js, cfg.Stream.Name, name)
+				have, err := stream.ConsumerConfigOf(ctx, admin.js, cfg.Stream.Name, name)
 				if err != nil {
 					report(name, "reader %s: %v", name, err)
 				} else if ds := stream.ReaderDifferences(have, want); len(ds) > 0 {
@@ -298,20 +298,4 @@ func restoreReader(t *testing.T, ctx context.Context, events jetstream.Stream, w
 	if _, err := events.CreateConsumer(ctx, want); err != nil {
 		t.Fatal(err)
 	}
-}
-
-// consumerConfig is the configuration of consumer name, pull or push.
-func consumerConfig(ctx context.Context, js jetstream.JetStream, streamName, name string) (jetstream.ConsumerConfig, error) {
-	c, err := js.Consumer(ctx, streamName, name)
-	if errors.Is(err, jetstream.ErrNotPullConsumer) {
-		pc, err := js.PushConsumer(ctx, streamName, name)
-		if err != nil {
-			return jetstream.ConsumerConfig{}, err
-		}
-		return pc.CachedInfo().Config, nil
-	}
-	if err != nil {
-		return jetstream.ConsumerConfig{}, err
-	}
-	return c.CachedInfo().Config, nil
 }

@@ -169,3 +169,21 @@ func ResetReader(ctx context.Context, s jetstream.Stream, name string, seq uint6
 	}
 	return nil
 }
+
+// ConsumerConfigOf is the configuration of consumer name on stream
+// streamName, pull or push: the client binds a push consumer only as one,
+// and a reader found to be one must still say where it delivers.
+func ConsumerConfigOf(ctx context.Context, js jetstream.JetStream, streamName, name string) (jetstream.ConsumerConfig, error) {
+	c, err := js.Consumer(ctx, streamName, name)
+	if errors.Is(err, jetstream.ErrNotPullConsumer) {
+		pc, err := js.PushConsumer(ctx, streamName, name)
+		if err != nil {
+			return jetstream.ConsumerConfig{}, err
+		}
+		return pc.CachedInfo().Config, nil
+	}
+	if err != nil {
+		return jetstream.ConsumerConfig{}, err
+	}
+	return c.CachedInfo().Config, nil
+}

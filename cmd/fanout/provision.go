@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -249,7 +248,7 @@ func provisionCheck(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []
 	}
 	for _, want := range readerConsumerConfigs(a) {
 		var ds []stream.Difference
-		have, err := readerConfig(ctx, js, a.cfg.Stream.Name, want.Durable)
+		have, err := stream.ConsumerConfigOf(ctx, js, a.cfg.Stream.Name, want.Durable)
 		if err == nil {
 			ds = stream.ReaderDifferences(have, want)
 		}
@@ -259,21 +258,4 @@ func provisionCheck(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []
 		return fmt.Errorf("%d differences from the configuration", found)
 	}
 	return nil
-}
-
-// readerConfig is the configuration of consumer name, pull or push (the
-// client binds a push consumer only as one).
-func readerConfig(ctx context.Context, js jetstream.JetStream, streamName, name string) (jetstream.ConsumerConfig, error) {
-	c, err := js.Consumer(ctx, streamName, name)
-	if errors.Is(err, jetstream.ErrNotPullConsumer) {
-		pc, err := js.PushConsumer(ctx, streamName, name)
-		if err != nil {
-			return jetstream.ConsumerConfig{}, err
-		}
-		return pc.CachedInfo().Config, nil
-	}
-	if err != nil {
-		return jetstream.ConsumerConfig{}, err
-	}
-	return c.CachedInfo().Config, nil
 }
