@@ -79,8 +79,28 @@ var consumerFields = []consumerField{
 	// A consumer with a deliver subject pushes its messages there: to
 	// anyone listening in the stream's account, and no longer to pulls.
 	{"deliver_subject", func(c jetstream.ConsumerConfig) string { return strOr(c.DeliverSubject, "none (pull)") }},
+	{"deliver_group", func(c jetstream.ConsumerConfig) string { return strOr(c.DeliverGroup, "none") }},
+	{"flow_control", func(c jetstream.ConsumerConfig) string { return strconv.FormatBool(c.FlowControl) }},
+	{"idle_heartbeat", func(c jetstream.ConsumerConfig) string { return durationOr(c.IdleHeartbeat, "none") }},
 	{"rate_limit_bps", func(c jetstream.ConsumerConfig) string { return intOr(int(c.RateLimit), "unlimited") }},
+	// "original" delivers at the pace the events were published: a
+	// subscriber catching up would take as long as the backlog took.
+	{"replay_policy", func(c jetstream.ConsumerConfig) string { return c.ReplayPolicy.String() }},
 	{"sample_freq", func(c jetstream.ConsumerConfig) string { return strOr(c.SampleFrequency, "none") }},
+	{"metadata", func(c jetstream.ConsumerConfig) string { return ownMetadata(c.Metadata) }},
+}
+
+// ownMetadata is a consumer's metadata without what the server adds
+// itself (keys "_nats.*": its version, the API level), sorted.
+func ownMetadata(m map[string]string) string {
+	var kv []string
+	for k, v := range m {
+		if !strings.HasPrefix(k, "_nats.") {
+			kv = append(kv, k+"="+v)
+		}
+	}
+	slices.Sort(kv)
+	return "[" + strings.Join(kv, " ") + "]"
 }
 
 // ConsumerDifferences lists the settings in which have, a live consumer's
