@@ -32,6 +32,13 @@ type Config struct {
 	CAFile             string
 	InsecureSkipVerify bool
 	Timeout            time.Duration // bounds each request
+	// OnOutage, when set, makes every request wait out an engine that is
+	// down, overloaded or too slow to answer within Timeout: the request
+	// is sent again with backoff until it gets an answer or its context
+	// ends, and OnOutage hears each failure and the wait before the next
+	// try. Commands that work for minutes (a reindex, a repair) set it;
+	// the live indexer does not (its runtime stops taking events instead).
+	OnOutage func(err error, wait time.Duration)
 	// Transport replaces the HTTP transport (tests only).
 	Transport http.RoundTripper
 }
@@ -64,6 +71,7 @@ type Client struct {
 	p         performer
 	timeout   time.Duration
 	transport http.RoundTripper
+	onOutage  func(err error, wait time.Duration)
 }
 
 // New returns a client for cfg.Engine.
@@ -91,7 +99,7 @@ func New(cfg Config) (*Client, error) {
 		}
 		transport = t
 	}
-	c := &Client{timeout: cfg.Timeout, transport: transport}
+	c := &Client{timeout: cfg.Timeout, transport: transport, onOutage: cfg.OnOutage}
 	switch cfg.Engine {
 	case Elasticsearch:
 		es, err := newElasticsearchClient(cfg, transport)
@@ -131,8 +139,17 @@ func IsNotFound(err error) bool {
 	return errors.As(err, &e) && e.Status == http.StatusNotFound
 }
 
-// do sends one request and decodes a JSON answer into out (if not nil).
+// do sends one request and decodes a JSON answer into out (if not nil),
+// waiting out an outage if the client was configured to (patience.go).
 func (c *Client) do(ctx context.Context, method, path string, body []byte, contentType string, out any) error {
+	if c.onOutage == nil {
+		return c.once(ctx, method, path, body, contentType, out)
+	}
+	return c.patiently(ctx, method, path, body, contentType, out)
+}
+
+// once sends one request, bounded by the client's timeout.
+func (c *Client) once(ctx context.Context, method, path string, body []byte, contentType string, out any) error {
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
 	var rd io.Reader

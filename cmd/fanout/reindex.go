@@ -27,7 +27,14 @@ func onSearch(a *app, exclusive func() bool, fn func(cmd *cobra.Command, pool *p
 			}
 			defer unlock()
 		}
-		client, err := search.Connect(cmd.Context(), a.cfg.Search.Client())
+		// Minutes of work should not be lost to an engine that is slow or
+		// restarting for a moment: each request waits the outage out.
+		cfg := a.cfg.Search.Client()
+		logger := logging.Component(a.logger, "reindex")
+		cfg.OnOutage = func(err error, wait time.Duration) {
+			logger.Warn("search engine unavailable, retrying", "error", err, "retry_in", wait.Round(time.Millisecond))
+		}
+		client, err := search.Connect(cmd.Context(), cfg)
 		if err != nil {
 			return err
 		}
