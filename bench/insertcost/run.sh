@@ -3,7 +3,8 @@
 # pgbench runs the same transaction (a product's price update, then the
 # outbox insert) against databases that differ in one part each (the
 # numbering trigger, skipped by its WHEN; each of the two unsent
-# indexes), 8 clients, RUNS rounds of SECS seconds, the variants in turn.
+# indexes; the check of the writer's event types, run as a writer role),
+# 8 clients, RUNS rounds of SECS seconds, the variants in turn.
 # It prints each variant's median tx/s, the range, and the median's share
 # of the update alone. The Go writer-cost benchmark (bench:relay -only
 # writer) measures what a writer in Go sees.
@@ -35,7 +36,16 @@ VALUES ('product', :id::text, 'product.updated', ('{"product_id":' || :id || ',"
 COMMIT;
 SQL
 
-names=(update insert unnumbered no_aggregate_index no_unsent_index bare)
+names=(update insert unnumbered no_aggregate_index no_unsent_index bare writer writer_unchecked)
+# The writer variants run as a login role that may write product.updated
+# (a superuser's session skips the check of the writer's event types).
+writer_role=fanout_insertcost_writer
+"$pg_bin/psql" -q "$admin/postgres" -c "DO \$\$BEGIN CREATE ROLE $writer_role LOGIN; EXCEPTION WHEN duplicate_object THEN NULL; END\$\$" >/dev/null
+as_writer="GRANT SELECT, UPDATE ON bench_products TO $writer_role;
+GRANT INSERT (aggregate_type, aggregate_id, event_type, payload) ON outbox TO $writer_role;
+DELETE FROM outbox_writer_types;
+INSERT INTO outbox_writer_types (writer, event_type, reason) VALUES ('$writer_role', 'product.updated', 'bench');"
+
 declare -A change=(
   [update]=""
   [insert]=""
@@ -43,6 +53,8 @@ declare -A change=(
   [no_aggregate_index]="DROP INDEX outbox_aggregate_unsent_idx;"
   [no_unsent_index]="DROP INDEX outbox_unsent_idx;"
   [bare]="SELECT fanout_outbox_numbering('{product.updated}'); DROP INDEX outbox_aggregate_unsent_idx; DROP INDEX outbox_unsent_idx;"
+  [writer]="$as_writer"
+  [writer_unchecked]="$as_writer DROP TRIGGER outbox_check_writer ON outbox;"
 )
 declare -A label=(
   [update]="price update alone"
@@ -51,6 +63,8 @@ declare -A label=(
   [no_aggregate_index]="+ the insert, without outbox_aggregate_unsent_idx"
   [no_unsent_index]="+ the insert, without outbox_unsent_idx"
   [bare]="+ the insert, neither numbered nor either unsent index"
+  [writer]="+ the insert as a writer role, its event type checked"
+  [writer_unchecked]="+ the insert as a writer role, without the check"
 )
 for n in "${names[@]}"; do
   db=fanout_insertcost_$n
@@ -72,7 +86,9 @@ for round in $(seq "$runs"); do
     script=$work/insert.sql
     [ "$n" = update ] && script=$work/update.sql
     "$pg_bin/psql" -q "$admin/$db" -c "TRUNCATE outbox, outbox_aggregates" -c "VACUUM bench_products" -c "CHECKPOINT" >/dev/null
-    tps=$("$pg_bin/pgbench" -n -c 8 -j 2 -T "$secs" -M prepared -f "$script" "$admin/$db" 2>&1 | sed -n 's/^tps = \([0-9.]*\).*/\1/p')
+    url=$admin/$db
+    case $n in writer*) url=postgres://$writer_role@127.0.0.1:${POSTGRES_PORT:-55432}/$db ;; esac
+    tps=$("$pg_bin/pgbench" -n -c 8 -j 2 -T "$secs" -M prepared -f "$script" "$url" 2>&1 | sed -n 's/^tps = \([0-9.]*\).*/\1/p')
     [ -n "$tps" ] || { echo "pgbench gave no figure for $n" >&2; exit 1; }
     got[$n]="${got[$n]:-} $tps"
   done

@@ -18,9 +18,9 @@ import (
 func outboxCommand(a *app) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "outbox",
-		Short: "Operate on outbox rows: retry or skip failed ones, republish published ones; register another database's events",
+		Short: "Operate on outbox rows: retry or skip failed ones, republish published ones; register another database's events; declare who writes which event types",
 	}
-	cmd.AddCommand(outboxRetryFailedCommand(a), outboxSkipCommand(a), numberingCommand(a), outboxRepublishCommand(a), allowOriginCommand(a))
+	cmd.AddCommand(outboxRetryFailedCommand(a), outboxSkipCommand(a), numberingCommand(a), outboxRepublishCommand(a), allowOriginCommand(a), writersCommand(a))
 	return cmd
 }
 

@@ -57,6 +57,10 @@
 --                       that writes events. outbox: INSERT of the event
 --                       columns (aggregate_type, aggregate_id, event_type,
 --                       payload, headers) and SELECT (id) for RETURNING id.
+--                       Postgres writes an event only for a session whose
+--                       login role is declared for its type, or a member
+--                       of one (fanout outbox writers; fanout_writer is
+--                       declared for every type until you withdraw it).
 --                       pg_notify needs no privilege. The identity column
 --                       needs no USAGE on outbox_id_seq.
 --   fanout_cacheinval: LOGIN. Its own checkpoint rows in processed_events
@@ -240,7 +244,7 @@ WHERE c.relnamespace = 'public'::regnamespace
                     'brands', 'categories', 'products', 'inventory', 'orders', 'order_lines',
                     'invoices', 'invoice_lines', 'dead_letter_actions', 'dead_letters', 'replays', 'relay_capture',
                     'outbox_partitions', 'outbox_aggregates', 'subscriber_aggregates',
-                    'outbox_epochs', 'event_origins', 'origin_databases', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
+                    'outbox_epochs', 'event_origins', 'origin_databases', 'outbox_writer_types', 'outbox_landings', 'outbox_audit_state', 'outbox_audits',
                     'order_transitions', 'subscriber_backfills', 'subscriber_backfill_segments', 'subscriber_backfill_failures', 'fulfilment_history', 'fulfilment_orders', 'fulfilment_violations', 'product_sales')
   AND c.relowner <> 'fanout_migrate'::regrole \gexec
 -- The outbox's ranges, and the functions that add and drop them (which
@@ -425,6 +429,10 @@ GRANT EXECUTE ON FUNCTION fanout_record_replay(text, text, bigint, text, text) T
 -- function that records the session's role (migration 00024).
 GRANT EXECUTE ON FUNCTION fanout_origin_allow(text, text, text) TO fanout_operator;
 GRANT SELECT ON origin_databases TO fanout_operator;
+-- Which role may write which event types: declared and withdrawn through
+-- the functions that record the session's role (migration 00026).
+GRANT EXECUTE ON FUNCTION fanout_outbox_allow_writer(text, text, text), fanout_outbox_withdraw_writer(text, text) TO fanout_operator;
+GRANT SELECT ON outbox_writer_types TO fanout_operator;
 DROP POLICY IF EXISTS fanout_operator_dead_letters ON dead_letters;
 CREATE POLICY fanout_operator_dead_letters ON dead_letters FOR SELECT TO fanout_operator USING (true);
 GRANT SELECT ON relay_capture TO fanout_operator;
