@@ -165,7 +165,7 @@ func TestRedTeamReaderConsumers(t *testing.T) {
 		for range 20 {
 			for _, name := range subscriberNames {
 				got := state(t, name)
-				if ds := subscribers.ConsumerDifferences(got.config, before[name].config); len(ds) > 0 {
+				if ds := stream.ConsumerDifferences(got.config, before[name].config); len(ds) > 0 {
 					report(name, "consumer %s changed: %s", name, stream.Join(ds))
 				}
 				if got.String() != before[name].String() {

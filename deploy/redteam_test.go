@@ -211,7 +211,7 @@ func TestRedTeamNATS(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if ds := subscribers.ConsumerDifferences(after.CachedInfo().Config, before.CachedInfo().Config); len(ds) > 0 {
+		if ds := stream.ConsumerDifferences(after.CachedInfo().Config, before.CachedInfo().Config); len(ds) > 0 {
 			t.Errorf("invoicing's consumer changed: %s", stream.Join(ds))
 		}
 		op.checkClean(t)

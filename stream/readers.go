@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strconv"
-	"time"
 
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -44,67 +42,6 @@ func ReaderConsumerConfig(name, description string, filters []string) jetstream.
 // AuditCommandConsumer): the whole stream.
 func AuditConsumerConfig(name string) jetstream.ConsumerConfig {
 	return ReaderConsumerConfig(name, "fanout relay: the audit of the stream against the outbox (made by fanout provision; the relay resets it and pulls)", nil)
-}
-
-// readerField is one setting of a reader consumer that decides where its
-// messages go, which ones, how fast, or whether it lives.
-type readerField struct {
-	name  string
-	value func(jetstream.ConsumerConfig) string
-}
-
-var readerFields = []readerField{
-	{"deliver_subject", func(c jetstream.ConsumerConfig) string { return orNone(c.DeliverSubject, "none (pull)") }},
-	{"deliver_group", func(c jetstream.ConsumerConfig) string { return orNone(c.DeliverGroup, "none") }},
-	{"flow_control", func(c jetstream.ConsumerConfig) string { return strconv.FormatBool(c.FlowControl) }},
-	{"idle_heartbeat", func(c jetstream.ConsumerConfig) string { return c.IdleHeartbeat.String() }},
-	{"ack_policy", func(c jetstream.ConsumerConfig) string { return c.AckPolicy.String() }},
-	// A reset below a start sequence or time is refused: only "all"
-	// lets the reader go anywhere.
-	{"deliver_policy", func(c jetstream.ConsumerConfig) string { return c.DeliverPolicy.String() }},
-	{"filter_subjects", func(c jetstream.ConsumerConfig) string {
-		fs := slices.Clone(c.FilterSubjects)
-		if c.FilterSubject != "" {
-			fs = append(fs, c.FilterSubject)
-		}
-		return sortedList(fs)
-	}},
-	{"replay_policy", func(c jetstream.ConsumerConfig) string { return c.ReplayPolicy.String() }},
-	{"rate_limit_bps", func(c jetstream.ConsumerConfig) string { return strconv.FormatUint(c.RateLimit, 10) }},
-	{"headers_only", func(c jetstream.ConsumerConfig) string { return strconv.FormatBool(c.HeadersOnly) }},
-	{"max_batch", func(c jetstream.ConsumerConfig) string { return strconv.Itoa(max(c.MaxRequestBatch, 0)) }},
-	{"max_bytes", func(c jetstream.ConsumerConfig) string { return strconv.Itoa(max(c.MaxRequestMaxBytes, 0)) }},
-	// A durable with an inactive threshold is deleted once idle, and
-	// only the provisioner makes it again.
-	{"inactive_threshold", func(c jetstream.ConsumerConfig) string { return c.InactiveThreshold.String() }},
-	{"pause_until", func(c jetstream.ConsumerConfig) string {
-		if c.PauseUntil == nil || c.PauseUntil.IsZero() {
-			return "none"
-		}
-		return c.PauseUntil.UTC().Format(time.RFC3339)
-	}},
-	{"priority_policy", func(c jetstream.ConsumerConfig) string { return strconv.Itoa(int(c.PriorityPolicy)) }},
-	{"mem_storage", func(c jetstream.ConsumerConfig) string { return strconv.FormatBool(c.MemoryStorage) }},
-	{"num_replicas", func(c jetstream.ConsumerConfig) string { return strconv.Itoa(c.Replicas) }},
-}
-
-func orNone(s, none string) string {
-	if s == "" {
-		return none
-	}
-	return s
-}
-
-// ReaderDifferences lists the settings in which have, a live reader
-// consumer's configuration, is not want, its ReaderConsumerConfig.
-func ReaderDifferences(have, want jetstream.ConsumerConfig) []Difference {
-	var ds []Difference
-	for _, f := range readerFields {
-		if h, w := f.value(have), f.value(want); h != w {
-			ds = append(ds, Difference{Field: f.name, Have: h, Want: w})
-		}
-	}
-	return ds
 }
 
 // ErrReaderDiffers is wrapped by EnsureReader's error for a reader

@@ -70,7 +70,7 @@ func (w *configWatch) check(ctx context.Context) {
 		return
 	}
 	info := c.CachedInfo()
-	ds := ConsumerDifferences(info.Config, ConsumerConfig(w.name, w.eventTypes, w.ordered, w.cfg, w.streamCfg))
+	ds := stream.ConsumerDifferences(info.Config, ConsumerConfig(w.name, w.eventTypes, w.ordered, w.cfg, w.streamCfg))
 	// A consumer made again since this subscriber bound it may start
 	// anywhere (its start position is not compared): say so until a
 	// restart binds the new one.

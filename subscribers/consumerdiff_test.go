@@ -15,7 +15,7 @@ import (
 // the server adds to the metadata itself is not.
 func TestConsumerDifferencesNameEachSetting(t *testing.T) {
 	want := subscribers.ConsumerConfig("invoicing", []string{"order.created"}, false, subscribers.DefaultConfig(), stream.DefaultConfig())
-	if ds := subscribers.ConsumerDifferences(want, want); len(ds) != 0 {
+	if ds := stream.ConsumerDifferences(want, want); len(ds) != 0 {
 		t.Fatalf("a consumer as fanout makes it differs: %v", ds)
 	}
 	for field, change := range map[string]func(*jetstream.ConsumerConfig){
@@ -32,7 +32,7 @@ func TestConsumerDifferencesNameEachSetting(t *testing.T) {
 			have.Metadata[k] = v
 		}
 		change(&have)
-		ds := subscribers.ConsumerDifferences(have, want)
+		ds := stream.ConsumerDifferences(have, want)
 		if len(ds) != 1 || ds[0].Field != field {
 			t.Errorf("%s changed: differences %v, want %s alone", field, ds, field)
 		}
@@ -42,7 +42,7 @@ func TestConsumerDifferencesNameEachSetting(t *testing.T) {
 	for k, v := range want.Metadata {
 		served.Metadata[k] = v
 	}
-	if ds := subscribers.ConsumerDifferences(served, want); len(ds) != 0 {
+	if ds := stream.ConsumerDifferences(served, want); len(ds) != 0 {
 		t.Errorf("the server's own metadata counted as a difference: %v", ds)
 	}
 }

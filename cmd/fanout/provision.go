@@ -242,7 +242,7 @@ func provisionCheck(cmd *cobra.Command, a *app, js jetstream.JetStream, decls []
 		c, err := js.Consumer(ctx, a.cfg.Stream.Name, d.Name)
 		if err == nil {
 			want := subscribers.ConsumerConfig(d.Name, d.EventTypes, d.Ordered, a.cfg.Subscriber(d.Name), a.cfg.Stream)
-			ds = subscribers.ConsumerDifferences(c.CachedInfo().Config, want)
+			ds = stream.ConsumerDifferences(c.CachedInfo().Config, want)
 		}
 		report("consumer "+d.Name, ds, err)
 	}

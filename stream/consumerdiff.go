@@ -1,4 +1,4 @@
-package subscribers
+package stream
 
 import (
 	"fmt"
@@ -7,19 +7,22 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/stream"
 	"github.com/nats-io/nats.go/jetstream"
 )
 
 // consumerField is one setting that changes what a consumer delivers, to
-// whom, how often, or how long it lives. The start position (deliver
-// policy and start sequence or time) is left out: it mattered when the
-// consumer was made, JetStream refuses to change it, and `fanout replay`
-// moves the position on purpose.
+// whom, how often, or how long it lives.
 type consumerField struct {
 	name  string
 	value func(jetstream.ConsumerConfig) string
 }
+
+// startPosition is compared for readers only. A reader
+// (ReaderConsumerConfig) delivers all: a reset below a start sequence or
+// time is refused. A subscriber's start position mattered when its
+// consumer was made, JetStream refuses to change it, and `fanout replay`
+// moves the position on purpose.
+var startPosition = consumerField{"deliver_policy", func(c jetstream.ConsumerConfig) string { return c.DeliverPolicy.String() }}
 
 // JetStream's own defaults, so that a setting left out and the same
 // setting spelled out compare equal.
@@ -43,8 +46,7 @@ var consumerFields = []consumerField{
 		if c.FilterSubject != "" {
 			fs = append(fs, c.FilterSubject)
 		}
-		slices.Sort(fs)
-		return "[" + strings.Join(fs, " ") + "]"
+		return sortedList(fs)
 	}},
 	{"max_ack_pending", func(c jetstream.ConsumerConfig) string { return strconv.Itoa(c.MaxAckPending) }},
 	{"max_waiting", func(c jetstream.ConsumerConfig) string {
@@ -78,15 +80,15 @@ var consumerFields = []consumerField{
 	{"priority_timeout", func(c jetstream.ConsumerConfig) string { return durationOr(c.PinnedTTL, "none") }},
 	// A consumer with a deliver subject pushes its messages there: to
 	// anyone listening in the stream's account, and no longer to pulls.
-	{"deliver_subject", func(c jetstream.ConsumerConfig) string { return strOr(c.DeliverSubject, "none (pull)") }},
-	{"deliver_group", func(c jetstream.ConsumerConfig) string { return strOr(c.DeliverGroup, "none") }},
+	{"deliver_subject", func(c jetstream.ConsumerConfig) string { return orNone(c.DeliverSubject, "none (pull)") }},
+	{"deliver_group", func(c jetstream.ConsumerConfig) string { return orNone(c.DeliverGroup, "none") }},
 	{"flow_control", func(c jetstream.ConsumerConfig) string { return strconv.FormatBool(c.FlowControl) }},
 	{"idle_heartbeat", func(c jetstream.ConsumerConfig) string { return durationOr(c.IdleHeartbeat, "none") }},
 	{"rate_limit_bps", func(c jetstream.ConsumerConfig) string { return intOr(int(c.RateLimit), "unlimited") }},
 	// "original" delivers at the pace the events were published: a
 	// subscriber catching up would take as long as the backlog took.
 	{"replay_policy", func(c jetstream.ConsumerConfig) string { return c.ReplayPolicy.String() }},
-	{"sample_freq", func(c jetstream.ConsumerConfig) string { return strOr(c.SampleFrequency, "none") }},
+	{"sample_freq", func(c jetstream.ConsumerConfig) string { return orNone(c.SampleFrequency, "none") }},
 	{"metadata", func(c jetstream.ConsumerConfig) string { return ownMetadata(c.Metadata) }},
 }
 
@@ -103,16 +105,39 @@ func ownMetadata(m map[string]string) string {
 	return "[" + strings.Join(kv, " ") + "]"
 }
 
-// ConsumerDifferences lists the settings in which have, a live consumer's
-// configuration, is not want, the one fanout gives the subscriber.
-func ConsumerDifferences(have, want jetstream.ConsumerConfig) []stream.Difference {
-	var ds []stream.Difference
-	for _, f := range consumerFields {
+// ConsumerDifferences lists the settings in which have, a live
+// subscriber's consumer's configuration, is not want, the one fanout gives
+// it: every setting but the start position.
+func ConsumerDifferences(have, want jetstream.ConsumerConfig) []Difference {
+	return consumerDifferences(have, want, false)
+}
+
+// ReaderDifferences lists the settings in which have, a live reader
+// consumer's configuration, is not want, its ReaderConsumerConfig: every
+// setting, the start position too.
+func ReaderDifferences(have, want jetstream.ConsumerConfig) []Difference {
+	return consumerDifferences(have, want, true)
+}
+
+func consumerDifferences(have, want jetstream.ConsumerConfig, position bool) []Difference {
+	fields := consumerFields
+	if position {
+		fields = append([]consumerField{startPosition}, fields...)
+	}
+	var ds []Difference
+	for _, f := range fields {
 		if h, w := f.value(have), f.value(want); h != w {
-			ds = append(ds, stream.Difference{Field: f.name, Have: h, Want: w})
+			ds = append(ds, Difference{Field: f.name, Have: h, Want: w})
 		}
 	}
 	return ds
+}
+
+func orNone(s, none string) string {
+	if s == "" {
+		return none
+	}
+	return s
 }
 
 func durationOr(d time.Duration, none string) string {
@@ -127,13 +152,6 @@ func intOr(n int, none string) string {
 		return none
 	}
 	return strconv.Itoa(n)
-}
-
-func strOr(s, none string) string {
-	if s == "" {
-		return none
-	}
-	return s
 }
 
 func list(ds []time.Duration) string {
