@@ -123,6 +123,19 @@ func TestNATSPermissions(t *testing.T) {
 		}
 		c.checkClean(t)
 	}
+	// The relay lists the consumers of EVENTS: the audit reads their ack
+	// floors for the events the stream's limits removed.
+	if events, err := rel.js.Stream(ctx, cfg.Stream.Name); err != nil {
+		t.Fatal(err)
+	} else {
+		list, listed := events.ListConsumers(ctx), 0
+		for range list.Info() {
+			listed++
+		}
+		if err := list.Err(); err != nil || listed < len(registry.Default.Names()) {
+			t.Fatalf("the relay lists %d consumers of %s (%v), want every subscriber's", listed, cfg.Stream.Name, err)
+		}
+	}
 	eventCount := func() uint64 {
 		t.Helper()
 		info, err := rel.js.Stream(ctx, cfg.Stream.Name) // STREAM.INFO, allowed to the relay

@@ -64,8 +64,10 @@ type AuditReport struct {
 	// Checked events; Missing from the stream (or published with no
 	// landing recorded, Unrecorded of them); Repaired, published again;
 	// AgedOut: below the stream's first sequence (its own limits removed
-	// them), not missing.
-	Checked, Missing, Unrecorded, Repaired, AgedOut int64
+	// them) after every consumer acknowledged them, not missing;
+	// AgedUnconsumed: removed before some consumer acknowledged them,
+	// counted in Missing too.
+	Checked, Missing, Unrecorded, Repaired, AgedOut, AgedUnconsumed int64
 	// Lost: missing events whose rows are gone too, which no repair can
 	// bring back (the first few).
 	Lost []int64
@@ -77,6 +79,7 @@ func (a *AuditReport) add(b AuditReport) {
 	a.Unrecorded += b.Unrecorded
 	a.Repaired += b.Repaired
 	a.AgedOut += b.AgedOut
+	a.AgedUnconsumed += b.AgedUnconsumed
 	a.Lost = append(a.Lost, b.Lost...)
 	if len(a.Lost) > maxLostListed {
 		a.Lost = a.Lost[:maxLostListed]
@@ -92,6 +95,9 @@ func (a AuditReport) detail() string {
 	}
 	if a.AgedOut > 0 {
 		parts = append(parts, fmt.Sprintf("%d below the stream's first sequence (removed by its limits)", a.AgedOut))
+	}
+	if a.AgedUnconsumed > 0 {
+		parts = append(parts, fmt.Sprintf("%d removed by the stream's limits before a consumer acknowledged them", a.AgedUnconsumed))
 	}
 	if a.Missing > a.Repaired {
 		parts = append(parts, fmt.Sprintf("%d not repaired", a.Missing-a.Repaired))

@@ -93,12 +93,20 @@ func (a *auditor) suspects(ctx context.Context, ident *outbox.Identity, pairs []
 		i++
 	}
 	// Below the stream's first sequence: removed by the stream's own
-	// limits (max_age, max_bytes), not lost; the subscribers had them.
+	// limits (max_age, max_bytes); missing only if a consumer had not
+	// acknowledged them (auditaged.go).
 	first := s.CachedInfo().State.FirstSeq
+	aged := i
 	for i < len(pairs) && pairs[i].Seq < first {
-		rep.AgedOut++
 		i++
 	}
+	unconsumed, err := a.unconsumed(ctx, s, pairs[aged:i])
+	if err != nil {
+		return nil, err
+	}
+	rep.AgedOut += int64(i - aged - len(unconsumed))
+	rep.AgedUnconsumed += int64(len(unconsumed))
+	suspects = append(suspects, unconsumed...)
 	for i < len(pairs) {
 		// One run: sequences no more than auditGap apart, read through.
 		j := i + 1
@@ -197,6 +205,18 @@ func (a *auditor) repair(ctx context.Context, ident *outbox.Identity, missing []
 		was[l.ID] = l.Seq
 	}
 	maxPayload := a.nc.MaxPayload()
+	// An event the stream's limits removed within its duplicate window is
+	// dropped as a duplicate of itself: JetStream answers with the
+	// sequence it had. Not repaired until the window has passed.
+	s, err := a.js.Stream(ctx, a.stream.Name)
+	if err != nil {
+		return 0, nil, fmt.Errorf("look up stream %s: %w", a.stream.Name, err)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return 0, nil, fmt.Errorf("look up stream %s: %w", a.stream.Name, err)
+	}
+	first := info.State.FirstSeq
 	for len(missing) > 0 {
 		part := missing[:min(len(missing), a.cfg.BatchSize)]
 		missing = missing[len(part):]
@@ -238,6 +258,11 @@ func (a *auditor) repair(ctx context.Context, ident *outbox.Identity, missing []
 			}
 			select {
 			case ack := <-f.Ok():
+				if ack.Duplicate && ack.Sequence < first {
+					a.logger.Error("audit: an event the stream's limits removed cannot be published again within the stream's duplicate window: the next audit after it tries again",
+						"event_id", chunk[i].ID, "stream_seq", was[chunk[i].ID], "duplicate_window", info.Config.Duplicates)
+					continue
+				}
 				landed = append(landed, outboxstore.Landed{ID: chunk[i].ID, Seq: ack.Sequence})
 				a.logger.Warn("audit: an event was missing from the stream: published again",
 					"event_id", chunk[i].ID, "stream_seq", was[chunk[i].ID], "new_stream_seq", ack.Sequence, "duplicate", ack.Duplicate)

@@ -97,5 +97,8 @@ func printAudit(out io.Writer, rep relay.AuditReport, elapsed time.Duration, str
 	if rep.AgedOut > 0 {
 		fmt.Fprintf(out, "; %d below the stream's first sequence (removed by its limits)", rep.AgedOut)
 	}
+	if rep.AgedUnconsumed > 0 {
+		fmt.Fprintf(out, "; %d of them removed by the stream's limits before a consumer acknowledged them", rep.AgedUnconsumed)
+	}
 	fmt.Fprintln(out)
 }
