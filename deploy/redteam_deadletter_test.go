@@ -96,6 +96,16 @@ func TestRedTeamDeadLettersCannotFillTheStore(t *testing.T) {
 				t.Fatalf("the subscriber stored %d letters of %d bytes (%v), want refused within the 256KB share", stored, len(body), refusal)
 			}
 			t.Logf("refused after %d letters (%d bytes): %v", stored, stored*len(body), refusal)
+			// What a subscriber reads of the share before it is full
+			// (subscribers.dead_letter_api_prefix, as compose sets it).
+			shareJS, err := jetstream.NewWithAPIPrefix(inv.nc, "$JS.DEADLETTER.API")
+			if err != nil {
+				t.Fatal(err)
+			}
+			share, err := shareJS.AccountInfo(ctx)
+			if err != nil || share.Limits.MaxStore != 256<<10 || share.Store < uint64(stored*len(body)) {
+				t.Fatalf("the share as invoicing reads it: %+v (%v), want the 256KB limit and at least the %d bytes stored", share, err, stored*len(body))
+			}
 			if _, err := cin.js.Publish(ctx, "deadletter.cacheinval.product.updated", body, jetstream.WithMsgID("other")); err == nil {
 				t.Errorf("another subscriber's letter was stored in a full share")
 			}

@@ -83,6 +83,7 @@ func TestANewSubscriberGetsItsDeployment(t *testing.T) {
 		{"nats-config", `"$JS.API.CONSUMER.MSG.NEXT.EVENTS.audit_trail"`},
 		{"nats-config", `"$JS.ACK.EVENTS.audit_trail.>"`},
 		{"nats-config", `"deadletter.audit_trail.>"`},
+		{"nats-config", `{service: {account: DEADLETTER, subject: "$JS.API.INFO"}, to: "$JS.DEADLETTER.API.INFO"}`},
 		{"nats-config", `allow: ["_INBOX_audit_trail.>"]`},
 		{"postgres-roles", `ALTER ROLE fanout_audit_trail LOGIN NOSUPERUSER`},
 		{"postgres-roles", `GRANT SELECT ON orders TO fanout_audit_trail;`},
@@ -102,6 +103,8 @@ func TestANewSubscriberGetsItsDeployment(t *testing.T) {
     command: ["subscribe", "audit_trail"]`},
 		{"compose", `      FANOUT_NATS_USER: audit_trail
       FANOUT_NATS_PASSWORD_FILE: /run/secrets/nats_audit_trail_password
+      # The dead letters' account, whose share of the store it watches.
+      FANOUT_SUBSCRIBERS_DEAD_LETTER_API_PREFIX: $$JS.DEADLETTER.API
       FANOUT_REDIS_PASSWORD_FILE: /run/secrets/redis_password
     secrets: [pg_audit_trail_password, nats_audit_trail_password, redis_password]`},
 		{"compose", `export FANOUT_NATS_AUDIT_TRAIL_PASSWORD="$$(cat /run/secrets/nats_audit_trail_password)"`},

@@ -2,6 +2,7 @@ package subscribers
 
 import (
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/fanout/fanout/internal/validate"
@@ -59,6 +60,13 @@ type Config struct {
 	// dead-letter stream at start), verify (it must exist: `fanout
 	// provision` made it) or off. Default auto.
 	DeadLetterProvision string `koanf:"dead_letter_provision"`
+	// DeadLetterAPIPrefix is the JetStream API prefix under which the dead
+	// letters' own account answers (the production layout's
+	// $JS.DEADLETTER.API): its share of the store is watched, and a share
+	// 80% full is logged and reported before it refuses letters. Empty
+	// (the default): the dead letters have no share of their own, nothing
+	// is watched.
+	DeadLetterAPIPrefix string `koanf:"dead_letter_api_prefix"`
 	// DeadLetterMaxAge is how long dead letters are kept. Default 720h (30
 	// days), at least DeadLetterDuplicateWindow and more than twice AckWait.
 	DeadLetterMaxAge time.Duration `koanf:"dead_letter_max_age"`
@@ -187,6 +195,9 @@ func (c Config) Validate() error {
 	}
 	v.Positive("subscribers.dead_letter_max_age", c.DeadLetterMaxAge)
 	v.OneOf("subscribers.dead_letter_provision", c.DeadLetterProvision, "auto", "verify", "off")
+	if p := c.DeadLetterAPIPrefix; p != "" && (strings.ContainsAny(p, "*> \t") || strings.HasPrefix(p, ".") || strings.HasSuffix(p, ".") || strings.Contains(p, "..")) {
+		v.Bad("subscribers.dead_letter_api_prefix", "must be a subject without wildcards, such as $JS.DEADLETTER.API (got %q)", p)
+	}
 	v.Positive("subscribers.shutdown_timeout", c.ShutdownTimeout)
 	if c.StallAfter != 0 && c.StallAfter < time.Second {
 		v.Bad("subscribers.stall_after", "must be 0 (off) or at least 1s (got %s)", c.StallAfter)

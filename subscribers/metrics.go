@@ -22,6 +22,8 @@ type Metrics struct {
 	outages, outageSeconds          *prometheus.CounterVec
 	stalled                         *prometheus.GaugeVec
 	configDifferences               *prometheus.GaugeVec
+	deadLetterShareUsed             *prometheus.GaugeVec
+	deadLetterShareLimit            *prometheus.GaugeVec
 	stages                          *metrics.StageRecorder
 }
 
@@ -56,7 +58,11 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m.configDifferences = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "config_differences",
 		Help: "Settings of a live stream or of the subscriber's consumer (object) that differ from fanout's configuration, as of the last check (stream.check_interval): anything above 0 makes the subscriber not ready."},
 		[]string{"subscriber", "object"})
-	reg.MustRegister(m.seconds, m.dependencyUp, m.outages, m.outageSeconds, m.stalled, m.configDifferences)
+	m.deadLetterShareUsed = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "deadletter_share_used_bytes",
+		Help: "Bytes the dead letters' account uses of its share of the store (subscribers.dead_letter_api_prefix), as this subscriber last read it."}, []string{"subscriber"})
+	m.deadLetterShareLimit = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "subscriber", Name: "deadletter_share_limit_bytes",
+		Help: "The dead letters' share of the store (-1: no limit); at it, every subscriber's dead letters are refused."}, []string{"subscriber"})
+	reg.MustRegister(m.seconds, m.dependencyUp, m.outages, m.outageSeconds, m.stalled, m.configDifferences, m.deadLetterShareUsed, m.deadLetterShareLimit)
 	return m
 }
 
@@ -76,6 +82,11 @@ func (m *Metrics) DependencyDown(s, dep string) {
 func (m *Metrics) DependencyUp(s, dep string, down time.Duration) {
 	m.dependencyUp.WithLabelValues(s, dep).Set(1)
 	m.outageSeconds.WithLabelValues(s, dep).Add(down.Seconds())
+}
+
+func (m *Metrics) DeadLetterShare(s string, used, limit int64) {
+	m.deadLetterShareUsed.WithLabelValues(s).Set(float64(used))
+	m.deadLetterShareLimit.WithLabelValues(s).Set(float64(limit))
 }
 
 func (m *Metrics) ConfigDifferences(s, object string, n int) {

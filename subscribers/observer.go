@@ -33,6 +33,9 @@ type Observer interface {
 	// settings (a stream or the subscriber's consumer) differ from
 	// fanout's configuration.
 	ConfigDifferences(subscriber, object string, n int)
+	// DeadLetterShare reports how much of the dead letters' share of the
+	// store is used, and its limit (-1: none), after each check.
+	DeadLetterShare(subscriber string, used, limit int64)
 }
 
 // EventTimes are when one event passed each stage of its way to a
@@ -59,3 +62,4 @@ func (NopObserver) DependencyUp(string, string, time.Duration) {}
 func (NopObserver) Timed(string, []EventTimes)                 {}
 func (NopObserver) Stalled(string, bool)                       {}
 func (NopObserver) ConfigDifferences(string, string, int)      {}
+func (NopObserver) DeadLetterShare(string, int64, int64)       {}

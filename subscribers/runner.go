@@ -64,6 +64,7 @@ type Runner struct {
 	dead       *deadLetters
 	stall      stallWatch
 	config     *configWatch
+	share      *deadLetterShare // nil without subscribers.dead_letter_api_prefix
 	numbering  *numbering
 	pruner     *pruner
 	health     *Health // from the start
@@ -127,6 +128,11 @@ func New(opts Options) (*Runner, error) {
 		drift: stream.NewDrift(r.logger, func(object string, n int) { r.obs.ConfigDifferences(r.name, object, n) })}
 	r.numbering = &numbering{name: r.name, eventTypes: d.EventTypes, pool: opts.Pool, logger: r.logger}
 	r.pruner = &pruner{store: r.store, name: r.name, maxAge: opts.Stream.MaxAge, logger: r.logger}
+	if p := r.cfg.DeadLetterAPIPrefix; p != "" {
+		if r.share, err = newDeadLetterShare(opts.Conn, p, r.name, r.obs, r.logger); err != nil {
+			return nil, err
+		}
+	}
 	return r, nil
 }
 
@@ -222,6 +228,10 @@ func (r *Runner) run(ctx, softCtx, hardCtx context.Context) {
 	}
 	if r.ordered {
 		r.loops.Go(func() { stream.Watch(softCtx, r.opts.Stream.CheckInterval, r.numbering.watch) })
+	}
+	if r.share != nil {
+		r.share.check(ctx)
+		r.loops.Go(func() { stream.Watch(softCtx, r.opts.Stream.CheckInterval, r.share.check) })
 	}
 	r.stall.finished() // the clock starts now
 	if r.cfg.StallAfter > 0 {

@@ -296,6 +296,7 @@ func TestUnknownSubscriberAndBadConfigAreClearErrors(t *testing.T) {
 		{[]string{"FANOUT_RELAY_MAX_IN_FLIGHT=600", "FANOUT_RELAY_BATCH_SIZE=1000"}, []string{"relay"}, "relay.max_in_flight (600) must be at least relay.batch_size (1000)"},
 		{[]string{"FANOUT_RELAY_BATCH_SIZE=abc"}, []string{"relay"}, "relay.batch_size"},
 		{nil, []string{"subscribe", "invoicing", "--start", "yesterday"}, "subscribers.start must be one of all, new, time"},
+		{[]string{"FANOUT_SUBSCRIBERS_DEAD_LETTER_API_PREFIX=$JS.*.API"}, []string{"subscribe", "invoicing"}, `subscribers.dead_letter_api_prefix must be a subject without wildcards, such as $JS.DEADLETTER.API (got "$JS.*.API")`},
 	} {
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		cmd := exec.CommandContext(ctx, binary, tc.args...)
