@@ -7,7 +7,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -128,7 +128,7 @@ func (r *run) consumerState(ctx context.Context, name string) string {
 // matchesAny reports whether subject matches one of the NATS subject
 // patterns.
 func matchesAny(patterns []string, subject string) bool {
-	return slices.ContainsFunc(patterns, func(p string) bool { return subscribers.SubjectMatches(p, subject) })
+	return slices.ContainsFunc(patterns, func(p string) bool { return stream.SubjectMatches(p, subject) })
 }
 
 func head(xs []string) string {

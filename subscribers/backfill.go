@@ -10,6 +10,8 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+
+	"github.com/fanout/fanout/stream"
 )
 
 // Backfill is how a subscriber's state derives from Postgres: each row of
@@ -49,7 +51,7 @@ func (b *Backfill) validate(eventTypes []string, ordered bool) error {
 	if !tableRE.MatchString(b.Key) {
 		errs = append(errs, fmt.Errorf("backfill key %q: want a lower-case SQL column name", b.Key))
 	}
-	if !slices.ContainsFunc(eventTypes, func(p string) bool { return SubjectMatches(p, b.EventType) }) {
+	if !slices.ContainsFunc(eventTypes, func(p string) bool { return stream.SubjectMatches(p, b.EventType) }) {
 		errs = append(errs, fmt.Errorf("backfill event type %q: not one of the subscriber's event types %v", b.EventType, eventTypes))
 	}
 	if strings.ContainsAny(b.EventType, "*> ") || b.EventType == "" {

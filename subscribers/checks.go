@@ -123,7 +123,7 @@ func (n *numbering) check(ctx context.Context, tx pgx.Tx) error {
 func (n *numbering) read(skipped []string) []string {
 	var read []string
 	for _, t := range skipped {
-		if slices.ContainsFunc(n.eventTypes, func(p string) bool { return SubjectMatches(p, t) }) {
+		if slices.ContainsFunc(n.eventTypes, func(p string) bool { return stream.SubjectMatches(p, t) }) {
 			read = append(read, t)
 		}
 	}

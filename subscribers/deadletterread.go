@@ -98,33 +98,18 @@ func (dl *DeadLetter) Verify(ctx context.Context, js jetstream.JetStream, stream
 
 // Receives says, from its consumer's filters, whether subscriber receives
 // events on subject (nil), or why not.
-func Receives(ctx context.Context, js jetstream.JetStream, stream stream.Config, subscriber, subject string) error {
-	cons, err := js.Consumer(ctx, stream.Name, subscriber)
+func Receives(ctx context.Context, js jetstream.JetStream, events stream.Config, subscriber, subject string) error {
+	cons, err := js.Consumer(ctx, events.Name, subscriber)
 	if err != nil {
-		return fmt.Errorf("subscriber %s has no consumer on %s: %v", subscriber, stream.Name, err)
+		return fmt.Errorf("subscriber %s has no consumer on %s: %v", subscriber, events.Name, err)
 	}
 	cc := cons.CachedInfo().Config
 	filters := cc.FilterSubjects
 	if cc.FilterSubject != "" {
 		filters = append(filters, cc.FilterSubject)
 	}
-	if len(filters) > 0 && !slices.ContainsFunc(filters, func(f string) bool { return SubjectMatches(f, subject) }) {
+	if len(filters) > 0 && !slices.ContainsFunc(filters, func(f string) bool { return stream.SubjectMatches(f, subject) }) {
 		return fmt.Errorf("it names an event on %s, which subscriber %s does not receive (its filters: %v)", subject, subscriber, filters)
 	}
 	return nil
-}
-
-// SubjectMatches reports whether subject matches the NATS pattern ('*' one
-// token, '>' one or more).
-func SubjectMatches(pattern, subject string) bool {
-	pt, st := strings.Split(pattern, "."), strings.Split(subject, ".")
-	for i, tok := range pt {
-		if tok == ">" {
-			return len(st) > i
-		}
-		if i >= len(st) || (tok != "*" && tok != st[i]) {
-			return false
-		}
-	}
-	return len(pt) == len(st)
 }

@@ -49,12 +49,13 @@ func (d *deadLetterShare) check(ctx context.Context) {
 	if limit <= 0 {
 		return // no limit: no share to fill
 	}
-	switch full := float64(used) >= shareWarnAt*float64(limit); {
+	full := float64(used) >= shareWarnAt*float64(limit)
+	switch {
 	case full && !d.full:
 		d.logger.Warn("the dead letters' share of the store is filling: when it is full every subscriber's dead letters are refused, and each holds its failing events until an operator discards letters (fanout dlq) or raises the share",
 			"used_bytes", used, "limit_bytes", limit)
 	case !full && d.full:
 		d.logger.Info("the dead letters' share of the store has room again", "used_bytes", used, "limit_bytes", limit)
 	}
-	d.full = float64(used) >= shareWarnAt*float64(limit)
+	d.full = full
 }

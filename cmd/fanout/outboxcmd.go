@@ -11,6 +11,7 @@ import (
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/outboxstore"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/spf13/cobra"
 )
@@ -240,7 +241,7 @@ func readByOrderedSubscriber(decls []subscribers.Declaration, skip []string) err
 				switch {
 				case p == t:
 					reads = append(reads, fmt.Sprintf("%s (read by %s, an ordered subscriber)", t, d.Name))
-				case subscribers.SubjectMatches(p, t):
+				case stream.SubjectMatches(p, t):
 					reads = append(reads, fmt.Sprintf("%s (read by %s, an ordered subscriber, through %s)", t, d.Name, p))
 				}
 			}
