@@ -169,6 +169,13 @@ func TestDockerignoreSendsTheBuild(t *testing.T) {
 		t.Fatalf("deploy/Dockerfile copies %v, not the context: update this test to what the build reads", copies)
 	}
 	need = append(need, "go.mod", "go.sum")
+	// `go mod download`, before `COPY . .`, reads the go.mod of every
+	// module go.mod replaces with a directory: each is copied by name.
+	for _, dir := range localReplacements(t, root) {
+		if !slices.ContainsFunc(copies, func(src string) bool { return filepath.Clean(src) == dir }) {
+			t.Errorf("go.mod replaces a module with %s, and deploy/Dockerfile does not copy it before `go mod download`", dir)
+		}
+	}
 
 	list := exec.Command("go", "list", "-deps", "-json=Dir,Module,GoFiles,CgoFiles,SFiles,HFiles,CFiles,SysoFiles,EmbedFiles", pkg)
 	list.Dir = root
@@ -217,6 +224,30 @@ func TestDockerignoreSendsTheBuild(t *testing.T) {
 			t.Errorf("%s is needed by the image's build, and .dockerignore leaves it out", p)
 		}
 	}
+}
+
+// localReplacements returns the directories go.mod replaces modules with.
+func localReplacements(t *testing.T, root string) []string {
+	t.Helper()
+	edit := exec.Command("go", "mod", "edit", "-json")
+	edit.Dir = root
+	out, err := edit.Output()
+	if err != nil {
+		t.Fatalf("go mod edit -json: %v", err)
+	}
+	var mod struct {
+		Replace []struct{ New struct{ Path, Version string } }
+	}
+	if err := json.Unmarshal(out, &mod); err != nil {
+		t.Fatal(err)
+	}
+	var dirs []string
+	for _, r := range mod.Replace {
+		if r.New.Version == "" && (strings.HasPrefix(r.New.Path, "./") || strings.HasPrefix(r.New.Path, "../")) {
+			dirs = append(dirs, filepath.Clean(r.New.Path))
+		}
+	}
+	return dirs
 }
 
 // readDockerfile returns the sources of deploy/Dockerfile's COPY

@@ -1,0 +1,3 @@
+module github.com/hashicorp/go-getter
+
+go 1.24
