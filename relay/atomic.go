@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -222,6 +223,9 @@ func (p *publisher) sendWhole(softCtx, hardCtx context.Context, msgs []*nats.Msg
 	return p.sendTransaction(softCtx, hardCtx, msgs)
 }
 
+// errRelayStopping ends a wait that a stop cut short.
+var errRelayStopping = errors.New("relay stopping")
+
 // sendTransaction publishes msgs as one atomic batch and returns each
 // one's stream sequence. With the sabotage hook SplitTransactions it
 // sends them as two batches, 200 ms apart: others may land between.
@@ -233,7 +237,10 @@ func (p *publisher) sendTransaction(softCtx, hardCtx context.Context, msgs []*na
 	seqs := make([]uint64, 0, len(msgs))
 	for i, part := range parts {
 		if i > 0 && !p.sleep(softCtx, 200*time.Millisecond) {
-			return nil, softCtx.Err()
+			// A stop ends the wait with softCtx still live: its nil
+			// error with no sequences read as stored (a panic, seen
+			// under load).
+			return nil, fmt.Errorf("split transaction's second half not sent: %w", cmp.Or(softCtx.Err(), errRelayStopping))
 		}
 		last, err := p.publishAtomic(hardCtx, part)
 		if err != nil {

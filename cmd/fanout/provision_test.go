@@ -92,7 +92,10 @@ func TestProvisionChangesAStreamOnlyWhenTold(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	// One bound for the test's own calls to the server, between a dozen
+	// runs of the race-built binary: 10 s ran out between them in a CI
+	// run with empty caches.
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	maxAge := func() time.Duration {
 		t.Helper()
