@@ -236,7 +236,9 @@ func localReplacements(t *testing.T, root string) []string {
 		t.Fatalf("go mod edit -json: %v", err)
 	}
 	var mod struct {
-		Replace []struct{ New struct{ Path, Version string } }
+		Replace []struct {
+			New struct{ Path, Version string }
+		}
 	}
 	if err := json.Unmarshal(out, &mod); err != nil {
 		t.Fatal(err)
