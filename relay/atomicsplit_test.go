@@ -37,7 +37,7 @@ func TestASplitTransactionCutByAStopIsNotReportedStored(t *testing.T) {
 	}
 	msgs := make([]*nats.Msg, 4)
 	for i := range msgs {
-		msgs[i] = nats.NewMsg(cfg.Subjects[0][:len(cfg.Subjects[0])-1] + "product.updated")
+		msgs[i] = nats.NewMsg(stream.Subject(h.cfg.Stream.SubjectPrefix, "product.updated"))
 		msgs[i].Header.Set(jetstream.MsgIDHeader, "split-"+strconv.Itoa(i))
 		msgs[i].Data = []byte(`{}`)
 	}
