@@ -187,6 +187,14 @@ func TestNATSPermissions(t *testing.T) {
 			if err != nil || info.AckFloor.Stream != tc.seq || info.NumAckPending != 0 {
 				t.Fatalf("%s consumer after the ack: %+v (%v)", tc.name, info, err)
 			}
+			// It carries out the replays the operator requests: a reset
+			// of its own consumer.
+			if _, err := tc.c.js.ResetConsumerToSequence(ctx, cfg.Stream.Name, tc.name, tc.seq); err != nil {
+				t.Fatalf("%s resets its own consumer (a replay): %v", tc.name, err)
+			}
+			if info, err := c.Info(ctx); err != nil || info.NumPending != 1 || info.AckFloor.Stream >= tc.seq {
+				t.Fatalf("%s consumer after its reset to %d: %+v (%v), want its event pending again", tc.name, tc.seq, info, err)
+			}
 			tc.c.checkClean(t) // none of the above was refused
 			// It reads only what its consumer delivers: no event by
 			// sequence (the cache invalidator has no business reading
@@ -371,6 +379,18 @@ func TestNATSPermissions(t *testing.T) {
 		consumerDelete := func(name string) refusal {
 			return refusal{"delete consumer " + name, "$JS.API.CONSUMER.DELETE.EVENTS." + name, raw("$JS.API.CONSUMER.DELETE.EVENTS."+name, ``)}
 		}
+		reset := func(name string) refusal {
+			return refusal{"move consumer " + name, "$JS.API.CONSUMER.RESET.EVENTS." + name, func(ctx context.Context, c *natsClient) error {
+				_, err := c.js.ResetConsumerToSequence(ctx, cfg.Stream.Name, name, 1)
+				return err
+			}}
+		}
+		otherThan := func(name string) string {
+			if name == cacheinval.Name {
+				return invoicing.Name
+			}
+			return cacheinval.Name
+		}
 		common := func() []refusal {
 			return []refusal{
 				update(cfg.Stream.Name), update(cfg.Subscribers.DeadLetterStream), create(cfg.Stream.Name),
@@ -389,7 +409,7 @@ func TestNATSPermissions(t *testing.T) {
 			name := d.Name
 			byUser[c] = append(common(), getMsg(cfg.Stream.Name), getMsg(cfg.Subscribers.DeadLetterStream), directGet(cfg.Stream.Name),
 				// Not even its own consumer: it could widen its filter.
-				consumerCreate(name, ""), consumerCreate(name, "events.>"), consumerDelete(name),
+				consumerCreate(name, ""), consumerCreate(name, "events.>"), consumerDelete(name), reset(otherThan(name)),
 				publishTo("events."+shop.OrderCreated))
 		}
 		byUser[prov] = []refusal{
@@ -400,7 +420,9 @@ func TestNATSPermissions(t *testing.T) {
 			{"pull from consumer invoicing", "$JS.API.CONSUMER.MSG.NEXT.EVENTS." + invoicing.Name, raw("$JS.API.CONSUMER.MSG.NEXT.EVENTS."+invoicing.Name, `{"batch":1}`)},
 			publishTo("events." + shop.OrderCreated), publishTo("deadletter.invoicing.x"),
 		}
-		byUser[op] = append(common(), publishTo("events."+shop.OrderCreated), publishTo("deadletter.invoicing.x"))
+		// A replay is the subscriber's to carry out: the operator moves
+		// no subscriber's consumer.
+		byUser[op] = append(common(), publishTo("events."+shop.OrderCreated), publishTo("deadletter.invoicing.x"), reset(invoicing.Name), reset(searchindex.Name))
 		for _, c := range append([]*natsClient{rel, prov, op}, slices.Collect(maps.Keys(handlers))...) {
 			for _, r := range byUser[c] {
 				c.deniedRequest(t, r.subject, func(ctx context.Context) error { return r.op(ctx, c) })

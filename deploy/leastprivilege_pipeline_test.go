@@ -22,6 +22,7 @@ import (
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/fanout/fanout/subscribers/invoicing"
 	"github.com/fanout/fanout/wire"
 	"github.com/jackc/pgx/v5"
@@ -226,6 +227,33 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 
 	// A second start binds the existing consumer again.
 	startInvoicing()
+
+	// A replay as in production: the operator (fanout_operator, and a NATS
+	// user that holds no reset of invoicing's consumer) records a request,
+	// and invoicing (fanout_invoicing / invoicing) moves its own consumer;
+	// its checkpoint skips the order it invoiced.
+	replays := bookkeeping.NewReplays(rolePool(t, cfg, db.URL, "fanout_operator"))
+	asked := time.Now()
+	requested, err := replays.Request(ctx, bookkeeping.ReplayRequest{Subscriber: invoicing.Name, Stream: cfg.Stream.Name, FromSeq: 1, Within: 30 * time.Second, Reason: "the pipeline test"})
+	if err != nil {
+		t.Fatalf("fanout_operator requests a replay: %v", err)
+	}
+	waitFor(t, "invoicing to carry out the replay", func() bool {
+		o, err := replays.Outcome(ctx, requested)
+		return err == nil && o == bookkeeping.ReplayOutcome{Outcome: bookkeeping.ReplayMoved, Actor: "fanout_invoicing"}
+	})
+	waitFor(t, "the replayed events acked again", func() bool {
+		c, err := cons.Consumer(ctx, cfg.Stream.Name, invoicing.Name)
+		if err != nil {
+			return false
+		}
+		ci := c.CachedInfo()
+		return ci.NumAckPending == 0 && ci.NumPending == 0 && ci.AckFloor.Stream == 2 && ci.Delivered.Last != nil && ci.Delivered.Last.After(asked)
+	})
+	var invoices int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM invoices WHERE order_id = $1`, orderID).Scan(&invoices); err != nil || invoices != 1 {
+		t.Errorf("%d invoices of the order after the replay (%v), want 1", invoices, err)
+	}
 
 	// The runtime's memory of failed and redelivered events, as
 	// fanout_invoicing: its own rows only.

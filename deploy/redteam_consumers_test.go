@@ -20,6 +20,7 @@ import (
 	"log/slog"
 	"os"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -284,6 +285,36 @@ func TestRedTeamReaderConsumers(t *testing.T) {
 			if !t.Failed() {
 				c.checkClean(t)
 			}
+		})
+	}
+
+	// The operator's credential moved any subscriber's consumer (a reset,
+	// forward past events the subscriber then never got), and nothing
+	// recorded it. A replay is now a request in Postgres that the
+	// subscriber carries out; the operator holds no reset, and a
+	// subscriber only its own.
+	sub := ns.connect(t, invoicing.Name)
+	for _, tc := range []struct {
+		c       *natsClient
+		targets []string
+	}{
+		{op, []string{invoicing.Name, searchindex.Name}},
+		{sub, []string{salesledger.Name, cacheinval.Name}},
+	} {
+		t.Run(tc.c.user+" cannot move another role's consumer", func(t *testing.T) {
+			before := snapshot(t)
+			for _, name := range tc.targets {
+				attempt(t, tc.c, "resets "+name+" to sequence 9", func(ctx context.Context) error {
+					_, err := tc.c.js.ResetConsumerToSequence(ctx, cfg.Stream.Name, name, 9)
+					return err
+				})
+			}
+			unchanged(t, tc.c.user+"'s reset of "+strings.Join(tc.targets, " and "), before)
+			var subjects []string
+			for _, name := range tc.targets {
+				subjects = append(subjects, api("RESET", name))
+			}
+			refused(t, tc.c, subjects...)
 		})
 	}
 }

@@ -45,8 +45,8 @@ type Options struct {
 // calls (call.go), the attempts' bookkeeping (attempts.go), the dead
 // letters (deadletter.go), an ordered subscriber's checkpoint
 // (orderedcheckpoint.go), the dependency breakers (health.go), the stall
-// watchdog (watchdog.go), the checks while it runs (checks.go) and the
-// pruner (checkpoint.go).
+// watchdog (watchdog.go), the checks while it runs (checks.go), the
+// pruner (checkpoint.go) and the replays it carries out (replays.go).
 type Runner struct {
 	opts    Options
 	name    string
@@ -65,6 +65,7 @@ type Runner struct {
 	stall      stallWatch
 	config     *configWatch
 	share      *deadLetterShare // nil without subscribers.dead_letter_api_prefix
+	replays    *replayer
 	numbering  *numbering
 	pruner     *pruner
 	health     *Health // from the start
@@ -128,6 +129,7 @@ func New(opts Options) (*Runner, error) {
 		drift: stream.NewDrift(r.logger, func(object string, n int) { r.obs.ConfigDifferences(r.name, object, n) })}
 	r.numbering = &numbering{name: r.name, eventTypes: d.EventTypes, pool: opts.Pool, logger: r.logger}
 	r.pruner = &pruner{store: r.store, name: r.name, maxAge: opts.Stream.MaxAge, logger: r.logger}
+	r.replays = &replayer{name: r.name, streamName: opts.Stream.Name, pool: opts.Pool, js: js, logger: r.logger}
 	if p := r.cfg.DeadLetterAPIPrefix; p != "" {
 		if r.share, err = newDeadLetterShare(opts.Conn, p, r.name, r.obs, r.logger); err != nil {
 			return nil, err
@@ -246,6 +248,7 @@ func (r *Runner) run(ctx, softCtx, hardCtx context.Context) {
 		}
 	})
 	r.loops.Go(func() { r.pruner.loop(softCtx) })
+	r.loops.Go(func() { r.replays.loop(softCtx) })
 	for range r.cfg.Concurrency {
 		r.workers.Go(func() {
 			for batch := range batches {
@@ -359,7 +362,7 @@ func (r *Runner) checkStore(ctx context.Context) error {
 		}
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && (pgErr.Code == "42501" || pgErr.Code == "42P01" || pgErr.Code == "42883") {
-			return fmt.Errorf("subscriber %s cannot use its rows of processed_events, subscriber_attempts and dead_letters, or event_origins: %w "+
+			return fmt.Errorf("subscriber %s cannot use its rows of processed_events, subscriber_attempts and dead_letters, event_origins, or take its replays: %w "+
 				"(run `fanout migrate`, then grant its role what deploy/postgres/roles.sql grants)", r.name, err)
 		}
 		if ctx.Err() != nil {

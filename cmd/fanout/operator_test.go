@@ -242,10 +242,14 @@ func TestOperatorCommands(t *testing.T) {
 	if out, err := run(t, env, "replay", "invoicing", "--from-seq", "1", "--reason", "fill a gap"); err != nil {
 		t.Fatalf("replay: %v\n%s", err, out)
 	}
-	// Recorded, with the database role that ran it.
-	var replays int
-	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM replays WHERE subscriber = 'invoicing' AND from_seq = 1 AND outcome = 'moved' AND actor = session_user AND comment = 'fill a gap'`).Scan(&replays); err != nil || replays != 1 {
-		t.Errorf("replays recorded: %d (%v), want the replay", replays, err)
+	// Recorded: the request with the database role that ran it, and the
+	// outcome with the role of the subscriber's instance that carried it
+	// out (here both are the test's role).
+	var requests, moved int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE request_id IS NULL AND outcome = 'requested'),
+       count(*) FILTER (WHERE request_id IS NOT NULL AND outcome = 'moved')
+FROM replays WHERE subscriber = 'invoicing' AND from_seq = 1 AND actor = session_user AND comment = 'fill a gap'`).Scan(&requests, &moved); err != nil || requests != 1 || moved != 1 {
+		t.Errorf("replays recorded: %d requests and %d moves (%v), want the request and its outcome", requests, moved, err)
 	}
 	subscribertest.WaitFor(t, 15*time.Second, "invoicing to skip the replayed events", func() (bool, string) {
 		_, body := get(t, subs.opsAddr(t), "/metrics")

@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/spf13/cobra"
 )
@@ -15,26 +15,30 @@ import (
 func replayCommand(a *app) *cobra.Command {
 	var fromTime, reason string
 	var fromSeq uint64
+	var wait time.Duration
 	cmd := &cobra.Command{
 		Use:   "replay <subscriber> --from-time T | --from-seq N",
 		Short: "Move one subscriber's consumer back, so it receives the stream's history again from T or N",
-		Long: `replay resets one subscriber's durable consumer to a stream position; its
+		Long: `replay moves one subscriber's durable consumer to a stream position; its
 running instances receive the events from there on again. Other subscribers
 are not touched. The subscriber's checkpoint makes this safe: events it already
 handled are acked and skipped, so a replay fills gaps (events lost or skipped)
 without doing anything twice. The consumer must have been created with
 subscribers.start = all or time (the default is all).
 
-Every replay is recorded in the replays table, before it is made and with
-its outcome, with the database role that ran it and --reason (a reset can
-also move a consumer forward, past events the subscriber then never
-receives: the record says who did). A reset sent with the operator's NATS
-credential by other means than this command is not recorded: NATS keeps no
-trail of API calls.`,
+The operator cannot move a consumer itself: replay records a request in the
+replays table, with the database role that ran it and --reason, and a
+running instance of the subscriber (the only role that may reset its own
+consumer) takes it within a second or so, moves its consumer and records
+the outcome. replay waits for that outcome. A request no instance takes
+within --wait lapses: nothing moves, then or later.`,
 		Args: cobra.ExactArgs(1),
 		RunE: a.loaded(func(cmd *cobra.Command, args []string) error {
 			if (fromTime == "") == (fromSeq == 0) {
 				return errors.New("give exactly one of --from-time and --from-seq")
+			}
+			if wait <= 0 || wait > 24*time.Hour {
+				return fmt.Errorf("--wait %s: must be more than 0 and at most 24h", wait)
 			}
 			ctx := cmd.Context()
 			c, err := a.open(ctx, "replay", withNATS)
@@ -57,45 +61,49 @@ trail of API calls.`,
 					return err
 				}
 			}
-			if err := recordedReset(ctx, c.pool, js, a.cfg.Stream.Name, name, seq, reason); err != nil {
+			r := bookkeeping.ReplayRequest{Subscriber: name, Stream: a.cfg.Stream.Name, FromSeq: seq, Within: wait, Reason: reason}
+			by, err := requestReplay(ctx, bookkeeping.NewReplays(c.pool), r)
+			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "subscriber %s will receive stream %s again from sequence %d; its checkpoint skips what it already handled\n", name, a.cfg.Stream.Name, seq)
+			fmt.Fprintf(cmd.OutOrStdout(), "subscriber %s will receive stream %s again from sequence %d; its checkpoint skips what it already handled (moved by its instance, as role %s)\n", name, a.cfg.Stream.Name, seq, by)
 			return nil
 		}),
 	}
 	cmd.Flags().StringVar(&fromTime, "from-time", "", "RFC 3339 time, or a duration ago (e.g. 2h)")
 	cmd.Flags().Uint64Var(&fromSeq, "from-seq", 0, "stream sequence number")
 	cmd.Flags().StringVar(&reason, "reason", "", "why (recorded in the replays table beside the database role that acts)")
+	cmd.Flags().DurationVar(&wait, "wait", time.Minute, "how long a running instance of the subscriber has to take the request before it lapses")
 	return cmd
 }
 
-// recordedReset moves subscriber name's consumer to seq, recorded in the
-// replays table before it is done (no unrecorded move), and again with
-// what came of it.
-func recordedReset(ctx context.Context, pool *pgxpool.Pool, js jetstream.JetStream, streamName, name string, seq uint64, reason string) error {
-	record := func(outcome string) error {
-		_, err := pool.Exec(ctx, `SELECT fanout_record_replay($1, $2, $3, $4, $5)`, name, streamName, int64(seq), outcome, reason)
-		if err != nil {
-			return fmt.Errorf("subscriber %s: the replay from sequence %d (%s) could not be recorded in the replays table: %w", name, seq, outcome, err)
-		}
-		return nil
-	}
-	if err := record("requested"); err != nil {
-		return err
-	}
-	_, err := js.ResetConsumerToSequence(ctx, streamName, name, seq)
-	outcome := "moved"
+// requestReplay records r and waits for the subscriber to carry it out;
+// it returns the role that moved the consumer, or why nothing moved.
+func requestReplay(ctx context.Context, rs bookkeeping.Replays, r bookkeeping.ReplayRequest) (string, error) {
+	id, err := rs.Request(ctx, r)
 	if err != nil {
-		outcome = "failed: " + err.Error()
+		return "", fmt.Errorf("subscriber %s: record the replay request: %w", r.Subscriber, err)
 	}
-	if rerr := record(outcome); rerr != nil {
-		return rerr
+	for {
+		select {
+		case <-ctx.Done():
+			return "", fmt.Errorf("subscriber %s: replay request %d: stopped waiting for its outcome (it lapses on its own): %w", r.Subscriber, id, ctx.Err())
+		case <-time.After(250 * time.Millisecond):
+		}
+		o, err := rs.Outcome(ctx, id)
+		switch {
+		case err != nil:
+			return "", fmt.Errorf("subscriber %s: replay request %d: read its outcome: %w", r.Subscriber, id, err)
+		case o.Outcome == bookkeeping.ReplayRequested:
+			continue
+		case o.Outcome == bookkeeping.ReplayMoved:
+			return o.Actor, nil
+		case o.Outcome == bookkeeping.ReplayLapsed:
+			return "", fmt.Errorf("subscriber %s: no running instance took replay request %d within %s, so it lapsed and nothing moved: start the subscriber and replay again", r.Subscriber, id, r.Within)
+		default:
+			return "", fmt.Errorf("subscriber %s: replay request %d %s (recorded by %s)", r.Subscriber, id, o.Outcome, o.Actor)
+		}
 	}
-	if errors.Is(err, jetstream.ErrConsumerInvalidReset) {
-		return fmt.Errorf("subscriber %s: its consumer's start position does not allow sequence %d (was it created with subscribers.start=new?): %w", name, seq, err)
-	}
-	return err
 }
 
 // firstSeqAtOrAfter is the stream sequence of the first message stored at or

@@ -65,16 +65,19 @@
 --                       needs no USAGE on outbox_id_seq.
 --   fanout_cacheinval: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters;
---       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number), outbox_epochs (SELECT),
+--       and its replays (EXECUTE on fanout_replay_take, fanout_replay_finish); and
 --       SELECT ON products, brands, categories, inventory
 --   fanout_fulfilment: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters and subscriber_aggregates;
---       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number), outbox_epochs (SELECT),
+--       and its replays (EXECUTE on fanout_replay_take, fanout_replay_finish); and
 --       SELECT, INSERT, UPDATE ON fulfilment_orders
 --       SELECT, INSERT ON fulfilment_history, fulfilment_violations
 --   fanout_invoicing: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters;
---       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number), outbox_epochs (SELECT),
+--       and its replays (EXECUTE on fanout_replay_take, fanout_replay_finish); and
 --       SELECT ON orders, order_lines, products
 --       INSERT ON invoices, invoice_lines
 --       SELECT (id, order_id) ON invoices
@@ -82,12 +85,14 @@
 --       SELECT ON orders
 --   fanout_salesledger: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters;
---       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number), outbox_epochs (SELECT),
+--       and its replays (EXECUTE on fanout_replay_take, fanout_replay_finish); and
 --       SELECT ON orders, order_lines
 --       SELECT, INSERT, UPDATE ON product_sales
 --   fanout_searchindex: LOGIN. Its own checkpoint rows in processed_events
 --       and its own rows in subscriber_attempts, dead_letters;
---       event_origins (SELECT; EXECUTE on fanout_origin_number) and outbox_epochs (SELECT); and
+--       event_origins (SELECT; EXECUTE on fanout_origin_number), outbox_epochs (SELECT),
+--       and its replays (EXECUTE on fanout_replay_take, fanout_replay_finish); and
 --       SELECT ON products, brands, categories, inventory
 --   fanout_operator     LOGIN. The operator commands (fanout status, dlq,
 --                       outbox, reindex). A member of each subscriber role:
@@ -101,7 +106,10 @@
 --                       way to add to it (it records the session's role as
 --                       the actor): the audit trail is append-only and says
 --                       who. dead_letters: SELECT. replays: SELECT, and
---                       EXECUTE on fanout_record_replay, the same way.
+--                       EXECUTE on fanout_replay_request and
+--                       fanout_replay_outcome: it asks for a replay, which
+--                       the subscriber carries out (it holds no reset of a
+--                       subscriber's consumer in NATS).
 --                       relay_capture, outbox_partitions, outbox_default,
 --                       outbox_epochs, event_origins, outbox_audits,
 --                       outbox_audit_state: SELECT (fanout status).
@@ -255,7 +263,7 @@ WHERE i.inhparent = 'public.outbox'::regclass AND c.relowner <> 'fanout_migrate'
 SELECT format('ALTER FUNCTION %s OWNER TO fanout_migrate', p.oid::regprocedure)
 FROM pg_proc p
 WHERE p.pronamespace = 'public'::regnamespace
-  AND (p.proname LIKE 'fanout\_outbox\_%' OR p.proname IN ('fanout_dead_letter_action', 'fanout_record_replay', 'fanout_origin_number', 'fanout_origin_allow'))
+  AND (p.proname LIKE 'fanout\_outbox\_%' OR p.proname LIKE 'fanout\_replay\_%' OR p.proname IN ('fanout_dead_letter_action', 'fanout_origin_number', 'fanout_origin_allow'))
   AND p.proowner <> 'fanout_migrate'::regrole \gexec
 SELECT 'ALTER SEQUENCE public.invoice_number_seq OWNER TO fanout_migrate'
 WHERE (SELECT relowner FROM pg_class WHERE oid = 'public.invoice_number_seq'::regclass)
@@ -301,6 +309,12 @@ GRANT SELECT (id) ON outbox TO fanout_writer;
 GRANT SELECT ON event_origins TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 GRANT EXECUTE ON FUNCTION fanout_origin_number(text) TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 GRANT SELECT ON outbox_epochs TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
+
+-- Subscribers: the replays the operator asks for, each carried out by the
+-- subscriber it moves (migration 00027: the functions check that the
+-- session's role acts for the request's subscriber).
+GRANT EXECUTE ON FUNCTION fanout_replay_take(text), fanout_replay_finish(bigint, text)
+    TO fanout_cacheinval, fanout_fulfilment, fanout_invoicing, fanout_salesledger, fanout_searchindex;
 
 -- Subscribers: the checkpoint (insert, read, prune), restricted to their rows.
 ALTER TABLE processed_events ENABLE ROW LEVEL SECURITY;
@@ -422,9 +436,10 @@ GRANT UPDATE (status, attempts, last_error, available_at, claimed_at, lease_toke
 GRANT SELECT ON dead_letter_actions TO fanout_operator;
 GRANT EXECUTE ON FUNCTION fanout_dead_letter_action(text, text, bigint, bigint, bigint, text, text, bigint) TO fanout_operator;
 GRANT SELECT ON dead_letters TO fanout_operator;
--- Replays: recorded the same way.
+-- Replays: requested, through the function that records the session's
+-- role; the subscriber carries each out.
 GRANT SELECT ON replays TO fanout_operator;
-GRANT EXECUTE ON FUNCTION fanout_record_replay(text, text, bigint, text, text) TO fanout_operator;
+GRANT EXECUTE ON FUNCTION fanout_replay_request(text, text, bigint, interval, text), fanout_replay_outcome(bigint) TO fanout_operator;
 -- Another database whose relays share the stream: registered through the
 -- function that records the session's role (migration 00024).
 GRANT EXECUTE ON FUNCTION fanout_origin_allow(text, text, text) TO fanout_operator;

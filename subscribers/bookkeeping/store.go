@@ -55,8 +55,9 @@ var accessCheckSQL = [...]string{
 type AccessCheckParams struct{ Subscriber string }
 
 // AccessCheck writes and reads a row of each table the subscriber's
-// runtime uses, under its name, in one round trip: run it in a
-// transaction that is rolled back. An error is Postgres's refusal (a
+// runtime uses, under its name, and takes its replays (holding one until
+// the rollback), in one round trip: run it in a transaction that is rolled
+// back. An error is Postgres's refusal (a
 // missing grant or table, a *pgconn.PgError) or its absence.
 func (s Store) AccessCheck(ctx context.Context, p AccessCheckParams) error {
 	b := &pgx.Batch{}
@@ -75,6 +76,7 @@ func (s Store) AccessCheck(ctx context.Context, p AccessCheckParams) error {
 	b.Queue(accessCheckSQL[3], p.Subscriber)
 	b.Queue(deadLetterVouchSQL, p.Subscriber, -1, -1, []byte{})
 	b.Queue(attemptListSQL, p.Subscriber, []int64{-1})
+	b.Queue(replayTakeSQL, p.Subscriber)
 	return s.db.SendBatch(ctx, b).Close()
 }
 

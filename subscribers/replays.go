@@ -1,0 +1,110 @@
+package subscribers
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/fanout/fanout/internal/jsretry"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go/jetstream"
+)
+
+// A replay moves this subscriber's consumer to a stream position, so that
+// it receives the events from there on again (its checkpoint skips those
+// it handled). Only the subscriber may reset its own consumer: the
+// operator's `fanout replay` records a request in Postgres, and the
+// replayer of a running instance takes it, moves the consumer and records
+// the outcome in the same transaction. A consumer therefore moves only
+// when Postgres holds a request naming who asked, and a NATS credential
+// alone moves no other role's consumer.
+type replayer struct {
+	name, streamName string
+	pool             *pgxpool.Pool
+	js               jetstream.JetStream
+	logger           *slog.Logger
+}
+
+// replayPollInterval is how often a running instance looks for requests:
+// `fanout replay` waits for the outcome.
+const replayPollInterval = time.Second
+
+// replayTimeout bounds one request's transaction: the take, the reset and
+// the outcome.
+const replayTimeout = 15 * time.Second
+
+func (p *replayer) loop(ctx context.Context) {
+	t := time.NewTicker(replayPollInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for p.takeOne(ctx) {
+		}
+	}
+}
+
+// takeOne carries out the oldest waiting request, if any, and reports
+// whether it did. Postgres or NATS out of reach leaves the request for a
+// later tick (until it lapses): an outage is not the request's failure.
+func (p *replayer) takeOne(ctx context.Context) bool {
+	ctx, cancel := context.WithTimeout(ctx, replayTimeout)
+	defer cancel()
+	var taken bookkeeping.TakenReplay
+	var outcome string
+	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
+		rs := bookkeeping.NewReplays(tx)
+		var ok bool
+		var err error
+		if taken, ok, err = rs.Take(ctx, p.name); err != nil || !ok {
+			return err
+		}
+		if outcome, err = p.move(ctx, taken); err != nil {
+			return err
+		}
+		return rs.Finish(ctx, taken.ID, outcome)
+	})
+	switch {
+	case err != nil:
+		if ctx.Err() == nil {
+			p.logger.Warn("replays: cannot take or carry out a request now; trying again", "error", err)
+		}
+		return false
+	case outcome == "":
+		return false
+	case outcome == bookkeeping.ReplayMoved:
+		p.logger.Info("replay: consumer moved; the events from there on come again, and its checkpoint skips those it handled",
+			"request", taken.ID, "stream", taken.Stream, "from_seq", taken.FromSeq, "requested_by", taken.RequestedBy, "reason", taken.Reason)
+	default:
+		p.logger.Warn("replay refused", "request", taken.ID, "stream", taken.Stream, "from_seq", taken.FromSeq,
+			"requested_by", taken.RequestedBy, "outcome", outcome)
+	}
+	return true
+}
+
+// move resets the consumer to the request's position. Its outcome is
+// ReplayMoved or why the request cannot be carried out; an error is an
+// outage (the request stays).
+func (p *replayer) move(ctx context.Context, r bookkeeping.TakenReplay) (string, error) {
+	if r.Stream != p.streamName {
+		return fmt.Sprintf("failed: subscriber %s consumes stream %s, not %s", p.name, p.streamName, r.Stream), nil
+	}
+	_, err := p.js.ResetConsumerToSequence(ctx, r.Stream, p.name, r.FromSeq)
+	switch {
+	case err == nil:
+		return bookkeeping.ReplayMoved, nil
+	case errors.Is(err, jetstream.ErrConsumerInvalidReset):
+		return fmt.Sprintf("failed: the consumer's start position does not allow sequence %d (was it created with subscribers.start=new?): %v", r.FromSeq, err), nil
+	case jsretry.Transient(ctx, err) || ctx.Err() != nil:
+		return "", fmt.Errorf("reset the consumer: %w", err)
+	default:
+		return "failed: " + err.Error(), nil
+	}
+}
