@@ -59,7 +59,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "relay.capture wal: how long the replication slot has been behind without its confirmed position moving (0 when it is not behind)."}),
 	}
 	m.configDifferences = prometheus.NewGaugeVec(prometheus.GaugeOpts{Namespace: "fanout", Subsystem: "relay", Name: "config_differences",
-		Help: "Settings of the live stream (object \"stream <name>\") that differ from fanout's configuration, as of the last check (stream.check_interval): anything above 0 makes the relay not ready."}, []string{"object"})
+		Help: "Settings of the live stream (object \"stream <name>\") that differ from fanout's configuration, and marks of a consumer of it turned against another (object \"consumer <name> of stream <name>\": a delivery subject into the server's API or the stream's subjects, a position past the stream's last message), as of the last check (stream.check_interval): anything above 0 makes the relay not ready."}, []string{"object"})
 	cv := func(name, help string) *prometheus.CounterVec {
 		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "relay", Name: name, Help: help}, []string{"kind"})
 	}

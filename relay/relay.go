@@ -48,6 +48,7 @@ type Relay struct {
 	maintainer *maintainer
 	listener   *listener
 	stats      *rangeStats
+	consumers  *consumerGuard
 
 	floor claimFloor // where most claims start (claim.go)
 	heads heads      // the claim loop's walk round the aggregates (claim.go)
@@ -107,6 +108,7 @@ func New(opts Options) (*Relay, error) {
 	r.auditor = newAuditor(c)
 	r.maintainer = newMaintainer(c, r.wal)
 	r.listener = &listener{core: c}
+	r.consumers = newConsumerGuard(c.js, c.stream, r.drift, c.logger)
 	return r, nil
 }
 
@@ -152,9 +154,11 @@ func (r *Relay) start(ctx context.Context) error {
 	r.touch()
 	if r.stream.Provision != "off" {
 		r.checkStream(ctx)
+		r.consumers.check(ctx)
 		r.loops.Go(func() {
 			stream.Watch(softCtx, r.stream.CheckInterval, func(ctx context.Context) {
 				r.checkStream(ctx)
+				r.consumers.check(ctx)
 				r.origin.recheck(ctx)
 			})
 		})

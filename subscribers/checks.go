@@ -77,7 +77,16 @@ func (w *configWatch) check(ctx context.Context) {
 	if bound := w.bound.CachedInfo().Created; !info.Created.Equal(bound) {
 		ds = append(ds, stream.Difference{Field: "created", Have: info.Created.UTC().Format(time.RFC3339Nano), Want: bound.UTC().Format(time.RFC3339Nano) + " (the consumer this subscriber bound at start: it was deleted and made again since, and may start elsewhere)"})
 	}
-	w.drift.Set(object, ds)
+	// Moved past the stream's end (a reset to a sequence not yet
+	// written), the consumer skips every event up to there and reports
+	// nothing pending. The stream is read after the consumer, so a
+	// consumer keeping up is never past it.
+	si, err := w.events.Info(ctx)
+	if err != nil {
+		w.logger.Debug("stream check: no answer", "stream", w.streamCfg.Name, "error", err)
+		return
+	}
+	w.drift.Set(object, append(ds, stream.PastTheEnd(info, si.State.LastSeq)...))
 }
 
 // numbering watches, for an ordered subscriber, that the outbox numbers
