@@ -107,7 +107,7 @@ func TestANewSubscriberGetsItsDeployment(t *testing.T) {
       FANOUT_SUBSCRIBERS_DEAD_LETTER_API_PREFIX: $$JS.DEADLETTER.API
       FANOUT_REDIS_PASSWORD_FILE: /run/secrets/redis_password
     secrets: [pg_audit_trail_password, nats_audit_trail_password, redis_password]`},
-		{"compose", `export FANOUT_NATS_AUDIT_TRAIL_PASSWORD="$$(cat /run/secrets/nats_audit_trail_password)"`},
+		{"compose", `export FANOUT_NATS_AUDIT_TRAIL_PASSWORD="$$(cat /nats-hashes/nats_audit_trail_password.bcrypt)"`},
 		{"compose", `  pg_audit_trail_password: {file: ./secrets/pg_audit_trail_password}`},
 		{"secrets-script", `pg_audit_trail nats_audit_trail \`},
 	} {

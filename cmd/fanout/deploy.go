@@ -69,6 +69,7 @@ they differ. Each file can also be printed on its own.`,
 	}
 	render.Flags().BoolVar(&check, "check", false, "write nothing; fail if a file differs")
 	cmd.AddCommand(render)
+	cmd.AddCommand(natsHashesCommand())
 	for _, f := range deploy.Files {
 		cmd.AddCommand(&cobra.Command{
 			Use:   f.Name,

@@ -1,0 +1,109 @@
+package deploy_test
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/crypto/bcrypt"
+)
+
+// The NATS server's container gets its users' password hashes, never a
+// password: compose.yaml's nats-hashes job (the fanout image) hashes the
+// password files into a volume, and the server's command reads the hashes
+// from there into its environment. Run as compose writes them, with the
+// directories of the test's and nats-server replaced by a shim that
+// records its environment and arguments: each variable holds the bcrypt
+// hash of its user's password, and no password is anywhere the server
+// sees. (TestNATSPermissions shows the configuration accepts the hashes.)
+func TestComposeGivesTheNATSServerOnlyHashes(t *testing.T) {
+	p := loadCompose(t)
+	hasher, err := p.GetService("nats-hashes")
+	if err != nil {
+		t.Fatal(err)
+	}
+	server, err := p.GetService("nats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(server.Secrets) > 0 {
+		t.Errorf("the nats service mounts secrets %v: it needs the hashes only", server.Secrets)
+	}
+	if d, ok := server.DependsOn["nats-hashes"]; !ok || d.Condition != "service_completed_successfully" {
+		t.Errorf("the nats service depends on %v, want nats-hashes completed", server.DependsOn)
+	}
+	readOnly := false
+	for _, v := range server.Volumes {
+		readOnly = readOnly || (v.Source == "nats-hashes" && v.Target == "/nats-hashes" && v.ReadOnly)
+	}
+	if !readOnly {
+		t.Errorf("the nats service's volumes %v: want nats-hashes at /nats-hashes, read-only", server.Volumes)
+	}
+
+	dir := t.TempDir()
+	secrets, hashes, bin := filepath.Join(dir, "secrets"), filepath.Join(dir, "hashes"), filepath.Join(dir, "bin")
+	for _, d := range []string{secrets, hashes, bin} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	passwords := map[string]string{} // by variable: FANOUT_NATS_RELAY_PASSWORD
+	for _, s := range hasher.Secrets {
+		user := strings.TrimSuffix(strings.TrimPrefix(s.Source, "nats_"), "_password")
+		pw := "p" + randomHex(t, 16)
+		passwords["FANOUT_NATS_"+strings.ToUpper(user)+"_PASSWORD"] = pw
+		if err := os.WriteFile(filepath.Join(secrets, s.Source), []byte(pw), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(passwords) < 6 {
+		t.Fatalf("nats-hashes mounts %d NATS passwords, want every NATS user's", len(passwords))
+	}
+	replace := strings.NewReplacer("/run/secrets", secrets, "/nats-hashes", hashes)
+	var args []string
+	for _, a := range hasher.Command {
+		args = append(args, replace.Replace(a))
+	}
+	if out, err := fanout(t, args...); err != nil {
+		t.Fatalf("nats-hashes (fanout %s): %v\n%s", strings.Join(args, " "), err, out)
+	}
+
+	seen := filepath.Join(dir, "seen")
+	shim := "#!/bin/sh\n{ printf 'args %s\\n' \"$*\"; env | grep '^FANOUT_NATS_'; } >" + seen + "\n"
+	if err := os.WriteFile(filepath.Join(bin, "nats-server"), []byte(shim), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if len(server.Command) != 1 {
+		t.Fatalf("the nats service's command: %q, want one shell script", server.Command)
+	}
+	cmd := exec.Command("sh", "-c", replace.Replace(server.Command[0]))
+	cmd.Env = append(os.Environ(), "PATH="+bin+":"+os.Getenv("PATH"))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("the nats service's command: %v\n%s", err, out)
+	}
+	got, err := os.ReadFile(seen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env := map[string]string{}
+	for _, line := range strings.Split(strings.TrimSpace(string(got)), "\n") {
+		if k, v, ok := strings.Cut(line, "="); ok {
+			env[k] = v
+		}
+	}
+	for v, h := range env {
+		if _, ok := passwords[v]; strings.HasSuffix(v, "_PASSWORD") && !ok {
+			t.Errorf("the server gets %s=%q, whose password nats-hashes does not mount", v, h)
+		}
+	}
+	for v, pw := range passwords {
+		if strings.Contains(string(got), pw) {
+			t.Errorf("the server sees %s's password", v)
+		}
+		if h := env[v]; !strings.HasPrefix(h, "$2a$") || bcrypt.CompareHashAndPassword([]byte(h), []byte(pw)) != nil {
+			t.Errorf("%s=%q: want the bcrypt hash of its password", v, h)
+		}
+	}
+}
