@@ -30,92 +30,51 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-func benchAccounts(ctx context.Context) error {
+// accountsBench is the production layout's server, with a connection
+// through the service import (user relay) and one inside the stream's own
+// account (user admin), and the stream the relay publishes to there.
+type accountsBench struct {
+	viaImport, inAccount *nats.Conn
+	admin                jetstream.JetStream // of inAccount
+	stream               stream.Config
+}
+
+// benchAccounts runs on a server of its own, not nc's.
+func benchAccounts(ctx context.Context, _ *nats.Conn) error {
 	srv, err := startProductionNATS()
 	if err != nil {
 		return err
 	}
 	defer srv.stop()
-	conn := func(user string) (*nats.Conn, error) {
-		return connect.NATS(connect.NATSConfig{URL: srv.url, User: user, Password: srv.passwords[user], ConnectTimeout: 5 * time.Second}, "bench-"+user, quiet)
-	}
-	viaImport, err := conn("relay")
-	if err != nil {
+	b := &accountsBench{stream: stream.DefaultConfig()}
+	b.stream.Provision = "verify" // as in production: the relay only checks it
+	if b.viaImport, err = srv.connect("relay"); err != nil {
 		return err
 	}
-	defer viaImport.Close()
-	inAccount, err := conn("admin")
-	if err != nil {
+	defer b.viaImport.Close()
+	if b.inAccount, err = srv.connect("admin"); err != nil {
 		return err
 	}
-	defer inAccount.Close()
-	adminJS, err := jetstream.New(inAccount)
-	if err != nil {
+	defer b.inAccount.Close()
+	if b.admin, err = jetstream.New(b.inAccount); err != nil {
 		return err
-	}
-	streamCfg := stream.DefaultConfig()
-	streamCfg.Provision = "verify" // as in production: the relay only checks it
-	// fresh gives each run an empty stream EVENTS (the only name the
-	// configuration lets the relay publish to).
-	fresh := func() error {
-		if err := adminJS.DeleteStream(ctx, streamCfg.Name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
-			return err
-		}
-		_, err := adminJS.CreateStream(ctx, stream.JetStreamConfig(streamCfg))
-		return err
-	}
-	drain := func(nc *nats.Conn) (float64, error) {
-		if err := fresh(); err != nil {
-			return 0, err
-		}
-		env, err := newRelayEnv(ctx, nc, &streamCfg)
-		if err != nil {
-			return 0, err
-		}
-		defer env.close()
-		res, err := env.drain(ctx, relayConfig())
-		return res.rate, err
-	}
-	raw := func(nc *nats.Conn) (float64, error) {
-		if err := fresh(); err != nil {
-			return 0, err
-		}
-		js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(relay.DefaultConfig().MaxInFlight))
-		if err != nil {
-			return 0, err
-		}
-		payload := make([]byte, 200)
-		start := time.Now()
-		for i := range *rows {
-			m := nats.NewMsg(streamCfg.SubjectPrefix + ".product.updated")
-			m.Data = payload
-			if _, err := js.PublishMsgAsync(m, jetstream.WithMsgID(strconv.Itoa(i+1))); err != nil {
-				return 0, err
-			}
-		}
-		select {
-		case <-js.PublishAsyncComplete():
-		case <-time.After(2 * time.Minute):
-			return 0, fmt.Errorf("raw publish: PubAcks missing after 2 minutes")
-		}
-		return float64(*rows) / time.Since(start).Seconds(), nil
 	}
 	var drainImport, drainIn, rawImport, rawIn, drainRatio, rawRatio benchkit.Figure
 	for run := range *benchkit.Runs {
 		// Alternating, in one sitting.
-		di, err := drain(viaImport)
+		di, err := b.drain(ctx, b.viaImport)
 		if err != nil {
 			return fmt.Errorf("drain as relay: %w", err)
 		}
-		da, err := drain(inAccount)
+		da, err := b.drain(ctx, b.inAccount)
 		if err != nil {
 			return fmt.Errorf("drain in the stream's account: %w", err)
 		}
-		ri, err := raw(viaImport)
+		ri, err := b.raw(ctx, b.viaImport)
 		if err != nil {
 			return fmt.Errorf("raw as relay: %w", err)
 		}
-		ra, err := raw(inAccount)
+		ra, err := b.raw(ctx, b.inAccount)
 		if err != nil {
 			return fmt.Errorf("raw in the stream's account: %w", err)
 		}
@@ -132,6 +91,50 @@ func benchAccounts(ctx context.Context) error {
 	fmt.Printf("           raw JetStream async publish through the import %s, in the account %s: %s\n\n",
 		rawImport.Format("%.0f msgs/s"), rawIn.Format("%.0f msgs/s"), rawRatio.Format("%.2f"))
 	return nil
+}
+
+// fresh gives each run an empty stream EVENTS (the only name the
+// configuration lets the relay publish to).
+func (b *accountsBench) fresh(ctx context.Context) error {
+	if err := b.admin.DeleteStream(ctx, b.stream.Name); err != nil && !errors.Is(err, jetstream.ErrStreamNotFound) {
+		return err
+	}
+	_, err := b.admin.CreateStream(ctx, stream.JetStreamConfig(b.stream))
+	return err
+}
+
+// drain is part a's drain by a relay connected with nc, in rows/s.
+func (b *accountsBench) drain(ctx context.Context, nc *nats.Conn) (float64, error) {
+	if err := b.fresh(ctx); err != nil {
+		return 0, err
+	}
+	env, err := newRelayEnv(ctx, nc, &b.stream)
+	if err != nil {
+		return 0, err
+	}
+	defer env.close()
+	res, err := env.drain(ctx, relayConfig())
+	return res.rate, err
+}
+
+// raw is -rows raw async publishes of 200 bytes on nc, in msgs/s.
+func (b *accountsBench) raw(ctx context.Context, nc *nats.Conn) (float64, error) {
+	if err := b.fresh(ctx); err != nil {
+		return 0, err
+	}
+	js, err := jetstream.New(nc, jetstream.WithPublishAsyncMaxPending(relay.DefaultConfig().MaxInFlight))
+	if err != nil {
+		return 0, err
+	}
+	payload := make([]byte, 200)
+	start := time.Now()
+	err = publishAll(js, *rows, func(i int) (*nats.Msg, error) {
+		m := nats.NewMsg(b.stream.SubjectPrefix + ".product.updated")
+		m.Data = payload
+		m.Header.Set(jetstream.MsgIDHeader, strconv.Itoa(i+1))
+		return m, nil
+	})
+	return float64(*rows) / time.Since(start).Seconds(), err
 }
 
 // productionNATS is nats-server running the rendered production
@@ -184,6 +187,11 @@ func startProductionNATS() (*productionNATS, error) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// connect connects to the server as user.
+func (s *productionNATS) connect(user string) (*nats.Conn, error) {
+	return connect.NATS(connect.NATSConfig{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 5 * time.Second}, "bench-"+user, quiet)
 }
 
 func (s *productionNATS) stop() {

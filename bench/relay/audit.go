@@ -74,6 +74,19 @@ func benchAudit(ctx context.Context, nc *nats.Conn) error {
 	return nil
 }
 
+// benchFullAudit is part auditfull: the full audit of benchAudit alone,
+// -runs times (to profile it).
+func benchFullAudit(ctx context.Context, nc *nats.Conn) error {
+	for range *benchkit.Runs {
+		secs, err := timeFullAudit(ctx, nc)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("(audit) audit of %d published rows: %.1f s\n", *auditRows, secs)
+	}
+	return nil
+}
+
 // timeFullAudit publishes -auditrows rows (a poll relay drains them) and
 // times a dry-run audit of every one against the stream.
 func timeFullAudit(ctx context.Context, nc *nats.Conn) (float64, error) {

@@ -88,24 +88,27 @@ func timeDrain(ctx context.Context, opts relay.Options) (result, error) {
 	if err != nil {
 		return result{}, err
 	}
-	cpu := startCPU()
-	start := time.Now()
+	stop := startTiming()
 	if err := r.Start(ctx); err != nil {
 		return result{}, err
 	}
 	for obs.n.Load() < int64(*rows) {
 		time.Sleep(5 * time.Millisecond)
 	}
-	res := timed(start, cpu)
+	res := stop()
 	_ = r.Stop(ctx)
 	res.claimMs = float64(obs.claimNanos.Load()) / float64(obs.claims.Load()) / 1e6
 	return res, nil
 }
 
-// timed is the result of -rows rows handled since start, with the CPU
-// time cpu counted.
-func timed(start time.Time, cpu func() benchkit.CPUTimes) result {
-	return result{n: *rows, rate: float64(*rows) / time.Since(start).Seconds(), cpu: cpu()}
+// startTiming starts timing -rows rows, and the CPU they use; the function
+// it returns is their result until then.
+func startTiming() func() result {
+	cpu := startCPU()
+	start := time.Now()
+	return func() result {
+		return result{n: *rows, rate: float64(*rows) / time.Since(start).Seconds(), cpu: cpu()}
+	}
 }
 
 // benchNaive runs the seeds' publisher: every 2 s it reads up to 50 pending
@@ -258,30 +261,37 @@ func rawPublish(ctx context.Context, nc *nats.Conn, build func(stream.Config) fu
 		return result{}, err
 	}
 	defer done()
-	next := build(sc)
-	cpu := startCPU()
-	start := time.Now()
-	for i := range *rows {
-		msg, err := next(i)
-		if err != nil {
-			return result{}, err
-		}
-		// A slow server (sync_interval always) keeps max_in_flight in flight
-		// for long: wait for room rather than fail.
-		if _, err := js.PublishMsgAsync(msg, jetstream.WithStallWait(time.Minute)); err != nil {
-			return result{}, err
-		}
+	stop := startTiming()
+	// A slow server (sync_interval always) keeps max_in_flight in flight
+	// for long: wait for room rather than fail.
+	if err := publishAll(js, *rows, build(sc), jetstream.WithStallWait(time.Minute)); err != nil {
+		return result{}, err
 	}
-	select {
-	case <-js.PublishAsyncComplete():
-	case <-time.After(2 * time.Minute):
-		return result{}, fmt.Errorf("raw publish did not complete")
-	}
-	res := timed(start, cpu)
+	res := stop()
 	if failed.Load() > 0 {
 		return result{}, fmt.Errorf("%d raw publishes failed, the first: %v", failed.Load(), *firstErr.Load())
 	}
 	return res, nil
+}
+
+// publishAll publishes n messages, next's, asynchronously on js with
+// opts, and waits up to 2 minutes for the last PubAck.
+func publishAll(js jetstream.JetStream, n int, next func(i int) (*nats.Msg, error), opts ...jetstream.PublishOpt) error {
+	for i := range n {
+		msg, err := next(i)
+		if err != nil {
+			return err
+		}
+		if _, err := js.PublishMsgAsync(msg, opts...); err != nil {
+			return err
+		}
+	}
+	select {
+	case <-js.PublishAsyncComplete():
+		return nil
+	case <-time.After(2 * time.Minute):
+		return fmt.Errorf("raw publish: PubAcks missing after 2 minutes")
+	}
 }
 
 // benchFastIngest is part f: part m's messages published as one
@@ -316,8 +326,7 @@ func benchFastIngest(ctx context.Context, nc *nats.Conn) (result, error) {
 	if err != nil {
 		return result{}, err
 	}
-	cpu := startCPU()
-	start := time.Now()
+	stop := startTiming()
 	for i := range *rows {
 		msg, err := next(i)
 		if err != nil {
@@ -332,7 +341,7 @@ func benchFastIngest(ctx context.Context, nc *nats.Conn) (result, error) {
 			return result{}, fmt.Errorf("fast-ingest message %d: %w", i+1, err)
 		}
 	}
-	res := timed(start, cpu)
+	res := stop()
 	if e := asyncErr.Load(); e != nil {
 		return result{}, fmt.Errorf("fast-ingest batch: %w", *e)
 	}

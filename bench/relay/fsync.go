@@ -20,7 +20,8 @@ import (
 
 var fsyncRows = flag.Int("fsyncrows", 20_000, "rows of the fsync part's drains and raw publishes (synced writes are slow)")
 
-func benchFsync(ctx context.Context) error {
+// benchFsync runs on servers of its own, not nc's.
+func benchFsync(ctx context.Context, _ *nats.Conn) error {
 	saved := *rows
 	*rows = *fsyncRows
 	defer func() { *rows = saved }()

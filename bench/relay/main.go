@@ -113,56 +113,42 @@ func run(ctx context.Context) error {
 	if err := benchThroughput(ctx, nc, want); err != nil {
 		return err
 	}
-	if want("writer") {
-		if err := benchWriterCost(ctx, nc); err != nil {
-			return fmt.Errorf("writer cost: %w", err)
+	for _, p := range laterParts {
+		if p.optIn && *only != p.name || !p.optIn && !want(p.name) {
+			continue
 		}
-	}
-	if want("latency") {
-		if err := benchLatency(ctx, nc); err != nil {
-			return fmt.Errorf("latency: %w", err)
-		}
-	}
-	if want("horizon") {
-		if err := benchHorizon(ctx, nc); err != nil {
-			return fmt.Errorf("held horizon: %w", err)
-		}
-	}
-	if *only == "accounts" { // opt in: it starts a server of its own
-		if err := benchAccounts(ctx); err != nil {
-			return fmt.Errorf("accounts: %w", err)
-		}
-	}
-	if want("audit") {
-		if err := benchAudit(ctx, nc); err != nil {
-			return fmt.Errorf("audit: %w", err)
-		}
-	}
-	if *only == "auditfull" { // the million-row audit alone (profiling it)
-		for range *benchkit.Runs {
-			secs, err := timeFullAudit(ctx, nc)
-			if err != nil {
+		if err := p.run(ctx, nc); err != nil {
+			if p.label == "" {
 				return err
 			}
-			fmt.Printf("(audit) audit of %d published rows: %.1f s\n", *auditRows, secs)
-		}
-	}
-	if *only == "bigtx" { // opt in: minutes of 300,000-row transactions
-		if err := benchBigTx(ctx, nc); err != nil {
-			return fmt.Errorf("bigtx: %w", err)
-		}
-	}
-	if want("fsync") {
-		if err := benchFsync(ctx); err != nil {
-			return fmt.Errorf("fsync: %w", err)
-		}
-	}
-	if want("retention") {
-		if err := benchRetention(ctx); err != nil {
-			return fmt.Errorf("retention: %w", err)
+			return fmt.Errorf("%s: %w", p.label, err)
 		}
 	}
 	return nil
+}
+
+// laterPart is one of the parts run after the throughput parts, in this
+// order.
+type laterPart struct {
+	name  string // in -only
+	label string // what its errors begin with ("": nothing)
+	// optIn parts run only when -only is their name alone: accounts starts
+	// a server of its own, auditfull is for profiling the audit, bigtx
+	// takes minutes of 300,000-row transactions.
+	optIn bool
+	run   func(context.Context, *nats.Conn) error
+}
+
+var laterParts = []laterPart{
+	{name: "writer", label: "writer cost", run: benchWriterCost},
+	{name: "latency", label: "latency", run: benchLatency},
+	{name: "horizon", label: "held horizon", run: benchHorizon},
+	{name: "accounts", label: "accounts", optIn: true, run: benchAccounts},
+	{name: "audit", label: "audit", run: benchAudit},
+	{name: "auditfull", optIn: true, run: benchFullAudit},
+	{name: "bigtx", label: "bigtx", optIn: true, run: benchBigTx},
+	{name: "fsync", label: "fsync", run: benchFsync},
+	{name: "retention", label: "retention", run: benchRetention},
 }
 
 // throughputPart is one of the parts measured once a run, side by side:

@@ -11,6 +11,7 @@ import (
 	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
+	"github.com/nats-io/nats.go"
 )
 
 var retentionRows = flag.Int64("retention-rows", relay.DefaultPartitionSize, "rows of the range the retention part removes")
@@ -27,7 +28,7 @@ type retentionCost struct {
 // of captured rows (wal capture leaves them pending): deleting them in
 // batches of relay.cleanup_batch, as the relays did before migration 00008,
 // and then vacuuming the dead rows away, against dropping their range.
-func benchRetention(ctx context.Context) error {
+func benchRetention(ctx context.Context, _ *nats.Conn) error {
 	var delTook, delWAL, delDead, dropTook, dropWAL benchkit.Figure
 	for range *benchkit.Runs {
 		del, err := retentionRun(ctx, false)
