@@ -11,6 +11,7 @@ import (
 	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
 )
 
@@ -53,6 +54,8 @@ func benchRetention(ctx context.Context, _ *nats.Conn) error {
 	return nil
 }
 
+// retentionRun fills one range of -retention-rows captured rows in a
+// fresh database and removes them: by dropping the range, or row by row.
 func retentionRun(ctx context.Context, dropRange bool) (c retentionCost, err error) {
 	db, err := pgtest.Create(ctx, *benchkit.AdminURL)
 	if err != nil {
@@ -60,29 +63,9 @@ func retentionRun(ctx context.Context, dropRange bool) (c retentionCost, err err
 	}
 	defer db.Close()
 	store := outboxstore.New(db.Pool)
-	n := *retentionRows
-	// One range from id 2 (a margin of 1: nothing writes meanwhile), and
-	// n+1 rows: id 1 in outbox_default, the rest filling the range.
-	added, err := store.ExtendPartitions(ctx, n, 1, 1)
-	if err != nil || len(added) == 0 {
-		return c, fmt.Errorf("add the range: %v (%w)", added, err)
-	}
-	name := added[0]
-	if _, err := db.Pool.Exec(ctx, `
-INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
-SELECT 'product', g::text, 'product.updated',
-       jsonb_build_object('product_id', g, 'sku', 'SKU-' || g, 'price_cents', 1999, 'stock', 7, 'name', 'A product of the benchmark'),
-       '{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}'
-FROM generate_series(1, $1::bigint) g`, n+1); err != nil {
-		return c, fmt.Errorf("write %d rows: %w", n+1, err)
-	}
-	if sealed, err := store.SealPartition(ctx, name); err != nil || !sealed {
-		return c, fmt.Errorf("seal %s: %t (%w)", name, sealed, err)
-	}
-	for _, sql := range []string{`VACUUM ANALYZE outbox`, `CHECKPOINT`} {
-		if _, err := db.Pool.Exec(ctx, sql); err != nil {
-			return c, err
-		}
+	name, err := fillRange(ctx, db.Pool, store)
+	if err != nil {
+		return c, err
 	}
 	var startLSN string
 	if err := db.Pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&startLSN); err != nil {
@@ -90,42 +73,12 @@ FROM generate_series(1, $1::bigint) g`, n+1); err != nil {
 	}
 	start := time.Now()
 	if dropRange {
-		r := outboxstore.Retirement{Captured: true, ConfirmedLSN: startLSN, BacklogThrough: math.MinInt64}
-		for range 2 { // the first notes when the slot confirmed past the range
-			ok, _, reason, err := store.RetirePartition(ctx, name, r)
-			if err != nil {
-				return c, err
-			}
-			if ok {
-				break
-			}
-			if reason != "the slot has just confirmed its rows" {
-				return c, fmt.Errorf("range %s kept: %s", name, reason)
-			}
-		}
+		err = retireRange(ctx, store, name, startLSN)
 	} else {
-		// The relays' delete before migration 00008 (DeleteCaptured).
-		const batch = 1000
-		for {
-			ct, err := db.Pool.Exec(ctx, `
-DELETE FROM outbox
-WHERE id IN (
-    SELECT id FROM outbox
-    WHERE published_at IS NULL AND status = 'pending' AND id > 1
-      AND greatest(created_at, available_at) < now()
-    ORDER BY id LIMIT $1
-    FOR UPDATE SKIP LOCKED)`, batch)
-			if err != nil {
-				return c, err
-			}
-			c.dead += ct.RowsAffected()
-			if ct.RowsAffected() < batch {
-				break
-			}
-		}
-		if _, err := db.Pool.Exec(ctx, `VACUUM outbox`); err != nil {
-			return c, err
-		}
+		c.dead, err = deleteRowByRow(ctx, db.Pool)
+	}
+	if err != nil {
+		return c, err
 	}
 	c.took = time.Since(start)
 	if err := db.Pool.QueryRow(ctx, `SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint`, startLSN).Scan(&c.walBytes); err != nil {
@@ -136,4 +89,76 @@ WHERE id IN (
 		return c, fmt.Errorf("%d rows left after the removal (%v)", left, err)
 	}
 	return c, nil
+}
+
+// fillRange adds one range of -retention-rows rows, fills and seals it,
+// then vacuums and checkpoints, and returns the range's name.
+func fillRange(ctx context.Context, pool *pgxpool.Pool, store *outboxstore.Store) (string, error) {
+	n := *retentionRows
+	// One range from id 2 (a margin of 1: nothing writes meanwhile), and
+	// n+1 rows: id 1 in outbox_default, the rest filling the range.
+	added, err := store.ExtendPartitions(ctx, n, 1, 1)
+	if err != nil || len(added) == 0 {
+		return "", fmt.Errorf("add the range: %v (%w)", added, err)
+	}
+	name := added[0]
+	if _, err := pool.Exec(ctx, `
+INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+SELECT 'product', g::text, 'product.updated',
+       jsonb_build_object('product_id', g, 'sku', 'SKU-' || g, 'price_cents', 1999, 'stock', 7, 'name', 'A product of the benchmark'),
+       '{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}'
+FROM generate_series(1, $1::bigint) g`, n+1); err != nil {
+		return "", fmt.Errorf("write %d rows: %w", n+1, err)
+	}
+	if sealed, err := store.SealPartition(ctx, name); err != nil || !sealed {
+		return "", fmt.Errorf("seal %s: %t (%w)", name, sealed, err)
+	}
+	for _, sql := range []string{`VACUUM ANALYZE outbox`, `CHECKPOINT`} {
+		if _, err := pool.Exec(ctx, sql); err != nil {
+			return "", err
+		}
+	}
+	return name, nil
+}
+
+// retireRange drops the range as the relays do (fanout_outbox_retire),
+// the slot confirmed at lsn.
+func retireRange(ctx context.Context, store *outboxstore.Store, name, lsn string) error {
+	r := outboxstore.Retirement{Captured: true, ConfirmedLSN: lsn, BacklogThrough: math.MinInt64}
+	for range 2 { // the first notes when the slot confirmed past the range
+		ok, _, reason, err := store.RetirePartition(ctx, name, r)
+		if err != nil || ok {
+			return err
+		}
+		if reason != "the slot has just confirmed its rows" {
+			return fmt.Errorf("range %s kept: %s", name, reason)
+		}
+	}
+	return nil
+}
+
+// deleteRowByRow is the relays' delete before migration 00008
+// (DeleteCaptured), then the vacuum it calls for; it returns the dead
+// rows it left.
+func deleteRowByRow(ctx context.Context, pool *pgxpool.Pool) (dead int64, err error) {
+	const batch = 1000
+	for {
+		ct, err := pool.Exec(ctx, `
+DELETE FROM outbox
+WHERE id IN (
+    SELECT id FROM outbox
+    WHERE published_at IS NULL AND status = 'pending' AND id > 1
+      AND greatest(created_at, available_at) < now()
+    ORDER BY id LIMIT $1
+    FOR UPDATE SKIP LOCKED)`, batch)
+		if err != nil {
+			return dead, err
+		}
+		dead += ct.RowsAffected()
+		if ct.RowsAffected() < batch {
+			break
+		}
+	}
+	_, err = pool.Exec(ctx, `VACUUM outbox`)
+	return dead, err
 }

@@ -23,6 +23,21 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
+// writerBench is the writer-cost part's connection and database, the
+// shop seeded in it.
+type writerBench struct {
+	nc    *nats.Conn
+	db    *pgtest.DB
+	maxID int64 // of products
+}
+
+// writerVariant is one way of writing a price update.
+type writerVariant struct {
+	name    string
+	write   func(ctx context.Context, tx pgx.Tx, id, price int64) error
+	capture string // a relay of this capture runs during the measurement
+}
+
 // benchWriterCost measures price-update transactions per second at 8
 // connections, with and without the outbox.
 func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
@@ -36,13 +51,58 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 		return err
 	}
 	defer pool.Close()
+	w := &writerBench{nc: nc, db: db}
 	if _, err := shop.Seed(ctx, pool, 1000, rand.New(rand.NewPCG(1, 2))); err != nil {
 		return err
 	}
-	var maxID int64
-	if err := pool.QueryRow(ctx, `SELECT max(id) FROM products`).Scan(&maxID); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT max(id) FROM products`).Scan(&w.maxID); err != nil {
 		return err
 	}
+	variants, err := writerVariants(ctx, pool)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("writer cost: price-update transactions/s at 8 connections, %s each, %d rounds (the variants in a new order each round)\n", *writerFor, *benchkit.Runs)
+	tps := make([]benchkit.Figure, len(variants))
+	ratio := make([]benchkit.Figure, len(variants)) // of alone, within the round
+	for round := range *benchkit.Runs {
+		if err := benchkit.Settle(ctx, pool); err != nil {
+			return err
+		}
+		got := make([]float64, len(variants))
+		for k := range variants {
+			i := (k + round) % len(variants) // no variant always runs first, or last
+			v := variants[i]
+			err := w.withRelay(ctx, v.capture, func() error {
+				var err error
+				got[i], err = measureTPS(ctx, pool, w.maxID, v.write)
+				return err
+			})
+			if err != nil {
+				return fmt.Errorf("%s: %w", v.name, err)
+			}
+		}
+		for i := range variants {
+			tps[i].Add(got[i])
+			ratio[i].Add(100 * got[i] / got[0])
+		}
+	}
+	for i, v := range variants {
+		if i == 0 {
+			fmt.Printf("    %-80s %s\n", v.name, tps[i].Format("%.0f tx/s"))
+			continue
+		}
+		fmt.Printf("    %-80s %s, %s of alone\n", v.name, tps[i].Format("%.0f tx/s"), ratio[i].Format("%.0f%%"))
+	}
+	fmt.Println("    target: the outbox and its wake-up cost writers <= 25% of their tx/s; with a wal relay publishing, <= 10%; the insert alone (pipelined, no wake-up) <= 20%")
+	fmt.Println()
+	return nil
+}
+
+// writerVariants are the ways of writing a price update measured, from
+// the update alone to the shop's own with a relay publishing; the first is
+// what the others are compared with.
+func writerVariants(ctx context.Context, pool *pgxpool.Pool) ([]writerVariant, error) {
 	const update = `UPDATE products SET price = $2::numeric / 100, version = version + 1, updated_at = now() WHERE id = $1`
 	plain := func(ctx context.Context, tx pgx.Tx, id, price int64) error {
 		_, err := tx.Exec(ctx, update, id, price)
@@ -56,7 +116,7 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 	// outbox numbering --skip): what the numbering trigger costs.
 	const unnumberedType = "product.repriced"
 	if err := outboxstore.New(pool).SetNumbering(ctx, []string{unnumberedType}); err != nil {
-		return err
+		return nil, err
 	}
 	ownRoundTrip := func(w *outbox.Writer) func(context.Context, pgx.Tx, int64, int64) error {
 		return func(ctx context.Context, tx pgx.Tx, id, price int64) error {
@@ -81,11 +141,7 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 		_, err := shop.UpdatePrice(ctx, tx, id, price)
 		return err
 	}
-	runs := []struct {
-		name    string
-		fn      func(context.Context, pgx.Tx, int64, int64) error
-		capture string // a relay of this capture runs during the measurement
-	}{
+	return []writerVariant{
 		{"price update alone", plain, ""},
 		{"+ outbox.Write in its own round trip, no wake-up", ownRoundTrip(outbox.NewWriter(-1)), ""},
 		{"+ outbox.Queue pipelined with the update, NOTIFY in every tx", pipelined(outbox.NewWriter(0), shop.ProductUpdated), ""},
@@ -94,77 +150,44 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 		{"shop.UpdatePrice: outbox.Queue + fanout wake-up (NOTIFY at most every " + outbox.DefaultWakeInterval.String() + ")", demo, ""},
 		{"shop.UpdatePrice, with a relay (capture poll) publishing", demo, relay.CapturePoll},
 		{"outbox.Queue pipelined, no wake-up, with a relay (capture wal) publishing", pipelined(outbox.NewWriter(-1), shop.ProductUpdated), relay.CaptureWAL},
+	}, nil
+}
+
+// withRelay runs fn while a relay of the capture (none: "") publishes
+// what the writers commit, to a stream of its own.
+func (w *writerBench) withRelay(ctx context.Context, capture string, fn func() error) error {
+	if capture == "" {
+		return fn()
 	}
-	// withRelay runs fn while a relay of the capture publishes what the
-	// writers commit, to a stream of its own.
-	withRelay := func(capture string, fn func() error) error {
-		if capture == "" {
-			return fn()
-		}
-		sc, done := freshStream(nc)
-		defer done()
-		rp, err := relayPool(ctx, db.URL)
-		if err != nil {
-			return err
-		}
-		defer rp.Close()
-		rc := relayConfig()
-		rc.Capture, rc.Slot = capture, db.Name
-		r, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: nc, Logger: quiet})
-		if err != nil {
-			return err
-		}
-		if err := r.Start(ctx); err != nil {
-			return err
-		}
-		time.Sleep(2 * time.Second) // the backlog of earlier variants, and the slot
-		ferr := fn()
-		if err := r.Stop(ctx); err != nil && ferr == nil {
+	sc, done := freshStream(w.nc)
+	defer done()
+	rp, err := relayPool(ctx, w.db.URL)
+	if err != nil {
+		return err
+	}
+	defer rp.Close()
+	rc := relayConfig()
+	rc.Capture, rc.Slot = capture, w.db.Name
+	r, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: w.nc, Logger: quiet})
+	if err != nil {
+		return err
+	}
+	if err := r.Start(ctx); err != nil {
+		return err
+	}
+	time.Sleep(2 * time.Second) // the backlog of earlier variants, and the slot
+	ferr := fn()
+	if err := r.Stop(ctx); err != nil && ferr == nil {
+		ferr = err
+	}
+	if capture == relay.CaptureWAL {
+		// Drop the slot, or it keeps WAL for the variants after it.
+		// The walsender may outlive the relay's stream by a moment.
+		if err := dropSlot(ctx, w.db.Pool, w.db.Name); err != nil && ferr == nil {
 			ferr = err
 		}
-		if capture == relay.CaptureWAL {
-			// Drop the slot, or it keeps WAL for the variants after it.
-			// The walsender may outlive the relay's stream by a moment.
-			if err := dropSlot(ctx, db.Pool, db.Name); err != nil && ferr == nil {
-				ferr = err
-			}
-		}
-		return ferr
 	}
-	fmt.Printf("writer cost: price-update transactions/s at 8 connections, %s each, %d rounds (the variants in a new order each round)\n", *writerFor, *benchkit.Runs)
-	tps := make([]benchkit.Figure, len(runs))
-	ratio := make([]benchkit.Figure, len(runs)) // of alone, within the round
-	for round := range *benchkit.Runs {
-		if err := benchkit.Settle(ctx, pool); err != nil {
-			return err
-		}
-		got := make([]float64, len(runs))
-		for k := range runs {
-			i := (k + round) % len(runs) // no variant always runs first, or last
-			err := withRelay(runs[i].capture, func() error {
-				var err error
-				got[i], err = measureTPS(ctx, pool, maxID, runs[i].fn)
-				return err
-			})
-			if err != nil {
-				return fmt.Errorf("%s: %w", runs[i].name, err)
-			}
-		}
-		for i := range runs {
-			tps[i].Add(got[i])
-			ratio[i].Add(100 * got[i] / got[0])
-		}
-	}
-	for i, r := range runs {
-		if i == 0 {
-			fmt.Printf("    %-80s %s\n", r.name, tps[i].Format("%.0f tx/s"))
-			continue
-		}
-		fmt.Printf("    %-80s %s, %s of alone\n", r.name, tps[i].Format("%.0f tx/s"), ratio[i].Format("%.0f%%"))
-	}
-	fmt.Println("    target: the outbox and its wake-up cost writers <= 25% of their tx/s; with a wal relay publishing, <= 10%; the insert alone (pipelined, no wake-up) <= 20%")
-	fmt.Println()
-	return nil
+	return ferr
 }
 
 func measureTPS(ctx context.Context, pool *pgxpool.Pool, maxID int64, fn func(context.Context, pgx.Tx, int64, int64) error) (float64, error) {
