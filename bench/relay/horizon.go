@@ -147,8 +147,10 @@ func benchHorizon(ctx context.Context, nc *nats.Conn) error {
 	return nil
 }
 
+// measureHorizon is one run of a capture: the steady writes for settle,
+// then while a snapshot is held for -horizon, then for settle again,
+// sampled every horizonTick.
 func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle time.Duration) (horizonRun, error) {
-	var hr horizonRun
 	obs := &horizonObserver{latencyObserver: latencyObserver{acked: map[int64]time.Time{}}}
 	env, err := startSteadyEnv(ctx, nc, func(c *relay.Config) {
 		c.Capture = capture
@@ -157,26 +159,52 @@ func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle t
 		}
 	}, obs)
 	if err != nil {
-		return hr, err
+		return horizonRun{}, err
 	}
 	defer env.close()
 
 	holder, err := pgx.Connect(ctx, env.db.URL)
 	if err != nil {
-		return hr, err
+		return horizonRun{}, err
 	}
 	defer holder.Close(context.Background())
 
-	total := settle + *horizonFor + settle
+	// The phases' bounds: the start, the snapshot taken, released, the end.
 	start := time.Now()
-	holdFrom, holdTo := start.Add(settle), start.Add(settle+*horizonFor)
-	runCtx, cancel := context.WithTimeout(ctx, total)
+	bounds := []time.Time{start, start.Add(settle), start.Add(settle + *horizonFor), start.Add(settle + *horizonFor + settle)}
+	runCtx, cancel := context.WithTimeout(ctx, bounds[3].Sub(start))
 	defer cancel()
 
 	var committed map[int64]time.Time
 	var wg sync.WaitGroup
 	wg.Go(func() { committed = env.writeSteadily(runCtx) })
+	samples, err := env.sampleWhileHeld(ctx, runCtx, cancel, holder, capture, bounds[1], bounds[2])
+	wg.Wait()
+	if err != nil {
+		return horizonRun{}, err
+	}
+	if len(samples) == 0 || time.Since(samples[len(samples)-1].at) > horizonTick/2 {
+		s, err := sampleHorizon(ctx, env, capture)
+		if err != nil {
+			return horizonRun{}, err
+		}
+		s.at = time.Now()
+		samples = append(samples, s)
+	}
+	time.Sleep(2 * time.Second) // the last PubAcks
 
+	if missing := len(committed) - len(obs.latencies(committed)); missing > 0 {
+		return horizonRun{}, fmt.Errorf("%d of %d committed events not published within 2s of the end", missing, len(committed))
+	}
+	return obs.horizonRun(committed, samples, bounds), nil
+}
+
+// sampleWhileHeld samples the database every horizonTick until runCtx
+// ends (or a sample fails), and has holder hold a snapshot from holdFrom
+// to holdTo. It ends the run (cancel) before it returns, once the holder
+// has let go. The samples are read under ctx: one begun as the run ends
+// is still read.
+func (env *steadyEnv) sampleWhileHeld(ctx, runCtx context.Context, cancel func(), holder *pgx.Conn, capture string, holdFrom, holdTo time.Time) ([]horizonSample, error) {
 	var samples []horizonSample
 	holdErr := make(chan error, 1)
 	held := false
@@ -200,34 +228,24 @@ func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle t
 		}
 	}
 	cancel()
-	wg.Wait()
 	if held {
 		// The holder's connection is closed only after its transaction.
 		if err := <-holdErr; err != nil && sampleErr == nil {
-			return hr, fmt.Errorf("hold a snapshot: %w", err)
+			return nil, fmt.Errorf("hold a snapshot: %w", err)
 		}
 	}
-	if sampleErr != nil {
-		return hr, sampleErr
-	}
-	if len(samples) == 0 || time.Since(samples[len(samples)-1].at) > horizonTick/2 {
-		s, err := sampleHorizon(ctx, env, capture)
-		if err != nil {
-			return hr, err
-		}
-		s.at = time.Now()
-		samples = append(samples, s)
-	}
-	time.Sleep(2 * time.Second) // the last PubAcks
+	return samples, sampleErr
+}
 
-	if missing := len(committed) - len(obs.latencies(committed)); missing > 0 {
-		return hr, fmt.Errorf("%d of %d committed events not published within 2s of the end", missing, len(committed))
-	}
-	obs.mu.Lock()
-	defer obs.mu.Unlock()
-	bounds := []time.Time{start, holdFrom, holdTo, start.Add(total)}
+// horizonRun reads a run's phases, between bounds, and its time series,
+// a row a sample, from the events committed and acked, the claims and
+// the samples.
+func (o *horizonObserver) horizonRun(committed map[int64]time.Time, samples []horizonSample, bounds []time.Time) horizonRun {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var hr horizonRun
 	for p := range horizonPhases {
-		ph := window(committed, obs.acked, obs.claims, bounds[p], bounds[p+1])
+		ph := window(committed, o.acked, o.claims, bounds[p], bounds[p+1])
 		for _, s := range samples {
 			if !s.at.After(bounds[p+1].Add(horizonTick / 2)) {
 				ph.deadTuples, ph.unpublished = s.deadTuples, s.unpublished
@@ -239,10 +257,10 @@ func measureHorizon(ctx context.Context, nc *nats.Conn, capture string, settle t
 		hr.phases[p] = ph
 	}
 	for _, s := range samples {
-		ph := window(committed, obs.acked, obs.claims, s.at.Add(-horizonTick), s.at)
-		hr.series = append(hr.series, horizonTickRow{at: s.at.Sub(start).Round(time.Second), horizonPhase: ph, sample: s})
+		ph := window(committed, o.acked, o.claims, s.at.Add(-horizonTick), s.at)
+		hr.series = append(hr.series, horizonTickRow{at: s.at.Sub(bounds[0]).Round(time.Second), horizonPhase: ph, sample: s})
 	}
-	return hr, nil
+	return hr
 }
 
 // holdSnapshot takes a snapshot in a REPEATABLE READ transaction and keeps
@@ -307,10 +325,7 @@ func window(committed, acked map[int64]time.Time, claims []claimSample, from, to
 		}
 	}
 	ph.publishedPerSec = float64(n) / to.Sub(from).Seconds()
-	if len(lat) > 0 {
-		slices.Sort(lat)
-		ph.p99Ms = benchkit.Ms(lat[len(lat)*99/100])
-	}
+	ph.p99Ms = benchkit.Ms(benchkit.Quantiles(lat).P99)
 	var took time.Duration
 	k := 0
 	for _, c := range claims {
