@@ -121,43 +121,36 @@ func compare(ctx context.Context, o options) (*report, error) {
 	return rep, nil
 }
 
+// built is a selected program's binary on each side, and the flags each
+// lists.
+type built struct {
+	sel  selection
+	bin  [2]string
+	help [2]map[string]flagHelp // nil for a side without the program
+}
+
+// newFirst is the order the sides are read in where the new side decides:
+// its errors come first, and its flags count even where the old side has
+// no such program.
+var newFirst = []side{newSide, oldSide}
+
 // prepare builds each selected program on both sides, reads their flags,
 // and turns the selection into jobs with each side's arguments: a flag or
 // a part one side's binary does not know is dropped there with a note.
 func prepare(ctx context.Context, o options, plan []selection, trees [2]tree, rep *report) ([]job, error) {
-	type binaries struct {
-		sel  selection
-		bin  [2]string
-		help [2]map[string]flagHelp
-	}
-	var ready []binaries
+	var ready []built
 	var helps []map[string]flagHelp
 	for _, sel := range plan {
-		b := binaries{sel: sel}
-		missing := false
-		for _, s := range []side{newSide, oldSide} { // the new side's flags count even if the old side has no such program
-			if _, err := os.Stat(filepath.Join(trees[s].dir, "bench", sel.program.name)); err != nil {
-				if s == newSide {
-					return nil, fmt.Errorf("the working tree has no bench/%s", sel.program.name)
-				}
-				rep.note(o.log, "the old tree (%s) has no bench/%s: not compared", trees[s].label, sel.program.name)
-				missing = true
-				break
-			}
-			b.bin[s] = filepath.Join(o.out, "bin", s.String(), sel.program.name)
-			fmt.Fprintf(o.log, "building bench/%s (%s) ...\n", sel.program.name, trees[s].label)
-			bctx, cancel := context.WithTimeout(ctx, 20*time.Minute)
-			err := build(bctx, trees[s], sel.program.name, b.bin[s])
-			cancel()
-			if err != nil {
-				return nil, err
-			}
-			if b.help[s], err = help(ctx, b.bin[s], trees[s].dir); err != nil {
-				return nil, err
-			}
-			helps = append(helps, b.help[s])
+		b, err := buildSides(ctx, o, sel, trees, rep)
+		if err != nil {
+			return nil, err
 		}
-		if !missing {
+		for _, s := range newFirst {
+			if b.help[s] != nil {
+				helps = append(helps, b.help[s])
+			}
+		}
+		if b.help[oldSide] != nil {
 			ready = append(ready, b)
 		}
 	}
@@ -167,56 +160,105 @@ func prepare(ctx context.Context, o options, plan []selection, trees [2]tree, re
 	}
 	var jobs []job
 	for _, b := range ready {
-		name := b.sel.program.name
-		var base [2][]string
-		for _, s := range sides {
-			if _, ok := b.help[s]["runs"]; ok {
-				base[s] = append(base[s], "-runs", "1")
-			} else {
-				rep.note(o.log, "%s bench/%s has no -runs: each of its runs measures its own default number of times", s, name)
-			}
+		more, err := b.jobs(o, flags, rep)
+		if err != nil {
+			return nil, err
 		}
-		for _, f := range flags {
-			_, oldKnows := b.help[oldSide][f.name]
-			_, newKnows := b.help[newSide][f.name]
-			for _, s := range sides {
-				if _, ok := b.help[s][f.name]; ok {
-					base[s] = append(base[s], f.tokens...)
-				} else if oldKnows || newKnows { // else the flag is another program's
-					rep.note(o.log, "%s bench/%s has no -%s: dropped from its runs", s, name, f.name)
-				}
-			}
-		}
-		parts := b.sel.parts
-		if len(parts) == 0 {
-			parts = []string{""}
-		}
-	nextPart:
-		for _, part := range parts {
-			j := job{program: b.sel.program, part: part, bin: b.bin, args: base}
-			for _, s := range []side{newSide, oldSide} { // the new side's errors first
-				j.args[s] = slices.Clone(base[s])
-				if part == "" {
-					continue
-				}
-				only, ok := b.help[s]["only"]
-				known := onlyParts(only.usage)
-				switch {
-				case !ok && s == newSide:
-					return nil, fmt.Errorf("PARTS: bench/%s has no parts (no -only): name it alone", name)
-				case known != nil && !slices.Contains(known, part) && s == newSide:
-					return nil, fmt.Errorf("PARTS: bench/%s has no part %q (its parts: %s)", name, part, strings.Join(known, ", "))
-				case !ok || known != nil && !slices.Contains(known, part):
-					rep.note(o.log, "old bench/%s has no part %s: %s:%s not compared", name, part, name, part)
-					continue nextPart
-				}
-				j.args[s] = append([]string{"-only", part}, j.args[s]...)
-			}
-			jobs = append(jobs, j)
-		}
+		jobs = append(jobs, more...)
 	}
 	if len(jobs) == 0 {
 		return nil, fmt.Errorf("nothing left to compare")
+	}
+	return jobs, nil
+}
+
+// buildSides builds the selected program on each side and reads its
+// flags. An old tree without the program is noted, and the old side left
+// out (its help nil); a working tree without it is an error.
+func buildSides(ctx context.Context, o options, sel selection, trees [2]tree, rep *report) (built, error) {
+	b := built{sel: sel}
+	name := sel.program.name
+	for _, s := range newFirst {
+		if _, err := os.Stat(filepath.Join(trees[s].dir, "bench", name)); err != nil {
+			if s == newSide {
+				return b, fmt.Errorf("the working tree has no bench/%s", name)
+			}
+			rep.note(o.log, "the old tree (%s) has no bench/%s: not compared", trees[s].label, name)
+			break
+		}
+		b.bin[s] = filepath.Join(o.out, "bin", s.String(), name)
+		fmt.Fprintf(o.log, "building bench/%s (%s) ...\n", name, trees[s].label)
+		bctx, cancel := context.WithTimeout(ctx, 20*time.Minute)
+		err := build(bctx, trees[s], name, b.bin[s])
+		cancel()
+		if err != nil {
+			return b, err
+		}
+		if b.help[s], err = help(ctx, b.bin[s], trees[s].dir); err != nil {
+			return b, err
+		}
+	}
+	return b, nil
+}
+
+// baseArgs are each side's arguments for every run of the program: -runs
+// 1, and the flags of ARGS its binary knows.
+func (b built) baseArgs(o options, flags []cliFlag, rep *report) [2][]string {
+	name := b.sel.program.name
+	var base [2][]string
+	for _, s := range sides {
+		if _, ok := b.help[s]["runs"]; ok {
+			base[s] = append(base[s], "-runs", "1")
+		} else {
+			rep.note(o.log, "%s bench/%s has no -runs: each of its runs measures its own default number of times", s, name)
+		}
+	}
+	for _, f := range flags {
+		_, oldKnows := b.help[oldSide][f.name]
+		_, newKnows := b.help[newSide][f.name]
+		for _, s := range sides {
+			if _, ok := b.help[s][f.name]; ok {
+				base[s] = append(base[s], f.tokens...)
+			} else if oldKnows || newKnows { // else the flag is another program's
+				rep.note(o.log, "%s bench/%s has no -%s: dropped from its runs", s, name, f.name)
+			}
+		}
+	}
+	return base
+}
+
+// jobs are the program's jobs: one a selected part (-only), or the whole
+// program. A part the old binary does not know is noted and left out.
+func (b built) jobs(o options, flags []cliFlag, rep *report) ([]job, error) {
+	name := b.sel.program.name
+	base := b.baseArgs(o, flags, rep)
+	parts := b.sel.parts
+	if len(parts) == 0 {
+		parts = []string{""}
+	}
+	var jobs []job
+nextPart:
+	for _, part := range parts {
+		j := job{program: b.sel.program, part: part, bin: b.bin, args: base}
+		for _, s := range newFirst { // the new side's errors first
+			j.args[s] = slices.Clone(base[s])
+			if part == "" {
+				continue
+			}
+			only, ok := b.help[s]["only"]
+			known := onlyParts(only.usage)
+			switch {
+			case !ok && s == newSide:
+				return nil, fmt.Errorf("PARTS: bench/%s has no parts (no -only): name it alone", name)
+			case known != nil && !slices.Contains(known, part) && s == newSide:
+				return nil, fmt.Errorf("PARTS: bench/%s has no part %q (its parts: %s)", name, part, strings.Join(known, ", "))
+			case !ok || known != nil && !slices.Contains(known, part):
+				rep.note(o.log, "old bench/%s has no part %s: %s:%s not compared", name, part, name, part)
+				continue nextPart
+			}
+			j.args[s] = append([]string{"-only", part}, j.args[s]...)
+		}
+		jobs = append(jobs, j)
 	}
 	return jobs, nil
 }
