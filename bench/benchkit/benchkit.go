@@ -55,6 +55,18 @@ func CheckRuns() error {
 	return nil
 }
 
+// Rotation is the order n variants run in, in round (from 0): each round
+// begins one variant later than the round before, so that no variant
+// always runs first, or last, on a host that warms up or tires over the
+// sitting.
+func Rotation(round, n int) []int {
+	order := make([]int, n)
+	for k := range order {
+		order[k] = (k + round) % n
+	}
+	return order
+}
+
 // Figure is one measured quantity over several runs.
 type Figure struct{ Values []float64 }
 

@@ -1,6 +1,9 @@
 package benchkit
 
-import "testing"
+import (
+	"slices"
+	"testing"
+)
 
 func TestFigure(t *testing.T) {
 	var f Figure
@@ -17,5 +20,13 @@ func TestFigure(t *testing.T) {
 	one := Figure{Values: []float64{1.5}}
 	if got := one.Format("%.1fms"); got != "1.5ms" {
 		t.Errorf("one run: %q", got)
+	}
+}
+
+func TestRotation(t *testing.T) {
+	for round, want := range [][]int{{0, 1, 2}, {1, 2, 0}, {2, 0, 1}, {0, 1, 2}} {
+		if got := Rotation(round, 3); !slices.Equal(got, want) {
+			t.Errorf("round %d: %v, want %v", round, got, want)
+		}
 	}
 }

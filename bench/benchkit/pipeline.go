@@ -107,14 +107,19 @@ func (p *Pipeline) Close() {
 	}
 }
 
-// StartRelay starts a relay of the pipeline's settings, observed by obs
-// (nil: none). The caller stops it.
-func (p *Pipeline) StartRelay(ctx context.Context, obs relay.Observer) (*relay.Relay, error) {
-	r, err := relay.New(relay.Options{Relay: p.Config.Relay, Stream: p.Config.Stream, Pool: p.Pool, Conn: p.NC, Logger: Quiet, Observer: obs})
+// StartRelay makes a relay of opts and starts it. The caller stops it.
+func StartRelay(ctx context.Context, opts relay.Options) (*relay.Relay, error) {
+	r, err := relay.New(opts)
 	if err != nil {
 		return nil, err
 	}
 	return r, r.Start(ctx)
+}
+
+// StartRelay starts a relay of the pipeline's settings, observed by obs
+// (nil: none). The caller stops it.
+func (p *Pipeline) StartRelay(ctx context.Context, obs relay.Observer) (*relay.Relay, error) {
+	return StartRelay(ctx, relay.Options{Relay: p.Config.Relay, Stream: p.Config.Stream, Pool: p.Pool, Conn: p.NC, Logger: Quiet, Observer: obs})
 }
 
 // StartRunner starts a subscriber of opts (its declaration, handler,

@@ -66,8 +66,7 @@ func run(ctx context.Context) error {
 	var ratio1, ratio2 benchkit.Figure
 	for round := range *benchkit.Runs {
 		got := make([]float64, len(variants))
-		for k := range variants {
-			i := (k + round) % len(variants)
+		for _, i := range benchkit.Rotation(round, len(variants)) {
 			v := variants[i]
 			if got[i], err = b.fulfil(ctx, v.ordered, v.instances); err != nil {
 				return fmt.Errorf("%s: %w", v.name, err)

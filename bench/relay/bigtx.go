@@ -144,12 +144,9 @@ func bigTxRun(ctx context.Context, nc *nats.Conn, mode, atomic string, shape agg
 	obs := &counter{}
 	opts := env.options(rc)
 	opts.Observer = obs
-	r, err := relay.New(opts)
-	if err != nil {
-		return 0, 0, err
-	}
 	start := time.Now()
-	if err := r.Start(ctx); err != nil {
+	r, err := benchkit.StartRelay(ctx, opts)
+	if err != nil {
 		return 0, 0, err
 	}
 	defer func() { _ = r.Stop(ctx) }()
@@ -202,11 +199,8 @@ func goMemory() uint64 {
 // startAndStop starts a relay once and stops it: a wal relay makes its
 // slot and records its backlog done.
 func startAndStop(ctx context.Context, env *relayEnv, rc relay.Config) error {
-	r, err := relay.New(env.options(rc))
+	r, err := benchkit.StartRelay(ctx, env.options(rc))
 	if err != nil {
-		return err
-	}
-	if err := r.Start(ctx); err != nil {
 		return err
 	}
 	if rc.Capture == relay.CaptureWAL {

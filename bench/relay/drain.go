@@ -79,17 +79,14 @@ func (e *relayEnv) drain(ctx context.Context, rc relay.Config) (result, error) {
 	return timeDrain(ctx, e.options(rc))
 }
 
-// timeDrain starts a relay with opts and times it until it published
-// -rows rows; claimMs is its mean claim's time.
+// timeDrain starts a relay with opts and times it (its making included)
+// until it published -rows rows; claimMs is its mean claim's time.
 func timeDrain(ctx context.Context, opts relay.Options) (result, error) {
 	obs := &counter{}
 	opts.Observer = obs
-	r, err := relay.New(opts)
-	if err != nil {
-		return result{}, err
-	}
 	stop := startTiming()
-	if err := r.Start(ctx); err != nil {
+	r, err := benchkit.StartRelay(ctx, opts)
+	if err != nil {
 		return result{}, err
 	}
 	for obs.n.Load() < int64(*rows) {

@@ -92,8 +92,7 @@ func benchHorizon(ctx context.Context, nc *nats.Conn) error {
 	}
 	runs := make([][]horizonRun, len(variants))
 	for run := range *benchkit.Runs {
-		for k := range variants {
-			i := (k + run) % len(variants)
+		for _, i := range benchkit.Rotation(run, len(variants)) {
 			hr, err := measureHorizon(ctx, nc, variants[i].capture, settle)
 			if err != nil {
 				return fmt.Errorf("%s: %w", variants[i].name, err)
@@ -321,7 +320,7 @@ func window(committed, acked map[int64]time.Time, claims []claimSample, from, to
 			n++
 		}
 		if ok && in(c) {
-			lat = append(lat, max0(a.Sub(c)))
+			lat = append(lat, max(a.Sub(c), 0)) // as in latencies
 		}
 	}
 	ph.publishedPerSec = float64(n) / to.Sub(from).Seconds()

@@ -47,7 +47,9 @@ func (o *latencyObserver) latencies(committed map[int64]time.Time) []time.Durati
 	var lat []time.Duration
 	for id, c := range committed {
 		if a, ok := o.acked[id]; ok {
-			lat = append(lat, max0(a.Sub(c)))
+			// At least 0: the PubAck may race ahead of the writer's clock
+			// read after Commit returned.
+			lat = append(lat, max(a.Sub(c), 0))
 		}
 	}
 	return lat
@@ -67,8 +69,7 @@ func benchLatency(ctx context.Context, nc *nats.Conn) error {
 	p99s := make([]benchkit.Figure, len(variants))
 	maxs := make([]benchkit.Figure, len(variants))
 	for run := range *benchkit.Runs {
-		for k := range variants {
-			i := (k + run) % len(variants)
+		for _, i := range benchkit.Rotation(run, len(variants)) {
 			l, err := measureLatency(ctx, nc, variants[i].mut)
 			if err != nil {
 				return fmt.Errorf("%s: %w", variants[i].name, err)
@@ -206,11 +207,8 @@ func startSteadyEnv(ctx context.Context, nc *nats.Conn, mutate func(*relay.Confi
 	rc.Slot = e.db.Name // slot names are cluster-wide
 	opts := e.options(rc)
 	opts.Observer = obs
-	r, err := relay.New(opts)
+	r, err := benchkit.StartRelay(ctx, opts)
 	if err != nil {
-		return nil, err
-	}
-	if err = r.Start(ctx); err != nil {
 		return nil, err
 	}
 	e.cleanup = append(e.cleanup, func() { _ = r.Stop(context.Background()) })
@@ -245,13 +243,4 @@ func (e *steadyEnv) writeSteadily(ctx context.Context) map[int64]time.Time {
 		}
 	})
 	return committed
-}
-
-// max0 clamps a negative latency (the PubAck raced ahead of the writer's
-// clock read after Commit returned) to zero.
-func max0(d time.Duration) time.Duration {
-	if d < 0 {
-		return 0
-	}
-	return d
 }

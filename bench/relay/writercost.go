@@ -70,8 +70,7 @@ func benchWriterCost(ctx context.Context, nc *nats.Conn) error {
 			return err
 		}
 		got := make([]float64, len(variants))
-		for k := range variants {
-			i := (k + round) % len(variants) // no variant always runs first, or last
+		for _, i := range benchkit.Rotation(round, len(variants)) {
 			v := variants[i]
 			err := w.withRelay(ctx, v.capture, func() error {
 				var err error
@@ -168,11 +167,8 @@ func (w *writerBench) withRelay(ctx context.Context, capture string, fn func() e
 	defer rp.Close()
 	rc := relayConfig()
 	rc.Capture, rc.Slot = capture, w.db.Name
-	r, err := relay.New(relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: w.nc, Logger: quiet})
+	r, err := benchkit.StartRelay(ctx, relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: w.nc, Logger: quiet})
 	if err != nil {
-		return err
-	}
-	if err := r.Start(ctx); err != nil {
 		return err
 	}
 	time.Sleep(2 * time.Second) // the backlog of earlier variants, and the slot

@@ -225,8 +225,7 @@ LIMIT $1`, *updates, *products)
 	var twoOverOne benchkit.Figure
 	for round := range *benchkit.Runs {
 		got := make([]float64, len(instances))
-		for k := range instances {
-			i := (k + round) % len(instances)
+		for _, i := range benchkit.Rotation(round, len(instances)) {
 			rate, err := b.steadyRun(ctx, instances[i])
 			if err != nil {
 				return err

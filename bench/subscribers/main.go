@@ -72,8 +72,7 @@ func run(ctx context.Context) error {
 	var overBaseline, twoOverOne, cache benchkit.Figure
 	for round := range *benchkit.Runs {
 		got := make([]float64, len(runs))
-		for k := range runs {
-			i := (k + round) % len(runs)
+		for _, i := range benchkit.Rotation(round, len(runs)) {
 			if got[i], err = b.invoicing(ctx, runs[i].instances, runs[i].batch); err != nil {
 				return fmt.Errorf("%s: %w", runs[i].name, err)
 			}
