@@ -80,36 +80,33 @@ func parseFigures(patterns []figurePattern, out string) []measure {
 	return found
 }
 
-// cpuPatterns reads the "CPU a row" line bench:relay prints under a drain
-// or raw-publish part since 9d55f98.
-func cpuPatterns(part string) []figurePattern {
-	head := `(?m)^\(` + part + `\) [^\n]*\n +CPU a row: `
-	return []figurePattern{
+// throughputPart reads a throughput part of bench:relay: its rate, the
+// first number before unit on the line "(a) ...", then extra, then, if
+// cpu, the figures of the "CPU a row" line printed under it since
+// 9d55f98.
+func throughputPart(part, name, unit string, cpu bool, extra ...figurePattern) []figurePattern {
+	line := `(?m)^\(` + part + `\) [^\n]*`
+	patterns := append([]figurePattern{pattern("("+part+") "+name, line+`?`+value+` `+unit, unit, higherIsBetter)}, extra...)
+	if !cpu {
+		return patterns
+	}
+	head := line + `\n +CPU a row: `
+	return append(patterns,
 		pattern("("+part+") CPU a row: this process", head+`this process `+value+`µs`, "µs", lowerIsBetter),
 		pattern("("+part+") CPU a row: nats-server", head+`[^\n]*nats-server `+value+`µs`, "µs", lowerIsBetter),
-		pattern("("+part+") CPU a row: Postgres", head+`[^\n]*Postgres `+value+`µs`, "µs", lowerIsBetter),
-	}
+		pattern("("+part+") CPU a row: Postgres", head+`[^\n]*Postgres `+value+`µs`, "µs", lowerIsBetter))
 }
 
 // relayFigures are bench:relay's figures; the horizon's time series,
 // retention, bigtx and accounts parts are left to their raw outputs.
 var relayFigures = slices.Concat(
-	[]figurePattern{
-		pattern("(a) poll drain", `(?m)^\(a\) [^\n]*?`+value+` rows/s`, "rows/s", higherIsBetter),
-		pattern("(a) mean claim time", `(?m)^\(a\) [^\n]*a claim took `+value+`ms`, "ms", lowerIsBetter),
-	},
-	cpuPatterns("a"),
-	[]figurePattern{pattern("(w) wal drain", `(?m)^\(w\) [^\n]*?`+value+` rows/s`, "rows/s", higherIsBetter)},
-	cpuPatterns("w"),
-	[]figurePattern{
-		pattern("(b) naive publisher", `(?m)^\(b\) [^\n]*?`+value+` rows/s`, "rows/s", higherIsBetter),
-		pattern("(c) raw publish", `(?m)^\(c\) [^\n]*?`+value+` msgs/s`, "msgs/s", higherIsBetter),
-	},
-	cpuPatterns("c"),
-	[]figurePattern{pattern("(m) raw publish of the relay's messages", `(?m)^\(m\) [^\n]*?`+value+` msgs/s`, "msgs/s", higherIsBetter)},
-	cpuPatterns("m"),
-	[]figurePattern{pattern("(f) fast-ingest batch", `(?m)^\(f\) [^\n]*?`+value+` msgs/s`, "msgs/s", higherIsBetter)},
-	cpuPatterns("f"),
+	throughputPart("a", "poll drain", "rows/s", true,
+		pattern("(a) mean claim time", `(?m)^\(a\) [^\n]*a claim took `+value+`ms`, "ms", lowerIsBetter)),
+	throughputPart("w", "wal drain", "rows/s", true),
+	throughputPart("b", "naive publisher", "rows/s", false),
+	throughputPart("c", "raw publish", "msgs/s", true),
+	throughputPart("m", "raw publish of the relay's messages", "msgs/s", true),
+	throughputPart("f", "fast-ingest batch", "msgs/s", true),
 	[]figurePattern{
 		// Within one run of parts a, w, c and m together.
 		pattern("ceilings: a/c", `(?m)^    ceilings: a/c = `+value, "x", higherIsBetter),
