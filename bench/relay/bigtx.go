@@ -7,7 +7,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -17,6 +16,7 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
+	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -215,10 +215,10 @@ func startAndStop(ctx context.Context, env *relayEnv, rc relay.Config) error {
 // waitBacklogDone waits up to 30 s for the wal relay of slot to have made
 // its slot and published the backlog before it.
 func waitBacklogDone(ctx context.Context, env *relayEnv, slot string) error {
+	store := outboxstore.New(env.db.Pool)
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		var done bool
-		err := env.db.Pool.QueryRow(ctx, `SELECT backlog_done_at IS NOT NULL FROM relay_capture WHERE slot_name = $1`, slot).Scan(&done)
-		if done || err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		_, done, _, err := store.ReadCapture(ctx, slot) // not done while the slot has no record
+		if done || err != nil {
 			return err
 		}
 		if time.Now().After(deadline) {
