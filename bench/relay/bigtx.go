@@ -144,9 +144,12 @@ func bigTxRun(ctx context.Context, nc *nats.Conn, mode, atomic string, shape agg
 	obs := &counter{}
 	opts := env.options(rc)
 	opts.Observer = obs
-	start := time.Now()
-	r, err := benchkit.StartRelay(ctx, opts)
+	r, err := relay.New(opts)
 	if err != nil {
+		return 0, 0, err
+	}
+	start := time.Now()
+	if err := r.Start(ctx); err != nil {
 		return 0, 0, err
 	}
 	defer func() { _ = r.Stop(ctx) }()

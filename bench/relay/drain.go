@@ -79,14 +79,17 @@ func (e *relayEnv) drain(ctx context.Context, rc relay.Config) (result, error) {
 	return timeDrain(ctx, e.options(rc))
 }
 
-// timeDrain starts a relay with opts and times it (its making included)
-// until it published -rows rows; claimMs is its mean claim's time.
+// timeDrain starts a relay with opts and times it from its start until it
+// published -rows rows; claimMs is its mean claim's time.
 func timeDrain(ctx context.Context, opts relay.Options) (result, error) {
 	obs := &counter{}
 	opts.Observer = obs
-	stop := startTiming()
-	r, err := benchkit.StartRelay(ctx, opts)
+	r, err := relay.New(opts)
 	if err != nil {
+		return result{}, err
+	}
+	stop := startTiming()
+	if err := r.Start(ctx); err != nil {
 		return result{}, err
 	}
 	for obs.n.Load() < int64(*rows) {
@@ -258,10 +261,11 @@ func rawPublish(ctx context.Context, nc *nats.Conn, build func(stream.Config) fu
 		return result{}, err
 	}
 	defer done()
+	next := build(sc)
 	stop := startTiming()
 	// A slow server (sync_interval always) keeps max_in_flight in flight
 	// for long: wait for room rather than fail.
-	if err := publishAll(js, *rows, build(sc), jetstream.WithStallWait(time.Minute)); err != nil {
+	if err := publishAll(js, *rows, next, jetstream.WithStallWait(time.Minute)); err != nil {
 		return result{}, err
 	}
 	res := stop()
