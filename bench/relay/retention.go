@@ -63,7 +63,17 @@ func retentionRun(ctx context.Context, dropRange bool) (c retentionCost, err err
 	}
 	defer db.Close()
 	store := outboxstore.New(db.Pool)
-	name, err := fillRange(ctx, db.Pool, store)
+	slot := ""
+	if dropRange {
+		// The retirement reads the slot's confirmed position and the
+		// rows' landings from the database, as a wal relay leaves them.
+		slot = "bench_retention_" + db.Name
+		if _, err := db.Pool.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot); err != nil {
+			return c, fmt.Errorf("make a slot (wal_level logical): %w", err)
+		}
+		defer db.Pool.Exec(context.WithoutCancel(ctx), `SELECT pg_drop_replication_slot($1)`, slot) //nolint:errcheck // before the database goes
+	}
+	name, err := fillRange(ctx, db.Pool, store, slot)
 	if err != nil {
 		return c, err
 	}
@@ -92,8 +102,11 @@ func retentionRun(ctx context.Context, dropRange bool) (c retentionCost, err err
 }
 
 // fillRange adds one range of -retention-rows rows, fills and seals it,
-// then vacuums and checkpoints, and returns the range's name.
-func fillRange(ctx context.Context, pool *pgxpool.Pool, store *outboxstore.Store) (string, error) {
+// then vacuums and checkpoints, and returns the range's name. With a slot,
+// it records what a wal relay would have by then: the slot as its
+// capture's, the rows' landings in the stream, the slot confirmed past
+// the range.
+func fillRange(ctx context.Context, pool *pgxpool.Pool, store *outboxstore.Store, slot string) (string, error) {
 	n := *retentionRows
 	// One range from id 2 (a margin of 1: nothing writes meanwhile), and
 	// n+1 rows: id 1 in outbox_default, the rest filling the range.
@@ -113,12 +126,33 @@ FROM generate_series(1, $1::bigint) g`, n+1); err != nil {
 	if sealed, err := store.SealPartition(ctx, name); err != nil || !sealed {
 		return "", fmt.Errorf("seal %s: %t (%w)", name, sealed, err)
 	}
+	if slot != "" {
+		if err := recordCapture(ctx, pool, slot, name, n); err != nil {
+			return "", fmt.Errorf("record the slot's capture: %w", err)
+		}
+	}
 	for _, sql := range []string{`VACUUM ANALYZE outbox`, `CHECKPOINT`} {
 		if _, err := pool.Exec(ctx, sql); err != nil {
 			return "", err
 		}
 	}
 	return name, nil
+}
+
+// recordCapture records range name's n rows as a wal relay leaves them:
+// the slot as its capture's, with no backlog; the rows landed in the
+// stream (a landing a thousand ids); the slot confirmed past the range.
+func recordCapture(ctx context.Context, pool *pgxpool.Pool, slot, name string, n int64) error {
+	if _, err := pool.Exec(ctx, `INSERT INTO relay_capture (slot_name, backlog_through, backlog_done_at) VALUES ($1, 0, now())`, slot); err != nil {
+		return err
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO outbox_landings (stream, first_id, last_id, event_ids, seqs)
+SELECT 'EVENTS', min(g), max(g), array_agg(g ORDER BY g), array_agg(g ORDER BY g)
+FROM generate_series(2, $1::bigint + 1) g GROUP BY (g - 2) / 1000`, n); err != nil {
+		return err
+	}
+	_, err := pool.Exec(ctx, `SELECT pg_replication_slot_advance($1, (SELECT sealed_lsn FROM outbox_partitions WHERE name = $2))`, slot, name)
+	return err
 }
 
 // retireRange drops the range as the relays do (fanout_outbox_retire),
