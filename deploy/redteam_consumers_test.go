@@ -60,46 +60,12 @@ func TestRedTeamReaderConsumers(t *testing.T) {
 		conf = other
 	}
 	ns := startNATSWith(t, conf, natsUsers)
-	discard := slog.New(slog.NewTextHandler(io.Discard, nil))
 	rel, prov, op, admin := ns.connect(t, "relay"), ns.connect(t, "provisioner"), ns.connect(t, "operator"), ns.connect(t, "admin")
 
-	// Everything as `fanout provision` makes it, the readers included.
-	if err := stream.Ensure(ctx, prov.js, cfg.Stream, relay.RepublishDelay(cfg.Relay), discard); err != nil {
-		t.Fatalf("provision the stream: %v", err)
-	}
-	events, err := prov.js.Stream(ctx, cfg.Stream.Name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, d := range registry.Default.All() {
-		if _, err := subscribers.ProvisionConsumer(ctx, events, d, cfg.Subscribers, cfg.Stream); err != nil {
-			t.Fatalf("provision consumer %s: %v", d.Name, err)
-		}
-	}
-	readers := map[string]jetstream.ConsumerConfig{
-		stream.AuditConsumer:   stream.AuditConsumerConfig(stream.AuditConsumer),
-		stream.ReindexConsumer: searchindex.ReplayConsumerConfig(cfg.Stream),
-	}
+	readers := provisionEverything(t, ctx, cfg, prov, admin, other == "")
 	adminEvents, err := admin.js.Stream(ctx, cfg.Stream.Name)
 	if err != nil {
 		t.Fatal(err)
-	}
-	for _, want := range readers {
-		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		_, err := stream.EnsureReader(pctx, events, want, true)
-		cancel()
-		if err != nil {
-			if other == "" {
-				t.Fatalf("the provisioner makes reader %s: %v", want.Durable, err)
-			}
-			// A configuration where the provisioner may not: the admin.
-			if _, err := stream.EnsureReader(ctx, adminEvents, want, true); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	if other == "" {
-		prov.checkClean(t)
 	}
 
 	// The events: orders and product changes the subscribers wait for,
@@ -317,6 +283,56 @@ func TestRedTeamReaderConsumers(t *testing.T) {
 			refused(t, tc.c, subjects...)
 		})
 	}
+}
+
+// provisionEverything makes what `fanout provision` makes, as the
+// provisioner: both streams, every subscriber's consumer and the readers
+// (returned by name). Unless strict (a configuration whose provisioner
+// may not make a reader), the administrator makes the readers it cannot.
+func provisionEverything(t *testing.T, ctx context.Context, cfg *settings, prov, admin *natsClient, strict bool) map[string]jetstream.ConsumerConfig {
+	t.Helper()
+	discard := slog.New(slog.NewTextHandler(io.Discard, nil))
+	if err := stream.Ensure(ctx, prov.js, cfg.Stream, relay.RepublishDelay(cfg.Relay), discard); err != nil {
+		t.Fatalf("provision the stream: %v", err)
+	}
+	if _, err := subscribers.ProvisionDeadLetterStream(ctx, prov.js, cfg.Subscribers, cfg.Stream.Replicas, stream.Changes{}, discard); err != nil {
+		t.Fatalf("provision the dead-letter stream: %v", err)
+	}
+	events, err := prov.js.Stream(ctx, cfg.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range registry.Default.All() {
+		if _, err := subscribers.ProvisionConsumer(ctx, events, d, cfg.Subscribers, cfg.Stream); err != nil {
+			t.Fatalf("provision consumer %s: %v", d.Name, err)
+		}
+	}
+	readers := map[string]jetstream.ConsumerConfig{
+		stream.AuditConsumer:        stream.AuditConsumerConfig(stream.AuditConsumer),
+		stream.AuditCommandConsumer: stream.AuditConsumerConfig(stream.AuditCommandConsumer),
+		stream.ReindexConsumer:      searchindex.ReplayConsumerConfig(cfg.Stream),
+	}
+	adminEvents, err := admin.js.Stream(ctx, cfg.Stream.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range readers {
+		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		_, err := stream.EnsureReader(pctx, events, want, true)
+		cancel()
+		if err != nil {
+			if strict {
+				t.Fatalf("the provisioner makes reader %s: %v", want.Durable, err)
+			}
+			if _, err := stream.EnsureReader(ctx, adminEvents, want, true); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if strict {
+		prov.checkClean(t)
+	}
+	return readers
 }
 
 // restoreReader makes the reader want again as the stream's administrator,
