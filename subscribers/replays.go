@@ -27,6 +27,7 @@ type replayer struct {
 	pool             *pgxpool.Pool
 	js               jetstream.JetStream
 	logger           *slog.Logger
+	failing          bool // the last look failed: said once, not every second
 }
 
 // replayPollInterval is how often a running instance looks for requests:
@@ -54,8 +55,8 @@ func (p *replayer) loop(ctx context.Context) {
 // takeOne carries out the oldest waiting request, if any, and reports
 // whether it did. Postgres or NATS out of reach leaves the request for a
 // later tick (until it lapses): an outage is not the request's failure.
-func (p *replayer) takeOne(ctx context.Context) bool {
-	ctx, cancel := context.WithTimeout(ctx, replayTimeout)
+func (p *replayer) takeOne(parent context.Context) bool {
+	ctx, cancel := context.WithTimeout(parent, replayTimeout)
 	defer cancel()
 	var taken bookkeeping.TakenReplay
 	var outcome string
@@ -71,12 +72,18 @@ func (p *replayer) takeOne(ctx context.Context) bool {
 		}
 		return rs.Finish(ctx, taken.ID, outcome)
 	})
-	switch {
-	case err != nil:
-		if ctx.Err() == nil {
-			p.logger.Warn("replays: cannot take or carry out a request now; trying again", "error", err)
+	if err != nil {
+		if parent.Err() == nil && !p.failing { // not stopping: an outage
+			p.failing = true
+			p.logger.Warn("replays: cannot look for or carry out a request now (Postgres or NATS out of reach); looking again every second", "error", err)
 		}
 		return false
+	}
+	if p.failing {
+		p.failing = false
+		p.logger.Info("replays: looking for requests again")
+	}
+	switch {
 	case outcome == "":
 		return false
 	case outcome == bookkeeping.ReplayMoved:

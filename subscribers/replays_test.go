@@ -124,3 +124,34 @@ func TestAReplayIsCarriedOutByTheSubscriber(t *testing.T) {
 		}
 	}
 }
+
+// A request made while the subscriber cannot reach Postgres waits: an
+// outage is not the request's failure, and the instance carries it out
+// once Postgres is back.
+func TestAReplayWaitsOutAPostgresOutage(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	ctx := context.Background()
+	pool, proxy := env.ProxiedPool()
+	env.StartRunner(subscribertest.Declare("patient", subscribers.Each(&countingHandler{}), "test.>"), func(o *subscribers.Options) { o.Pool = pool })
+	env.Write(func(pgx.Tx) ([]outbox.Event, error) {
+		return []outbox.Event{{AggregateType: "test", AggregateID: "1", Type: "test.patient", Payload: map[string]int{"n": 1}}}, nil
+	})
+	env.WaitIdle("patient", 15*time.Second)
+
+	proxy.Cut()
+	rs := bookkeeping.NewReplays(env.DB.Pool)
+	id, err := rs.Request(ctx, bookkeeping.ReplayRequest{Subscriber: "patient", Stream: env.Config.Stream.Name, FromSeq: 1, Within: time.Minute, Reason: "during an outage"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(3 * time.Second) // three looks for requests, each cut off
+	if o, err := rs.Outcome(ctx, id); err != nil || o.Outcome != bookkeeping.ReplayRequested {
+		t.Fatalf("the request during the outage: %+v (%v), want it still requested", o, err)
+	}
+	proxy.Restore()
+	subscribertest.WaitFor(t, 20*time.Second, "the replay once Postgres is back", func() (bool, string) {
+		o, err := rs.Outcome(ctx, id)
+		return err == nil && o.Outcome == bookkeeping.ReplayMoved, fmt.Sprintf("%+v %v", o, err)
+	})
+}
