@@ -87,6 +87,10 @@ func TestReplaysAreRequestedByTheOperatorAndCarriedOutByTheSubscriber(t *testing
 	if o, err := operator.Outcome(ctx, id); err != nil || o != (bookkeeping.ReplayOutcome{Outcome: bookkeeping.ReplayMoved, Actor: "fanout_invoicing"}) {
 		t.Errorf("the outcome the operator reads: %+v (%v), want moved by fanout_invoicing", o, err)
 	}
+	// fanout status reads them as the operator.
+	if recent, err := operator.Recent(ctx, time.Now().Add(-time.Hour), 10); err != nil || len(recent) != 1 || recent[0].Outcome != bookkeeping.ReplayMoved || recent[0].By != "fanout_invoicing" {
+		t.Errorf("the replays fanout_operator reads: %+v (%v), want the one moved by fanout_invoicing", recent, err)
+	}
 	refusedCode("fanout_invoicing", "records a second outcome", bookkeeping.NewReplays(invoicing).Finish(ctx, id, "failed: twice"), "23505")
 	denied(t, invoicing, "fanout_invoicing", `INSERT INTO replays (subscriber, stream, from_seq, outcome, actor) VALUES ('invoicing', 'EVENTS', 1, 'requested', 'fanout_operator')`)
 	refusedCode("fanout_invoicing", "requests a replay", func() error {

@@ -14,6 +14,7 @@ import (
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers"
 	"github.com/fanout/fanout/subscribers/backfill"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
@@ -80,6 +81,9 @@ type Status struct {
 	// Backfills are the subscribers' backfills (fanout backfill), running,
 	// paused or finished.
 	Backfills []Backfill `json:"backfills,omitempty"`
+	// Replays are the last day's replay requests (fanout replay), newest
+	// first, and what came of each.
+	Replays []bookkeeping.ReplayRecord `json:"replays,omitempty"`
 	// Stages are the last minute's stage latencies, when Sources.Ops names
 	// endpoints to read them from.
 	Stages *Stages `json:"stages,omitempty"`
@@ -166,6 +170,9 @@ func ReadStatus(ctx context.Context, src Sources) (Status, error) {
 	for _, b := range backfills {
 		st.Backfills = append(st.Backfills, Backfill{Subscriber: b.Subscriber, Where: b.Where, Total: b.Total, Done: b.Done,
 			Failed: b.Failed, Segments: b.Segments, SegmentsDone: b.SegmentsDone, Paused: b.Paused, StartedAt: b.StartedAt, UpdatedAt: b.UpdatedAt, FinishedAt: b.FinishedAt})
+	}
+	if st.Replays, err = bookkeeping.NewReplays(src.Pool).Recent(ctx, time.Now().Add(-24*time.Hour), 20); err != nil {
+		return st, fmt.Errorf("replays: %w", err)
 	}
 	if len(src.Ops) > 0 {
 		stages := ReadStages(ctx, src.Ops)

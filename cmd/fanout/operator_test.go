@@ -251,6 +251,13 @@ func TestOperatorCommands(t *testing.T) {
 FROM replays WHERE subscriber = 'invoicing' AND from_seq = 1 AND actor = session_user AND comment = 'fill a gap'`).Scan(&requests, &moved); err != nil || requests != 1 || moved != 1 {
 		t.Errorf("replays recorded: %d requests and %d moves (%v), want the request and its outcome", requests, moved, err)
 	}
+	// fanout status lists it, and what came of it.
+	if st := status(t, env); len(st.Replays) != 1 || st.Replays[0].Outcome != "moved" || st.Replays[0].Subscriber != "invoicing" || st.Replays[0].Reason != "fill a gap" {
+		t.Errorf("status's replays: %+v, want invoicing's, moved", st.Replays)
+	}
+	if human, err := run(t, env, "status"); err != nil || !regexp.MustCompile(`replay   \d+: invoicing from sequence 1 of EVENTS, asked by \S+ at .* \(fill a gap\): moved, recorded by `).MatchString(human) {
+		t.Errorf("fanout status after a replay: %v\n%s", err, human)
+	}
 	subscribertest.WaitFor(t, 15*time.Second, "invoicing to skip the replayed events", func() (bool, string) {
 		_, body := get(t, subs.opsAddr(t), "/metrics")
 		return strings.Contains(body, `fanout_subscriber_skipped_duplicates_total{subscriber="invoicing"} 3`), ""

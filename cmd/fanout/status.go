@@ -13,6 +13,7 @@ import (
 	"github.com/fanout/fanout/operator"
 	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/subscribers/bookkeeping"
 	"github.com/spf13/cobra"
 )
 
@@ -62,6 +63,9 @@ func printStatus(w io.Writer, st operator.Status) {
 	printSubscribers(w, st.Subscribers)
 	for _, b := range st.Backfills {
 		printBackfill(w, b)
+	}
+	for _, r := range st.Replays {
+		printReplay(w, r)
 	}
 	if st.Stages != nil {
 		printStages(w, *st.Stages)
@@ -235,5 +239,21 @@ func fmtMs(ms float64) string {
 		return fmt.Sprintf("%.0fms", ms)
 	default:
 		return fmt.Sprintf("%.1fs", ms/1000)
+	}
+}
+
+// printReplay prints a replay request of the last day and what came of it.
+func printReplay(w io.Writer, r bookkeeping.ReplayRecord) {
+	fmt.Fprintf(w, "replay   %d: %s from sequence %d of %s, asked by %s at %s", r.ID, r.Subscriber, r.FromSeq, r.Stream, r.RequestedBy, r.RequestedAt.Local().Format(time.DateTime))
+	if r.Reason != "" {
+		fmt.Fprintf(w, " (%s)", r.Reason)
+	}
+	switch r.Outcome {
+	case bookkeeping.ReplayRequested:
+		fmt.Fprintf(w, ": waiting for a running instance of %s to take it\n", r.Subscriber)
+	case bookkeeping.ReplayLapsed:
+		fmt.Fprintln(w, ": lapsed, no instance took it (nothing moved)")
+	default:
+		fmt.Fprintf(w, ": %s, recorded by %s\n", r.Outcome, r.By)
 	}
 }

@@ -93,3 +93,39 @@ func (rs Replays) Finish(ctx context.Context, id int64, outcome string) error {
 	_, err := rs.db.Exec(ctx, `SELECT fanout_replay_finish($1, $2)`, id, outcome)
 	return err
 }
+
+// ReplayRecord is a request and what came of it.
+type ReplayRecord struct {
+	ID          int64     `json:"id"`
+	Subscriber  string    `json:"subscriber"`
+	Stream      string    `json:"stream"`
+	FromSeq     uint64    `json:"from_seq"`
+	RequestedBy string    `json:"requested_by"`
+	Reason      string    `json:"reason,omitempty"`
+	RequestedAt time.Time `json:"requested_at"`
+	// Outcome is ReplayMoved or why not, ReplayRequested while it may
+	// still be taken, or ReplayLapsed; By is the role that recorded it.
+	Outcome string `json:"outcome"`
+	By      string `json:"by,omitempty"`
+}
+
+// Recent returns the requests made since since, newest first, at most
+// limit.
+func (rs Replays) Recent(ctx context.Context, since time.Time, limit int) ([]ReplayRecord, error) {
+	rows, err := rs.db.Query(ctx, `
+SELECT r.id, r.subscriber, r.stream, r.from_seq, r.actor, r.comment, r.at,
+       coalesce(o.outcome, CASE WHEN r.lapses_at > now() THEN 'requested' ELSE 'lapsed' END), coalesce(o.actor, '')
+FROM replays r LEFT JOIN replays o ON o.request_id = r.id
+WHERE r.request_id IS NULL AND r.lapses_at IS NOT NULL AND r.at >= $1
+ORDER BY r.id DESC LIMIT $2`, since, limit)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, func(row pgx.CollectableRow) (ReplayRecord, error) {
+		var r ReplayRecord
+		var seq int64
+		err := row.Scan(&r.ID, &r.Subscriber, &r.Stream, &seq, &r.RequestedBy, &r.Reason, &r.RequestedAt, &r.Outcome, &r.By)
+		r.FromSeq = uint64(max(seq, 0))
+		return r, err
+	})
+}
