@@ -18,7 +18,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -54,15 +53,10 @@ func TestRedTeamReaderConsumers(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	cfg := loadConfig(t)
-	conf := natsConfPath(t)
-	other := os.Getenv("FANOUT_REDTEAM_NATS_CONF")
-	if other != "" {
-		conf = other
-	}
-	ns := startNATSWith(t, conf, natsUsers)
+	ns, shipped := startRedTeamNATS(t)
 	rel, prov, op, admin := ns.connect(t, "relay"), ns.connect(t, "provisioner"), ns.connect(t, "operator"), ns.connect(t, "admin")
 
-	readers := provisionEverything(t, ctx, cfg, prov, admin, other == "")
+	readers := provisionEverything(t, ctx, cfg, prov, admin, shipped)
 	adminEvents, err := admin.js.Stream(ctx, cfg.Stream.Name)
 	if err != nil {
 		t.Fatal(err)

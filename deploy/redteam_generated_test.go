@@ -23,7 +23,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -93,14 +92,9 @@ func TestRedTeamGenerated(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	cfg := loadConfig(t)
-	conf := natsConfPath(t)
-	other := os.Getenv("FANOUT_REDTEAM_NATS_CONF")
-	if other != "" {
-		conf = other
-	}
-	ns := startNATSWith(t, conf, natsUsers)
+	ns, shipped := startRedTeamNATS(t)
 	rel, prov, admin, adminDL := ns.connect(t, "relay"), ns.connect(t, "provisioner"), ns.connect(t, "admin"), ns.connect(t, "admin_deadletter")
-	readers := provisionEverything(t, ctx, cfg, prov, admin, other == "")
+	readers := provisionEverything(t, ctx, cfg, prov, admin, shipped)
 	consumers := map[string]string{} // name: owner
 	for _, name := range registry.Default.Names() {
 		consumers[name] = name

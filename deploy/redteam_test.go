@@ -38,11 +38,7 @@ func TestRedTeamNATS(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	cfg := loadConfig(t)
-	conf := natsConfPath(t)
-	if c := os.Getenv("FANOUT_REDTEAM_NATS_CONF"); c != "" {
-		conf = c
-	}
-	ns := startNATSWith(t, conf, natsUsers)
+	ns, _ := startRedTeamNATS(t)
 	discard := slog.New(slog.NewTextHandler(io.Discard, nil))
 	rel, prov, op := ns.connect(t, "relay"), ns.connect(t, "provisioner"), ns.connect(t, "operator")
 	inv, cin := ns.connect(t, invoicing.Name), ns.connect(t, cacheinval.Name)
@@ -245,6 +241,17 @@ func TestRedTeamNATS(t *testing.T) {
 
 // streamMessages reads, from the server's monitoring endpoint, how many
 // messages each stream holds, whatever account it is in.
+// startRedTeamNATS starts nats-server with the shipped configuration, or
+// with FANOUT_REDTEAM_NATS_CONF's (to see attacks succeed against
+// another); shipped says which.
+func startRedTeamNATS(t *testing.T) (ns *natsServer, shipped bool) {
+	t.Helper()
+	if conf := os.Getenv("FANOUT_REDTEAM_NATS_CONF"); conf != "" {
+		return startNATSWith(t, conf, natsUsers), false
+	}
+	return startNATSWith(t, natsConfPath(t), natsUsers), true
+}
+
 func streamMessages(t *testing.T, ns *natsServer) map[string]uint64 {
 	t.Helper()
 	resp, err := http.Get(ns.monitor + "/jsz?accounts=true&streams=true")
