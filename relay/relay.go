@@ -185,13 +185,19 @@ func (r *Relay) start(ctx context.Context) error {
 	if r.cfg.Audit && !r.hooks.NoAudit {
 		r.loops.Go(func() { r.auditor.run(softCtx) })
 	}
-	// The database as its events' origins name it: what another
-	// database's operators register (fanout outbox allow-origin).
+	r.logStarted()
+	return nil
+}
+
+// logStarted says the relay runs, and with what, naming the database as
+// its events' origins name it: what another database's operators register
+// (fanout outbox allow-origin).
+func (r *Relay) logStarted() {
 	database := ""
 	if ident := r.origin.identity.Load(); ident != nil {
 		database = ident.Database.String()
 	}
-	if wal {
+	if r.cfg.Capture == CaptureWAL {
 		r.logger.Info("relay started", "database", database, "capture", r.cfg.Capture, "slot", r.cfg.Slot, "publication", Publication,
 			"stream", r.stream.Name, "subjects", r.stream.SubjectPrefix+".>",
 			"batch_size", r.cfg.BatchSize, "max_in_flight", r.cfg.MaxInFlight)
@@ -201,7 +207,6 @@ func (r *Relay) start(ctx context.Context) error {
 			"batch_size", r.cfg.BatchSize, "max_in_flight", r.cfg.MaxInFlight,
 			"lease", r.cfg.Lease, "poll_interval", r.cfg.PollInterval, "listen", r.cfg.Listen)
 	}
-	return nil
 }
 
 // checkStream compares the live stream with the configuration.
