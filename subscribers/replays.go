@@ -9,7 +9,6 @@ import (
 
 	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/subscribers/bookkeeping"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -56,22 +55,7 @@ func (p *replayer) loop(ctx context.Context) {
 // whether it did. Postgres or NATS out of reach leaves the request for a
 // later tick (until it lapses): an outage is not the request's failure.
 func (p *replayer) takeOne(parent context.Context) bool {
-	ctx, cancel := context.WithTimeout(parent, replayTimeout)
-	defer cancel()
-	var taken bookkeeping.TakenReplay
-	var outcome string
-	err := pgx.BeginFunc(ctx, p.pool, func(tx pgx.Tx) error {
-		rs := bookkeeping.NewReplays(tx)
-		var ok bool
-		var err error
-		if taken, ok, err = rs.Take(ctx, p.name); err != nil || !ok {
-			return err
-		}
-		if outcome, err = p.move(ctx, taken); err != nil {
-			return err
-		}
-		return rs.Finish(ctx, taken.ID, outcome)
-	})
+	taken, outcome, err := p.carryOut(parent)
 	if err != nil {
 		if parent.Err() == nil && !p.failing { // not stopping: an outage
 			p.failing = true
@@ -96,6 +80,34 @@ func (p *replayer) takeOne(parent context.Context) bool {
 	return true
 }
 
+// carryOut takes a request (none: no outcome), moves the consumer and
+// records the outcome, in one transaction. Once the consumer has moved,
+// the outcome is recorded even if the runner is stopping meanwhile
+// (within replayTimeout): a move left unrecorded would read as a lapse.
+func (p *replayer) carryOut(parent context.Context) (taken bookkeeping.TakenReplay, outcome string, err error) {
+	ctx, cancel := context.WithTimeout(parent, replayTimeout)
+	defer cancel()
+	tx, err := p.pool.Begin(ctx)
+	if err != nil {
+		return taken, "", err
+	}
+	finish, cancelFinish := context.WithTimeout(context.WithoutCancel(parent), replayTimeout)
+	defer cancelFinish()
+	defer tx.Rollback(finish) //nolint:errcheck // after a commit, a no-op
+	rs := bookkeeping.NewReplays(tx)
+	taken, ok, err := rs.Take(ctx, p.name)
+	if err != nil || !ok {
+		return taken, "", err
+	}
+	if outcome, err = p.move(ctx, taken); err != nil {
+		return taken, "", err
+	}
+	if err := rs.Finish(finish, taken.ID, outcome); err != nil {
+		return taken, "", err
+	}
+	return taken, outcome, tx.Commit(finish)
+}
+
 // move resets the consumer to the request's position. Its outcome is
 // ReplayMoved or why the request cannot be carried out; an error is an
 // outage (the request stays).
@@ -103,7 +115,16 @@ func (p *replayer) move(ctx context.Context, r bookkeeping.TakenReplay) (string,
 	if r.Stream != p.streamName {
 		return fmt.Sprintf("failed: subscriber %s consumes stream %s, not %s", p.name, p.streamName, r.Stream), nil
 	}
-	_, err := p.js.ResetConsumerToSequence(ctx, r.Stream, p.name, r.FromSeq)
+	// A replay moves the consumer back, to events it received: moved past
+	// its ack floor, it would skip the events in between.
+	c, err := p.js.Consumer(ctx, r.Stream, p.name)
+	if err != nil {
+		return "", fmt.Errorf("read the consumer: %w", err)
+	}
+	if floor := c.CachedInfo().AckFloor.Stream; r.FromSeq > floor+1 {
+		return fmt.Sprintf("failed: sequence %d is past the consumer's ack floor %d: a replay moves a consumer back, and moved forward it would skip the events in between", r.FromSeq, floor), nil
+	}
+	_, err = p.js.ResetConsumerToSequence(ctx, r.Stream, p.name, r.FromSeq)
 	switch {
 	case err == nil:
 		return bookkeeping.ReplayMoved, nil

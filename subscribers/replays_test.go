@@ -82,7 +82,7 @@ func TestAReplayIsCarriedOutByTheSubscriber(t *testing.T) {
 	}
 	subscribertest.WaitFor(t, 15*time.Second, "the 3 events again, skipped", func() (bool, string) {
 		n := obs.skipped.Load()
-		return n == 3, fmt.Sprintf("%d skipped", n)
+		return n >= 3, fmt.Sprintf("%d skipped", n)
 	})
 	env.WaitIdle("replayed", 15*time.Second)
 	if n := h.calls.Load(); n != 3 {
@@ -109,9 +109,25 @@ func TestAReplayIsCarriedOutByTheSubscriber(t *testing.T) {
 		t.Fatalf("a replay no instance takes: %+v, want lapsed", o)
 	}
 	env.StartRunner(subscribertest.Declare("absent", subscribers.Each(&countingHandler{}), "test.>"), nil)
-	time.Sleep(3 * time.Second) // three of its looks for requests
+	// Once it has carried out a request made now, it has looked.
+	later, err := rs.Request(ctx, bookkeeping.ReplayRequest{Subscriber: "absent", Stream: env.Config.Stream.Name, FromSeq: 1, Within: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o := outcome(later); o.Outcome != bookkeeping.ReplayMoved {
+		t.Fatalf("a replay of the started subscriber: %+v, want moved", o)
+	}
 	if o, err := rs.Outcome(ctx, id); err != nil || o.Outcome != bookkeeping.ReplayLapsed {
 		t.Errorf("a lapsed replay after its subscriber started: %+v (%v), want still lapsed", o, err)
+	}
+
+	// Forward, past what the consumer acknowledged, it would skip events.
+	id, err = rs.Request(ctx, bookkeeping.ReplayRequest{Subscriber: "replayed", Stream: env.Config.Stream.Name, FromSeq: 1_000_000, Within: time.Minute, Reason: "skip ahead"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o := outcome(id); !strings.Contains(o.Outcome, "failed: sequence 1000000 is past the consumer's ack floor") {
+		t.Errorf("a replay forward: %+v, want it refused", o)
 	}
 
 	for _, r := range []bookkeeping.ReplayRequest{

@@ -31,7 +31,9 @@ replays table, with the database role that ran it and --reason, and a
 running instance of the subscriber (the only role that may reset its own
 consumer) takes it within a second or so, moves its consumer and records
 the outcome. replay waits for that outcome. A request no instance takes
-within --wait lapses: nothing moves, then or later.`,
+within --wait lapses: no instance takes it later. A replay moves a consumer
+back only: a position past the consumer's ack floor (events it has not
+acknowledged would be skipped) is refused.`,
 		Args: cobra.ExactArgs(1),
 		RunE: a.loaded(func(cmd *cobra.Command, args []string) error {
 			if (fromTime == "") == (fromSeq == 0) {
@@ -80,7 +82,9 @@ within --wait lapses: nothing moves, then or later.`,
 // requestReplay records r and waits for the subscriber to carry it out;
 // it returns the role that moved the consumer, or why nothing moved.
 func requestReplay(ctx context.Context, rs bookkeeping.Replays, r bookkeeping.ReplayRequest) (string, error) {
-	id, err := rs.Request(ctx, r)
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	id, err := rs.Request(rctx, r)
+	cancel()
 	if err != nil {
 		return "", fmt.Errorf("subscriber %s: record the replay request: %w", r.Subscriber, err)
 	}
@@ -90,7 +94,11 @@ func requestReplay(ctx context.Context, rs bookkeeping.Replays, r bookkeeping.Re
 			return "", fmt.Errorf("subscriber %s: replay request %d: stopped waiting for its outcome (it lapses on its own): %w", r.Subscriber, id, ctx.Err())
 		case <-time.After(250 * time.Millisecond):
 		}
-		o, err := rs.Outcome(ctx, id)
+		// Outcome waits for an instance holding the request, which holds
+		// it for replayTimeout (15 s) at most.
+		octx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		o, err := rs.Outcome(octx, id)
+		cancel()
 		switch {
 		case err != nil:
 			return "", fmt.Errorf("subscriber %s: replay request %d: read its outcome: %w", r.Subscriber, id, err)
@@ -99,7 +107,7 @@ func requestReplay(ctx context.Context, rs bookkeeping.Replays, r bookkeeping.Re
 		case o.Outcome == bookkeeping.ReplayMoved:
 			return o.Actor, nil
 		case o.Outcome == bookkeeping.ReplayLapsed:
-			return "", fmt.Errorf("subscriber %s: no running instance took replay request %d within %s, so it lapsed and nothing moved: start the subscriber and replay again", r.Subscriber, id, r.Within)
+			return "", fmt.Errorf("subscriber %s: replay request %d lapsed after %s with no outcome recorded: no running instance took it (start the subscriber and replay again), or one failed while carrying it out (its log says so, and its consumer may have moved)", r.Subscriber, id, r.Within)
 		default:
 			return "", fmt.Errorf("subscriber %s: replay request %d %s (recorded by %s)", r.Subscriber, id, o.Outcome, o.Actor)
 		}

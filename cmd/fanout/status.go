@@ -252,7 +252,7 @@ func printReplay(w io.Writer, r bookkeeping.ReplayRecord) {
 	case bookkeeping.ReplayRequested:
 		fmt.Fprintf(w, ": waiting for a running instance of %s to take it\n", r.Subscriber)
 	case bookkeeping.ReplayLapsed:
-		fmt.Fprintln(w, ": lapsed, no instance took it (nothing moved)")
+		fmt.Fprintln(w, ": lapsed with no outcome recorded (no instance took it, or one failed carrying it out: see its log)")
 	default:
 		fmt.Fprintf(w, ": %s, recorded by %s\n", r.Outcome, r.By)
 	}

@@ -46,8 +46,10 @@ REVOKE ALL ON FUNCTION fanout_replay_request(text, text, bigint, interval, text)
 -- +goose StatementBegin
 -- fanout_replay_acts_for raises unless the session may act for subscriber
 -- p_subscriber: its role (fanout_<name>, or a role that is a member of
--- it), the owner of replays (a development setup runs everything as the
--- owner) or a superuser.
+-- it) but not the operator's (a member of every subscriber role, for
+-- redrives: it asks for replays and must not record their outcome), the
+-- owner of replays (a development setup runs everything as the owner) or
+-- a superuser.
 CREATE FUNCTION fanout_replay_acts_for(p_subscriber text) RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
@@ -55,7 +57,8 @@ BEGIN
         RETURN;
     END IF;
     IF to_regrole('fanout_' || p_subscriber) IS NULL
-       OR NOT pg_has_role(session_user, to_regrole('fanout_' || p_subscriber), 'MEMBER') THEN
+       OR NOT pg_has_role(session_user, to_regrole('fanout_' || p_subscriber), 'MEMBER')
+       OR (to_regrole('fanout_operator') IS NOT NULL AND pg_has_role(session_user, to_regrole('fanout_operator'), 'MEMBER')) THEN
         RAISE EXCEPTION 'role % does not act for subscriber %: only the subscriber carries out its replays', session_user, left(p_subscriber, 200)
             USING ERRCODE = 'insufficient_privilege';
     END IF;
@@ -70,17 +73,35 @@ REVOKE ALL ON FUNCTION fanout_replay_acts_for(text) FROM PUBLIC;
 -- records the outcome with fanout_replay_finish in the same transaction.
 -- The lapse is read from the clock, not the transaction's start, so that
 -- once fanout_replay_outcome has said 'lapsed' nobody takes the request.
+-- Both are checked again once the row is locked, in a statement of its
+-- own (a snapshot of its own): an instance that finished the request
+-- between this statement's snapshot and its lock took nothing from
+-- Postgres's point of view (the lock does not re-check a row that was
+-- only locked, not changed), and would carry it out a second time.
 CREATE FUNCTION fanout_replay_take(p_subscriber text) RETURNS TABLE (id bigint, stream text, from_seq bigint, actor text, comment text)
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    rid bigint;
+    after bigint := 0;
 BEGIN
     PERFORM public.fanout_replay_acts_for(p_subscriber);
-    RETURN QUERY
-        SELECT r.id, r.stream, r.from_seq, r.actor, r.comment FROM public.replays r
+    LOOP
+        SELECT r.id INTO rid FROM public.replays r
         WHERE r.subscriber = p_subscriber AND r.request_id IS NULL AND r.outcome = 'requested'
-          AND r.lapses_at > clock_timestamp()
+          AND r.id > after AND r.lapses_at > clock_timestamp()
           AND NOT EXISTS (SELECT FROM public.replays o WHERE o.request_id = r.id)
         ORDER BY r.id LIMIT 1
         FOR UPDATE OF r SKIP LOCKED;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        IF NOT EXISTS (SELECT FROM public.replays o WHERE o.request_id = rid)
+           AND (SELECT r.lapses_at FROM public.replays r WHERE r.id = rid) > clock_timestamp() THEN
+            RETURN QUERY SELECT r.id, r.stream, r.from_seq, r.actor, r.comment FROM public.replays r WHERE r.id = rid;
+            RETURN;
+        END IF;
+        after := rid;
+    END LOOP;
 END $$;
 -- +goose StatementEnd
 REVOKE ALL ON FUNCTION fanout_replay_take(text) FROM PUBLIC;
@@ -135,6 +156,9 @@ REVOKE ALL ON FUNCTION fanout_replay_outcome(bigint) FROM PUBLIC;
 DROP FUNCTION fanout_record_replay(text, text, bigint, text, text);
 
 -- +goose Down
+-- fanout_record_replay comes back without its grant: run the roles.sql of
+-- that version again (the operator's `fanout replay` of a binary before
+-- this migration records through it).
 -- +goose StatementBegin
 CREATE FUNCTION fanout_record_replay(p_subscriber text, p_stream text, p_from_seq bigint, p_outcome text, p_comment text)
 RETURNS void
