@@ -98,6 +98,17 @@ func TestComposeGivesTheNATSServerOnlyHashes(t *testing.T) {
 			t.Errorf("the server gets %s=%q, whose password nats-hashes does not mount", v, h)
 		}
 	}
+	// The server the shipped configuration makes of these hashes lets
+	// each user in with its password, the administrators included.
+	plain, hashed := map[string]string{}, map[string]string{}
+	for v, pw := range passwords {
+		user := strings.ToLower(strings.TrimSuffix(strings.TrimPrefix(v, "FANOUT_NATS_"), "_PASSWORD"))
+		plain[user], hashed[user] = pw, env[v]
+	}
+	ns := startNATSServer(t, natsConfPath(t), plain, hashed)
+	for user := range plain {
+		ns.connect(t, user).nc.Close()
+	}
 	for v, pw := range passwords {
 		if strings.Contains(string(got), pw) {
 			t.Errorf("the server sees %s's password", v)

@@ -60,6 +60,22 @@ func startNATS(t *testing.T) *natsServer {
 // users are users.
 func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 	t.Helper()
+	passwords, secrets := map[string]string{}, map[string]string{}
+	for _, u := range users {
+		passwords[u] = "pw" + randomHex(t, 16)
+		secrets[u] = passwords[u]
+		if !strings.HasPrefix(u, "admin") {
+			secrets[u] = bcryptHash(t, passwords[u])
+		}
+	}
+	return startNATSServer(t, conf, passwords, secrets)
+}
+
+// startNATSServer runs nats-server with the configuration file conf, each
+// user's secret (its password, or a bcrypt hash of it) in the server's
+// environment; clients log in with passwords.
+func startNATSServer(t *testing.T, conf string, passwords, secrets map[string]string) *natsServer {
+	t.Helper()
 	bin, err := repo.Bin("nats-server")
 	if err != nil {
 		t.Fatal(err)
@@ -67,7 +83,7 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 	// A port found free may be taken before the server binds it (tests in
 	// other packages start servers at the same time): try others.
 	for attempt := 1; ; attempt++ {
-		s, taken := tryStartNATS(t, bin, conf, users)
+		s, taken := tryStartNATS(t, bin, conf, passwords, secrets)
 		if !taken {
 			return s
 		}
@@ -80,24 +96,18 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 // tryStartNATS starts nats-server on two free ports and waits until it
 // serves JetStream; taken reports that it exited because another process
 // bound one of its ports first.
-func tryStartNATS(t *testing.T, bin, conf string, users []string) (s *natsServer, taken bool) {
+func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]string) (s *natsServer, taken bool) {
 	t.Helper()
 	port, mport := freePort(t), freePort(t)
 	s = &natsServer{
 		url:       fmt.Sprintf("nats://127.0.0.1:%d", port),
 		monitor:   fmt.Sprintf("http://127.0.0.1:%d", mport),
-		passwords: make(map[string]string),
+		passwords: passwords,
 		exited:    make(chan struct{}),
 		log:       &syncbuf.Buffer{},
 	}
 	env := os.Environ()
-	for _, u := range users {
-		pw := "pw" + randomHex(t, 16)
-		s.passwords[u] = pw
-		secret := pw
-		if !strings.HasPrefix(u, "admin") {
-			secret = bcryptHash(t, pw)
-		}
+	for u, secret := range secrets {
 		env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+secret)
 	}
 	env = append(env, "FANOUT_NATS_STORE_DIR="+filepath.Join(t.TempDir(), "jetstream"))

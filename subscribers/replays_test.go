@@ -171,3 +171,35 @@ func TestAReplayWaitsOutAPostgresOutage(t *testing.T) {
 		return err == nil && o.Outcome == bookkeeping.ReplayMoved, fmt.Sprintf("%+v %v", o, err)
 	})
 }
+
+// A request made while NATS is down waits too: the failed reset is an
+// outage, not the request's failure, and the instance carries it out once
+// NATS is back.
+func TestAReplayWaitsOutANATSOutage(t *testing.T) {
+	t.Parallel()
+	env := subscribertest.NewEnv(t)
+	ctx := context.Background()
+	env.StartRunner(subscribertest.Declare("patient", subscribers.Each(&countingHandler{}), "test.>"), nil)
+	env.Write(func(pgx.Tx) ([]outbox.Event, error) {
+		return []outbox.Event{{AggregateType: "test", AggregateID: "1", Type: "test.patient", Payload: map[string]int{"n": 1}}}, nil
+	})
+	env.WaitIdle("patient", 15*time.Second)
+
+	env.NATS.Stop()
+	rs := bookkeeping.NewReplays(env.DB.Pool)
+	id, err := rs.Request(ctx, bookkeeping.ReplayRequest{Subscriber: "patient", Stream: env.Config.Stream.Name, FromSeq: 1, Within: 2 * time.Minute, Reason: "during an outage"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(5 * time.Second) // looks for requests, each reset failing
+	if o, err := rs.Outcome(ctx, id); err != nil || o.Outcome != bookkeeping.ReplayRequested {
+		t.Fatalf("the request during the outage: %+v (%v), want it still requested", o, err)
+	}
+	if err := env.NATS.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	subscribertest.WaitFor(t, 60*time.Second, "the replay once NATS is back", func() (bool, string) {
+		o, err := rs.Outcome(ctx, id)
+		return err == nil && o.Outcome == bookkeeping.ReplayMoved, fmt.Sprintf("%+v %v", o, err)
+	})
+}
