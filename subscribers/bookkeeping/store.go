@@ -2,9 +2,10 @@
 // checkpoint (processed_events), the attempts on redelivered events
 // (subscriber_attempts), the ordered subscribers' per-aggregate checkpoint
 // (subscriber_aggregates), the dead letters each subscriber vouches for
-// (dead_letters), the numbers of event origins (event_origins) and the
+// (dead_letters), the numbers of event origins (event_origins), the
 // backfills' progress (subscriber_backfills, subscriber_backfill_segments,
-// subscriber_backfill_failures). Their schema is in schema/migrations.
+// subscriber_backfill_failures) and the replay requests (replays, through
+// Replays). Their schema is in schema/migrations.
 //
 // Every statement on those tables is a constant in this package, beside
 // the method that runs it (river's riverdriver: an <Entity><Verb> method
