@@ -124,9 +124,12 @@ func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]
 	}()
 	t.Cleanup(s.stop)
 
-	deadline := time.Now().Add(15 * time.Second)
+	// Generous waits: a login checks a bcrypt hash (cost 11 as compose
+	// makes them, about 0.1 s of a free core), which takes seconds while
+	// the whole suite loads both cores.
+	deadline := time.Now().Add(90 * time.Second)
 	for {
-		nc, err := nats.Connect(s.url, nats.UserInfo("admin", s.passwords["admin"]), nats.Timeout(time.Second))
+		nc, err := nats.Connect(s.url, nats.UserInfo("admin", s.passwords["admin"]), nats.Timeout(10*time.Second))
 		if err == nil {
 			js, jerr := jetstream.New(nc)
 			if jerr == nil {
@@ -209,7 +212,7 @@ type natsClient struct {
 func (s *natsServer) connect(t *testing.T, user string) *natsClient {
 	t.Helper()
 	c := &natsClient{user: user, errs: make(chan error, 1000)}
-	cfg := connect.NATSConfig{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 5 * time.Second}
+	cfg := connect.NATSConfig{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 20 * time.Second}
 	nc, err := connect.NATS(cfg, "leastprivilege-"+user, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if err != nil {
 		t.Fatalf("connect as %s: %v", user, err)
