@@ -213,7 +213,20 @@ func (s *natsServer) connect(t *testing.T, user string) *natsClient {
 	t.Helper()
 	c := &natsClient{user: user, errs: make(chan error, 1000)}
 	cfg := connect.NATSConfig{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 20 * time.Second}
-	nc, err := connect.NATS(cfg, "leastprivilege-"+user, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	// A login that takes the server more than 2 s (a bcrypt check while
+	// the suite loads both cores) meets the server's first PING before
+	// its PONG, and nats.go gives up on the connection: try again. The
+	// server's refusal of the credential is final.
+	var nc *nats.Conn
+	var err error
+	for deadline := time.Now().Add(90 * time.Second); ; {
+		nc, err = connect.NATS(cfg, "leastprivilege-"+user, slog.New(slog.NewTextHandler(io.Discard, nil)))
+		if err == nil || errors.Is(err, nats.ErrAuthorization) || strings.Contains(err.Error(), "Authorization Violation") || time.Now().After(deadline) {
+			break
+		}
+		t.Logf("connect as %s: %v; trying again", user, err)
+		time.Sleep(250 * time.Millisecond)
+	}
 	if err != nil {
 		t.Fatalf("connect as %s: %v", user, err)
 	}
