@@ -17,9 +17,10 @@ import (
 	"github.com/nats-io/nats.go"
 )
 
-// The cluster configuration's routes authenticate: nodes whose routes
-// present no credentials, or a wrong password, are refused by each other
-// and form no cluster; with the route password the three form one.
+// The cluster configuration's routes authenticate, over TLS: nodes whose
+// routes present no credentials, or a wrong password, are refused by each
+// other and form no cluster; with the route password the three form one;
+// a node whose certificate another CA signed is refused, password or not.
 func TestClusterRoutesAuthenticate(t *testing.T) {
 	t.Parallel()
 	bin, err := repo.Bin("nats-server")
@@ -35,31 +36,36 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 		cmd    *exec.Cmd
 		log    *syncbuf.Buffer
 		port   int
+		caFile string
 		exited chan struct{}
 	}
+	ours := serverTLS(t)
+	certs := []natsTLS{ours, ours, ours}
 	stop := func(nodes []*node) {
 		for _, n := range nodes {
 			_ = n.cmd.Process.Signal(syscall.SIGTERM)
 			<-n.exited
 		}
 	}
-	// start starts the three nodes on fresh ports, each soliciting routes
-	// to all with the credentials creds ("user:password@" or ""), and
-	// reports whether one found a port taken (tests in other packages
-	// start servers at the same time) once each is ready or gone.
-	start := func(creds string) (nodes []*node, taken bool) {
+	// start starts the three nodes on fresh ports, each with its
+	// certificate from certs and soliciting routes to all with the
+	// credentials creds ("user:password@" or ""), and reports whether one
+	// found a port taken (tests in other packages start servers at the
+	// same time) once each is ready or gone.
+	start := func(creds string, certs []natsTLS) (nodes []*node, taken bool) {
 		t.Helper()
 		routePorts := []int{freePort(t), freePort(t), freePort(t)}
 		for i := range 3 {
 			env := append(os.Environ(), "FANOUT_NATS_NODE=n"+strconv.Itoa(i+1), "FANOUT_NATS_CLUSTER_PORT="+strconv.Itoa(routePorts[i]),
 				"FANOUT_NATS_ROUTE_PASSWORD="+passwords["route"])
+			env = append(env, certs[i].env()...)
 			for j, p := range routePorts {
 				env = append(env, fmt.Sprintf("FANOUT_NATS_ROUTE_%d=nats://%s127.0.0.1:%d", j+1, creds, p))
 			}
 			for u, pw := range passwords {
 				env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+pw)
 			}
-			n := &node{log: &syncbuf.Buffer{}, port: freePort(t), exited: make(chan struct{})}
+			n := &node{log: &syncbuf.Buffer{}, port: freePort(t), caFile: certs[i].CAFile, exited: make(chan struct{})}
 			n.cmd = exec.Command(bin, "-c", conf, "-a", "127.0.0.1", "-p", strconv.Itoa(n.port),
 				"-js", "-sd", filepath.Join(t.TempDir(), "jetstream"))
 			childproc.Tie(n.cmd)
@@ -85,10 +91,10 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 		}
 		return nodes, taken
 	}
-	cluster := func(creds string) []*node {
+	cluster := func(creds string, certs []natsTLS) []*node {
 		t.Helper()
 		for range 5 {
-			nodes, taken := start(creds)
+			nodes, taken := start(creds, certs)
 			if !taken {
 				return nodes
 			}
@@ -109,7 +115,7 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 			deadline := time.Now().Add(60 * time.Second)
 			for time.Now().Before(deadline) {
 				nc, err := nats.Connect("nats://127.0.0.1:"+strconv.Itoa(n.port),
-					nats.UserInfo("admin", passwords["admin"]), nats.Timeout(5*time.Second))
+					nats.UserInfo("admin", passwords["admin"]), nats.RootCAs(n.caFile), nats.Timeout(5*time.Second))
 				if err == nil {
 					return nc
 				}
@@ -145,7 +151,7 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 		return false
 	}
 	for _, creds := range []string{"", "route:wrong" + passwords["route"] + "@"} {
-		nodes := cluster(creds)
+		nodes := cluster(creds, certs)
 		// Each node refuses the others' routes, naming the violation.
 		waitFor(t, "every node to refuse a route", func() bool {
 			for _, n := range nodes {
@@ -161,7 +167,21 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 		stop(nodes)
 	}
 
-	nodes := cluster("route:" + passwords["route"] + "@")
+	// A node with the route password and a certificate of another CA:
+	// the others refuse its routes, and it theirs.
+	nodes := cluster("route:"+passwords["route"]+"@", []natsTLS{ours, ours, serverTLS(t)})
+	waitFor(t, "node 3 to refuse the others' certificates", func() bool {
+		return strings.Contains(nodes[2].log.String(), "certificate signed by unknown authority")
+	})
+	if crosses(nodes[0], nodes[2], 2*time.Second) || crosses(nodes[2], nodes[1], 2*time.Second) {
+		t.Error("a node whose certificate another CA signed: a message crossed its routes")
+	}
+	if !crosses(nodes[0], nodes[1], 20*time.Second) {
+		t.Error("nodes 1 and 2, with the route password and the CA's certificates, form no cluster")
+	}
+	stop(nodes)
+
+	nodes = cluster("route:"+passwords["route"]+"@", certs)
 	if !crosses(nodes[0], nodes[1], 20*time.Second) || !crosses(nodes[2], nodes[0], 20*time.Second) {
 		t.Error("with the route password, messages do not cross between the nodes")
 	}

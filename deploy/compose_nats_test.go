@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/fanout/fanout/internal/testenv/testca"
 	"golang.org/x/crypto/bcrypt"
 )
 
@@ -17,7 +18,9 @@ import (
 // directories of the test's and nats-server replaced by a shim that
 // records its environment and arguments: each variable holds the bcrypt
 // hash of its user's password, and no password is anywhere the server
-// sees. (TestNATSPermissions shows the configuration accepts the hashes.)
+// sees. The server's certificate and key are its only secrets, those
+// secrets/generate.sh makes: the real server, run with them and the
+// hashes, lets every user in over TLS checked against generate.sh's CA.
 func TestComposeGivesTheNATSServerOnlyHashes(t *testing.T) {
 	p := loadCompose(t)
 	hasher, err := p.GetService("nats-hashes")
@@ -28,8 +31,15 @@ func TestComposeGivesTheNATSServerOnlyHashes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(server.Secrets) > 0 {
-		t.Errorf("the nats service mounts secrets %v: it needs the hashes only", server.Secrets)
+	for _, sec := range server.Secrets {
+		if sec.Source != "nats_tls_cert" && sec.Source != "nats_tls_key" {
+			t.Errorf("the nats service mounts secret %s: it needs the hashes and its certificate only", sec.Source)
+		}
+	}
+	for v, want := range map[string]string{"FANOUT_NATS_TLS_CERT_FILE": "/run/secrets/nats_tls_cert", "FANOUT_NATS_TLS_KEY_FILE": "/run/secrets/nats_tls_key"} {
+		if got := server.Environment[v]; got == nil || *got != want {
+			t.Errorf("the nats service's %s is %v, want %s", v, got, want)
+		}
 	}
 	if d, ok := server.DependsOn["nats-hashes"]; !ok || d.Condition != "service_completed_successfully" {
 		t.Errorf("the nats service depends on %v, want nats-hashes completed", server.DependsOn)
@@ -61,6 +71,9 @@ func TestComposeGivesTheNATSServerOnlyHashes(t *testing.T) {
 	if len(passwords) < 6 {
 		t.Fatalf("nats-hashes mounts %d NATS passwords, want every NATS user's", len(passwords))
 	}
+	// The rest of the secrets, the certificates among them, as an
+	// operator makes them (the passwords above are kept).
+	generate(t, secrets)
 	replace := strings.NewReplacer("/run/secrets", secrets, "/nats-hashes", hashes)
 	var args []string
 	for _, a := range hasher.Command {
@@ -105,7 +118,9 @@ func TestComposeGivesTheNATSServerOnlyHashes(t *testing.T) {
 		user := strings.ToLower(strings.TrimSuffix(strings.TrimPrefix(v, "FANOUT_NATS_"), "_PASSWORD"))
 		plain[user], hashed[user] = pw, env[v]
 	}
-	ns := startNATSServer(t, natsConfPath(t), plain, hashed)
+	tls := natsTLS{Pair: testca.Pair{CertFile: filepath.Join(secrets, "nats_tls_cert"), KeyFile: filepath.Join(secrets, "nats_tls_key")},
+		CAFile: filepath.Join(secrets, "nats_ca")}
+	ns := startNATSServer(t, natsConfPath(t), plain, hashed, tls)
 	for user := range plain {
 		ns.connect(t, user).nc.Close()
 	}

@@ -83,7 +83,8 @@ func TestComposeParses(t *testing.T) {
 }
 
 // Every fanout service runs a real subcommand (a real subscriber for
-// `subscribe`), and every FANOUT_ variable it sets is a real config key.
+// `subscribe`), every FANOUT_ variable it sets is a real config key, and
+// every secret file it names is one it mounts.
 func TestComposeCommandsAndVariablesAreReal(t *testing.T) {
 	p := loadCompose(t)
 	keys, err := fanout(t, "config", "keys")
@@ -117,9 +118,13 @@ func TestComposeCommandsAndVariablesAreReal(t *testing.T) {
 				}
 			}
 		}
-		for k := range s.Environment {
+		for k, v := range s.Environment {
 			if strings.HasPrefix(k, "FANOUT_") && !envNames[k] {
 				t.Errorf("service %s sets %s, which is no config key", name, k)
+			}
+			if secret, ok := strings.CutPrefix(derefOr(v), "/run/secrets/"); ok &&
+				!slices.ContainsFunc(s.Secrets, func(m types.ServiceSecretConfig) bool { return m.Source == secret }) {
+				t.Errorf("service %s reads %s from %s, a secret it does not mount", name, k, *v)
 			}
 		}
 		if !slices.Contains(s.HealthCheck.Test, "healthcheck") && s.Restart != "no" {
@@ -129,4 +134,11 @@ func TestComposeCommandsAndVariablesAreReal(t *testing.T) {
 	if checked < 5 {
 		t.Errorf("only %d services run the fanout image", checked)
 	}
+}
+
+func derefOr(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
 }

@@ -25,6 +25,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/childproc"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
+	"github.com/fanout/fanout/internal/testenv/testca"
 	"github.com/fanout/fanout/subscribers/registry"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -42,6 +43,7 @@ var natsUsers = append([]string{"relay", "provisioner", "operator", "admin", "ad
 type natsServer struct {
 	url       string
 	monitor   string            // the monitoring endpoint, http://127.0.0.1:<port>
+	caFile    string            // the CA of the server's certificate, for its clients
 	passwords map[string]string // plain passwords, as the clients send them
 	cmd       *exec.Cmd
 	exited    chan struct{}
@@ -68,13 +70,14 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 			secrets[u] = bcryptHash(t, passwords[u])
 		}
 	}
-	return startNATSServer(t, conf, passwords, secrets)
+	return startNATSServer(t, conf, passwords, secrets, serverTLS(t))
 }
 
 // startNATSServer runs nats-server with the configuration file conf, each
 // user's secret (its password, or a bcrypt hash of it) in the server's
-// environment; clients log in with passwords.
-func startNATSServer(t *testing.T, conf string, passwords, secrets map[string]string) *natsServer {
+// environment and the server's certificate tls; clients log in with
+// passwords over TLS.
+func startNATSServer(t *testing.T, conf string, passwords, secrets map[string]string, tls natsTLS) *natsServer {
 	t.Helper()
 	bin, err := repo.Bin("nats-server")
 	if err != nil {
@@ -83,7 +86,7 @@ func startNATSServer(t *testing.T, conf string, passwords, secrets map[string]st
 	// A port found free may be taken before the server binds it (tests in
 	// other packages start servers at the same time): try others.
 	for attempt := 1; ; attempt++ {
-		s, taken := tryStartNATS(t, bin, conf, passwords, secrets)
+		s, taken := tryStartNATS(t, bin, conf, passwords, secrets, tls)
 		if !taken {
 			return s
 		}
@@ -96,7 +99,7 @@ func startNATSServer(t *testing.T, conf string, passwords, secrets map[string]st
 // tryStartNATS starts nats-server on two free ports and waits until it
 // serves JetStream; taken reports that it exited because another process
 // bound one of its ports first.
-func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]string) (s *natsServer, taken bool) {
+func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]string, tls natsTLS) (s *natsServer, taken bool) {
 	t.Helper()
 	port, mport := freePort(t), freePort(t)
 	s = &natsServer{
@@ -111,6 +114,8 @@ func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]
 		env = append(env, "FANOUT_NATS_"+strings.ToUpper(u)+"_PASSWORD="+secret)
 	}
 	env = append(env, "FANOUT_NATS_STORE_DIR="+filepath.Join(t.TempDir(), "jetstream"))
+	s.caFile = tls.CAFile
+	env = append(env, tls.env()...)
 	s.cmd = exec.Command(bin, "-c", conf, "-p", strconv.Itoa(port), "-m", strconv.Itoa(mport))
 	childproc.Tie(s.cmd)
 	s.cmd.Env = env // the last of duplicate keys wins
@@ -129,7 +134,7 @@ func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]
 	// the whole suite loads both cores.
 	deadline := time.Now().Add(90 * time.Second)
 	for {
-		nc, err := nats.Connect(s.url, nats.UserInfo("admin", s.passwords["admin"]), nats.Timeout(10*time.Second))
+		nc, err := nats.Connect(s.url, nats.UserInfo("admin", s.passwords["admin"]), nats.RootCAs(s.caFile), nats.Timeout(10*time.Second))
 		if err == nil {
 			js, jerr := jetstream.New(nc)
 			if jerr == nil {
@@ -155,6 +160,32 @@ func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
+}
+
+// natsTLS is what a server needs for the production configuration's TLS:
+// its certificate and key, and the CA that signed them.
+type natsTLS struct {
+	testca.Pair
+	CAFile string
+}
+
+// serverTLS makes a CA and a certificate for 127.0.0.1 signed by it.
+func serverTLS(t *testing.T) natsTLS {
+	t.Helper()
+	ca, err := testca.New(t.TempDir(), "nats")
+	if err != nil {
+		t.Fatalf("test CA: %v", err)
+	}
+	p, err := ca.Issue("nats-server")
+	if err != nil {
+		t.Fatalf("server certificate: %v", err)
+	}
+	return natsTLS{Pair: p, CAFile: ca.CAFile}
+}
+
+// env is the server's environment for it (see deploy/nats/cluster.conf).
+func (c natsTLS) env() []string {
+	return []string{"FANOUT_NATS_TLS_CERT_FILE=" + c.CertFile, "FANOUT_NATS_TLS_KEY_FILE=" + c.KeyFile, "FANOUT_NATS_TLS_CA_FILE=" + c.CAFile}
 }
 
 func (s *natsServer) stop() {
@@ -212,7 +243,7 @@ type natsClient struct {
 func (s *natsServer) connect(t *testing.T, user string) *natsClient {
 	t.Helper()
 	c := &natsClient{user: user, errs: make(chan error, 1000)}
-	cfg := connect.NATSConfig{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 20 * time.Second}
+	cfg := connect.NATSConfig{URL: s.url, User: user, Password: s.passwords[user], CAFile: s.caFile, ConnectTimeout: 20 * time.Second}
 	// A login that takes the server more than 2 s (a bcrypt check while
 	// the suite loads both cores) meets the server's first PING before
 	// its PONG, and nats.go gives up on the connection: try again. The

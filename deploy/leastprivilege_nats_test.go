@@ -642,7 +642,7 @@ func TestNATSPermissions(t *testing.T) {
 			{nats.UserInfo("relay", "")},
 			{},
 		} {
-			nc, err := nats.Connect(ns.url, append(opts, nats.Timeout(5*time.Second))...)
+			nc, err := nats.Connect(ns.url, append(opts, nats.RootCAs(ns.caFile), nats.Timeout(5*time.Second))...)
 			if err == nil {
 				nc.Close()
 				t.Error("connected with wrong credentials")
@@ -666,7 +666,15 @@ func TestNATSConfigNeedsItsSecrets(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	vars := []string{"FANOUT_NATS_STORE_DIR"}
+	tls := serverTLS(t)
+	values := map[string]string{"FANOUT_NATS_TLS_CERT_FILE": tls.CertFile, "FANOUT_NATS_TLS_KEY_FILE": tls.KeyFile}
+	vars := []string{"FANOUT_NATS_STORE_DIR", "FANOUT_NATS_TLS_CERT_FILE", "FANOUT_NATS_TLS_KEY_FILE"}
+	value := func(v string) string {
+		if f, ok := values[v]; ok {
+			return f
+		}
+		return "x" + v
+	}
 	for _, u := range natsUsers {
 		v := "FANOUT_NATS_" + strings.ToUpper(u) + "_PASSWORD"
 		vars = append(vars, v)
@@ -688,7 +696,7 @@ func TestNATSConfigNeedsItsSecrets(t *testing.T) {
 	}
 	all := append([]string(nil), base...)
 	for _, v := range vars {
-		all = append(all, v+"=x"+v)
+		all = append(all, v+"="+value(v))
 	}
 	if out, err := check(all); err != nil {
 		t.Fatalf("nats-server -t with every variable set: %v\n%s", err, out)
@@ -697,7 +705,7 @@ func TestNATSConfigNeedsItsSecrets(t *testing.T) {
 		env := append([]string(nil), base...)
 		for j, v := range vars {
 			if j != i {
-				env = append(env, v+"=x"+v)
+				env = append(env, v+"="+value(v))
 			}
 		}
 		out, err := check(env)

@@ -305,7 +305,7 @@ func orderEvent(orderID int64) outbox.Event {
 func natsConn(t *testing.T, cfg *settings, ns *natsServer, user string, logger *slog.Logger) *nats.Conn {
 	t.Helper()
 	nc := cfg.NATS
-	nc.URL, nc.User, nc.Password = ns.url, user, ns.passwords[user]
+	nc.URL, nc.User, nc.Password, nc.CAFile = ns.url, user, ns.passwords[user], ns.caFile
 	conn, err := connect.NATS(nc, user, logger)
 	if err != nil {
 		t.Fatalf("connect to nats as %s: %v", user, err)

@@ -93,7 +93,7 @@ func TestANewSubscriber(t *testing.T) {
 	users := append(slices.Clone(natsUsers), example.Name)
 	ns := startNATSWith(t, filepath.Join(dir, "nats", "nats-server.conf"), users)
 	natsEnv := func(user string) []string {
-		return []string{"FANOUT_NATS_URL=" + ns.url, "FANOUT_NATS_USER=" + user, "FANOUT_NATS_PASSWORD=" + ns.passwords[user],
+		return []string{"FANOUT_NATS_URL=" + ns.url, "FANOUT_NATS_USER=" + user, "FANOUT_NATS_PASSWORD=" + ns.passwords[user], "FANOUT_NATS_CA_FILE=" + ns.caFile,
 			"FANOUT_STREAM_PROVISION=verify", "FANOUT_SUBSCRIBERS_DEAD_LETTER_PROVISION=verify"}
 	}
 

@@ -103,10 +103,11 @@ func TestANewSubscriberGetsItsDeployment(t *testing.T) {
     command: ["subscribe", "audit_trail"]`},
 		{"compose", `      FANOUT_NATS_USER: audit_trail
       FANOUT_NATS_PASSWORD_FILE: /run/secrets/nats_audit_trail_password
+      FANOUT_NATS_CA_FILE: /run/secrets/nats_ca
       # The dead letters' account, whose share of the store it watches.
       FANOUT_SUBSCRIBERS_DEAD_LETTER_API_PREFIX: $$JS.DEADLETTER.API
       FANOUT_REDIS_PASSWORD_FILE: /run/secrets/redis_password
-    secrets: [pg_audit_trail_password, nats_audit_trail_password, redis_password]`},
+    secrets: [nats_ca, pg_audit_trail_password, nats_audit_trail_password, redis_password]`},
 		{"compose", `export FANOUT_NATS_AUDIT_TRAIL_PASSWORD="$$(cat /nats-hashes/nats_audit_trail_password.bcrypt)"`},
 		{"compose", `  pg_audit_trail_password: {file: ./secrets/pg_audit_trail_password}`},
 		{"secrets-script", `pg_audit_trail nats_audit_trail \`},

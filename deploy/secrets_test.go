@@ -19,16 +19,7 @@ func TestSecretFilesReadableByTheImagesUserOnly(t *testing.T) {
 		t.Fatalf("the image runs as %q; want a non-root user", user)
 	}
 	dir := t.TempDir()
-	script, err := os.ReadFile(filepath.Join("secrets", "generate.sh"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "generate.sh"), script, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if out, err := exec.Command("bash", filepath.Join(dir, "generate.sh")).CombinedOutput(); err != nil {
-		t.Fatalf("generate.sh: %v\n%s", err, out)
-	}
+	generate(t, dir)
 	st, err := os.Stat(dir)
 	if err != nil {
 		t.Fatal(err)
@@ -55,6 +46,22 @@ func TestSecretFilesReadableByTheImagesUserOnly(t *testing.T) {
 		if st.Mode().Perm()&0o022 != 0 {
 			t.Errorf("secret %s is %v: writable by others", name, st.Mode().Perm())
 		}
+	}
+}
+
+// generate runs secrets/generate.sh in dir, as an operator runs it in
+// deploy/secrets: it writes what is missing there.
+func generate(t *testing.T, dir string) {
+	t.Helper()
+	script, err := os.ReadFile(filepath.Join("secrets", "generate.sh"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "generate.sh"), script, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("bash", filepath.Join(dir, "generate.sh")).CombinedOutput(); err != nil {
+		t.Fatalf("generate.sh: %v\n%s", err, out)
 	}
 }
 

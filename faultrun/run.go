@@ -126,6 +126,7 @@ type run struct {
 	// authenticates every client and route); nil on the single server,
 	// which has no authentication.
 	passwords map[string]string
+	tls       clusterTLS // the cluster's; none on the single server
 	logDir    string
 	// lostSpans are the stream sequences the store rollbacks took away.
 	lostMu    sync.Mutex

@@ -26,6 +26,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/natstest"
 	"github.com/fanout/fanout/internal/testenv/redistest"
 	"github.com/fanout/fanout/internal/testenv/repo"
+	"github.com/fanout/fanout/internal/testenv/testca"
 	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
@@ -80,7 +81,8 @@ func (r *run) startNATS() {
 	t := r.t
 	if r.o.Cluster {
 		r.passwords = clusterPasswords(t)
-		r.nats = startCluster(t, r.passwords)
+		r.tls = newClusterTLS(t)
+		r.nats = startCluster(t, r.passwords, r.tls)
 	} else {
 		r.nats = []*natstest.Server{natstest.Start(t)}
 	}
@@ -178,6 +180,7 @@ func (r *run) roleEnv() []string {
 		env = append(env, "FANOUT_RELAY_CAPTURE=wal", "FANOUT_RELAY_SLOT="+r.db.Name)
 	}
 	if r.passwords != nil {
+		env = append(env, "FANOUT_NATS_CA_FILE="+r.tls.CAFile)
 		// As in production: `fanout provision` as the provisioner makes
 		// the streams and consumers, and every role only checks them, each
 		// as its own user.
@@ -232,7 +235,7 @@ func (r *run) startRoles(env []string) {
 	}
 }
 
-func startCluster(t *testing.T, passwords map[string]string) []*natstest.Server {
+func startCluster(t *testing.T, passwords map[string]string, tls clusterTLS) []*natstest.Server {
 	root, err := repo.Root()
 	if err != nil {
 		t.Fatal(err)
@@ -240,7 +243,7 @@ func startCluster(t *testing.T, passwords map[string]string) []*natstest.Server 
 	// Ports found free may be taken before the nodes bind them (tests in
 	// other packages start servers at the same time): try other ports.
 	for range 3 {
-		servers, err := tryCluster(t, root, passwords)
+		servers, err := tryCluster(t, root, passwords, tls)
 		if err == nil {
 			for _, s := range servers {
 				t.Cleanup(s.Close)
@@ -262,9 +265,9 @@ func startCluster(t *testing.T, passwords map[string]string) []*natstest.Server 
 }
 
 // tryCluster starts three nodes on ports found free, with the rendered
-// cluster.conf: its users and their passwords, and routes that present the
-// route password.
-func tryCluster(t *testing.T, root string, passwords map[string]string) ([]*natstest.Server, error) {
+// cluster.conf: its users and their passwords, TLS for clients and
+// routes, and routes that present the route password.
+func tryCluster(t *testing.T, root string, passwords map[string]string, tls clusterTLS) ([]*natstest.Server, error) {
 	ports := make([]int, 6)
 	for i := range ports {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -295,6 +298,7 @@ func tryCluster(t *testing.T, root string, passwords map[string]string) ([]*nats
 			for user, pw := range passwords {
 				env = append(env, "FANOUT_NATS_"+strings.ToUpper(user)+"_PASSWORD="+pw)
 			}
+			env = append(env, "FANOUT_NATS_TLS_CERT_FILE="+tls.CertFile, "FANOUT_NATS_TLS_KEY_FILE="+tls.KeyFile, "FANOUT_NATS_TLS_CA_FILE="+tls.CAFile)
 			servers[i], errs[i] = natstest.StartServer(dir,
 				natstest.WithPort(ports[i]),
 				// --no_advertise: the roles know the nodes only through
@@ -304,7 +308,7 @@ func tryCluster(t *testing.T, root string, passwords map[string]string) ([]*nats
 				// rollback's cut cannot reach it.
 				natstest.WithArgs("-c", filepath.Join(root, "deploy/nats/cluster.conf"), "--no_advertise=true"),
 				natstest.WithEnv(env...),
-				natstest.WithClientOptions(nats.UserInfo("admin", passwords["admin"])))
+				natstest.WithClientOptions(nats.UserInfo("admin", passwords["admin"]), nats.RootCAs(tls.CAFile)))
 		}()
 	}
 	wg.Wait()
@@ -333,6 +337,25 @@ func (r *run) waitConsumers() {
 	})
 }
 
+// clusterTLS is the cluster's certificate (every node presents the same
+// one, to its clients and its routes) and the CA that signed it.
+type clusterTLS struct {
+	testca.Pair
+	CAFile string
+}
+
+func newClusterTLS(t *testing.T) clusterTLS {
+	ca, err := testca.New(t.TempDir(), "chaos")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := ca.Issue("node")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return clusterTLS{Pair: p, CAFile: ca.CAFile}
+}
+
 // routeUser is the user every route of the cluster presents.
 const routeUser = "route"
 
@@ -357,7 +380,7 @@ func clusterPasswords(t *testing.T) map[string]string {
 func (r *run) adminConn(urls []string, user string) (*nats.Conn, jetstream.JetStream) {
 	opts := []nats.Option{nats.MaxReconnects(-1), nats.ReconnectWait(200 * time.Millisecond)}
 	if r.passwords != nil {
-		opts = append(opts, nats.UserInfo(user, r.passwords[user]))
+		opts = append(opts, nats.UserInfo(user, r.passwords[user]), nats.RootCAs(r.tls.CAFile))
 	}
 	nc, err := nats.Connect(strings.Join(urls, ","), opts...)
 	if err != nil {

@@ -23,6 +23,7 @@ import (
 	"github.com/fanout/fanout/bench/benchkit"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/testenv/repo"
+	"github.com/fanout/fanout/internal/testenv/testca"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/subscribers/registry"
@@ -142,6 +143,7 @@ func (b *accountsBench) raw(ctx context.Context, nc *nats.Conn) (float64, error)
 type productionNATS struct {
 	url       string
 	passwords map[string]string
+	caFile    string // the configuration asks for TLS: a CA of the bench's own
 	cmd       *exec.Cmd
 	dir       string
 }
@@ -160,7 +162,17 @@ func startProductionNATS() (*productionNATS, error) {
 		return nil, err
 	}
 	s := &productionNATS{passwords: map[string]string{}, dir: dir}
-	env := append(os.Environ(), "FANOUT_NATS_STORE_DIR="+filepath.Join(dir, "jetstream"))
+	ca, err := testca.New(dir, "bench")
+	if err != nil {
+		return nil, err
+	}
+	cert, err := ca.Issue("nats-server")
+	if err != nil {
+		return nil, err
+	}
+	s.caFile = ca.CAFile
+	env := append(os.Environ(), "FANOUT_NATS_STORE_DIR="+filepath.Join(dir, "jetstream"),
+		"FANOUT_NATS_TLS_CERT_FILE="+cert.CertFile, "FANOUT_NATS_TLS_KEY_FILE="+cert.KeyFile)
 	for _, u := range append([]string{"relay", "provisioner", "operator", "admin", "admin_deadletter"}, registry.Default.Names()...) {
 		b := make([]byte, 12)
 		_, _ = rand.Read(b)
@@ -176,7 +188,7 @@ func startProductionNATS() (*productionNATS, error) {
 	}
 	deadline := time.Now().Add(15 * time.Second)
 	for {
-		nc, err := nats.Connect(s.url, nats.UserInfo("admin", s.passwords["admin"]))
+		nc, err := nats.Connect(s.url, nats.UserInfo("admin", s.passwords["admin"]), nats.RootCAs(s.caFile))
 		if err == nil {
 			nc.Close()
 			return s, nil
@@ -191,7 +203,7 @@ func startProductionNATS() (*productionNATS, error) {
 
 // connect connects to the server as user.
 func (s *productionNATS) connect(user string) (*nats.Conn, error) {
-	return connect.NATS(connect.NATSConfig{URL: s.url, User: user, Password: s.passwords[user], ConnectTimeout: 5 * time.Second}, "bench-"+user, quiet)
+	return connect.NATS(connect.NATSConfig{URL: s.url, User: user, Password: s.passwords[user], CAFile: s.caFile, ConnectTimeout: 5 * time.Second}, "bench-"+user, quiet)
 }
 
 func (s *productionNATS) stop() {
