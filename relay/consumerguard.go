@@ -12,7 +12,8 @@ import (
 // consumerGuard looks at every consumer of the stream, every
 // stream.check_interval, for the marks of one turned against another
 // role's (stream.HijackMarks: a delivery subject into the server's API or
-// the stream's subjects, a position past the stream's last message). A
+// the stream's subjects; stream.PastTheEndWatch: a position past the
+// stream's last message, at two checks in a row). A
 // marked consumer is a difference in the relay's drift: logged with its
 // setting, counted in fanout_relay_config_differences, and the relay is
 // not ready until it is gone. The relay lists the consumers anyway (the
@@ -25,6 +26,7 @@ type consumerGuard struct {
 	drift         *stream.Drift
 	logger        *slog.Logger
 	marked        map[string]bool // the consumers marked at the last check
+	pastTheEnd    stream.PastTheEndWatch
 }
 
 func newConsumerGuard(js jetstream.JetStream, sc stream.Config, drift *stream.Drift, logger *slog.Logger) *consumerGuard {
@@ -55,9 +57,10 @@ func (g *consumerGuard) check(ctx context.Context) {
 		g.logger.Debug("consumer check: no answer", "stream", g.streamName, "error", err)
 		return
 	}
+	past := g.pastTheEnd.Round(infos, si.State.LastSeq)
 	marked := map[string]bool{}
 	for _, info := range infos {
-		if ds := stream.HijackMarks(info, g.subjectPrefix, si.State.LastSeq); len(ds) > 0 {
+		if ds := append(stream.HijackMarks(info, g.subjectPrefix), past[info.Name]...); len(ds) > 0 {
 			marked[info.Name] = true
 			g.drift.Set(g.object(info.Name), ds)
 		}

@@ -23,28 +23,29 @@ import (
 var hijackPrefixes = []string{"$JS.", "$KV.", "$O.", "$SYS."}
 
 // HijackMarks lists what marks info, a consumer of a stream whose events'
-// subjects start with subjectPrefix and whose last sequence is lastSeq
-// (read after info), as turned against another: a delivery subject into
-// the server's API or into the stream's own subjects, or a position past
-// the stream's last message. A push consumer delivering to an inbox (the
-// nats CLI's views) bears no mark.
-func HijackMarks(info *jetstream.ConsumerInfo, subjectPrefix string, lastSeq uint64) []Difference {
-	var ds []Difference
-	if d := info.Config.DeliverSubject; d != "" {
-		into := ""
-		for _, p := range hijackPrefixes {
-			if strings.HasPrefix(d, p) {
-				into = "the server's API"
-			}
-		}
-		if SubjectMatches(subjectPrefix+".>", d) {
-			into = "the stream's own subjects"
-		}
-		if into != "" {
-			ds = append(ds, Difference{Field: "deliver_subject", Have: d, Want: "none into " + into + " (a message delivered there acts on another consumer or stream)"})
+// subjects start with subjectPrefix, as turned against another: a
+// delivery subject into the server's API or into the stream's own
+// subjects. A push consumer delivering to an inbox (the nats CLI's views)
+// bears no mark. The other mark, a position past the stream's end, is
+// PastTheEndWatch's.
+func HijackMarks(info *jetstream.ConsumerInfo, subjectPrefix string) []Difference {
+	d := info.Config.DeliverSubject
+	if d == "" {
+		return nil
+	}
+	into := ""
+	for _, p := range hijackPrefixes {
+		if strings.HasPrefix(d, p) {
+			into = "the server's API"
 		}
 	}
-	return append(ds, PastTheEnd(info, lastSeq)...)
+	if SubjectMatches(subjectPrefix+".>", d) {
+		into = "the stream's own subjects"
+	}
+	if into == "" {
+		return nil
+	}
+	return []Difference{{Field: "deliver_subject", Have: d, Want: "none into " + into + " (a message delivered there acts on another consumer or stream)"}}
 }
 
 // PastTheEnd is the mark of a consumer whose position is past lastSeq,
@@ -58,4 +59,40 @@ func PastTheEnd(info *jetstream.ConsumerInfo, lastSeq uint64) []Difference {
 			Want: "at most the stream's last sequence (moved past it, a consumer skips every event written up to there)"}}
 	}
 	return nil
+}
+
+// PastTheEndWatch marks a consumer past the stream's end only once two
+// checks in a row found it there. In a cluster a consumer's position and
+// the stream's last sequence are answered by their own leaders, and for a
+// moment after an election one may be behind the other; a consumer moved
+// past the end stays there. Used from one loop only.
+type PastTheEndWatch struct {
+	seen  map[string]bool         // past the end at the last round
+	marks map[string][]Difference // what the last round reported
+}
+
+// Round checks each consumer in infos against lastSeq, the stream's last
+// sequence read after them, and returns the marks of those past the end
+// at this round and the one before. A consumer not in infos is forgotten.
+func (w *PastTheEndWatch) Round(infos []*jetstream.ConsumerInfo, lastSeq uint64) map[string][]Difference {
+	seen, marks := map[string]bool{}, map[string][]Difference{}
+	for _, info := range infos {
+		ds := PastTheEnd(info, lastSeq)
+		if len(ds) == 0 {
+			continue
+		}
+		seen[info.Name] = true
+		if w.seen[info.Name] {
+			marks[info.Name] = ds
+		}
+	}
+	w.seen, w.marks = seen, marks
+	return marks
+}
+
+// Held is what the last round reported for consumer name: for a check
+// that read the consumer but not the stream, which neither raises nor
+// clears the mark.
+func (w *PastTheEndWatch) Held(name string) []Difference {
+	return w.marks[name]
 }

@@ -38,6 +38,8 @@ type configWatch struct {
 	// runner bound at its start.
 	events jetstream.Stream
 	bound  jetstream.Consumer
+	// pastTheEnd marks the consumer moved past the stream's end.
+	pastTheEnd stream.PastTheEndWatch
 }
 
 // check compares the live streams and the subscriber's consumer with the
@@ -80,13 +82,16 @@ func (w *configWatch) check(ctx context.Context) {
 	// Moved past the stream's end (a reset to a sequence not yet
 	// written), the consumer skips every event up to there and reports
 	// nothing pending. The stream is read after the consumer, so a
-	// consumer keeping up is never past it.
+	// consumer keeping up is never past it. Unread, the stream's end
+	// leaves that mark as it was.
 	si, err := w.events.Info(ctx)
 	if err != nil {
 		w.logger.Debug("stream check: no answer", "stream", w.streamCfg.Name, "error", err)
+		w.drift.Set(object, append(ds, w.pastTheEnd.Held(w.name)...))
 		return
 	}
-	w.drift.Set(object, append(ds, stream.PastTheEnd(info, si.State.LastSeq)...))
+	past := w.pastTheEnd.Round([]*jetstream.ConsumerInfo{info}, si.State.LastSeq)
+	w.drift.Set(object, append(ds, past[w.name]...))
 }
 
 // numbering watches, for an ordered subscriber, that the outbox numbers
