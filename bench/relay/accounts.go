@@ -7,6 +7,7 @@ package main
 // running that file; and raw async publishes the same two ways.
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -181,8 +182,12 @@ func startProductionNATS() (*productionNATS, error) {
 	}
 	port := 14000 + int(time.Now().UnixNano()%1000)
 	s.url = "nats://127.0.0.1:" + strconv.Itoa(port)
-	s.cmd = exec.Command(bin, "-c", filepath.Join(root, "deploy", "nats", "nats-server.conf"), "-p", strconv.Itoa(port))
+	// Its own monitoring port: the file's, 8222, is the development
+	// server's too.
+	s.cmd = exec.Command(bin, "-c", filepath.Join(root, "deploy", "nats", "nats-server.conf"), "-p", strconv.Itoa(port), "-m", strconv.Itoa(port+1000))
 	s.cmd.Env = env
+	var log bytes.Buffer
+	s.cmd.Stdout, s.cmd.Stderr = &log, &log
 	if err := s.cmd.Start(); err != nil {
 		return nil, err
 	}
@@ -195,7 +200,7 @@ func startProductionNATS() (*productionNATS, error) {
 		}
 		if time.Now().After(deadline) {
 			s.stop()
-			return nil, fmt.Errorf("nats-server with the production configuration on %s: %w", s.url, err)
+			return nil, fmt.Errorf("nats-server with the production configuration on %s: %w\n%s", s.url, err, log.String())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
