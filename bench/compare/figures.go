@@ -98,7 +98,7 @@ func throughputPart(part, name, unit string, cpu bool, extra ...figurePattern) [
 }
 
 // relayFigures are bench:relay's figures; the horizon's time series,
-// retention, bigtx and accounts parts are left to their raw outputs.
+// retention and bigtx parts are left to their raw outputs.
 var relayFigures = slices.Concat(
 	throughputPart("a", "poll drain", "rows/s", true,
 		pattern("(a) mean claim time", `(?m)^\(a\) [^\n]*a claim took `+value+`ms`, "ms", lowerIsBetter)),
@@ -124,6 +124,14 @@ var relayFigures = slices.Concat(
 		pattern("(audit) drain, ${label}, against off", `(?m)^\(audit\) drain of [0-9]+ rows, (?P<label>[^:\n]+): [^\n]*against off `+value, "x", higherIsBetter),
 		pattern("(audit) full audit", `(?m)^\(audit\) audit of [0-9]+ published rows[^:\n]*: `+value+` s`, "s", lowerIsBetter),
 		pattern("(fsync) ${label}: drain", `(?m)^\(fsync\) (?P<label>sync_interval [^:\n]+): drain of [0-9]+ rows `+value+` rows/s`, "rows/s", higherIsBetter),
+		// The production layout: "(accounts) ...: the poll relay as user
+		// relay (service import) 29297 rows/s, in the stream's account
+		// 32557 rows/s: 0.89", then the raw publishes' line.
+		pattern("(accounts) drain through the import", `(?m)^\(accounts\) [^\n]*\(service import\) `+value+` rows/s`, "rows/s", higherIsBetter),
+		pattern("(accounts) drain in the stream's account", `(?m)^\(accounts\) [^\n]*in the stream's account `+value+` rows/s`, "rows/s", higherIsBetter),
+		pattern("(accounts) drain, import/account", `(?m)^\(accounts\) [^\n]*in the stream's account [0-9]+ rows/s(?: \([^)\n]*\))?: `+value, "x", higherIsBetter),
+		pattern("(accounts) raw publish through the import", `(?m)^ +raw JetStream async publish through the import `+value+` msgs/s`, "msgs/s", higherIsBetter),
+		pattern("(accounts) raw publish in the account", `(?m)^ +raw JetStream async publish through the import [^\n]*, in the account `+value+` msgs/s`, "msgs/s", higherIsBetter),
 		pattern("(fsync) ${label}: raw publish", `(?m)^\(fsync\) (?P<label>sync_interval [^:\n]+): [^\n]*raw async publish `+value+` msgs/s`, "msgs/s", higherIsBetter),
 	},
 )

@@ -24,6 +24,11 @@ func TestFiguresOfEachFormat(t *testing.T) {
 			"(a) poll drain": 21637, "(a) mean claim time": 67.6,
 		}},
 		{"relay-9fd5ac2-w.txt", relayFigures, map[string]float64{"(w) wal drain": 33174}},
+		{"relay-ffc989c-accounts.txt", relayFigures, map[string]float64{
+			"(accounts) drain through the import": 31692, "(accounts) drain in the stream's account": 34524,
+			"(accounts) drain, import/account":          0.92,
+			"(accounts) raw publish through the import": 47008, "(accounts) raw publish in the account": 115693,
+		}},
 		{"relay-9fd5ac2-latency.txt", relayFigures, map[string]float64{
 			"latency fanout default: p50": 5.48, "latency fanout default: p99": 70.44,
 			"latency relay.listen=false: p50": 2.89, "latency relay.listen=false: p99": 136.09,
