@@ -126,6 +126,34 @@ func (a *app) open(ctx context.Context, role string, nc bool, opts ...connect.Po
 	return c, nil
 }
 
+// openWaiting is open withNATS for a role that runs until stopped (the
+// relay, the subscribers): Postgres or NATS down, or too slow to answer,
+// when it starts is an outage it waits out, logging each try, as it waits
+// through one once running; a refused credential or a bad setting still
+// ends it at once (waitForDependency).
+func (a *app) openWaiting(ctx context.Context, role string, opts ...connect.PostgresOption) (*conns, error) {
+	if err := a.load(); err != nil {
+		return nil, err
+	}
+	c := &conns{}
+	err := waitForDependency(ctx, a.logger, "postgres", "connect", func() (err error) {
+		c.pool, err = a.postgres(ctx, role, opts...)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	err = waitForDependency(ctx, a.logger, "nats", "connect", func() (err error) {
+		c.nc, c.js, err = a.jetStream(role)
+		return err
+	})
+	if err != nil {
+		c.pool.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
 func (c *conns) close() {
 	if c.nc != nil {
 		c.nc.Close()

@@ -50,7 +50,7 @@ func relayCommand(a *app) *cobra.Command {
 
 // startRelay connects and starts a relay.
 func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, *conns, error) {
-	c, err := a.open(ctx, "relay", withNATS, relaySessions()...)
+	c, err := a.openWaiting(ctx, "relay", relaySessions()...)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -6,11 +6,14 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/cenkalti/backoff/v5"
 	"github.com/fanout/fanout/search"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/nats-io/nats.go"
 )
 
 // waitForDependency runs call until it succeeds, fails for a reason that
@@ -43,17 +46,29 @@ func waitForDependency(ctx context.Context, logger *slog.Logger, dependency, cal
 }
 
 // outage reports an error that a dependency being down or overloaded
-// explains: no connection, a timeout, a connection cut, or the search
-// engine answering 5xx or 429. Anything else (a refused credential, a
-// mapping the engine rejects, a setting that does not parse) is the
-// configuration's to fix, and waiting would only hide it.
+// explains: no connection, a timeout, a connection cut, the search engine
+// answering 5xx or 429, Postgres starting, stopping or out of
+// connections, no NATS server answering, or one too slow to finish a
+// login. Anything else (a refused credential, a mapping the engine
+// rejects, a setting that does not parse) is the configuration's to fix,
+// and waiting would only hide it.
 func outage(err error) bool {
 	var se *search.Error
 	if errors.As(err, &se) {
 		return se.Status >= 500 || se.Status == 429
 	}
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		// 57P01-57P03: shutting down, crashed, starting up; 53300: too
+		// many connections.
+		return pe.Code == "57P01" || pe.Code == "57P02" || pe.Code == "57P03" || pe.Code == "53300"
+	}
 	var ne net.Error
 	return errors.Is(err, context.DeadlineExceeded) || errors.Is(err, syscall.ECONNREFUSED) ||
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, nats.ErrNoServers) || errors.Is(err, nats.ErrTimeout) ||
+		// nats.go's word for a server that sent its first PING before
+		// answering the login's (a bcrypt check taking it over 2 s).
+		strings.Contains(err.Error(), "expected 'PONG', got 'PING'") ||
 		errors.As(err, &ne)
 }

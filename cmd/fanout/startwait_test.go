@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
+	"net/url"
 	"strings"
 	"syscall"
 	"testing"
@@ -15,6 +16,8 @@ import (
 	"github.com/fanout/fanout/search"
 	"github.com/fanout/fanout/search/searchtest"
 	"github.com/fanout/fanout/subscribers/subscribertest"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/nats-io/nats.go"
 )
 
 // A subscriber whose services are down or too slow to answer when it
@@ -55,6 +58,47 @@ func TestSubscriberWaitsForItsServicesAtStart(t *testing.T) {
 	}
 }
 
+// The relay and a subscriber started while Postgres, then NATS, are
+// unreachable wait for each, saying so, and start once they answer: a
+// role is not ended by an outage at its start any more than by one later.
+func TestRolesWaitForPostgresAndNATSAtStart(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	ns := natstest.Start(t)
+	pgURL, err := url.Parse(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pgProxy := newProxy(t, pgURL.Host)
+	natsProxy := newProxy(t, strings.TrimPrefix(ns.URL, "nats://"))
+	pgProxy.Cut()
+	natsProxy.Cut()
+	pgURL.Host = pgProxy.Addr
+	env := []string{
+		"FANOUT_POSTGRES_URL=" + pgURL.String(),
+		"FANOUT_NATS_URL=nats://" + natsProxy.Addr,
+		"FANOUT_LOG_FORMAT=json",
+		"FANOUT_HTTP_ADDR=127.0.0.1:0",
+	}
+	relay := start(t, env, "relay")
+	sub := start(t, env, "subscribe", "invoicing")
+	for _, p := range []*process{relay, sub} {
+		waitLogged(t, p, `"msg":"waiting for postgres to start"`, `"call":"connect"`)
+	}
+	pgProxy.Restore()
+	for _, p := range []*process{relay, sub} {
+		waitLogged(t, p, `"msg":"waiting for nats to start"`, `"call":"connect"`)
+	}
+	natsProxy.Restore()
+	waitLogged(t, relay, `"msg":"relay started"`)
+	sub.waitStarted(t, "invoicing")
+	for _, p := range []*process{relay, sub} {
+		if err := p.terminate(t, 30*time.Second); err != nil {
+			t.Fatalf("fanout %s exited with %v after Postgres and NATS came back", p.name, err)
+		}
+	}
+}
+
 // An error waiting cannot mend is not waited for: the role exits with it.
 func TestStartWaitsOnlyForOutages(t *testing.T) {
 	for _, c := range []struct {
@@ -67,6 +111,13 @@ func TestStartWaitsOnlyForOutages(t *testing.T) {
 		{fmt.Errorf("info: %w", &search.Error{Status: 401}), false},
 		{fmt.Errorf("dial: %w", syscall.ECONNREFUSED), true},
 		{errors.New("search.alias must be set"), false},
+		{fmt.Errorf("connect to postgres: %w", &pgconn.PgError{Code: "57P03", Message: "the database system is starting up"}), true},
+		{fmt.Errorf("connect to postgres: %w", &pgconn.PgError{Code: "53300", Message: "too many connections"}), true},
+		{fmt.Errorf("connect to postgres: %w", &pgconn.PgError{Code: "28P01", Message: "password authentication failed"}), false},
+		{fmt.Errorf("connect to nats: %w", nats.ErrNoServers), true},
+		{fmt.Errorf("connect to nats: %w", nats.ErrAuthorization), false},
+		{errors.New("connect to nats at nats://127.0.0.1:4222: nats: expected 'PONG', got 'PING'"), true},
+		{errors.New("connect to nats: tls: failed to verify certificate: x509: certificate signed by unknown authority"), false},
 	} {
 		if got := outage(c.err); got != c.want {
 			t.Errorf("outage(%v) = %t, want %t", c.err, got, c.want)

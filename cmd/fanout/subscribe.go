@@ -159,7 +159,7 @@ Subscribers: ` + strings.Join(subscriberNames(), ", ") + `.`,
 				}
 			}
 			ctx := cmd.Context()
-			c, err := a.open(ctx, "subscribe", withNATS)
+			c, err := a.openWaiting(ctx, "subscribe")
 			if err != nil {
 				return err
 			}
