@@ -19,6 +19,14 @@ type Landed struct {
 	Seq uint64
 }
 
+// RowContent is what a row says its message holds: its event type, and
+// the SHA-256 of its payload as Postgres writes it out (jsonb's text,
+// which both captures publish).
+type RowContent struct {
+	EventType     string
+	PayloadSHA256 [32]byte
+}
+
 // insertLandingsSQL records one published batch's landings.
 const insertLandingsSQL = `
 INSERT INTO outbox_landings (stream, first_id, last_id, event_ids, seqs) VALUES ($1, $2, $3, $4, $5)`
@@ -173,13 +181,16 @@ WITH landed AS (
     ORDER BY e.id, l.id DESC
 )
 SELECT o.id, coalesce(landed.seq, 0), landed.landed_at,
-       o.status = 'sending' OR (o.status = 'pending' AND (NOT $5 OR o.available_at > $6)) AS unsettled
+       o.status = 'sending' OR (o.status = 'pending' AND (NOT $5 OR o.available_at > $6)) AS unsettled,
+       o.event_type, sha256(convert_to(o.payload::text, 'UTF8'))
 FROM outbox o LEFT JOIN landed ON landed.id = o.id
 WHERE o.id >= greatest($2, $4) AND o.id < $3 AND o.status IN ('sent', 'pending', 'sending')`
 
 // RangeWindow is one window of a range's published rows.
 type RangeWindow struct {
 	Events []Landed
+	// Contents are the events' rows' contents, by id.
+	Contents map[int64]RowContent
 	// Youngest is when the newest of the window's landings landed (a
 	// repair's copy may not be on disk yet).
 	Youngest time.Time
@@ -189,7 +200,7 @@ type RangeWindow struct {
 
 // RangeEvents lists the published rows of ids [lower, upper) at or above
 // fromID with the stream sequence each landed at (0: no landing
-// recorded). captured says the relays capture from the WAL, whose
+// recorded) and what each row says its message holds. captured says the relays capture from the WAL, whose
 // published rows stay pending; a pending row returned after due is not
 // taken for published.
 func (s *Store) RangeEvents(ctx context.Context, stream string, lower, upper, fromID int64, captured bool, due time.Time) (RangeWindow, error) {
@@ -197,16 +208,21 @@ func (s *Store) RangeEvents(ctx context.Context, stream string, lower, upper, fr
 	if err != nil {
 		return RangeWindow{}, fmt.Errorf("list a range's events and landings: %w", err)
 	}
-	var w RangeWindow
+	w := RangeWindow{Contents: map[int64]RowContent{}}
 	var id, seq int64
 	var at *time.Time
 	var unsettled bool
-	_, err = pgx.ForEachRow(rows, []any{&id, &seq, &at, &unsettled}, func() error {
+	var eventType string
+	var digest []byte
+	_, err = pgx.ForEachRow(rows, []any{&id, &seq, &at, &unsettled, &eventType, &digest}, func() error {
 		if unsettled {
 			w.Unsettled++
 			return nil
 		}
 		w.Events = append(w.Events, Landed{ID: id, Seq: uint64(seq)})
+		c := RowContent{EventType: eventType}
+		copy(c.PayloadSHA256[:], digest)
+		w.Contents[id] = c
 		if at != nil && at.After(w.Youngest) {
 			w.Youngest = *at
 		}

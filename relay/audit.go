@@ -71,6 +71,11 @@ type AuditReport struct {
 	// Lost: missing events whose rows are gone too, which no repair can
 	// bring back (the first few).
 	Lost []int64
+	// Altered events are in the stream with their identity and other
+	// content than their rows' (checked by a range's audit only);
+	// AlteredIDs are the first few.
+	Altered    int64
+	AlteredIDs []int64
 }
 
 func (a *AuditReport) add(b AuditReport) {
@@ -83,6 +88,11 @@ func (a *AuditReport) add(b AuditReport) {
 	a.Lost = append(a.Lost, b.Lost...)
 	if len(a.Lost) > maxLostListed {
 		a.Lost = a.Lost[:maxLostListed]
+	}
+	a.Altered += b.Altered
+	a.AlteredIDs = append(a.AlteredIDs, b.AlteredIDs...)
+	if len(a.AlteredIDs) > maxLostListed {
+		a.AlteredIDs = a.AlteredIDs[:maxLostListed]
 	}
 }
 
@@ -104,6 +114,9 @@ func (a AuditReport) detail() string {
 	}
 	if len(a.Lost) > 0 {
 		parts = append(parts, fmt.Sprintf("rows gone for events %v", a.Lost))
+	}
+	if a.Altered > 0 {
+		parts = append(parts, fmt.Sprintf("%d altered: in the stream with other content than their rows' (events %v)", a.Altered, a.AlteredIDs))
 	}
 	return strings.Join(parts, "; ")
 }
@@ -334,7 +347,7 @@ func (a *auditor) tail(ctx context.Context) {
 		if len(ls) == 0 {
 			break
 		}
-		rep, err := a.verify(ctx, eventsOf(ls), true)
+		rep, err := a.verify(ctx, eventsOf(ls), nil, true)
 		total.add(rep)
 		if err != nil {
 			a.failed(AuditTail, err)
@@ -390,7 +403,7 @@ func (a *auditor) landings(ctx context.Context, since, before time.Time, repair 
 		if len(ls) == 0 {
 			break
 		}
-		rep, err := a.verify(ctx, eventsOf(ls), repair)
+		rep, err := a.verify(ctx, eventsOf(ls), nil, repair)
 		total.add(rep)
 		if err != nil {
 			return total, err
@@ -462,12 +475,12 @@ func (a *auditor) auditRange(ctx context.Context, p outboxstore.Partition, due t
 		if err != nil {
 			return rep, false, err
 		}
-		part, err := a.verify(ctx, w.Events, repair)
+		part, err := a.verify(ctx, w.Events, w.Contents, repair)
 		rep.add(part)
 		if err != nil {
 			return rep, false, err
 		}
-		if w.Unsettled > 0 || part.Missing > 0 || w.Youngest.After(began.Add(-a.cfg.AuditDelay)) {
+		if w.Unsettled > 0 || part.Missing > 0 || part.Altered > 0 || w.Youngest.After(began.Add(-a.cfg.AuditDelay)) {
 			passed = false
 		}
 		if progress != nil {
@@ -567,10 +580,13 @@ func (a *auditor) done(ctx context.Context, kind, scope string, began time.Time,
 		return
 	}
 	level := a.logger.Debug
-	if rep.Missing > 0 {
+	switch {
+	case rep.Altered > 0:
+		level = a.logger.Error
+	case rep.Missing > 0:
 		level = a.logger.Warn
 	}
-	level("audit done", "kind", kind, "scope", scope, "checked", rep.Checked, "missing", rep.Missing, "repaired", rep.Repaired,
+	level("audit done", "kind", kind, "scope", scope, "checked", rep.Checked, "missing", rep.Missing, "repaired", rep.Repaired, "altered", rep.Altered,
 		"took", time.Since(began).Round(time.Millisecond))
 	rec := outboxstore.Audit{Kind: kind, Scope: scope, StartedAt: began, Checked: rep.Checked, Missing: rep.Missing, Repaired: rep.Repaired, Detail: rep.detail()}
 	if err := a.store.RecordAudit(ctx, rec); err != nil {

@@ -2,12 +2,14 @@ package relay
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"slices"
 	"strconv"
 
 	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/outboxstore"
+	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go/jetstream"
 )
@@ -22,8 +24,12 @@ const auditGap = 256
 
 // verify checks that each event of ls is in the stream at its sequence
 // with its identity (sequence 0: no landing recorded, missing), and with
-// repair publishes again those that are not.
-func (a *auditor) verify(ctx context.Context, ls []outboxstore.Landed, repair bool) (AuditReport, error) {
+// repair publishes again those that are not. An event whose row's content
+// is in contents must also hold it there (its subject and payload), or it
+// is altered: a message published under its identity with other content,
+// which JetStream kept in place of the relay's as a duplicate, and which
+// no repair can replace (the subscribers took it for the event).
+func (a *auditor) verify(ctx context.Context, ls []outboxstore.Landed, contents map[int64]outboxstore.RowContent, repair bool) (AuditReport, error) {
 	rep := AuditReport{Checked: int64(len(ls))}
 	if len(ls) == 0 {
 		return rep, nil
@@ -36,7 +42,7 @@ func (a *auditor) verify(ctx context.Context, ls []outboxstore.Landed, repair bo
 	}
 	pairs := newestLandings(ls)
 	rep.Checked = int64(len(pairs))
-	suspects, err := a.suspects(ctx, ident, pairs, &rep)
+	suspects, err := a.suspects(ctx, ident, pairs, contents, &rep)
 	if err != nil || len(suspects) == 0 {
 		return rep, err
 	}
@@ -78,9 +84,9 @@ func newestLandings(ls []outboxstore.Landed) []outboxstore.Landed {
 
 // suspects reads the stream at the sequences of pairs (in order), runs of
 // them at a time, and returns the events not found with their identity
-// where they landed, or with no landing recorded; rep counts those, and
-// the events below the stream's first sequence.
-func (a *auditor) suspects(ctx context.Context, ident *outbox.Identity, pairs []outboxstore.Landed, rep *AuditReport) ([]outboxstore.Landed, error) {
+// where they landed, or with no landing recorded; rep counts those, the
+// events below the stream's first sequence, and those found altered.
+func (a *auditor) suspects(ctx context.Context, ident *outbox.Identity, pairs []outboxstore.Landed, contents map[int64]outboxstore.RowContent, rep *AuditReport) ([]outboxstore.Landed, error) {
 	s, err := a.js.Stream(ctx, a.stream.Name)
 	if err != nil {
 		return nil, fmt.Errorf("look up stream %s: %w", a.stream.Name, err)
@@ -121,8 +127,11 @@ func (a *auditor) suspects(ctx context.Context, ident *outbox.Identity, pairs []
 				k++
 			}
 			for k < len(run) && run[k].Seq == m.Sequence {
-				if m.Header.Get(jetstream.MsgIDHeader) != wire.MsgID(ident.OriginOf(run[k].ID), run[k].ID) {
+				switch {
+				case m.Header.Get(jetstream.MsgIDHeader) != wire.MsgID(ident.OriginOf(run[k].ID), run[k].ID):
 					suspects = append(suspects, run[k])
+				case contents != nil:
+					a.checkContent(m, run[k].ID, contents, rep)
 				}
 				k++
 			}
@@ -135,6 +144,25 @@ func (a *auditor) suspects(ctx context.Context, ident *outbox.Identity, pairs []
 		i = j
 	}
 	return suspects, nil
+}
+
+// checkContent compares message m, event id's in the stream, with what
+// its row says it holds, and counts and logs it altered if it differs.
+func (a *auditor) checkContent(m *jetstream.RawStreamMsg, id int64, contents map[int64]outboxstore.RowContent, rep *AuditReport) {
+	want, ok := contents[id]
+	if !ok {
+		return
+	}
+	subject := stream.Subject(a.stream.SubjectPrefix, want.EventType)
+	if m.Subject == subject && sha256.Sum256(m.Data) == want.PayloadSHA256 {
+		return
+	}
+	rep.Altered++
+	if len(rep.AlteredIDs) < maxLostListed {
+		rep.AlteredIDs = append(rep.AlteredIDs, id)
+	}
+	a.logger.Error("audit: an event in the stream does not hold what its outbox row holds: a message published under its identity with other content took its place, and its subscribers took that for the event; no repair can replace it",
+		"event_id", id, "stream_seq", m.Sequence, "subject", m.Subject, "want_subject", subject, "payload_differs", sha256.Sum256(m.Data) != want.PayloadSHA256)
 }
 
 func cmpSeq(a, b uint64) int {

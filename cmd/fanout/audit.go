@@ -60,6 +60,9 @@ by sequence and publishes events.`,
 			if dryRun && rep.Missing > 0 {
 				return fmt.Errorf("%d events missing from the stream", rep.Missing)
 			}
+			if rep.Altered > 0 {
+				return fmt.Errorf("%d events in the stream with other content than their outbox rows: %v", rep.Altered, rep.AlteredIDs)
+			}
 			return nil
 		}),
 	}
@@ -99,6 +102,9 @@ func printAudit(out io.Writer, rep relay.AuditReport, elapsed time.Duration, str
 	}
 	if rep.AgedUnconsumed > 0 {
 		fmt.Fprintf(out, "; %d of them removed by the stream's limits before a consumer acknowledged them", rep.AgedUnconsumed)
+	}
+	if rep.Altered > 0 {
+		fmt.Fprintf(out, "; %d altered: in the stream with other content than their outbox rows (events %v)", rep.Altered, rep.AlteredIDs)
 	}
 	fmt.Fprintln(out)
 }
