@@ -6,6 +6,7 @@ package outboxstore
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"slices"
 	"time"
@@ -19,12 +20,20 @@ type Landed struct {
 	Seq uint64
 }
 
-// RowContent is what a row says its message holds: its event type, and
-// the SHA-256 of its payload as Postgres writes it out (jsonb's text,
-// which both captures publish).
-type RowContent struct {
-	EventType     string
-	PayloadSHA256 [32]byte
+// ContentDigest is the SHA-256 of what a row says its message holds: its
+// subject, a newline, and its payload as Postgres writes it out (jsonb's
+// text, which both captures publish). ContentOf makes it of a message.
+type ContentDigest [32]byte
+
+// ContentOf is the digest of a message with subject and data.
+func ContentOf(subject string, data []byte) ContentDigest {
+	h := sha256.New()
+	h.Write([]byte(subject))
+	h.Write([]byte{'\n'})
+	h.Write(data)
+	var d ContentDigest
+	h.Sum(d[:0])
+	return d
 }
 
 // insertLandingsSQL records one published batch's landings.
@@ -182,15 +191,15 @@ WITH landed AS (
 )
 SELECT o.id, coalesce(landed.seq, 0), landed.landed_at,
        o.status = 'sending' OR (o.status = 'pending' AND (NOT $5 OR o.available_at > $6)) AS unsettled,
-       o.event_type, sha256(convert_to(o.payload::text, 'UTF8'))
+       sha256(convert_to($7 || '.' || o.event_type || E'\n' || o.payload::text, 'UTF8'))
 FROM outbox o LEFT JOIN landed ON landed.id = o.id
 WHERE o.id >= greatest($2, $4) AND o.id < $3 AND o.status IN ('sent', 'pending', 'sending')`
 
 // RangeWindow is one window of a range's published rows.
 type RangeWindow struct {
 	Events []Landed
-	// Contents are the events' rows' contents, by id.
-	Contents map[int64]RowContent
+	// Contents are the digests of the events' rows' contents, by id.
+	Contents map[int64]ContentDigest
 	// Youngest is when the newest of the window's landings landed (a
 	// repair's copy may not be on disk yet).
 	Youngest time.Time
@@ -200,29 +209,29 @@ type RangeWindow struct {
 
 // RangeEvents lists the published rows of ids [lower, upper) at or above
 // fromID with the stream sequence each landed at (0: no landing
-// recorded) and what each row says its message holds. captured says the relays capture from the WAL, whose
+// recorded) and the digest of what each row says its message holds under
+// subjectPrefix. captured says the relays capture from the WAL, whose
 // published rows stay pending; a pending row returned after due is not
 // taken for published.
-func (s *Store) RangeEvents(ctx context.Context, stream string, lower, upper, fromID int64, captured bool, due time.Time) (RangeWindow, error) {
-	rows, err := s.pool.Query(ctx, rangeEventsSQL, stream, lower, upper, fromID, captured, due)
+func (s *Store) RangeEvents(ctx context.Context, stream, subjectPrefix string, lower, upper, fromID int64, captured bool, due time.Time) (RangeWindow, error) {
+	rows, err := s.pool.Query(ctx, rangeEventsSQL, stream, lower, upper, fromID, captured, due, subjectPrefix)
 	if err != nil {
 		return RangeWindow{}, fmt.Errorf("list a range's events and landings: %w", err)
 	}
-	w := RangeWindow{Contents: map[int64]RowContent{}}
+	w := RangeWindow{Contents: map[int64]ContentDigest{}}
 	var id, seq int64
 	var at *time.Time
 	var unsettled bool
-	var eventType string
 	var digest []byte
-	_, err = pgx.ForEachRow(rows, []any{&id, &seq, &at, &unsettled, &eventType, &digest}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&id, &seq, &at, &unsettled, &digest}, func() error {
 		if unsettled {
 			w.Unsettled++
 			return nil
 		}
 		w.Events = append(w.Events, Landed{ID: id, Seq: uint64(seq)})
-		c := RowContent{EventType: eventType}
-		copy(c.PayloadSHA256[:], digest)
-		w.Contents[id] = c
+		var d ContentDigest
+		copy(d[:], digest)
+		w.Contents[id] = d
 		if at != nil && at.After(w.Youngest) {
 			w.Youngest = *at
 		}

@@ -471,7 +471,7 @@ func (a *auditor) auditRange(ctx context.Context, p outboxstore.Partition, due t
 			return rep, false, err
 		}
 		hi := min(lo+auditWindow, p.Upper)
-		w, err := a.store.RangeEvents(ctx, a.stream.Name, lo, hi, st.FromID, a.cfg.Capture == CaptureWAL, due)
+		w, err := a.store.RangeEvents(ctx, a.stream.Name, a.stream.SubjectPrefix, lo, hi, st.FromID, a.cfg.Capture == CaptureWAL, due)
 		if err != nil {
 			return rep, false, err
 		}
