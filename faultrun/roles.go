@@ -35,10 +35,20 @@ func newRole(name, bin, logDir string, env []string, args ...string) (*Role, err
 	return &Role{Name: name, Args: args, bin: bin, env: env, log: f}, nil
 }
 
-// Start runs the process (again).
+// Start runs the process (again), unless it runs: two of the run's loops
+// may each find it gone and start it (a fault's restart, a late
+// subscriber's supervisor), and the second must not leave the first's
+// process running unwatched, which nothing would stop.
 func (r *Role) Start() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if r.exited != nil {
+		select {
+		case <-r.exited:
+		default:
+			return nil
+		}
+	}
 	cmd := exec.Command(r.bin, r.Args...) // r.mu is held
 	childproc.Tie(cmd)
 	cmd.Env = r.env

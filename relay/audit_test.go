@@ -159,11 +159,6 @@ func TestARangeIsDroppedOnlyAfterItsAuditPassed(t *testing.T) {
 	t.Parallel()
 	h := newHarness(t)
 	ctx := context.Background()
-	small := func(r *Relay) *Relay {
-		r.cfg.SentRetention, r.cfg.CleanupInterval = 0, 100*time.Millisecond
-		r.cfg.PartitionSize, r.maintainer.partitionsAhead, r.maintainer.partitionMargin = 10, 10, 10
-		return r
-	}
 	ranges := func() int {
 		var n int
 		if err := h.db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox_partitions WHERE upper_id <= 31`).Scan(&n); err != nil {
@@ -171,17 +166,11 @@ func TestARangeIsDroppedOnlyAfterItsAuditPassed(t *testing.T) {
 		}
 		return n
 	}
-	a := small(h.newRelay(nil, nil))
+	a := smallRanges(h.newRelay(nil, nil))
 	a.hooks = testhooks.Relay{NoAudit: true}
 	h.start(a)
 	waitFor(t, 10*time.Second, "the first ranges", func() (bool, string) { return ranges() == 2, fmt.Sprint(ranges()) })
-	for i := 0; i < 40; i += 10 {
-		events := make([]outbox.Event, 10)
-		for j := range events {
-			events[j] = productEvent(i + j + 1)
-		}
-		write(t, h.db.Pool, events...)
-	}
+	writeProductsByTen(t, h, 40)
 	// Ids 1..10 land in outbox_default (the margin), whose rows are
 	// deleted one by one: the ranges hold 11..40.
 	waitFor(t, 20*time.Second, "40 events in the stream", func() (bool, string) { return h.streamCount() == 40, fmt.Sprint(h.streamCount()) })
@@ -204,7 +193,7 @@ WHERE outbox_landings.id = e.id`); err != nil {
 	}
 
 	obs := &auditCounter{}
-	h.start(small(h.newRelay(nil, obs)))
+	h.start(smallRanges(h.newRelay(nil, obs)))
 	waitFor(t, 30*time.Second, "both ranges dropped", func() (bool, string) { return ranges() == 0, fmt.Sprint(ranges(), " left") })
 	if m := obs.missing.Load(); m < 5 {
 		t.Fatalf("the audits found %d events missing, want the 5 with no landing", m)
@@ -215,5 +204,25 @@ WHERE outbox_landings.id = e.id`); err != nil {
 	}
 	if got := h.distinctEvents(); got != 40 {
 		t.Fatalf("%d distinct events in the stream, want 40", got)
+	}
+}
+
+// smallRanges sets r to ranges of 10 ids, dropped as soon as their audit
+// passes (retention 0, a pass every 100 ms).
+func smallRanges(r *Relay) *Relay {
+	r.cfg.SentRetention, r.cfg.CleanupInterval = 0, 100*time.Millisecond
+	r.cfg.PartitionSize, r.maintainer.partitionsAhead, r.maintainer.partitionMargin = 10, 10, 10
+	return r
+}
+
+// writeProductsByTen commits n product events (1..n), ten a transaction.
+func writeProductsByTen(t *testing.T, h *harness, n int) {
+	t.Helper()
+	for i := 0; i < n; i += 10 {
+		events := make([]outbox.Event, min(10, n-i))
+		for j := range events {
+			events[j] = productEvent(i + j + 1)
+		}
+		write(t, h.db.Pool, events...)
 	}
 }

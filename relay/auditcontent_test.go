@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/internal/testhooks"
-	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/outboxstore"
 	"github.com/fanout/fanout/stream"
 	"github.com/fanout/fanout/wire"
@@ -36,11 +35,6 @@ func testARangeWithAlteredEvents(t *testing.T, capture string) {
 	h := newHarness(t)
 	h.cfg.Relay.Capture = capture
 	ctx := context.Background()
-	small := func(r *Relay) *Relay {
-		r.cfg.SentRetention, r.cfg.CleanupInterval = 0, 100*time.Millisecond
-		r.cfg.PartitionSize, r.maintainer.partitionsAhead, r.maintainer.partitionMargin = 10, 10, 10
-		return r
-	}
 	ranges := func() []string {
 		rows, err := h.db.Pool.Query(ctx, `SELECT name FROM outbox_partitions WHERE upper_id <= 31 ORDER BY upper_id`)
 		if err != nil {
@@ -56,7 +50,7 @@ func testARangeWithAlteredEvents(t *testing.T, capture string) {
 		}
 		return names
 	}
-	a := small(h.newRelay(nil, nil))
+	a := smallRanges(h.newRelay(nil, nil))
 	a.hooks = testhooks.Relay{NoAudit: true}
 	h.start(a)
 	waitFor(t, 10*time.Second, "the first ranges", func() (bool, string) { return len(ranges()) == 2, fmt.Sprint(ranges()) })
@@ -77,13 +71,7 @@ func testARangeWithAlteredEvents(t *testing.T, capture string) {
 			t.Fatal(err)
 		}
 	}
-	for i := 0; i < 40; i += 10 {
-		events := make([]outbox.Event, 10)
-		for j := range events {
-			events[j] = productEvent(i + j + 1)
-		}
-		write(t, h.db.Pool, events...)
-	}
+	writeProductsByTen(t, h, 40)
 	waitFor(t, 20*time.Second, "40 events in the stream", func() (bool, string) { return h.streamCount() == 40, fmt.Sprint(h.streamCount()) })
 	stop, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
@@ -91,7 +79,7 @@ func testARangeWithAlteredEvents(t *testing.T, capture string) {
 		t.Fatal(err)
 	}
 
-	h.start(small(h.newRelay(nil, nil)))
+	h.start(smallRanges(h.newRelay(nil, nil)))
 	waitFor(t, 30*time.Second, "the clean range dropped", func() (bool, string) {
 		left := ranges()
 		return len(left) == 1, fmt.Sprint(left)
