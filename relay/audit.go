@@ -595,4 +595,7 @@ func (a *auditor) done(ctx context.Context, kind, scope string, began time.Time,
 	// Reported after the record, so that whoever hears of an audit finds
 	// it in outbox_audits (a loaded test run read the table in between).
 	a.obs.Audited(kind, int(rep.Checked), int(rep.Missing), int(rep.Repaired))
+	if rep.Altered > 0 {
+		a.obs.AuditAltered(kind, int(rep.Altered))
+	}
 }

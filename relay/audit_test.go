@@ -142,8 +142,10 @@ func TestAuditRepublishesWhatTheStreamLost(t *testing.T) {
 // auditCounter counts what the audits report.
 type auditCounter struct {
 	NopObserver
-	missing, repaired atomic.Int64
+	missing, repaired, altered atomic.Int64
 }
+
+func (c *auditCounter) AuditAltered(_ string, n int) { c.altered.Add(int64(n)) }
 
 func (c *auditCounter) Audited(_ string, _, missing, repaired int) {
 	c.missing.Add(int64(missing))

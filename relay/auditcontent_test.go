@@ -79,7 +79,8 @@ func testARangeWithAlteredEvents(t *testing.T, capture string) {
 		t.Fatal(err)
 	}
 
-	h.start(smallRanges(h.newRelay(nil, nil)))
+	obs := &auditCounter{}
+	h.start(smallRanges(h.newRelay(nil, obs)))
 	waitFor(t, 30*time.Second, "the clean range dropped", func() (bool, string) {
 		left := ranges()
 		return len(left) == 1, fmt.Sprint(left)
@@ -92,6 +93,9 @@ func testARangeWithAlteredEvents(t *testing.T, capture string) {
 	})
 	if !strings.Contains(detail, "2 altered") || !strings.Contains(detail, "12") || !strings.Contains(detail, "13") {
 		t.Errorf("the audit of range %s says %q, want events 12 and 13 altered", kept, detail)
+	}
+	if n := obs.altered.Load(); n < 2 {
+		t.Errorf("fanout_relay_audit_altered_total went up by %d, want 2 or more (each audit of the kept range counts them)", n)
 	}
 	time.Sleep(time.Second) // ten retention passes
 	if left := ranges(); len(left) != 1 || left[0] != kept {

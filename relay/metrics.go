@@ -25,7 +25,7 @@ type Metrics struct {
 	outboxRangesDropped                                              prometheus.Counter
 	configDifferences                                                *prometheus.GaugeVec
 	rewinds                                                          prometheus.Counter
-	auditChecked, auditMissing, auditRepaired                        *prometheus.CounterVec
+	auditChecked, auditMissing, auditRepaired, auditAltered          *prometheus.CounterVec
 	atomicBatches, atomicEvents                                      *prometheus.CounterVec
 }
 
@@ -66,13 +66,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	m.auditChecked = cv("audit_checked_total", "Published events the auditor checked against the stream, by kind of audit (tail, lookback, range, command).")
 	m.auditMissing = cv("audit_missing_total", "Published events the auditor found missing from the stream (or published with no landing recorded), by kind of audit.")
 	m.auditRepaired = cv("audit_repaired_total", "Missing events the auditor published again, by kind of audit.")
+	m.auditAltered = cv("audit_altered_total", "Events the auditor found in the stream with other content (subject or payload) than their outbox rows, by kind of audit: published under their identity by another than the relay; alert on any.")
 	outcome := func(name, help string) *prometheus.CounterVec {
 		return prometheus.NewCounterVec(prometheus.CounterOpts{Namespace: "fanout", Subsystem: "relay", Name: name, Help: help}, []string{"outcome"})
 	}
 	m.atomicBatches = outcome("atomic_batches_total", "Atomic batches the relay sent, by outcome: stored (whole), or refused (refused or unanswered: their events went again another way or later).")
 	m.atomicEvents = outcome("atomic_batch_events_total", "Events in the atomic batches the relay sent, by the batch's outcome.")
 	reg.MustRegister(m.claimSeconds, m.slotLagBytes, m.slotStuckSeconds, m.outboxRanges, m.configDifferences,
-		m.auditChecked, m.auditMissing, m.auditRepaired, m.atomicBatches, m.atomicEvents)
+		m.auditChecked, m.auditMissing, m.auditRepaired, m.auditAltered, m.atomicBatches, m.atomicEvents)
 	return m
 }
 
@@ -80,6 +81,10 @@ func (m *Metrics) Audited(kind string, checked, missing, repaired int) {
 	m.auditChecked.WithLabelValues(kind).Add(float64(checked))
 	m.auditMissing.WithLabelValues(kind).Add(float64(missing))
 	m.auditRepaired.WithLabelValues(kind).Add(float64(repaired))
+}
+
+func (m *Metrics) AuditAltered(kind string, n int) {
+	m.auditAltered.WithLabelValues(kind).Add(float64(n))
 }
 
 func (m *Metrics) AtomicBatch(events int, err error) {

@@ -33,6 +33,9 @@ type Observer interface {
 	// Audited reports an audit of the stream against the outbox
 	// (audit.go): events checked, found missing, and published again.
 	Audited(kind string, checked, missing, repaired int)
+	// AuditAltered reports events an audit found in the stream with other
+	// content than their rows' (auditverify.go), which no repair replaces.
+	AuditAltered(kind string, n int)
 	// AtomicBatch reports an atomic batch of events (atomic.go): stored
 	// whole, or refused or unanswered (err) and its events published again
 	// another way or later.
@@ -61,4 +64,5 @@ func (NopObserver) SlotLag(int64, time.Duration)  {}
 func (NopObserver) ConfigDifferences(string, int) {}
 func (NopObserver) Rewound()                      {}
 func (NopObserver) Audited(string, int, int, int) {}
+func (NopObserver) AuditAltered(string, int)      {}
 func (NopObserver) AtomicBatch(int, error)        {}
