@@ -14,6 +14,7 @@ import (
 	"github.com/fanout/fanout/internal/testenv/childproc"
 	"github.com/fanout/fanout/internal/testenv/repo"
 	"github.com/fanout/fanout/internal/testenv/syncbuf"
+	"github.com/fanout/fanout/internal/testenv/testca"
 	"github.com/nats-io/nats.go"
 )
 
@@ -40,7 +41,7 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 		exited chan struct{}
 	}
 	ours := serverTLS(t)
-	certs := []natsTLS{ours, ours, ours}
+	certs := []testca.Pair{ours, ours, ours}
 	stop := func(nodes []*node) {
 		for _, n := range nodes {
 			_ = n.cmd.Process.Signal(syscall.SIGTERM)
@@ -52,13 +53,13 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 	// credentials creds ("user:password@" or ""), and reports whether one
 	// found a port taken (tests in other packages start servers at the
 	// same time) once each is ready or gone.
-	start := func(creds string, certs []natsTLS) (nodes []*node, taken bool) {
+	start := func(creds string, certs []testca.Pair) (nodes []*node, taken bool) {
 		t.Helper()
 		routePorts := []int{freePort(t), freePort(t), freePort(t)}
 		for i := range 3 {
 			env := append(os.Environ(), "FANOUT_NATS_NODE=n"+strconv.Itoa(i+1), "FANOUT_NATS_CLUSTER_PORT="+strconv.Itoa(routePorts[i]),
 				"FANOUT_NATS_ROUTE_PASSWORD="+passwords["route"])
-			env = append(env, certs[i].env()...)
+			env = append(env, tlsEnv(certs[i])...)
 			for j, p := range routePorts {
 				env = append(env, fmt.Sprintf("FANOUT_NATS_ROUTE_%d=nats://%s127.0.0.1:%d", j+1, creds, p))
 			}
@@ -91,7 +92,7 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 		}
 		return nodes, taken
 	}
-	cluster := func(creds string, certs []natsTLS) []*node {
+	cluster := func(creds string, certs []testca.Pair) []*node {
 		t.Helper()
 		for range 5 {
 			nodes, taken := start(creds, certs)
@@ -169,7 +170,7 @@ func TestClusterRoutesAuthenticate(t *testing.T) {
 
 	// A node with the route password and a certificate of another CA:
 	// the others refuse its routes, and it theirs.
-	nodes := cluster("route:"+passwords["route"]+"@", []natsTLS{ours, ours, serverTLS(t)})
+	nodes := cluster("route:"+passwords["route"]+"@", []testca.Pair{ours, ours, serverTLS(t)})
 	waitFor(t, "node 3 to refuse the others' certificates", func() bool {
 		return strings.Contains(nodes[2].log.String(), "certificate signed by unknown authority")
 	})

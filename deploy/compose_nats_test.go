@@ -118,7 +118,7 @@ func TestComposeGivesTheNATSServerOnlyHashes(t *testing.T) {
 		user := strings.ToLower(strings.TrimSuffix(strings.TrimPrefix(v, "FANOUT_NATS_"), "_PASSWORD"))
 		plain[user], hashed[user] = pw, env[v]
 	}
-	tls := natsTLS{Pair: testca.Pair{CertFile: filepath.Join(secrets, "nats_tls_cert"), KeyFile: filepath.Join(secrets, "nats_tls_key")},
+	tls := testca.Pair{CertFile: filepath.Join(secrets, "nats_tls_cert"), KeyFile: filepath.Join(secrets, "nats_tls_key"),
 		CAFile: filepath.Join(secrets, "nats_ca")}
 	ns := startNATSServer(t, natsConfPath(t), plain, hashed, tls)
 	for user := range plain {

@@ -77,7 +77,7 @@ func startNATSWith(t *testing.T, conf string, users []string) *natsServer {
 // user's secret (its password, or a bcrypt hash of it) in the server's
 // environment and the server's certificate tls; clients log in with
 // passwords over TLS.
-func startNATSServer(t *testing.T, conf string, passwords, secrets map[string]string, tls natsTLS) *natsServer {
+func startNATSServer(t *testing.T, conf string, passwords, secrets map[string]string, tls testca.Pair) *natsServer {
 	t.Helper()
 	bin, err := repo.Bin("nats-server")
 	if err != nil {
@@ -99,7 +99,7 @@ func startNATSServer(t *testing.T, conf string, passwords, secrets map[string]st
 // tryStartNATS starts nats-server on two free ports and waits until it
 // serves JetStream; taken reports that it exited because another process
 // bound one of its ports first.
-func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]string, tls natsTLS) (s *natsServer, taken bool) {
+func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]string, tls testca.Pair) (s *natsServer, taken bool) {
 	t.Helper()
 	port, mport := freePort(t), freePort(t)
 	s = &natsServer{
@@ -115,7 +115,7 @@ func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]
 	}
 	env = append(env, "FANOUT_NATS_STORE_DIR="+filepath.Join(t.TempDir(), "jetstream"))
 	s.caFile = tls.CAFile
-	env = append(env, tls.env()...)
+	env = append(env, tlsEnv(tls)...)
 	s.cmd = exec.Command(bin, "-c", conf, "-p", strconv.Itoa(port), "-m", strconv.Itoa(mport))
 	childproc.Tie(s.cmd)
 	s.cmd.Env = env // the last of duplicate keys wins
@@ -162,30 +162,21 @@ func tryStartNATS(t *testing.T, bin, conf string, passwords, secrets map[string]
 	}
 }
 
-// natsTLS is what a server needs for the production configuration's TLS:
-// its certificate and key, and the CA that signed them.
-type natsTLS struct {
-	testca.Pair
-	CAFile string
-}
-
-// serverTLS makes a CA and a certificate for 127.0.0.1 signed by it.
-func serverTLS(t *testing.T) natsTLS {
+// serverTLS makes a CA and a certificate for 127.0.0.1 signed by it, for
+// the production configuration's TLS.
+func serverTLS(t *testing.T) testca.Pair {
 	t.Helper()
-	ca, err := testca.New(t.TempDir(), "nats")
+	p, err := testca.Server(t.TempDir())
 	if err != nil {
-		t.Fatalf("test CA: %v", err)
+		t.Fatalf("test CA and server certificate: %v", err)
 	}
-	p, err := ca.Issue("nats-server")
-	if err != nil {
-		t.Fatalf("server certificate: %v", err)
-	}
-	return natsTLS{Pair: p, CAFile: ca.CAFile}
+	return p
 }
 
-// env is the server's environment for it (see deploy/nats/cluster.conf).
-func (c natsTLS) env() []string {
-	return []string{"FANOUT_NATS_TLS_CERT_FILE=" + c.CertFile, "FANOUT_NATS_TLS_KEY_FILE=" + c.KeyFile, "FANOUT_NATS_TLS_CA_FILE=" + c.CAFile}
+// tlsEnv is a server's environment for certificate p (see
+// deploy/nats/cluster.conf).
+func tlsEnv(p testca.Pair) []string {
+	return []string{"FANOUT_NATS_TLS_CERT_FILE=" + p.CertFile, "FANOUT_NATS_TLS_KEY_FILE=" + p.KeyFile, "FANOUT_NATS_TLS_CA_FILE=" + p.CAFile}
 }
 
 func (s *natsServer) stop() {

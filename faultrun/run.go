@@ -15,6 +15,7 @@ import (
 
 	"github.com/fanout/fanout/internal/testenv/faultproxy"
 	"github.com/fanout/fanout/internal/testenv/natstest"
+	"github.com/fanout/fanout/internal/testenv/testca"
 	"github.com/fanout/fanout/relay"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/search"
@@ -126,7 +127,7 @@ type run struct {
 	// authenticates every client and route); nil on the single server,
 	// which has no authentication.
 	passwords map[string]string
-	tls       clusterTLS // the cluster's; none on the single server
+	tls       testca.Pair // the cluster's; none on the single server
 	logDir    string
 	// lostSpans are the stream sequences the store rollbacks took away.
 	lostMu    sync.Mutex

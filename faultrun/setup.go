@@ -235,7 +235,7 @@ func (r *run) startRoles(env []string) {
 	}
 }
 
-func startCluster(t *testing.T, passwords map[string]string, tls clusterTLS) []*natstest.Server {
+func startCluster(t *testing.T, passwords map[string]string, tls testca.Pair) []*natstest.Server {
 	root, err := repo.Root()
 	if err != nil {
 		t.Fatal(err)
@@ -267,7 +267,7 @@ func startCluster(t *testing.T, passwords map[string]string, tls clusterTLS) []*
 // tryCluster starts three nodes on ports found free, with the rendered
 // cluster.conf: its users and their passwords, TLS for clients and
 // routes, and routes that present the route password.
-func tryCluster(t *testing.T, root string, passwords map[string]string, tls clusterTLS) ([]*natstest.Server, error) {
+func tryCluster(t *testing.T, root string, passwords map[string]string, tls testca.Pair) ([]*natstest.Server, error) {
 	ports := make([]int, 6)
 	for i := range ports {
 		l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -337,23 +337,14 @@ func (r *run) waitConsumers() {
 	})
 }
 
-// clusterTLS is the cluster's certificate (every node presents the same
-// one, to its clients and its routes) and the CA that signed it.
-type clusterTLS struct {
-	testca.Pair
-	CAFile string
-}
-
-func newClusterTLS(t *testing.T) clusterTLS {
-	ca, err := testca.New(t.TempDir(), "chaos")
+// newClusterTLS makes the cluster's certificate (every node presents the
+// same one, to its clients and its routes) and the CA that signed it.
+func newClusterTLS(t *testing.T) testca.Pair {
+	p, err := testca.Server(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := ca.Issue("node")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return clusterTLS{Pair: p, CAFile: ca.CAFile}
+	return p
 }
 
 // routeUser is the user every route of the cluster presents.

@@ -163,15 +163,11 @@ func startProductionNATS() (*productionNATS, error) {
 		return nil, err
 	}
 	s := &productionNATS{passwords: map[string]string{}, dir: dir}
-	ca, err := testca.New(dir, "bench")
+	cert, err := testca.Server(dir)
 	if err != nil {
 		return nil, err
 	}
-	cert, err := ca.Issue("nats-server")
-	if err != nil {
-		return nil, err
-	}
-	s.caFile = ca.CAFile
+	s.caFile = cert.CAFile
 	env := append(os.Environ(), "FANOUT_NATS_STORE_DIR="+filepath.Join(dir, "jetstream"),
 		"FANOUT_NATS_TLS_CERT_FILE="+cert.CertFile, "FANOUT_NATS_TLS_KEY_FILE="+cert.KeyFile)
 	for _, u := range append([]string{"relay", "provisioner", "operator", "admin", "admin_deadletter"}, registry.Default.Names()...) {

@@ -27,9 +27,21 @@ type CA struct {
 	key    *ecdsa.PrivateKey
 }
 
-// Pair is a certificate and its key, as PEM files.
+// Pair is a certificate and its key, as PEM files, and the certificate of
+// the CA that signed it.
 type Pair struct {
-	CertFile, KeyFile string
+	CertFile, KeyFile, CAFile string
+}
+
+// Server makes a CA of its own in dir and a certificate it signed for a
+// server on 127.0.0.1 or localhost: what a test's nats-server presents,
+// and what its clients are told to trust.
+func Server(dir string) (Pair, error) {
+	ca, err := New(dir, "test")
+	if err != nil {
+		return Pair{}, err
+	}
+	return ca.Issue("server")
 }
 
 // New makes a CA valid for a day and writes its certificate into dir.
@@ -92,7 +104,7 @@ func (ca *CA) Issue(name string, hosts ...string) (Pair, error) {
 	if err != nil {
 		return Pair{}, err
 	}
-	p := Pair{CertFile: filepath.Join(ca.dir, name+"-cert.pem"), KeyFile: filepath.Join(ca.dir, name+"-key.pem")}
+	p := Pair{CertFile: filepath.Join(ca.dir, name+"-cert.pem"), KeyFile: filepath.Join(ca.dir, name+"-key.pem"), CAFile: ca.CAFile}
 	if err := writePEM(p.CertFile, "CERTIFICATE", der); err != nil {
 		return Pair{}, err
 	}
