@@ -80,7 +80,7 @@ func TestAReplayIsCarriedOutByTheSubscriber(t *testing.T) {
 	if o := outcome(id); o.Outcome != bookkeeping.ReplayMoved || o.Actor != role {
 		t.Fatalf("replay outcome %+v, want moved, recorded by %s", o, role)
 	}
-	subscribertest.WaitFor(t, 15*time.Second, "the 3 events again, skipped", func() (bool, string) {
+	subscribertest.WaitFor(t, 60*time.Second, "the 3 events again, skipped", func() (bool, string) {
 		n := obs.skipped.Load()
 		return n >= 3, fmt.Sprintf("%d skipped", n)
 	})
