@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/fanout/fanout/events"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -58,13 +59,48 @@ const DefaultWakeInterval = 2 * time.Millisecond
 type Writer struct {
 	wakeInterval time.Duration
 	lastWake     atomic.Int64 // unix nanoseconds of the last notify attempt
+	// types is what each payload is checked against before it is written
+	// (CheckedAgainst); its zero value checks nothing.
+	types events.Checker
 }
 
 // NewWriter returns a Writer that notifies at most once per wakeInterval.
 // A wakeInterval of 0 notifies in every transaction; a negative one never
 // notifies (the relay then finds rows by polling alone).
-func NewWriter(wakeInterval time.Duration) *Writer {
-	return &Writer{wakeInterval: wakeInterval}
+func NewWriter(wakeInterval time.Duration, opts ...WriterOption) *Writer {
+	w := &Writer{wakeInterval: wakeInterval}
+	for _, o := range opts {
+		o(w)
+	}
+	return w
+}
+
+// WriterOption sets what a Writer checks besides the rules every event
+// meets.
+type WriterOption func(*Writer)
+
+// CheckedAgainst makes the Writer refuse an event whose payload does not
+// match its type's schema in types, and an event of a type types does not
+// declare, with an error wrapping ErrInvalidEvent and the catalog's own
+// (an *events.InvalidPayload naming the JSON pointer and the rule, or
+// events.ErrUndeclared), before anything is written.
+func CheckedAgainst(types *events.Catalog) WriterOption {
+	return func(w *Writer) { w.types.Types = types }
+}
+
+// AllowUndeclared makes a Writer checked against a catalog let through
+// the event types the catalog does not declare: only the declared ones are
+// checked.
+func AllowUndeclared() WriterOption {
+	return func(w *Writer) { w.types.AllowUndeclared = true }
+}
+
+// check applies the catalog, if any.
+func (w *Writer) check(e Event, payload []byte) error {
+	if err := w.types.Check(e.Type, payload); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidEvent, err)
+	}
+	return nil
 }
 
 var defaultWriter = NewWriter(DefaultWakeInterval)
@@ -95,7 +131,8 @@ SELECT id, pg_notify('` + WakeChannel + `', '') FROM inserted`
 // Write inserts e into the outbox inside tx and returns the event id. The
 // event is published only if tx commits. An event that could never be
 // published (see ValidEventType, ValidateAggregate, ValidateHeaders; a
-// payload that is not valid JSON or that jsonb cannot hold) is refused with
+// payload that is not valid JSON or that jsonb cannot hold), or that breaks
+// the declarations the Writer is checked against, is refused with
 // an error wrapping ErrInvalidEvent before anything is sent to Postgres, and
 // tx is left as it was. The relay marks a row `failed` by the same rules when
 // it was inserted some other way.
@@ -103,6 +140,9 @@ func (w *Writer) Write(ctx context.Context, tx pgx.Tx, e Event) (int64, error) {
 	e.Headers = TraceHeaders(ctx, e.Headers)
 	payload, headers, err := e.encode()
 	if err != nil {
+		return 0, err
+	}
+	if err := w.check(e, payload); err != nil {
 		return 0, err
 	}
 	var id int64
@@ -129,6 +169,9 @@ func (w *Writer) Write(ctx context.Context, tx pgx.Tx, e Event) (int64, error) {
 func (w *Writer) Queue(b *pgx.Batch, e Event, id *int64) error {
 	payload, headers, err := e.encode()
 	if err != nil {
+		return err
+	}
+	if err := w.check(e, payload); err != nil {
 		return err
 	}
 	query, dest := insertSQL, []any{new(int64)}

@@ -1,10 +1,42 @@
 package shop
 
 import (
+	"embed"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
+
+	"github.com/fanout/fanout/events"
+	"github.com/fanout/fanout/outbox"
 )
+
+//go:embed eventtypes/*.json eventtypes/released/*.json
+var declarations embed.FS
+
+// EventTypes declares each of the shop's event types (shop/eventtypes, one
+// JSON Schema a type): its aggregate, version, description and what its
+// payload must be. The shop's writers refuse an event it does not allow,
+// and `fanout relay` marks such a row written some other way failed.
+var EventTypes = events.MustLoad(must(fs.Sub(declarations, "eventtypes")))
+
+// ReleasedEventTypes are the declarations as last released
+// (shop/eventtypes/released): EventTypes must keep every promise they
+// made (events.BreaksRelease, `fanout events check`). A release copies
+// shop/eventtypes/*.json there.
+func ReleasedEventTypes() (*events.Catalog, error) {
+	return events.Load(must(fs.Sub(declarations, "eventtypes/released")))
+}
+
+func must(fsys fs.FS, err error) fs.FS {
+	if err != nil {
+		panic(err)
+	}
+	return fsys
+}
+
+// writer writes the shop's events, checked against EventTypes.
+var writer = outbox.NewWriter(outbox.DefaultWakeInterval, outbox.CheckedAgainst(EventTypes))
 
 // Event types. Each becomes the subject events.<type>.
 const (

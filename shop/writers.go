@@ -40,11 +40,11 @@ func productEvent(ctx context.Context, eventType string, ev ProductEvent) outbox
 }
 
 func writeProductEvent(ctx context.Context, tx pgx.Tx, eventType string, ev ProductEvent) (int64, error) {
-	return outbox.Write(ctx, tx, productEvent(ctx, eventType, ev))
+	return writer.Write(ctx, tx, productEvent(ctx, eventType, ev))
 }
 
 func queueProductEvent(ctx context.Context, b *pgx.Batch, eventType string, ev ProductEvent, id *int64) error {
-	return outbox.Queue(b, productEvent(ctx, eventType, ev), id)
+	return writer.Queue(b, productEvent(ctx, eventType, ev), id)
 }
 
 // CreateProduct inserts a product with its stock and records product.created.
@@ -139,7 +139,7 @@ func RenameBrand(ctx context.Context, tx pgx.Tx, brandID int64, name string) (ev
 	if err != nil {
 		return 0, fmt.Errorf("bump versions of brand %d's products: %w", brandID, err)
 	}
-	return outbox.Write(ctx, tx, outbox.Event{
+	return writer.Write(ctx, tx, outbox.Event{
 		AggregateType: AggregateBrand,
 		AggregateID:   strconv.FormatInt(brandID, 10),
 		Type:          BrandUpdated,
@@ -166,7 +166,7 @@ func RenameCategory(ctx context.Context, tx pgx.Tx, categoryID int64, name strin
 	if err != nil {
 		return 0, fmt.Errorf("bump versions of category %d's products: %w", categoryID, err)
 	}
-	return outbox.Write(ctx, tx, outbox.Event{
+	return writer.Write(ctx, tx, outbox.Event{
 		AggregateType: AggregateCategory,
 		AggregateID:   strconv.FormatInt(categoryID, 10),
 		Type:          CategoryUpdated,
@@ -205,7 +205,7 @@ SELECT $1, $2, id, sku, name, $4, price FROM products WHERE id = $3`, orderID, i
 	if _, err := tx.Exec(ctx, `INSERT INTO order_transitions (order_id, n, to_status) VALUES ($1, 1, $2)`, orderID, StatusCreated); err != nil {
 		return 0, 0, fmt.Errorf("create order: its first transition: %w", err)
 	}
-	eventID, err = outbox.Write(ctx, tx, outbox.Event{
+	eventID, err = writer.Write(ctx, tx, outbox.Event{
 		AggregateType: AggregateOrder,
 		AggregateID:   strconv.FormatInt(orderID, 10),
 		Type:          OrderCreated,
@@ -267,7 +267,7 @@ RETURNING n`, orderID, from, to).Scan(&n)
 	if err != nil {
 		return 0, fmt.Errorf("order %d: become %s: %w", orderID, to, err)
 	}
-	return outbox.Write(ctx, tx, outbox.Event{
+	return writer.Write(ctx, tx, outbox.Event{
 		AggregateType: AggregateOrder,
 		AggregateID:   strconv.FormatInt(orderID, 10),
 		Type:          "order." + to,

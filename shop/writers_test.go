@@ -7,8 +7,11 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 
+	"github.com/fanout/fanout/events"
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/schema/pgtest"
 	"github.com/fanout/fanout/shop"
 	"github.com/jackc/pgx/v5"
@@ -307,5 +310,87 @@ WHERE t.order_id = $1 ORDER BY t.n`, id)
 	}
 	if err := move(shop.PayOrder, 999999); !errors.Is(err, shop.ErrNotFound) {
 		t.Errorf("pay a missing order: %v, want ErrNotFound", err)
+	}
+}
+
+// A writer's event that breaks its type's schema is refused before
+// anything is sent, naming where and which rule, and the transaction is
+// left usable: nothing of the refused write is in Postgres.
+func TestAnEventBreakingItsSchemaIsRefused(t *testing.T) {
+	t.Parallel()
+	db := pgtest.NewDB(t)
+	ctx := context.Background()
+	if _, err := shop.Seed(ctx, db.Pool, 1, rand.New(rand.NewPCG(1, 1))); err != nil {
+		t.Fatal(err)
+	}
+	var id int64
+	if err := db.Pool.QueryRow(ctx, `SELECT min(id) FROM products`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	var before int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&before); err != nil {
+		t.Fatal(err)
+	}
+	err := inTx(t, db.Pool, func(tx pgx.Tx) error {
+		_, err := shop.UpdatePrice(ctx, tx, id, -5)
+		var invalid *events.InvalidPayload
+		if !errors.Is(err, outbox.ErrInvalidEvent) || !errors.As(err, &invalid) {
+			t.Fatalf("a negative price: got %v, want ErrInvalidEvent with an *events.InvalidPayload", err)
+		}
+		if invalid.Type != shop.ProductUpdated || invalid.Pointer != "/price_cents" || invalid.Rule != "minimum" {
+			t.Errorf("refused as %+v, want product.updated at /price_cents by minimum", invalid)
+		}
+		t.Logf("refused: %v", err)
+		_, err = shop.UpdatePrice(ctx, tx, id, 1999) // the transaction goes on
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var after int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&after); err != nil {
+		t.Fatal(err)
+	}
+	if after != before+1 {
+		t.Errorf("%d events written, want only the valid one", after-before)
+	}
+	if price, _, _ := product(t, db.Pool, id); price != 19.99 {
+		t.Errorf("price %v, want 19.99", price)
+	}
+	if e := lastEvent(t, db.Pool); e.payload["price_cents"] != float64(1999) {
+		t.Errorf("last event %+v, want the valid price", e)
+	}
+}
+
+// Every event type the shop writes is declared, and nothing else is.
+func TestEveryShopEventTypeIsDeclared(t *testing.T) {
+	written := []string{shop.ProductCreated, shop.ProductUpdated, shop.ProductStockChanged, shop.ProductDeleted,
+		shop.BrandUpdated, shop.CategoryUpdated, shop.OrderCreated, shop.OrderPaid, shop.OrderShipped, shop.OrderDelivered, shop.OrderCancelled}
+	var declared []string
+	for _, ty := range shop.EventTypes.Types() {
+		declared = append(declared, ty.Name)
+		if want := strings.SplitN(ty.Name, ".", 2)[0]; ty.AggregateType != want {
+			t.Errorf("%s: aggregate %s, want %s", ty.Name, ty.AggregateType, want)
+		}
+	}
+	slices.Sort(written)
+	if !slices.Equal(declared, written) {
+		t.Errorf("declared %v, want the types the shop writes: %v", declared, written)
+	}
+}
+
+// The declarations keep every promise of the released ones: CI fails on a
+// change that would break a reader of a released type (a property
+// removed, retyped or newly required), which must be a new type instead.
+func TestDeclarationsKeepTheReleasedPromises(t *testing.T) {
+	released, err := shop.ReleasedEventTypes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(released.Types()) == 0 {
+		t.Fatal("no released declarations")
+	}
+	for _, p := range events.BreaksRelease(released, shop.EventTypes) {
+		t.Errorf("breaks the released declarations: %s", p)
 	}
 }
