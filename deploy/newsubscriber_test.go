@@ -33,7 +33,7 @@ import (
 // rendered configuration), its Postgres role (the rendered roles script on
 // a fresh database), its consumer (`fanout provision`), its compose
 // service, its place in `fanout status`; it handles an order as its own
-// identities and dead-letters a malformed one. Its place in the fault run
+// identities and dead-letters one of an unknown order. Its place in the fault run
 // is TestChaosWithANewSubscriber (faultrun).
 func TestANewSubscriber(t *testing.T) {
 	t.Parallel()
@@ -108,7 +108,7 @@ func TestANewSubscriber(t *testing.T) {
 		t.Fatalf("provision: %v\n%s", err, out)
 	}
 
-	// An order and a malformed order event, relayed as the relay.
+	// An order and an event of an order that does not exist, relayed as the relay.
 	var orderID, goodEvent, badEvent int64
 	err = pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
 		var productID int64
@@ -123,8 +123,11 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 		if orderID, goodEvent, err = shop.CreateOrder(ctx, tx, "ada", []shop.OrderLine{{ProductID: productID, Quantity: 2}}); err != nil {
 			return err
 		}
+		// Its payload matches order.created's schema (the relay fails
+		// one that does not): the subscriber's own verdict sends it to
+		// its dead letters.
 		badEvent, err = outbox.Write(ctx, tx, outbox.Event{AggregateType: "order", AggregateID: "?", Type: shop.OrderCreated,
-			Payload: json.RawMessage(`{"order_id": "forty-two"}`)})
+			Payload: json.RawMessage(`{"order_id": 987654321}`)})
 		return err
 	})
 	if err != nil {
@@ -168,14 +171,14 @@ SELECT 'SKU-1', 'Phone', b.id, c.id, 199.00 FROM b, c RETURNING id`).Scan(&produ
 	}
 	admin := ns.connect(t, "admin")
 	adminDL := ns.connect(t, "admin_deadletter")
-	waitFor(t, "the malformed event's dead letter from the example subscriber", func() bool {
+	waitFor(t, "the unknown order's dead letter from the example subscriber", func() bool {
 		dls, err := adminDL.js.Stream(ctx, "DEADLETTER")
 		if err != nil {
 			return false
 		}
 		m, err := dls.GetLastMsgForSubject(ctx, "deadletter.example.order.created")
 		return err == nil && m.Header.Get(wire.EventIDHeader) == strconv.FormatInt(badEvent, 10) &&
-			strings.Contains(m.Header.Get(subscribers.DeadReasonHeader), example.ErrMalformed.Error())
+			strings.Contains(m.Header.Get(subscribers.DeadReasonHeader), example.ErrUnknownOrder.Error())
 	})
 	waitFor(t, "the example consumer to have both events settled", func() bool {
 		c, err := admin.js.Consumer(ctx, "EVENTS", example.Name)

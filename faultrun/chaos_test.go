@@ -220,7 +220,7 @@ func TestChaosBackfill(t *testing.T) {
 // fanout_example tag) takes its place in the fault run: its processes are
 // started and killed with the others, every event it wants must be in its
 // checkpoint or its dead letters, and its dead letters must match the
-// planted input.
+// planted input: none, the relay failing the malformed orders planted.
 func TestChaosWithANewSubscriber(t *testing.T) {
 	t.Parallel()
 	bin := build(t, "-tags", "fanout_example")
@@ -233,7 +233,12 @@ func TestChaosWithANewSubscriber(t *testing.T) {
 	if !rep.Pass() {
 		t.Errorf("invariant violated: %s", rep.Violations[0])
 	}
-	if got, planted := rep.DeadLetters[example.Name][plantedMalformed], rep.Planted[plantedMalformed]; planted == 0 || got != planted {
-		t.Errorf("the new subscriber dead-lettered %d of %d planted malformed orders", got, planted)
+	// The planted malformed orders are failed by the relay (invariant 5,
+	// checked by the run): none reaches the new subscriber.
+	if rep.Planted[plantedMalformed] == 0 {
+		t.Error("no malformed order was planted")
+	}
+	for kind, n := range rep.DeadLetters[example.Name] {
+		t.Errorf("the new subscriber dead-lettered %d events (%s): nothing planted is for it", n, kind)
 	}
 }

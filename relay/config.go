@@ -100,7 +100,19 @@ type Config struct {
 	// least 1000 and a stream that allows atomic batches (allow_atomic,
 	// NATS 2.12).
 	Atomic string `koanf:"atomic"`
+	// UndeclaredEvents is what becomes of a row whose event type the
+	// relay's declarations (Options.EventTypes) do not declare: publish
+	// (the default: rows written by other languages or by hand need no
+	// declaration) or fail (marked failed with the reason, as a payload
+	// that breaks its declared schema always is).
+	UndeclaredEvents string `koanf:"undeclared_events"`
 }
+
+// What the relay does with an undeclared event type (relay.undeclared_events).
+const (
+	UndeclaredPublish = "publish"
+	UndeclaredFail    = "fail"
+)
 
 // Capture modes (relay.capture).
 const (
@@ -135,7 +147,7 @@ func DefaultConfig() Config {
 		CleanupBatch:    1000, ShutdownTimeout: 30 * time.Second, StallAfter: 30 * time.Second,
 		Capture: CapturePoll, Slot: DefaultSlot, OnFailed: string(outboxstore.HoldFailed),
 		Audit: true, AuditInterval: 10 * time.Second, AuditDelay: 3 * time.Minute, AuditLookback: 10 * time.Minute,
-		Atomic: AtomicEvent,
+		Atomic: AtomicEvent, UndeclaredEvents: UndeclaredPublish,
 	}
 }
 
@@ -169,6 +181,7 @@ func (c Config) Validate() error {
 	v.OneOf("relay.capture", c.Capture, CapturePoll, CaptureWAL)
 	v.OneOf("relay.on_failed", c.OnFailed, string(outboxstore.HoldFailed), string(outboxstore.SkipFailed))
 	v.OneOf("relay.atomic", c.Atomic, AtomicEvent, AtomicTransaction)
+	v.OneOf("relay.undeclared_events", c.UndeclaredEvents, UndeclaredPublish, UndeclaredFail)
 	if c.Atomic == AtomicTransaction {
 		if c.MaxInFlight < atomicMax {
 			v.Bad("relay.max_in_flight", "must be at least %d with relay.atomic transaction, a chunk of a transaction being in flight at once (got %d)", atomicMax, c.MaxInFlight)

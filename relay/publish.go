@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/fanout/fanout/events"
+	"github.com/fanout/fanout/outbox"
 	"github.com/fanout/fanout/wire"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -25,10 +27,12 @@ type publisher struct {
 	// check); atomicSlots bounds those open at once.
 	atomicOK    atomic.Bool
 	atomicSlots *semaphore.Weighted
+	// payloads applies the declared event types (Options.EventTypes).
+	payloads events.Checker
 }
 
-func newPublisher(c *core) *publisher {
-	return &publisher{core: c, atomicSlots: semaphore.NewWeighted(atomicInFlight)}
+func newPublisher(c *core, payloads events.Checker) *publisher {
+	return &publisher{core: c, atomicSlots: semaphore.NewWeighted(atomicInFlight), payloads: payloads}
 }
 
 // outcome of one row's publish.
@@ -122,7 +126,14 @@ func (p *publisher) publishAll(ctx context.Context, rows []row, decorate ...func
 // would stall every row, not just this one).
 func (p *publisher) message(rw row, maxPayload int64) (*nats.Msg, error) {
 	plantedSlowdown()
-	return wire.Encode(p.stream, p.origin.identity.Load(), rw, maxPayload)
+	msg, err := wire.Encode(p.stream, p.origin.identity.Load(), rw, maxPayload)
+	if err != nil {
+		return nil, err
+	}
+	if err := p.payloads.Check(rw.EventType, rw.Payload); err != nil {
+		return nil, fmt.Errorf("%w: %w", outbox.ErrInvalidEvent, err)
+	}
+	return msg, nil
 }
 
 // jsErrCodeHeaderTooLarge is JetStream's "header size exceeds maximum

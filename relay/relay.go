@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/fanout/fanout/events"
 	"github.com/fanout/fanout/internal/jsretry"
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/outboxstore"
@@ -26,6 +27,10 @@ type Options struct {
 	Conn     *nats.Conn
 	Logger   *slog.Logger
 	Observer Observer // optional
+	// EventTypes, if set, are the declared event types: a row whose
+	// payload breaks its type's schema is marked failed with the reason
+	// (relay.undeclared_events says what becomes of an undeclared type).
+	EventTypes *events.Catalog
 }
 
 // Relay publishes outbox rows. Start it with Start, stop it with Stop.
@@ -98,7 +103,7 @@ func New(opts Options) (*Relay, error) {
 	c.store.OnFailed = outboxstore.OnFailed(c.cfg.OnFailed)
 	c.origin = &originGuard{core: c}
 	r := &Relay{core: c, drift: stream.NewDrift(opts.Logger, obs.ConfigDifferences)}
-	r.publisher = newPublisher(c)
+	r.publisher = newPublisher(c, events.Checker{Types: opts.EventTypes, AllowUndeclared: opts.Relay.UndeclaredEvents != UndeclaredFail})
 	r.delivery = &delivery{core: c, pub: r.publisher}
 	r.stats = &rangeStats{core: c, floor: &r.floor}
 	r.sweeper = &sweeper{core: c, delivery: r.delivery, floor: &r.floor}

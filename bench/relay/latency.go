@@ -164,7 +164,7 @@ func newRelayEnv(ctx context.Context, nc *nats.Conn, sc *stream.Config) (_ *rela
 
 // options are a relay's, of config rc, on the environment.
 func (e *relayEnv) options(rc relay.Config) relay.Options {
-	return relay.Options{Relay: rc, Stream: e.stream, Pool: e.relayPool, Conn: e.nc, Logger: quiet}
+	return relay.Options{Relay: rc, Stream: e.stream, Pool: e.relayPool, Conn: e.nc, Logger: quiet, EventTypes: eventTypes()}
 }
 
 func (e *relayEnv) close() {

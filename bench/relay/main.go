@@ -42,9 +42,11 @@ import (
 	"time"
 
 	"github.com/fanout/fanout/bench/benchkit"
+	"github.com/fanout/fanout/events"
 	"github.com/fanout/fanout/internal/connect"
 	"github.com/fanout/fanout/internal/gctune"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/stream"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/nats-io/nats.go"
@@ -65,6 +67,7 @@ var (
 	only          = flag.String("only", "", "run only these parts (a comma-separated list): a, w, b, c, m, writer, latency, horizon, audit, fsync, retention; only when asked: f (fast-ingest batches), accounts (the production NATS layout's cost), auditfull, bigtx")
 	cpuProfile    = flag.String("cpuprofile", "", "write a CPU profile of this process")
 	relayLog      = flag.String("relaylog", "", "log the relays at this level (debug, info, warn) to stderr")
+	declared      = flag.Bool("declared", true, "the relays check each payload against the shop's declared event types, as `fanout relay` does (false: no check, as a relay embedded without Options.EventTypes)")
 )
 
 func main() {
@@ -339,6 +342,14 @@ func freshStream(nc *nats.Conn) (stream.Config, func()) {
 		}
 	}
 	return s, done
+}
+
+// eventTypes is what the relays check payloads against (-declared).
+func eventTypes() *events.Catalog {
+	if !*declared {
+		return nil
+	}
+	return shop.EventTypes
 }
 
 func relayConfig() relay.Config {

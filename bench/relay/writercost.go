@@ -146,6 +146,7 @@ func writerVariants(ctx context.Context, pool *pgxpool.Pool) ([]writerVariant, e
 		{"+ outbox.Queue pipelined with the update, NOTIFY in every tx", pipelined(outbox.NewWriter(0), shop.ProductUpdated), ""},
 		{"+ outbox.Queue pipelined, no wake-up", pipelined(outbox.NewWriter(-1), shop.ProductUpdated), ""},
 		{"+ outbox.Queue pipelined, no wake-up, its event type not numbered", pipelined(outbox.NewWriter(-1), unnumberedType), ""},
+		{"+ outbox.Queue pipelined, no wake-up, checked against shop.EventTypes", pipelined(outbox.NewWriter(-1, outbox.CheckedAgainst(shop.EventTypes)), shop.ProductUpdated), ""},
 		{"shop.UpdatePrice: outbox.Queue + fanout wake-up (NOTIFY at most every " + outbox.DefaultWakeInterval.String() + ")", demo, ""},
 		{"shop.UpdatePrice, with a relay (capture poll) publishing", demo, relay.CapturePoll},
 		{"outbox.Queue pipelined, no wake-up, with a relay (capture wal) publishing", pipelined(outbox.NewWriter(-1), shop.ProductUpdated), relay.CaptureWAL},
@@ -167,7 +168,7 @@ func (w *writerBench) withRelay(ctx context.Context, capture string, fn func() e
 	defer rp.Close()
 	rc := relayConfig()
 	rc.Capture, rc.Slot = capture, w.db.Name
-	r, err := benchkit.StartRelay(ctx, relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: w.nc, Logger: quiet})
+	r, err := benchkit.StartRelay(ctx, relay.Options{Relay: rc, Stream: sc, Pool: rp, Conn: w.nc, Logger: quiet, EventTypes: eventTypes()})
 	if err != nil {
 		return err
 	}

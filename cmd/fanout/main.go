@@ -54,6 +54,7 @@ FANOUT_RELAY_BATCH_SIZE). ` + "`fanout config keys`" + ` lists every key.`,
 		outboxCommand(app),
 		auditCommand(app),
 		replayCommand(app),
+		eventsCommand(app),
 		deployCommand(),
 	)
 	return root

@@ -12,6 +12,7 @@ import (
 	"github.com/fanout/fanout/internal/opsserver"
 	"github.com/fanout/fanout/internal/testhooks"
 	"github.com/fanout/fanout/relay"
+	"github.com/fanout/fanout/shop"
 	"github.com/spf13/cobra"
 )
 
@@ -61,6 +62,8 @@ func startRelay(ctx context.Context, a *app, obs relay.Observer) (*relay.Relay, 
 		Conn:     c.nc,
 		Logger:   logging.Component(a.logger, "relay"),
 		Observer: obs,
+		// The binary's declarations are the shop's, as its subscribers are.
+		EventTypes: shop.EventTypes,
 	})
 	if err == nil {
 		err = r.Start(testhooks.WithRelay(ctx, sabotage.relay))
