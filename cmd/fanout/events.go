@@ -7,6 +7,7 @@ import (
 	"strings"
 	"text/tabwriter"
 
+	"github.com/fanout/fanout/deploy"
 	"github.com/fanout/fanout/events"
 	"github.com/fanout/fanout/shop"
 	"github.com/fanout/fanout/stream"
@@ -26,7 +27,7 @@ written some other way failed, with the reason (relay.undeclared_events says
 what it does with an undeclared type: publish, the default, or fail).`,
 		Args: cobra.NoArgs,
 	}
-	cmd.AddCommand(eventsListCommand(a), eventsSchemaCommand(), eventsCheckCommand())
+	cmd.AddCommand(eventsListCommand(a), eventsSchemaCommand(), eventsCheckCommand(), eventsAsyncAPICommand(a))
 	return cmd
 }
 
@@ -133,4 +134,26 @@ func releasedEventTypes(dir string) (*events.Catalog, error) {
 		return shop.ReleasedEventTypes()
 	}
 	return events.Load(os.DirFS(dir))
+}
+
+func eventsAsyncAPICommand(a *app) *cobra.Command {
+	return &cobra.Command{
+		Use:   "asyncapi",
+		Short: "Print the AsyncAPI 3.0 document of the events: a channel a declared type, its headers and payload schema, who sends and receives it",
+		Long: `asyncapi prints the AsyncAPI 3.0 document of the events, from the declared
+event types and the subscriber registry, with the subjects under
+stream.subject_prefix. deploy/asyncapi.yaml is its output with the defaults
+(a test fails when it drifts):
+
+  go run ./cmd/fanout events asyncapi > deploy/asyncapi.yaml`,
+		Args: cobra.NoArgs,
+		RunE: a.loaded(func(cmd *cobra.Command, _ []string) error {
+			doc, err := deploy.AsyncAPI(shop.EventTypes, subscriberRegistry.All(), a.cfg.Stream.SubjectPrefix)
+			if err != nil {
+				return err
+			}
+			_, err = cmd.OutOrStdout().Write(doc)
+			return err
+		}),
+	}
 }
