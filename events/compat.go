@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"slices"
+	"strings"
 )
 
 // Breaks lists what the declaration next breaks of released, the same
@@ -56,8 +57,22 @@ func objectBreaks(at string, old, cur map[string]any) []string {
 			problems = append(problems, fmt.Sprintf("%s: property %q is required now", where, name))
 		}
 	}
+	for _, name := range stringsOf(old["required"]) {
+		if !slices.Contains(stringsOf(cur["required"]), name) {
+			problems = append(problems, fmt.Sprintf("%s: property %q is no longer required: readers counted on it", where, name))
+		}
+	}
 	if isOpen(old) && !isOpen(cur) {
 		problems = append(problems, fmt.Sprintf("%s: additionalProperties now refuses properties a later version may add", where))
+	}
+	_, wasSchema := old["additionalProperties"].(map[string]any)
+	_, isSchema := cur["additionalProperties"].(map[string]any)
+	if wasSchema || isSchema {
+		was, _ := json.Marshal(demands(old["additionalProperties"]))
+		now, _ := json.Marshal(demands(cur["additionalProperties"]))
+		if string(was) != string(now) {
+			problems = append(problems, fmt.Sprintf("%s: additionalProperties changed from %s to %s", where, was, now))
+		}
 	}
 	if was, ok := old["items"].(map[string]any); ok {
 		if now, ok := cur["items"].(map[string]any); ok {
@@ -81,12 +96,21 @@ func objectBreaks(at string, old, cur map[string]any) []string {
 		was, _ := oldProps[name].(map[string]any)
 		problems = append(problems, objectBreaks(p, was, now)...)
 	}
+	if !isOpen(old) {
+		// A reader holding the released schema refuses any property it
+		// does not name.
+		for name := range curProps {
+			if _, ok := oldProps[name]; !ok {
+				problems = append(problems, fmt.Sprintf("%s/%s: property added where the released schema refuses properties it does not name", at, name))
+			}
+		}
+	}
 	return problems
 }
 
 // notRules are the keywords that say nothing of which values pass (the
 // annotations), and those objectBreaks compares one by one.
-var notRules = append([]string{"$schema", aggregateKeyword, "properties", "required", "additionalProperties", "items"}, annotations...)
+var notRules = append([]string{"$schema", "properties", "required", "additionalProperties", "items"}, annotations...)
 
 // rules is what a schema demands of its value, besides its properties,
 // as one comparable string: any change to it, widening or narrowing,
@@ -94,10 +118,11 @@ var notRules = append([]string{"$schema", aggregateKeyword, "properties", "requi
 func rules(schema map[string]any) string {
 	c := make(map[string]any, len(schema))
 	for k, v := range schema {
-		if !slices.Contains(notRules, k) {
+		if !slices.Contains(notRules, k) && !strings.HasPrefix(k, "x-") {
 			c[k] = demands(v)
 		}
 	}
+	sortEnum(c)
 	out, _ := json.Marshal(c) // a map marshals with sorted keys
 	return string(out)
 }
@@ -128,19 +153,22 @@ func sameSchema(a, b map[string]any) bool {
 	return string(x) == string(y)
 }
 
-// annotations say nothing of which values pass.
-var annotations = []string{"title", "description", "examples", "default", "deprecated", "$comment", "$id", versionKeyword}
+// annotations say nothing of which values pass (nor do x-* keywords;
+// format is not asserted in draft 2020-12).
+var annotations = []string{"title", "description", "examples", "default", "deprecated", "$comment", "$id", "format", versionKeyword}
 
-// demands is v without its annotations, at every depth.
+// demands is v without its annotations, at every depth, an enum's values
+// in one order.
 func demands(v any) any {
 	switch v := v.(type) {
 	case map[string]any:
 		c := make(map[string]any, len(v))
 		for k, x := range v {
-			if !slices.Contains(annotations, k) {
+			if !slices.Contains(annotations, k) && !strings.HasPrefix(k, "x-") {
 				c[k] = demands(x)
 			}
 		}
+		sortEnum(c)
 		return c
 	case []any:
 		c := make([]any, len(v))
@@ -167,4 +195,16 @@ func BreaksRelease(released, current *Catalog) []string {
 		}
 	}
 	return problems
+}
+
+// sortEnum puts the values of a schema's enum (a copy: demands made it) in
+// one order, so that a reordered enum compares equal.
+func sortEnum(schema map[string]any) {
+	if enum, ok := schema["enum"].([]any); ok {
+		slices.SortFunc(enum, func(a, b any) int {
+			x, _ := json.Marshal(a)
+			y, _ := json.Marshal(b)
+			return strings.Compare(string(x), string(y))
+		})
+	}
 }

@@ -1,6 +1,7 @@
 package events_test
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"testing/fstest"
@@ -33,6 +34,8 @@ func TestBreaksOfANewVersion(t *testing.T) {
 		{"a property made required", v2(`"required": ["order_id"]`, `"required": ["order_id", "lines"]`), `property "lines" is required now`},
 		{"properties closed", v2(`"type": "object",`, `"type": "object", "additionalProperties": false,`), "additionalProperties"},
 		{"the aggregate changed", v2(`"x-fanout-aggregate-type": "order"`, `"x-fanout-aggregate-type": "basket"`), "aggregate type changed"},
+		{"a property no longer required", v2(`"required": ["order_id"]`, `"required": []`), `property "order_id" is no longer required`},
+		{"a format and an x- keyword added", v2(`"order_id": {"type": "integer", "minimum": 1}`, `"order_id": {"type": "integer", "minimum": 1, "format": "int64", "x-note": "ours"}`), ""},
 		{"a change without a new version", load(t, strings.Replace(orderCreated, `"order_id": {"type": "integer", "minimum": 1},`, `"order_id": {"type": "integer", "minimum": 1}, "note": {"type": "string"},`, 1)), "version did not go up"},
 	} {
 		got := strings.Join(events.Breaks(released, tc.next), "; ")
@@ -40,6 +43,33 @@ func TestBreaksOfANewVersion(t *testing.T) {
 			t.Errorf("%s: reported %q, want compatible", tc.name, got)
 		}
 		if tc.want != "" && !strings.Contains(got, tc.want) {
+			t.Errorf("%s: reported %q, want %q", tc.name, got, tc.want)
+		}
+	}
+}
+
+// Schemas of other shapes: closed ones, additionalProperties a schema,
+// enums.
+func TestBreaksOfOtherShapes(t *testing.T) {
+	doc := func(version int, props, extra string) *events.Type {
+		return load(t, fmt.Sprintf(`{"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "https://example.test/order.created/v%d.json",
+  "title": "order.created", "description": "An order was placed.", "x-fanout-aggregate-type": "order", "x-fanout-version": %d,
+  "type": "object", "properties": {%s}%s}`, version, version, props, extra))
+	}
+	for _, tc := range []struct {
+		name           string
+		released, next *events.Type
+		want           string
+	}{
+		{"a property added to a closed schema", doc(1, `"a": {"type": "string"}`, `, "additionalProperties": false`),
+			doc(2, `"a": {"type": "string"}, "b": {"type": "string"}`, `, "additionalProperties": false`), "/b: property added where the released schema refuses"},
+		{"additionalProperties retyped", doc(1, `"a": {"type": "string"}`, `, "additionalProperties": {"type": "string"}`),
+			doc(2, `"a": {"type": "string"}`, `, "additionalProperties": {"type": "integer"}`), "additionalProperties changed"},
+		{"an enum reordered", doc(1, `"s": {"enum": ["a", "b", 3]}`, ""), doc(1, `"s": {"enum": [3, "b", "a"]}`, ""), ""},
+		{"an enum narrowed", doc(1, `"s": {"enum": ["a", "b"]}`, ""), doc(2, `"s": {"enum": ["a"]}`, ""), "/s: its rules changed"},
+	} {
+		got := strings.Join(events.Breaks(tc.released, tc.next), "; ")
+		if tc.want == "" && got != "" || tc.want != "" && !strings.Contains(got, tc.want) {
 			t.Errorf("%s: reported %q, want %q", tc.name, got, tc.want)
 		}
 	}

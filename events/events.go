@@ -263,12 +263,20 @@ type Checker struct {
 	AllowUndeclared bool
 }
 
-// Check returns nil when there is no catalog, the payload matches its
-// type's schema, or the type is undeclared and allowed; otherwise
-// Catalog.Check's error.
-func (k Checker) Check(eventType string, payload []byte) error {
+// ErrWrongAggregate is returned by Checker.Check for an event of a
+// declared type about another aggregate type than its declaration's.
+var ErrWrongAggregate = errors.New("event about another aggregate type than its declaration's")
+
+// Check returns nil when there is no catalog, the event is about the
+// aggregate type its declaration names and its payload matches the
+// schema, or the type is undeclared and allowed; otherwise an error
+// wrapping ErrWrongAggregate, or Catalog.Check's.
+func (k Checker) Check(eventType, aggregateType string, payload []byte) error {
 	if k.Types == nil {
 		return nil
+	}
+	if t := k.Types.Lookup(eventType); t != nil && t.AggregateType != aggregateType {
+		return fmt.Errorf("%w: %s is declared for aggregate %s, not %q", ErrWrongAggregate, eventType, t.AggregateType, aggregateType)
 	}
 	err := k.Types.Check(eventType, payload)
 	if k.AllowUndeclared && errors.Is(err, ErrUndeclared) {

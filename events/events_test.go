@@ -72,19 +72,22 @@ func TestUndeclaredTypes(t *testing.T) {
 	if err := c.Check("order.paid", []byte(`{}`)); !errors.Is(err, events.ErrUndeclared) {
 		t.Errorf("undeclared type: got %v, want ErrUndeclared", err)
 	}
-	if err := (events.Checker{Types: c}).Check("order.paid", []byte(`{}`)); !errors.Is(err, events.ErrUndeclared) {
+	if err := (events.Checker{Types: c}).Check("order.paid", "order", []byte(`{}`)); !errors.Is(err, events.ErrUndeclared) {
 		t.Errorf("a checker that does not allow undeclared types: got %v", err)
 	}
 	allowing := events.Checker{Types: c, AllowUndeclared: true}
-	if err := allowing.Check("order.paid", []byte(`{}`)); err != nil {
+	if err := allowing.Check("order.paid", "order", []byte(`{}`)); err != nil {
 		t.Errorf("a checker allowing undeclared types: %v", err)
 	}
 	var invalid *events.InvalidPayload
-	if err := allowing.Check("order.created", []byte(`{}`)); !errors.As(err, &invalid) {
+	if err := allowing.Check("order.created", "order", []byte(`{}`)); !errors.As(err, &invalid) {
 		t.Errorf("a checker allowing undeclared types still checks the declared ones: got %v", err)
 	}
-	if err := (events.Checker{}).Check("anything", []byte(`not json`)); err != nil {
+	if err := (events.Checker{}).Check("anything", "any", []byte(`not json`)); err != nil {
 		t.Errorf("a checker with no catalog checks nothing: %v", err)
+	}
+	if err := allowing.Check("order.created", "basket", []byte(`{"order_id": 1}`)); !errors.Is(err, events.ErrWrongAggregate) || !strings.Contains(err.Error(), "declared for aggregate order, not \"basket\"") {
+		t.Errorf("an order.created about a basket: got %v, want ErrWrongAggregate", err)
 	}
 }
 

@@ -3,7 +3,7 @@ package events
 // A fast path for the schemas event declarations usually are: objects of
 // typed properties, with required ones, bounds, lengths, const and enum.
 //
-// The general validator costs about 9 µs and 43 allocations a payload,
+// The general validator costs about 9 µs and 57 allocations a payload,
 // which doubled the relay's CPU a row (docs/benchmarks.md). A schema that
 // uses only the keywords below is compiled again into a fastSchema, which
 // says whether a decoded payload passes with no allocation. It decides
@@ -57,20 +57,31 @@ type fastSchema struct {
 }
 
 // annotationKeywords say nothing of which values pass ("format" is an
-// annotation too: the general validator is not told to assert it).
-var annotationKeywords = []string{"$schema", "$id", "$comment", "title", "description", "examples", "default", "deprecated", "format",
+// annotation too: the general validator is not told to assert it in
+// draft 2020-12).
+var annotationKeywords = []string{"$comment", "title", "description", "examples", "default", "deprecated", "format",
 	aggregateKeyword, versionKeyword}
 
 // compileFast compiles a schema decoded by jsonschema.UnmarshalJSON, or
-// says it uses a keyword the fast path does not know.
-func compileFast(v any) (*fastSchema, bool) {
+// says it uses a keyword the fast path does not know. $schema and $id are
+// read at the root only: a nested one may name another draft, with other
+// rules (an older draft asserts format).
+func compileFast(v any) (*fastSchema, bool) { return compileFastAt(v, true) }
+
+func compileFastAt(v any, root bool) (*fastSchema, bool) {
 	m, ok := v.(map[string]any)
 	if !ok {
 		return nil, false // a boolean schema: rare, left to the general validator
 	}
+	_, hasConst := m["const"]
+	_, hasEnum := m["enum"]
+	if hasConst && hasEnum {
+		return nil, false // both must hold: left to the general validator
+	}
 	s := &fastSchema{minLen: -1, maxLen: -1, minItems: -1, maxItems: -1}
 	for k, x := range m {
 		switch {
+		case root && (k == "$schema" || k == "$id"):
 		case slices.Contains(annotationKeywords, k), strings.HasPrefix(k, "x-"):
 		case k == "type":
 			if !s.compileType(x) {
@@ -83,7 +94,7 @@ func compileFast(v any) (*fastSchema, bool) {
 			}
 			s.props = make(map[string]*fastSchema, len(props))
 			for name, p := range props {
-				if s.props[name], ok = compileFast(p); !ok {
+				if s.props[name], ok = compileFastAt(p, false); !ok {
 					return nil, false
 				}
 			}
@@ -106,7 +117,7 @@ func compileFast(v any) (*fastSchema, bool) {
 			}
 			s.closed = !b
 		case k == "items":
-			if s.items, ok = compileFast(x); !ok {
+			if s.items, ok = compileFastAt(x, false); !ok {
 				return nil, false
 			}
 		case k == "const":
@@ -203,9 +214,15 @@ func (s *fastSchema) validJSON(data []byte) bool {
 
 // reader walks a JSON text.
 type reader struct {
-	data []byte
-	at   int
+	data  []byte
+	at    int
+	depth int // objects and arrays open
 }
+
+// maxDepth: deeper text is left to the general validator (whose decoder
+// refuses JSON nested over 10,000 deep), and the walk's recursion stays
+// bounded.
+const maxDepth = 1000
 
 func (r *reader) space() {
 	for r.at < len(r.data) {
@@ -301,6 +318,8 @@ func (r *reader) literal(word string) bool {
 
 func (s *fastSchema) validValue(r *reader) bool {
 	switch c := r.peek(); {
+	case (c == '{' || c == '[') && r.depth >= maxDepth:
+		return false
 	case c == '{':
 		return s.allows(kindObject) && !s.hasEnum && s.validObject(r)
 	case c == '[':
@@ -310,7 +329,7 @@ func (s *fastSchema) validValue(r *reader) bool {
 		if !ok || !s.allows(kindString) {
 			return false
 		}
-		if escaped && (s.hasEnum || s.minLen >= 0 || s.maxLen >= 0) {
+		if (escaped || !utf8.Valid(content)) && (s.hasEnum || s.minLen >= 0 || s.maxLen >= 0) {
 			return false
 		}
 		if s.minLen >= 0 || s.maxLen >= 0 {
@@ -389,6 +408,8 @@ func (s *fastSchema) validObject(r *reader) bool {
 		return false
 	}
 	r.at++ // {
+	r.depth++
+	defer func() { r.depth-- }()
 	var seen uint64
 	if r.peek() == '}' {
 		r.at++
@@ -396,7 +417,9 @@ func (s *fastSchema) validObject(r *reader) bool {
 	}
 	for {
 		key, escaped, ok := r.str()
-		if !ok || escaped || r.peek() != ':' {
+		// A key the decoder would change (an escape, bytes not UTF-8) is
+		// not read here.
+		if !ok || escaped || !utf8.Valid(key) || r.peek() != ':' {
 			return false
 		}
 		r.at++
@@ -434,6 +457,8 @@ func (s *fastSchema) allRequired(seen uint64) bool {
 
 func (s *fastSchema) validArray(r *reader) bool {
 	r.at++ // [
+	r.depth++
+	defer func() { r.depth-- }()
 	items := s.items
 	if items == nil {
 		items = anyValue

@@ -188,3 +188,35 @@ func randomPayload(rng *rand.Rand, ty *Type, plain bool) []byte {
 func mapFS(name, doc string) fstest.MapFS {
 	return fstest.MapFS{name + ".json": {Data: []byte(doc)}}
 }
+
+// What the fast path cannot decide the same way as the validator it does
+// not try: a schema with both const and enum, a nested schema of another
+// draft, text nested deeper than maxDepth, a key not UTF-8.
+func TestFastPathLeavesWhatItCannotReadToTheValidator(t *testing.T) {
+	decl := func(props string) *Type {
+		c, err := Load(mapFS("x.made", `{"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "https://example.test/x.made/v1.json",
+  "title": "x.made", "description": "A thing.", "x-fanout-aggregate-type": "x", "x-fanout-version": 1,
+  "type": "object", "properties": `+props+`}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c.Lookup("x.made")
+	}
+	if ty := decl(`{"k": {"const": "a", "enum": ["a", "b"]}}`); ty.fast != nil {
+		t.Error("a schema with both const and enum has a fast path")
+	}
+	if ty := decl(`{"e": {"$id": "https://example.test/e.json", "$schema": "http://json-schema.org/draft-07/schema#", "type": "string", "format": "email"}}`); ty.fast != nil {
+		t.Error("a nested schema of draft-07 has a fast path")
+	}
+	ty := decl(`{"n": {"type": "integer"}}`)
+	deep := `{"n": 1, "x": ` + strings.Repeat("[", maxDepth+1) + strings.Repeat("]", maxDepth+1) + `}`
+	if ty.fast.validJSON([]byte(deep)) {
+		t.Errorf("text nested %d deep passed the fast path", maxDepth+1)
+	}
+	if !ty.fast.validJSON([]byte(`{"n": 1, "x": ` + strings.Repeat("[", maxDepth-1) + strings.Repeat("]", maxDepth-1) + `}`)) {
+		t.Error("text nested within maxDepth did not pass the fast path")
+	}
+	if ty.fast.validJSON([]byte("{\"n\": 1, \"a\xff\": 2}")) {
+		t.Error("a key that is not UTF-8 passed the fast path")
+	}
+}

@@ -97,7 +97,7 @@ func AllowUndeclared() WriterOption {
 
 // check applies the catalog, if any.
 func (w *Writer) check(e Event, payload []byte) error {
-	if err := w.types.Check(e.Type, payload); err != nil {
+	if err := w.types.Check(e.Type, e.AggregateType, payload); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidEvent, err)
 	}
 	return nil

@@ -30,6 +30,7 @@ func TestRowsBreakingTheirDeclarationFail(t *testing.T) {
 					{rawRow{payload: `{"product_id": 12, "price_cents": -1}`}, `at /price_cents, rule "minimum"`},
 					{rawRow{eventType: shop.OrderPaid, aggregateType: "order", payload: `{"order_id": 3, "from": "created", "to": "shipped", "n": 2}`}, `at /to, rule "const"`},
 					{rawRow{payload: `[1, 2]`}, `rule "type"`},
+					{rawRow{aggregateType: "order"}, `product.updated is declared for aggregate product, not "order"`},
 				}
 				if undeclared == UndeclaredFail {
 					bad = append(bad, struct {

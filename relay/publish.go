@@ -130,7 +130,7 @@ func (p *publisher) message(rw row, maxPayload int64) (*nats.Msg, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := p.payloads.Check(rw.EventType, rw.Payload); err != nil {
+	if err := p.payloads.Check(rw.EventType, rw.AggregateType, rw.Payload); err != nil {
 		return nil, fmt.Errorf("%w: %w", outbox.ErrInvalidEvent, err)
 	}
 	return msg, nil
