@@ -7,7 +7,6 @@ package deploy
 import (
 	"encoding/json"
 	"fmt"
-	"slices"
 	"strings"
 
 	"github.com/fanout/fanout/events"
@@ -124,7 +123,7 @@ func AsyncAPI(types *events.Catalog, decls []subscribers.Declaration, prefix str
 			Summary: "The relay publishes each committed outbox row of this type, in commit order within its aggregate.",
 		}
 		for _, d := range decls {
-			if !slices.ContainsFunc(d.EventTypes, func(f string) bool { return stream.SubjectMatches(f, t.Name) }) {
+			if !d.Reads(t.Name) {
 				continue
 			}
 			op := asyncOperation{

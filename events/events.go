@@ -275,12 +275,14 @@ func (k Checker) Check(eventType, aggregateType string, payload []byte) error {
 	if k.Types == nil {
 		return nil
 	}
-	if t := k.Types.Lookup(eventType); t != nil && t.AggregateType != aggregateType {
+	t := k.Types.Lookup(eventType)
+	switch {
+	case t == nil && k.AllowUndeclared:
+		return nil
+	case t == nil:
+		return fmt.Errorf("%w: %s", ErrUndeclared, eventType)
+	case t.AggregateType != aggregateType:
 		return fmt.Errorf("%w: %s is declared for aggregate %s, not %q", ErrWrongAggregate, eventType, t.AggregateType, aggregateType)
 	}
-	err := k.Types.Check(eventType, payload)
-	if k.AllowUndeclared && errors.Is(err, ErrUndeclared) {
-		return nil
-	}
-	return err
+	return t.Check(payload)
 }

@@ -103,6 +103,11 @@ type Settings interface {
 // UsesService reports whether the declaration uses s.
 func (d Declaration) UsesService(s Service) bool { return slices.Contains(d.Uses, s) }
 
+// Reads says whether the subscriber's filters take events of eventType.
+func (d Declaration) Reads(eventType string) bool {
+	return slices.ContainsFunc(d.EventTypes, func(f string) bool { return stream.SubjectMatches(f, eventType) })
+}
+
 // nameRE is what a subscriber's name may be: it is a durable consumer's
 // name, a NATS user whose inbox prefix must not nest in another's, a
 // subject token and part of a Postgres role name.

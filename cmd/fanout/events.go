@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"os"
-	"slices"
 	"strings"
 	"text/tabwriter"
 
@@ -57,10 +56,7 @@ func eventsListCommand(a *app) *cobra.Command {
 func readers(eventType string) string {
 	var names []string
 	for _, d := range subscriberRegistry.All() {
-		matches := slices.ContainsFunc(d.EventTypes, func(filter string) bool {
-			return stream.SubjectMatches(filter, eventType)
-		})
-		if !matches {
+		if !d.Reads(eventType) {
 			continue
 		}
 		if d.Ordered {
